@@ -1,0 +1,1 @@
+"""Nori gateway worker (arrives with the cluster issue; the engine it runs is nori.engine)."""
