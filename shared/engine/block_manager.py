@@ -1,0 +1,250 @@
+"""Bookkeeping for the paged KV cache: which block holds what, and who uses it.
+
+Pure Python (no torch, no Redis): the KV tensors live in the model runner, this only hands out
+block ids. Three kinds of block, together always the whole pool:
+
+- in use: ref_count > 0, held by one or more requests (several when they share a cached prefix);
+- cached: ref_count == 0 but holding a full block with a known content hash, reusable by a later
+  request with the same prefix until it is evicted;
+- free: ref_count == 0 and no hash.
+
+Free and cached blocks wait together in one queue ordered least recently used first; allocation
+takes from its front, evicting the hash of a cached block it takes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from nori.engine.block_hash import extend_block_hashes
+from nori.engine.request import Request
+
+
+class BlockEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """A change to the set of cached prefix blocks (what a block directory needs to mirror)."""
+
+    kind: BlockEventKind
+    block_hash: bytes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    # The block's tokens, compared on every cache hit so that a hash collision is never a hit.
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    free: int
+    cached: int
+    in_use: int
+
+    @property
+    def total(self) -> int:
+        return self.free + self.cached + self.in_use
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    # Keep BlockEvents for a directory to drain; off by default so nothing grows unread.
+    record_events: bool = False
+
+    blocks: list[Block] = field(init=False)
+    _free_queue: OrderedDict[int, None] = field(init=False)
+    _cached: dict[bytes, int] = field(init=False)
+    _events: list[BlockEvent] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be at least 1")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self._free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        self._cached = {}
+        self._events = []
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free and evictable cached ones)."""
+        return len(self._free_queue)
+
+    def usage(self) -> BlockUsage:
+        cached = sum(1 for b in self._free_queue if self.blocks[b].block_hash is not None)
+        free = len(self._free_queue) - cached
+        return BlockUsage(free=free, cached=cached, in_use=self.num_blocks - len(self._free_queue))
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of the request, in order.
+
+        Stops one token short of the request's end: the last token is always computed, since its
+        logits are what the next token is sampled from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for index in range(min(max_blocks, len(hashes))):
+            block_id = self._cached.get(hashes[index])
+            if block_id is None:
+                break
+            start = index * self.block_size
+            expected = tuple(request.token_ids[start : start + self.block_size])
+            if self.blocks[block_id].token_ids != expected:
+                break
+            hits.append(block_id)
+        return hits
+
+    # ---------------------------------------------------------------------------- changes
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_prefix: Iterable[int] = ()
+    ) -> bool:
+        """Makes the request's block table cover `num_new_tokens` more tokens.
+
+        `cached_prefix` (only for a request that holds no blocks yet) are prefix-cache hits that
+        become the start of its table, advancing num_computed_tokens. Returns False and changes
+        nothing when the pool cannot supply the blocks.
+        """
+        prefix = list(cached_prefix)
+        if prefix and request.block_ids:
+            raise ValueError("a cached prefix can only start an empty block table")
+        num_computed = request.num_computed_tokens + len(prefix) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = needed - len(request.block_ids) - len(prefix)
+        # Hits that sit in the free queue stop being available once we take them.
+        prefix_from_queue = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        if num_new_blocks > len(self._free_queue) - prefix_from_queue:
+            return False
+        for block_id in prefix:
+            self._touch(block_id)
+        request.block_ids.extend(prefix)
+        if prefix:
+            request.num_computed_tokens = num_computed
+            request.num_cached_tokens = num_computed
+        for _ in range(max(num_new_blocks, 0)):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publishes the request's computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+        for index in range(num_full):
+            block = self.blocks[request.block_ids[index]]
+            if block.block_hash is not None:
+                continue
+            block_hash = hashes[index]
+            if block_hash in self._cached:
+                # Another request computed the same block concurrently; keep the first copy.
+                continue
+            start = index * self.block_size
+            block.block_hash = block_hash
+            block.token_ids = tuple(request.token_ids[start : start + self.block_size])
+            self._cached[block_hash] = block.block_id
+            self._record(BlockEventKind.STORED, block_hash)
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks; ones that reach ref_count 0 join the queue's back.
+
+        Tail blocks are queued first so that they are evicted before the prefix blocks that
+        more requests are likely to share.
+        """
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block_id] = None
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block nobody uses (in-use blocks keep their hash)."""
+        for block_id in list(self._cached.values()):
+            if self.blocks[block_id].ref_count == 0:
+                self._uncache(self.blocks[block_id])
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------------------- checks
+
+    def check_invariants(self, requests: Iterable[Request]) -> None:
+        """Raises AssertionError when the bookkeeping is inconsistent.
+
+        `requests` must be every request that currently holds blocks.
+        """
+        expected_refs = [0] * self.num_blocks
+        for request in requests:
+            assert len(set(request.block_ids)) == len(request.block_ids), (
+                f"request {request.request_id} holds a block twice: {request.block_ids}"
+            )
+            for block_id in request.block_ids:
+                expected_refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == expected_refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"held by {expected_refs[block.block_id]} requests"
+            )
+            in_queue = block.block_id in self._free_queue
+            assert in_queue == (block.ref_count == 0), (
+                f"block {block.block_id}: ref_count {block.ref_count} but in free queue={in_queue}"
+            )
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) == block.block_id, (
+                    f"block {block.block_id} has a hash the cache does not map to it"
+                )
+        for block_hash, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == block_hash, (
+                f"cache entry points at block {block_id} with another hash"
+            )
+        usage = self.usage()
+        assert usage.total == self.num_blocks, f"{usage} does not add up to {self.num_blocks}"
+
+    # -------------------------------------------------------------------------- internals
+
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._uncache(block)
+        block.ref_count = 1
+        return block_id
+
+    def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
+        self._record(BlockEventKind.REMOVED, block.block_hash)
+        block.block_hash = None
+        block.token_ids = None
+
+    def _record(self, kind: BlockEventKind, block_hash: bytes) -> None:
+        if self.record_events:
+            self._events.append(BlockEvent(kind, block_hash))

@@ -1,0 +1,88 @@
+"""One request's life in the engine: its tokens and explicit progress counters.
+
+The engine never keeps a separate "prefill" or "decode" phase. A request has `num_tokens` (prompt
+plus everything sampled so far) and `num_computed_tokens` (how many of those have K/V in the
+cache); each step the scheduler gives it some of the difference. It samples a new token exactly
+when a step brings `num_computed_tokens` up to `num_tokens`. This one rule covers chunked prefill,
+decode, recompute after preemption, and a decode worker taking over a request that a prefill worker
+computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nori.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Blocks reserved for K/V that another engine is sending; not yet scheduled.
+    RESERVED = "reserved"
+    # Prefill-only request that sampled its first token; its blocks stay held for export.
+    PREFILLED = "prefilled"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Monotonic arrival number: FCFS order and preemption victim choice (newest first).
+    arrival_index: int = 0
+    # Stop after the first sampled token and keep the blocks for export to a decode engine.
+    prefill_only: bool = False
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache when the request was (last) admitted.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained content hashes of this request's full blocks, extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt has no tokens")
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

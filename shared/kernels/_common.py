@@ -1,0 +1,160 @@
+"""Helpers shared by the kernel wrappers: argument checks, lazy Triton compilation, dispatch.
+
+Triton is an optional dependency (the CPU engine runs the PyTorch references only), so nothing
+here imports it at module import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def should_use_triton(use_triton: bool | None, tensors: Sequence[torch.Tensor]) -> bool:
+    """None means: Triton exactly when the data lives on a GPU."""
+    if use_triton is None:
+        return tensors[0].is_cuda and triton_available()
+    if use_triton and not triton_available():
+        raise ValueError("use_triton=True but triton is not installed")
+    return use_triton
+
+
+_JITTED: dict[Callable[..., Any], Any] = {}
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """Compiles `fn` with triton.jit on first use rather than at import.
+
+    triton.jit reads TRITON_INTERPRET when it decorates, so deferring it lets tests switch the
+    interpreter on after nori.kernels was imported, and keeps the import free of Triton.
+    """
+    kernel = _JITTED.get(fn)
+    if kernel is None:
+        import triton
+
+        kernel = triton.jit(fn)
+        _JITTED[fn] = kernel
+    return kernel
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def multiprocessor_count(device_index: int | None) -> int:
+    return int(torch.cuda.get_device_properties(device_index or 0).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    # The interpreter has no SMs; a figure the size of a big GPU keeps CPU tests on the same
+    # split heuristics the GPU uses.
+    if device.type != "cuda":
+        return 132
+    return multiprocessor_count(device.index)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # TF32 would cost float32 callers about three decimal digits; they asked for float32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
+) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}), got {tensor.dtype}")
+    return tensor
+
+
+def check_same_device(tensors: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a unit stride in its last dimension, got strides {tensor.stride()}"
+        )
+
+
+def check_kv_caches(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both caches: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same shape."""
+    k = check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    v = check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.dtype != v.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k.dtype} and {v.dtype}")
+    for name, cache in (("k_cache", k), ("v_cache", v)):
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {cache.stride()}")
+    return k, v
+
+
+def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[-2], query.shape[-1]
+    num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
+    if head_dim != cache_head_dim:
+        raise ValueError(
+            f"query head_dim {head_dim} does not match the cache's head_dim {cache_head_dim}"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} does not match cache dtype {k_cache.dtype}")
+
+
+def check_block_tables(block_tables: object, batch: int) -> torch.Tensor:
+    tables = check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    if tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must have one row per sequence ({batch}), got shape {tuple(tables.shape)}"
+        )
+    if tables.shape[1] == 0:
+        raise ValueError("block_tables must have at least one column")
+    check_last_dim_contiguous("block_tables", tables)
+    return tables
+
+
+def check_seq_lens(seq_lens: object, batch: int) -> torch.Tensor:
+    lens = check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    if lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have {batch} entries, got shape {tuple(lens.shape)}")
+    if not lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+    return lens
+
+
+def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence: [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table_row[:num_blocks].long()]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]

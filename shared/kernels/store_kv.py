@@ -1,0 +1,140 @@
+"""Writes the new tokens' keys and values into the paged KV cache."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from nori.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_caches,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    jit,
+    next_power_of_2,
+    should_use_triton,
+)
+
+# The CPU engine runs without Triton and only needs the reference.
+with contextlib.suppress(ImportError):
+    import triton.language as tl
+
+
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+) -> None:
+    token = tl.program_id(0)
+    # int64: slot * row size overflows int32 once a cache passes 2**31 elements.
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    # Padding tokens (slot -1) are masked rather than returned early from, which older Triton
+    # versions do not allow.
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slot >= 0)
+    token64 = token.to(tl.int64)
+    k = tl.load(
+        key_ptr + token64 * stride_key_t + heads[:, None] * stride_key_h + dims[None, :],
+        mask=mask,
+    )
+    v = tl.load(
+        value_ptr + token64 * stride_value_t + heads[:, None] * stride_value_h + dims[None, :],
+        mask=mask,
+    )
+    cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+
+
+def store_kv_cache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid])
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> None:
+    """Writes key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
+
+    Slots are block_id * block_size + offset. Slots must be distinct (apart from -1) and in
+    range; neither is checked, as that would need a device synchronisation.
+    """
+    key = check_tensor("key", key, 3, FLOAT_DTYPES)
+    value = check_tensor("value", value, 3, FLOAT_DTYPES)
+    k_cache, v_cache = check_kv_caches(k_cache, v_cache)
+    slot_mapping = check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds "
+            f"[.., .., {k_cache.shape[2]}, {k_cache.shape[3]}] (num_kv_heads, head_dim)"
+        )
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens"
+        )
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError(
+            f"key/value dtypes ({key.dtype}, {value.dtype}) must match the cache dtype {k_cache.dtype}"
+        )
+    check_same_device(
+        {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slots": slot_mapping}
+    )
+    check_last_dim_contiguous("key", key)
+    check_last_dim_contiguous("value", value)
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+
+    if not should_use_triton(use_triton, [key]):
+        store_kv_cache_reference(key, value, k_cache, v_cache, slot_mapping)
+        return
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    jit(_store_kv_kernel)[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
+    )

@@ -1,0 +1,141 @@
+"""Scheduler: token budget, chunked prefill mixed with decodes, preemption, abort, static policy."""
+
+from __future__ import annotations
+
+from nori.engine.block_manager import BlockManager
+from nori.engine.request import Request, RequestStatus
+from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.engine.helpers import make_request
+
+
+def make_scheduler(
+    num_blocks: int = 16, block_size: int = 4, max_seqs: int = 8, budget: int = 16, **kwargs: object
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kwargs)  # type: ignore[arg-type]
+    return Scheduler(config, BlockManager(num_blocks, block_size))
+
+
+def run_step(scheduler: Scheduler, sampled_token: int = 7) -> SchedulerOutput:
+    """One engine step without a model: every request that completes its tokens samples one."""
+    output = scheduler.schedule()
+    samplers = [s.request for s in output.scheduled if s.samples]
+    scheduler.update(output)
+    for request in samplers:
+        request.append_token(sampled_token)
+    return output
+
+
+def plan(output: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
+    scheduler = make_scheduler(budget=8)
+    a = make_request("a", list(range(6)))
+    b = make_request("b", list(range(100, 120)))
+    scheduler.add(a)
+    scheduler.add(b)
+
+    assert plan(run_step(scheduler)) == [("a", 6), ("b", 2)]
+    assert a.block_ids == [0, 1] and b.block_ids == [2]
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 0
+    # a decodes (1 token, listed first) while b's prefill continues in the same step.
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 7)]
+    assert b.block_ids == [2, 3, 4]
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 7)]
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 4)]
+    assert b.num_computed_tokens == 20 and b.num_output_tokens == 1
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1)]
+    scheduler.block_manager.check_invariants(scheduler.requests())
+
+
+def test_sequence_limit_keeps_others_waiting() -> None:
+    scheduler = make_scheduler(max_seqs=2)
+    for name in "abc":
+        scheduler.add(make_request(name, [1, 2, 3]))
+    assert plan(run_step(scheduler)) == [("a", 3), ("b", 3)]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_preemption_recomputes_newest_request() -> None:
+    # 4 blocks of 2 tokens: two requests of 3 tokens each take 2 blocks; growing needs more.
+    scheduler = make_scheduler(num_blocks=4, block_size=2, budget=16)
+    a = make_request("a", [1, 2, 3], arrival_index=0)
+    b = make_request("b", [4, 5, 6], arrival_index=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    run_step(scheduler)  # both have 4 tokens computed, 5 known: each needs a third block
+    output = run_step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["b"]
+    assert plan(output) == [("a", 1)]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and b.block_ids == []
+    assert a.block_ids == [0, 1, 3]
+    scheduler.block_manager.check_invariants(scheduler.requests())
+    # b comes back once a finishes. Its first block (2) is still in the prefix cache; its
+    # second was the first evicted (tail first) when a grew, so 3 of its 5 tokens are recomputed.
+    scheduler.finish(a, RequestStatus.FINISHED_LENGTH)
+    output = run_step(scheduler)
+    assert plan(output) == [("b", 3)]
+    assert b.block_ids[0] == 2 and b.num_cached_tokens == 2
+    assert b.num_output_tokens == 3
+
+
+def test_request_that_alone_does_not_fit_preempts_itself() -> None:
+    scheduler = make_scheduler(num_blocks=2, block_size=2, budget=16)
+    a = make_request("a", [1, 2, 3])
+    scheduler.add(a)
+    run_step(scheduler)
+    run_step(scheduler)  # 4 computed, 5 known: needs a third block that does not exist
+    output = run_step(scheduler)
+    assert output.preempted == [a] and output.scheduled == []
+    assert a.block_ids == [] and scheduler.waiting[0] is a
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    scheduler = make_scheduler()
+    a = make_request("a", list(range(10)))
+    b = make_request("b", list(range(10)))
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)
+    free_before = scheduler.block_manager.num_free_blocks
+    scheduler.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert a.block_ids == [] and a.status is RequestStatus.FINISHED_ABORTED
+    assert scheduler.block_manager.num_free_blocks == free_before + 3
+    waiting = make_request("w", [1])
+    scheduler.add(waiting)
+    scheduler.finish(waiting, RequestStatus.FINISHED_ABORTED)
+    assert list(scheduler.waiting) == []
+    scheduler.block_manager.check_invariants(scheduler.requests())
+
+
+def test_prefix_cache_hit_skips_computed_blocks() -> None:
+    scheduler = make_scheduler(budget=64)
+    a = make_request("a", list(range(10)))
+    scheduler.add(a)
+    run_step(scheduler)
+    b = make_request("b", [*range(8), 42, 43])
+    scheduler.add(b)
+    output = run_step(scheduler)
+    assert plan(output) == [("a", 1), ("b", 2)]
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert b.num_cached_tokens == 8
+
+
+def test_static_policy_waits_for_the_whole_batch_and_reserves_everything() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=2, budget=64, policy="static")
+    requests: list[Request] = [make_request(n, [i, 2, 3, 4, 5]) for i, n in enumerate("abc")]
+    for request in requests:
+        scheduler.static_reserve_tokens[request.request_id] = 5 + 3
+        scheduler.add(request)
+    output = run_step(scheduler)
+    assert plan(output) == [("a", 5), ("b", 5)]
+    assert requests[0].block_ids == [0, 1] and requests[1].block_ids == [2, 3]
+    scheduler.finish(requests[0], RequestStatus.FINISHED_STOPPED)
+    # c waits although a slot is free: b is still running.
+    assert plan(run_step(scheduler)) == [("b", 1)]
+    scheduler.finish(requests[1], RequestStatus.FINISHED_STOPPED)
+    assert plan(run_step(scheduler)) == [("c", 5)]

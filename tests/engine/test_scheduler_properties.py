@@ -1,0 +1,73 @@
+"""Random add/step/abort/finish sequences keep the block manager's invariants."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nori.engine.request import RequestStatus
+from tests.engine.helpers import make_request
+from tests.engine.test_scheduler import make_scheduler, run_step
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(0, 5), min_size=1, max_size=40)),
+        st.tuples(st.just("step"), st.integers(0, 9)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("finish"), st.integers(0, 50)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    actions=actions,
+    num_blocks=st.integers(4, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 32),
+    max_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
+def test_random_traffic_keeps_invariants(
+    actions: list[tuple[str, object]],
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_seqs: int,
+    caching: bool,
+) -> None:
+    scheduler = make_scheduler(num_blocks, block_size, max_seqs, budget)
+    manager = scheduler.block_manager
+    manager.enable_prefix_caching = caching
+    known = []
+    for kind, value in actions:
+        if kind == "add":
+            # Never larger than the pool, else it could never run (the engine rejects those).
+            tokens = list(value)[: max(1, (num_blocks - 1) * block_size)]  # type: ignore[call-overload]
+            request = make_request(f"r{len(known)}", tokens, arrival_index=len(known))
+            known.append(request)
+            scheduler.add(request)
+        elif kind == "step":
+            output = run_step(scheduler, sampled_token=int(value))  # type: ignore[call-overload]
+            assert output.num_batched_tokens <= budget
+            assert len(scheduler.running) <= max_seqs
+            for item in output.scheduled:
+                covered = len(item.request.block_ids) * block_size
+                assert covered >= item.request.num_computed_tokens
+        elif known:
+            request = known[int(value) % len(known)]  # type: ignore[call-overload]
+            if not request.status.is_finished:
+                status = (
+                    RequestStatus.FINISHED_ABORTED
+                    if kind == "abort"
+                    else RequestStatus.FINISHED_STOPPED
+                )
+                scheduler.finish(request, status)
+                assert request.block_ids == []
+        manager.check_invariants(scheduler.requests())
+    for request in list(scheduler.requests()):
+        scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    manager.check_invariants([])
+    usage = manager.usage()
+    assert usage.in_use == 0 and usage.free + usage.cached == num_blocks
