@@ -1,3 +1,28 @@
-"""Nori: throughput-first LLM serving with disaggregated prefill and decode."""
+"""Nori: throughput-first LLM serving with disaggregated prefill and decode.
+
+`from nori import LLM, SamplingParams` is the offline API; the names load lazily so that the
+pure-Python parts (scheduler, block manager) import without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from nori.engine.llm import LLM
+    from nori.sampling.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from nori.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from nori.sampling.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'nori' has no attribute {name!r}")

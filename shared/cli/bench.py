@@ -1,0 +1,47 @@
+"""`nori bench ...`: the project's benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nori.cli.engine_args import add_engine_args, engine_config_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    commands = parser.add_subparsers(dest="bench_command", required=True)
+    offline = commands.add_parser("offline", help="offline generation throughput")
+    offline.add_argument("--num-prompts", type=int, default=128)
+    offline.add_argument("--input-len-range", default="32:512", metavar="A:B")
+    offline.add_argument("--output-len-range", default="16:512", metavar="C:D")
+    offline.add_argument(
+        "--compare-static",
+        action="store_true",
+        help="also run static batching on the same prompts and report the ratio",
+    )
+    offline.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(offline)
+    offline.set_defaults(handler=run_offline)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from nori.bench.offline import parse_range, run_offline_benchmark
+
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    report = run_offline_benchmark(
+        engine_config_from_args(args),
+        num_prompts=args.num_prompts,
+        input_range=parse_range(args.input_len_range),
+        output_range=parse_range(args.output_len_range),
+        compare_static=args.compare_static,
+        show_progress=sys.stderr.isatty() or not args.json,
+    )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>28}: {value}")
+    return 0

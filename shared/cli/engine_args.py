@@ -1,0 +1,56 @@
+"""Command-line flags shared by every command that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from nori.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default="demo",
+        help="a local Hugging Face checkpoint folder, or 'demo' (a small random-weight model "
+        "created on first use; its text is meaningless)",
+    )
+    group.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+    )
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights made on the device (benchmarks of big shapes)",
+    )
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    options: dict[str, object] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "load_format": args.load_format,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "cpu_kv_cache_gib": args.cpu_kv_cache_gib,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "seed": args.seed,
+    }
+    options.update(overrides)
+    return EngineConfig(**options)  # type: ignore[arg-type]

@@ -1,0 +1,40 @@
+"""The `nori` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from nori.cli import bench, generate, model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nori", description="Nori: throughput-first LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    generate.register(subparsers)
+    model.register(subparsers)
+    bench.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args))
+    except ValueError as error:
+        # Bad input (flags, prompts, model folders): a message, not a traceback.
+        print(f"nori: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("nori: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

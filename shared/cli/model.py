@@ -1,0 +1,31 @@
+"""`nori model init`: write a random-weight checkpoint in Hugging Face format."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from nori.models.presets import PRESETS
+
+    parser = subparsers.add_parser("model", help="manage local model checkpoints")
+    commands = parser.add_subparsers(dest="model_command", required=True)
+    init = commands.add_parser("init", help="write a random-weight checkpoint for a preset")
+    init.add_argument("directory", type=Path)
+    init.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write config and tokenizer only (for --load-format dummy)",
+    )
+    init.set_defaults(handler=run_init)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from nori.models.init_checkpoint import init_checkpoint
+
+    init_checkpoint(args.directory, args.preset, seed=args.seed, write_weights=not args.no_weights)
+    print(f"wrote preset {args.preset!r} (seed {args.seed}) to {args.directory}")
+    return 0

@@ -1,0 +1,25 @@
+"""Where one step's tokens sit in the paged KV cache, as tensors the kernels read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    # Cache slot (block_id * block_size + offset) of every new token, [T].
+    slot_mapping: torch.Tensor
+    # Decode rows (one new token each) come first: rows [0, num_decodes) are decodes.
+    num_decodes: int
+    # Per sequence, [B]: context length including this step's tokens.
+    seq_lens: torch.Tensor
+    # [B + 1]: the new tokens of sequence b are query rows query_start_loc[b]:query_start_loc[b+1].
+    query_start_loc: torch.Tensor
+    # [B, max_blocks], padded with 0 past each sequence's blocks.
+    block_tables: torch.Tensor
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

@@ -1,0 +1,68 @@
+"""Turns a scheduler step into the flat tensors the model and kernels read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nori.engine.attention_metadata import AttentionMetadata
+from nori.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # Rows of the flat token axis whose logits are sampled (each a request's last token).
+    logits_indices: torch.Tensor
+
+
+def build_batch_inputs(
+    output: SchedulerOutput, block_size: int, device: torch.device
+) -> BatchInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    num_decodes = 0
+    max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
+    block_rows: list[list[int]] = []
+
+    for item in output.scheduled:
+        request = item.request
+        start = request.num_computed_tokens
+        end = start + item.num_new_tokens
+        input_ids.extend(request.token_ids[start:end])
+        positions.extend(range(start, end))
+        block_ids = request.block_ids
+        slots.extend(
+            block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        seq_lens.append(end)
+        query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+        block_rows.append(block_ids + [0] * (max_blocks - len(block_ids)))
+        if item.num_new_tokens == 1:
+            num_decodes += 1
+        if item.samples:
+            logits_indices.append(query_start_loc[-1] - 1)
+
+    def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        num_decodes=num_decodes,
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        query_start_loc=as_tensor(query_start_loc, torch.int32),
+        block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
+    )
+    return BatchInputs(
+        input_ids=as_tensor(input_ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        attention=metadata,
+        logits_indices=as_tensor(logits_indices, torch.int64),
+    )

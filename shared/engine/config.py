@@ -1,0 +1,52 @@
+"""Engine settings, frozen once built; derived values are properties or resolved at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # "demo" (a small random-weight model created on first use) or a local checkpoint folder.
+    model: str = "demo"
+    # "auto": float32 on CPU, the checkpoint's half type (else bfloat16) on GPU.
+    dtype: str = "auto"
+    device: str = "auto"
+    # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
+    load_format: str = "auto"
+    block_size: int = 16
+    # KV pool size: an explicit block count wins; else a memory budget.
+    num_kv_blocks: int | None = None
+    # Bytes of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE plays this role).
+    cpu_kv_cache_gib: float = 1.0
+    # Share of the GPU's memory the engine may use, weights and KV cache together.
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # Longest prompt + output; None means the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # "continuous" or "static" (the baseline `nori bench offline --compare-static` runs).
+    scheduling_policy: str = "continuous"
+    # Seeds weight init for dummy weights and the sampler of unseeded requests.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

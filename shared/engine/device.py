@@ -1,0 +1,33 @@
+"""Choosing the device and dtype the engine runs on."""
+
+from __future__ import annotations
+
+import torch
+
+from nori.models.config import ModelConfig
+
+_HALF_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but PyTorch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:
+    if name != "auto":
+        dtype = _HALF_TYPES[name]
+        if device.type == "cpu" and dtype is not torch.float32:
+            raise ValueError(f"dtype {name} is not supported on CPU; use float32")
+        return dtype
+    if device.type == "cpu":
+        # CPU kernels for half types are slow and inexact; float32 is the CPU's native type.
+        return torch.float32
+    checkpoint_dtype = _HALF_TYPES.get(str(model.torch_dtype or "").replace("torch.", ""))
+    if checkpoint_dtype in (torch.float16, torch.bfloat16):
+        return checkpoint_dtype
+    return torch.bfloat16

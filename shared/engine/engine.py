@@ -1,0 +1,295 @@
+"""The engine loop: admit requests, step the batch, turn sampled tokens into outputs.
+
+One step is schedule -> run the model -> postprocess. Everything about memory and batching is
+the scheduler's; everything about tensors is the model runner's; this file owns the per-request
+text state (detokenizer, stop conditions) and the operations the services need (prefill-only
+export, import into another engine).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from nori.engine.block_manager import BlockManager
+from nori.engine.config import EngineConfig
+from nori.engine.model_runner import ModelRunner, SampledToken
+from nori.engine.outputs import RequestOutput, TokenLogprobs
+from nori.engine.request import Request, RequestStatus
+from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nori.engine.transfer import KVExport, TransferState
+from nori.models.demo import resolve_model
+from nori.sampling.detokenizer import IncrementalDetokenizer
+from nori.sampling.params import SamplingParams
+from nori.sampling.tokenizer import Tokenizer
+
+
+@dataclass
+class _LiveRequest:
+    """Engine-side state of a request beyond the scheduler's bookkeeping."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    text: str = ""
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """`runner` lets engines share loaded weights (benchmarks comparing policies)."""
+        self.config = config
+        model_dir = resolve_model(config.model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.runner = runner or ModelRunner(config, model_dir, self.tokenizer.eos_token_ids)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+        )
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self._live: dict[str, _LiveRequest] = {}
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queues a request. Raises ValueError for input the engine can never serve."""
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids, params)
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            arrival_index=next(self._arrivals),
+            prefill_only=prefill_only,
+        )
+        self._track(request)
+        if self.config.scheduling_policy == "static":
+            reserve = min(request.num_tokens + params.max_tokens, self.max_model_len)
+            self.scheduler.static_reserve_tokens[request_id] = reserve
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends a request wherever it is; its blocks are free when this returns."""
+        live = self._live.pop(request_id, None)
+        if live is not None and not live.request.status.is_finished:
+            self.scheduler.finish(live.request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # ------------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampled = self.runner.execute(output, self._generators(output))
+        self.scheduler.update(output)
+        return [self._postprocess(token) for token in sampled]
+
+    def _generators(self, output: SchedulerOutput) -> dict[str, torch.Generator]:
+        generators = {}
+        for item in output.scheduled:
+            generator = self._live[item.request.request_id].generator
+            if generator is not None:
+                generators[item.request.request_id] = generator
+        return generators
+
+    def _postprocess(self, sample: SampledToken) -> RequestOutput:
+        request = sample.request
+        live = self._live[request.request_id]
+        request.append_token(sample.token_id)
+        if sample.logprobs is not None:
+            live.logprobs = live.logprobs or []
+            live.logprobs.append(sample.logprobs)
+        finish = self._check_stop(live, sample.token_id)
+        if finish is not None:
+            self.scheduler.finish(request, finish)
+        elif request.prefill_only:
+            self.scheduler.hold(request, RequestStatus.PREFILLED)
+        return self._output(live)
+
+    def _check_stop(self, live: _LiveRequest, token_id: int) -> RequestStatus | None:
+        request = live.request
+        params = request.sampling_params
+        result = live.detokenizer.add_token(token_id)
+        live.text += result.new_text
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                live.stop_reason = token_id
+                return self._flush(live, RequestStatus.FINISHED_STOPPED)
+            if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+                return self._flush(live, RequestStatus.FINISHED_STOPPED)
+            if result.stop_string is not None:
+                live.stop_reason = result.stop_string
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return self._flush(live, RequestStatus.FINISHED_LENGTH)
+        return None
+
+    def _flush(self, live: _LiveRequest, status: RequestStatus) -> RequestStatus:
+        live.text += live.detokenizer.flush().new_text
+        return status
+
+    def _output(self, live: _LiveRequest) -> RequestOutput:
+        request = live.request
+        status = request.status
+        output_ids = request.output_token_ids
+        finished = status.is_finished
+        result = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=output_ids,
+            text=live.text,
+            new_token_ids=output_ids[live.num_emitted_tokens :],
+            new_text=live.text[live.num_emitted_chars :],
+            finished=finished,
+            finish_reason=status.value if finished else None,
+            stop_reason=live.stop_reason,
+            logprobs=list(live.logprobs) if live.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
+            prefilled=status is RequestStatus.PREFILLED,
+        )
+        live.num_emitted_tokens = len(output_ids)
+        live.num_emitted_chars = len(live.text)
+        if finished:
+            del self._live[request.request_id]
+        return result
+
+    # ------------------------------------------------------------- prefill/decode split
+
+    def export_request(self, request_id: str) -> KVExport:
+        """The state and K/V blocks of a prefill-only request that has sampled its first token."""
+        live = self._live.get(request_id)
+        if live is None or live.request.status is not RequestStatus.PREFILLED:
+            raise ValueError(f"request {request_id!r} is not a prefilled request")
+        request = live.request
+        state = TransferState(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            num_computed_tokens=request.num_computed_tokens,
+            block_size=self.config.block_size,
+            generator_state=_generator_state(live.generator),
+        )
+        blocks = self.runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
+        return KVExport(state=state, blocks=blocks)
+
+    def release_request(self, request_id: str) -> None:
+        """Frees a prefilled request's blocks once its K/V has been sent."""
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self.scheduler.finish(live.request, RequestStatus.FINISHED_STOPPED)
+
+    def reserve_request(self, state: TransferState) -> list[int] | None:
+        """Allocates blocks for a request whose K/V another engine computed.
+
+        Returns the block ids to write into, in order, or None when the pool has no room now.
+        """
+        if state.block_size != self.config.block_size:
+            raise ValueError(
+                f"block size {state.block_size} of the sender differs from {self.config.block_size}"
+            )
+        if state.request_id in self._live:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        params = state.sampling_params
+        self._validate_prompt(state.prompt_token_ids, params)
+        request = Request(
+            state.request_id,
+            list(state.prompt_token_ids),
+            params,
+            arrival_index=next(self._arrivals),
+        )
+        for token_id in state.output_token_ids:
+            request.append_token(token_id)
+        # The blocks also cover the next token, which is computed right after activation.
+        if not self.block_manager.allocate(request, request.num_tokens):
+            return None
+        request.num_computed_tokens = state.num_computed_tokens
+        live = self._track(request, state.generator_state)
+        for token_id in state.output_token_ids:
+            live.text += live.detokenizer.add_token(token_id).new_text
+        self.scheduler.hold(request, RequestStatus.RESERVED)
+        return list(request.block_ids[: state.num_blocks])
+
+    def write_request_kv(self, request_id: str, blocks: torch.Tensor) -> None:
+        request = self._live[request_id].request
+        if request.status is not RequestStatus.RESERVED:
+            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        self.runner.kv_cache.write_blocks(request.block_ids[: blocks.shape[2]], blocks)
+
+    def activate_request(self, request_id: str) -> None:
+        """Starts decoding a reserved request whose K/V is in place."""
+        self.scheduler.activate(request_id)
+
+    def import_request(self, export: KVExport) -> bool:
+        """Reserve, write and activate in one call (the in-process path)."""
+        if self.reserve_request(export.state) is None:
+            return False
+        self.write_request_kv(export.state.request_id, export.blocks)
+        self.activate_request(export.state.request_id)
+        return True
+
+    # ------------------------------------------------------------------------ internals
+
+    def _track(self, request: Request, generator_state: bytes | None = None) -> _LiveRequest:
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = self.runner.make_generator(params.seed)
+            if generator_state is not None:
+                generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        live = _LiveRequest(
+            request=request,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids),
+            generator=generator,
+        )
+        self._live[request.request_id] = live
+        return live
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this model accepts at most "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} includes the output)"
+            )
+
+    def requests_holding_blocks(self) -> Iterable[Request]:
+        return self.scheduler.requests()
+
+
+def _generator_state(generator: torch.Generator | None) -> bytes | None:
+    return None if generator is None else bytes(generator.get_state().tolist())

@@ -1,0 +1,148 @@
+"""Owns the model weights and the KV cache tensors; runs one scheduler step on them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nori.engine.batch_inputs import build_batch_inputs
+from nori.engine.config import EngineConfig
+from nori.engine.device import resolve_device, resolve_dtype
+from nori.engine.kv_cache import KVCache, bytes_per_block
+from nori.engine.paged_attention import PagedAttention
+from nori.engine.request import Request
+from nori.engine.scheduler import SchedulerOutput
+from nori.models.config import ModelConfig
+from nori.models.loader import load_model
+from nori.sampling.batch import RowState, SamplingBatch, make_generator
+from nori.sampling.logprobs import TokenLogprobs
+from nori.sampling.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request: Request
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
+        self.config = config
+        # Masked until a request reaches min_tokens.
+        self.eos_token_ids = eos_token_ids
+        self.device = resolve_device(config.device)
+        model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.model, self.model_config = load_model(
+            model_dir, self.dtype, self.device, config.load_format, seed=config.seed
+        )
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache.allocate(
+            self.model_config, num_blocks, config.block_size, self.dtype, self.device
+        )
+        self.max_model_len = self._max_model_len(num_blocks)
+        self.sampler = Sampler(make_generator(config.seed, self.device))
+        logger.info(
+            "model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+            model_dir.name,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return make_generator(seed, self.device)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def execute(
+        self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
+    ) -> list[SampledToken]:
+        inputs = build_batch_inputs(output, self.config.block_size, self.device)
+        attention = PagedAttention(self.kv_cache, inputs.attention)
+        hidden = self.model(inputs.input_ids, inputs.positions, attention)
+        requests = [s.request for s in output.scheduled if s.samples]
+        if not requests:
+            return []
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sample(requests, logits, generators)
+
+    def sample(
+        self,
+        requests: list[Request],
+        logits: torch.Tensor,
+        generators: Mapping[str, torch.Generator],
+    ) -> list[SampledToken]:
+        rows = [
+            RowState(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=generators.get(r.request_id),
+            )
+            for r in requests
+        ]
+        batch = SamplingBatch.build(rows, self.device, self.eos_token_ids)
+        result = self.sampler(logits, batch)
+        logprobs = result.logprobs or [None] * len(requests)
+        return [
+            SampledToken(request, token_id, token_logprobs)
+            for request, token_id, token_logprobs in zip(
+                requests, result.token_ids, logprobs, strict=True
+            )
+        ]
+
+    # ------------------------------------------------------------------------ sizing
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = total * self.config.gpu_memory_utilization - used_by_others
+            # Leave room for activations of the largest step and the logits.
+            budget -= self._activation_reserve_bytes()
+        else:
+            budget = self.config.cpu_kv_cache_gib * 2**30
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                "no memory left for the KV cache; lower the model size or raise "
+                "gpu_memory_utilization / cpu_kv_cache_gib"
+            )
+        return num_blocks
+
+    def _activation_reserve_bytes(self) -> int:
+        tokens = self.config.max_num_batched_tokens
+        cfg = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 4 * (cfg.hidden_size + cfg.intermediate_size * 2) * element
+        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 3
+        return tokens * per_token + logits + 512 * 2**20
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        pool_tokens = num_blocks * self.config.block_size
+        if pool_tokens < limit:
+            # A request longer than the whole pool could never be scheduled.
+            logger.warning(
+                "KV pool holds %d tokens, less than max_model_len %d: capping", pool_tokens, limit
+            )
+            limit = pool_tokens
+        return limit
