@@ -1,0 +1,23 @@
+"""Attention and KV-cache kernels: Triton on GPU, PyTorch references elsewhere.
+
+Importing this package never imports Triton, so the CPU engine runs where Triton is absent.
+"""
+
+from nori.kernels.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from nori.kernels.prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from nori.kernels.store_kv import store_kv_cache, store_kv_cache_reference
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "store_kv_cache",
+    "store_kv_cache_reference",
+]

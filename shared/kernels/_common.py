@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,22 +31,28 @@ def should_use_triton(use_triton: bool | None, tensors: Sequence[torch.Tensor]) 
     return use_triton
 
 
-_JITTED: dict[Callable[..., Any], Any] = {}
+_JITTED: dict[tuple[Callable[..., Any], str], Any] = {}
 
 
 def jit(fn: Callable[..., Any]) -> Any:
-    """Compiles `fn` with triton.jit on first use rather than at import.
+    """Wraps `fn` with triton.jit on first use rather than at import.
 
-    triton.jit reads TRITON_INTERPRET when it decorates, so deferring it lets tests switch the
-    interpreter on after nori.kernels was imported, and keeps the import free of Triton.
+    triton.jit reads TRITON_INTERPRET when it decorates, so deferring it (and keying the cache on
+    the variable) lets tests switch the interpreter on after nori.kernels was imported, and keeps
+    the import free of Triton.
     """
-    kernel = _JITTED.get(fn)
+    key = (fn, os.environ.get("TRITON_INTERPRET", ""))
+    kernel = _JITTED.get(key)
     if kernel is None:
         import triton
 
         kernel = triton.jit(fn)
-        _JITTED[fn] = kernel
+        _JITTED[key] = kernel
     return kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:
@@ -63,6 +70,20 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return multiprocessor_count(device.index)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def upcast_dot_operands(dtype: torch.dtype) -> bool:
+    """Whether tl.dot operands must be cast to float32 first.
+
+    Triton's CPU interpreter multiplies bfloat16 operands as their raw bits (seen with
+    triton 3.9), so under the interpreter bfloat16 operands are widened after the same
+    rounding the GPU path does; compiled kernels never need this.
+    """
+    return interpreting() and dtype == torch.bfloat16
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -155,6 +176,6 @@ def check_seq_lens(seq_lens: object, batch: int) -> torch.Tensor:
 def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` tokens of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
+    num_blocks = cdiv(length, block_size)
     blocks = cache[block_table_row[:num_blocks].long()]
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]

@@ -45,7 +45,10 @@ def _store_kv_kernel(
     dims = tl.arange(0, BLOCK_D)
     # Padding tokens (slot -1) are masked rather than returned early from, which older Triton
     # versions do not allow.
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slot >= 0)
+    # The slot test is broadcast to a tensor before the `&`: the interpreter turns a
+    # tensor-and-scalar `&` of booleans into int32, which tl.load then rejects as a mask.
+    in_bounds = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    mask = in_bounds & ((heads[:, None] * 0 + slot) >= 0)
     token64 = token.to(tl.int64)
     k = tl.load(
         key_ptr + token64 * stride_key_t + heads[:, None] * stride_key_h + dims[None, :],

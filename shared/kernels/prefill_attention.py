@@ -1,0 +1,273 @@
+"""Causal paged attention for the new tokens of a batch: prefill, chunked prefill, mixed decode.
+
+Each sequence's new tokens sit at the end of its context, whose K/V (the new tokens' included)
+are already in the paged cache. The Triton path is flash attention: one program per
+(query tile, kv head) streams the context's K/V tiles through an online softmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from nori.kernels._common import (
+    FLOAT_DTYPES,
+    check_block_tables,
+    check_kv_caches,
+    check_last_dim_contiguous,
+    check_query_heads,
+    check_same_device,
+    check_seq_lens,
+    check_tensor,
+    dot_precision,
+    gather_context,
+    jit,
+    next_power_of_2,
+    should_use_triton,
+    upcast_dot_operands,
+)
+
+# The CPU engine runs without Triton and only needs the reference.
+with contextlib.suppress(ImportError):
+    import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+# tl.dot needs every dimension to be at least 16; small head dims are zero-padded.
+MIN_DOT_DIM = 16
+
+
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_bt_b,
+    num_seqs,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+) -> None:
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Binary search for the sequence owning this tile: the last b with
+    # query_start_loc[b] // BLOCK_Q + b <= tile. Numbering sequence b's tiles from there leaves
+    # room for one partial tile per sequence, so the grid is sized without reading query lengths.
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    seq = left - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    # Rows are (query token, head of this kv group) pairs, so the group's heads share every
+    # K/V tile load.
+    rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_in_seq = q_tile * BLOCK_Q + rows // BLOCK_G
+    group_head = rows % BLOCK_G
+    row_valid = (q_in_seq < q_len) & (group_head < GROUP)
+    # Padding rows borrow the last real token's position so that they, too, always see key 0
+    # and never produce an all -inf row (whose softmax is NaN); they are not stored.
+    q_pos = prefix + tl.minimum(q_in_seq, q_len - 1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_tokens = (q_start + q_in_seq).to(tl.int64)
+    q_heads = kv_head * GROUP + group_head
+    q = tl.load(
+        q_ptr + q_tokens[:, None] * stride_q_t + q_heads[:, None] * stride_q_h + dims[None, :],
+        mask=row_valid[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # Causality: nothing past this tile's last query position is needed.
+    kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        tok_mask = pos < kv_end
+        block_ids = tl.load(
+            block_tables_ptr + seq * stride_bt_b + pos // BLOCK_SIZE, mask=tok_mask, other=0
+        ).to(tl.int64)
+        slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
+        offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+        kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(pos[None, :] <= q_pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
+        p_dot = p.to(v_cache_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            v = v.to(tl.float32)
+            p_dot = p_dot.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_tokens[:, None] * stride_o_t + q_heads[:, None] * stride_o_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask."""
+    num_heads = query.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for b, seq_len in enumerate(lengths):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        keys = gather_context(k_cache, block_tables[b], seq_len)
+        values = gather_context(v_cache, block_tables[b], seq_len)
+        q = query[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        k = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, seq_len, D]
+        v = values.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        q_positions = torch.arange(q_len, device=query.device) + (seq_len - q_len)
+        k_positions = torch.arange(seq_len, device=query.device)
+        mask = k_positions[None, :] <= q_positions[:, None]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+        out[start:end] = attended.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of the T new tokens query [T, Hq, D] -> [T, Hq, D].
+
+    Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1],
+    starting at 0 and ending at T); seq_lens[b] (int32 [B]) counts its whole context, new tokens
+    included, whose K/V must already be in the cache. New token i of b sits at position
+    seq_lens[b] - q_len_b + i and attends to positions 0 .. that one.
+    """
+    query = check_tensor("query", query, 3, FLOAT_DTYPES)
+    k_cache, v_cache = check_kv_caches(k_cache, v_cache)
+    check_query_heads(query, k_cache)
+    query_start_loc = check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    batch = query_start_loc.shape[0] - 1
+    if batch < 0:
+        raise ValueError("query_start_loc must have B + 1 entries, got none")
+    if not query_start_loc.is_contiguous():
+        raise ValueError("query_start_loc must be contiguous")
+    block_tables = check_block_tables(block_tables, batch)
+    seq_lens = check_seq_lens(seq_lens, batch)
+    check_same_device(
+        {
+            "query": query,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": block_tables,
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+        }
+    )
+    check_last_dim_contiguous("query", query)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    if not should_use_triton(use_triton, [query]):
+        return paged_prefill_attention_reference(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = max(next_power_of_2(head_dim), MIN_DOT_DIM)
+    # Rows per program: 128 fills an H100-class SM for head_dim <= 128; larger heads would spill.
+    block_m = 128 if block_d <= 128 else 64
+    block_n = 64 if block_d <= 128 else 32
+    block_g = next_power_of_2(group)
+    block_q = max(block_m // block_g, 1)
+    num_tiles = num_tokens // block_q + batch
+    jit(_prefill_kernel)[(num_tiles, num_kv_heads)](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        batch,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        UPCAST_DOT=upcast_dot_operands(query.dtype),
+        num_warps=8 if block_q * block_g >= 128 else 4,
+    )
+    return out

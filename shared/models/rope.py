@@ -1,0 +1,84 @@
+"""Rotary position embedding in the Hugging Face "rotate_half" layout.
+
+Each token carries its own position, so tokens of many sequences flattened into one axis get the
+right rotation without the model knowing where one sequence ends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from nori.models.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | str | None
+) -> torch.Tensor:
+    """float32 [head_dim / 2], computed exactly as transformers does so logits match bit for bit."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 scaling: stretch wavelengths longer than the original context by `factor`, keep
+    short ones, and blend linearly in between."""
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Turns position ids [T] into cos/sin tables [T, head_dim] shared by every layer."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        # Not persistent: derived from the config, never read from or written to checkpoints.
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(self.head_dim, self.theta, self.scaling, device), False
+        )
+
+    def reset_buffers(self) -> None:
+        """Recomputes `inv_freq` in place, for modules built on the meta device then `to_empty`."""
+        with torch.no_grad():
+            fresh = inverse_frequencies(
+                self.head_dim, self.theta, self.scaling, self.inv_freq.device
+            )
+            self.inv_freq.copy_(fresh)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Angles in float32 whatever the model dtype: bf16 positions lose whole units past 256.
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D] -> x rotated by each token's position."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin

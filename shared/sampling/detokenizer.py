@@ -1,0 +1,162 @@
+"""Streaming detokenization of one request's output, with stop strings.
+
+Why not `tokenizers.decoders.DecodeStream`: it raises "Invalid prefix encountered" whenever a later
+token changes text it already returned, which byte-fallback tokenizers do routinely (a run of
+`<0xNN>` pieces that turns out to be invalid UTF-8 is rendered as one U+FFFD per byte, replacing
+characters decoded from the start of the run), and it has no way to flush held-back bytes at the
+end. We use vLLM's two-offset scheme instead and add two rules so that the concatenation of
+everything emitted always equals `Tokenizer.decode` of the same ids:
+
+* text is held back while the newest token is a byte-fallback piece (the run may still grow), and
+* text is held back while the decoded window ends in U+FFFD (a byte-level BPE character split
+  across tokens).
+
+`flush()` releases whatever is still held when the request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nori.sampling.params import SamplingParams
+from nori.sampling.stop_strings import find_stop
+from nori.sampling.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded in front of the output, as vLLM does, so that the first output token
+# keeps a leading space that decoders strip at the start of a sequence.
+_CONTEXT_TOKENS = 6
+_MAX_CONTEXT_TOKENS = 24
+
+
+@dataclass(frozen=True)
+class DetokenizeResult:
+    new_text: str  # text safe to stream now
+    stop_string: str | None = None  # set once a stop string ended the request
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's sampled tokens into streamed text and detects stop strings.
+
+    `text` is the whole output so far (cut at the stop string once one is found); `new_text`
+    of each result is the part that became safe to show. Characters that could still turn out
+    to be the start of a stop string (at most len(longest stop) - 1) are withheld, like vLLM,
+    unless `include_stop_str_in_output` makes every character final anyway.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stops = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._hold_chars = (
+            max(len(s) for s in self._stops) - 1 if self._stops and not self._include_stop else 0
+        )
+        self._byte_ids = tokenizer.byte_fallback_ids
+        # Skipped special tokens vanish before the decoder runs, so they do not end a byte run.
+        self._invisible_ids = tokenizer.special_token_ids if self._skip_special else frozenset()
+        self._in_byte_run = False
+
+        context = self._choose_context(prompt_token_ids)
+        self._ids: list[int] = list(context)
+        self._prefix_offset = 0  # window start: decoded again each step for the diff
+        self._read_offset = len(context)  # tokens before this are already in `_text`
+        self._text = ""
+        self._emitted = 0  # chars of `_text` already returned to the caller
+        self._num_tokens = 0
+        self._stop_floor = 0
+        self._stop_string: str | None = None
+
+    def _choose_context(self, prompt: Sequence[int]) -> list[int]:
+        # The context must start on a clean boundary: not inside a byte run, and decoding to
+        # text without U+FFFD, else the prefix text itself would be unstable.
+        if not prompt:
+            return []
+        for size in range(
+            min(_CONTEXT_TOKENS, len(prompt)), min(_MAX_CONTEXT_TOKENS, len(prompt)) + 1
+        ):
+            suffix = list(prompt[-size:])
+            if suffix[0] in self._byte_ids:
+                continue
+            if REPLACEMENT_CHAR not in self._decode(suffix):
+                return suffix
+        return []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def stop_string(self) -> str | None:
+        return self._stop_string
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def add_token(self, token_id: int) -> DetokenizeResult:
+        if self._stop_string is not None:
+            raise RuntimeError("add_token after the request stopped on a stop string")
+        self._ids.append(token_id)
+        self._num_tokens += 1
+        if token_id not in self._invisible_ids:
+            self._in_byte_run = token_id in self._byte_ids
+        new_chars = "" if self._in_byte_run else self._advance(final=False)
+        return self._after_new_text(new_chars, final=False)
+
+    def flush(self) -> DetokenizeResult:
+        """Call once when the request ends for any other reason; returns all withheld text."""
+        if self._stop_string is not None:
+            return DetokenizeResult("", self._stop_string)
+        return self._after_new_text(self._advance(final=True), final=True)
+
+    def _advance(self, final: bool) -> str:
+        """Decodes the window and returns the text the unread tokens add, or "" to wait."""
+        window = self._ids[self._prefix_offset :]
+        full = self._decode(window)
+        if not final and full.endswith(REPLACEMENT_CHAR):
+            return ""  # a character is split across tokens; wait for the rest
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        if len(full) <= len(prefix):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+    def _after_new_text(self, new_chars: str, final: bool) -> DetokenizeResult:
+        self._text += new_chars
+        if self._stops:
+            if self._num_tokens <= self._min_tokens:
+                # vLLM ignores stop strings inside the first min_tokens tokens' text.
+                self._stop_floor = len(self._text)
+            else:
+                match = find_stop(self._text, len(new_chars), self._stops, self._stop_floor)
+                if match is not None:
+                    end = match.index + (len(match.stop) if self._include_stop else 0)
+                    # Never cut below what was streamed already (cannot be taken back).
+                    self._text = self._text[: max(end, self._emitted)]
+                    self._stop_string = match.stop
+                    return DetokenizeResult(self._take(len(self._text)), match.stop)
+        safe_end = len(self._text) if final else len(self._text) - self._hold_chars
+        return DetokenizeResult(self._take(safe_end))
+
+    def _take(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        chunk = self._text[self._emitted : end]
+        self._emitted = end
+        return chunk

@@ -1,0 +1,190 @@
+"""A model folder's tokenizer: encode, decode, special ids and the chat template.
+
+Wraps `tokenizers.Tokenizer` (the Rust fast tokenizer) and reads the Hugging Face side files the
+way transformers does, so prompts tokenize to the same ids as
+`AutoTokenizer.from_pretrained(path)(text)["input_ids"]`.
+
+Special tokens on encode: transformers 5.x (checked with 5.24) applies tokenizer.json's
+post-processor as stored and does not rebuild it from tokenizer_config's `add_bos_token` /
+`add_eos_token`. A Llama-style tokenizer.json whose TemplateProcessing adds `<s>` gets BOS; one
+without a post-processor gets no BOS even when `add_bos_token` is true. We do the same, so
+`add_bos_token` is only reported (`add_bos_token` attribute), never acted on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from nori.sampling.chat_template import ChatTemplateError, render_chat_template, select_template
+
+# sentencepiece-style byte-fallback pieces, one per byte value.
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class TokenizerLoadError(ValueError):
+    """A model folder lacks a usable tokenizer, or one of its files is malformed."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise TokenizerLoadError(f"cannot read {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_content(value: object) -> str | None:
+    # tokenizer_config stores special tokens either as plain strings or as AddedToken dicts.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: object) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+# eq=False: identity comparison; comparing two Rust tokenizers field by field means nothing.
+@dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """Immutable view of one model's tokenizer; build it with `Tokenizer.from_dir`."""
+
+    backend: tokenizers.Tokenizer
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    add_bos_token: bool
+    chat_template: str | None
+    special_tokens: Mapping[str, str | None]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerLoadError(
+                f"no tokenizer.json in {folder} (only fast tokenizers are supported)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # the Rust side raises bare Exception subclasses
+            raise TokenizerLoadError(f"cannot load {tokenizer_file}: {error}") from error
+
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
+
+        special = {
+            name: _token_content(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        bos_token, eos_token = special["bos_token"], special["eos_token"]
+
+        bos_id = backend.token_to_id(bos_token) if bos_token is not None else None
+        if bos_id is None:
+            candidates = _as_id_list(model_config.get("bos_token_id"))
+            bos_id = candidates[0] if candidates else None
+
+        # Any of these may name the end of a turn (chat models list several in
+        # generation_config); stopping on one of them is what users expect, so take the union.
+        eos_ids: set[int] = set()
+        if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
+            eos_ids.add(eos_id)
+        eos_ids.update(_as_id_list(generation.get("eos_token_id")))
+        eos_ids.update(_as_id_list(model_config.get("eos_token_id")))
+
+        template_file = folder / "chat_template.jinja"
+        if template_file.is_file():
+            # Newer checkpoints keep the template in its own file; transformers prefers it.
+            template: str | None = template_file.read_text(encoding="utf-8")
+        else:
+            try:
+                template = select_template(config.get("chat_template"))
+            except ChatTemplateError as error:
+                raise TokenizerLoadError(f"{folder / 'tokenizer_config.json'}: {error}") from error
+
+        return cls(
+            backend=backend,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            bos_token_id=bos_id,
+            eos_token_ids=frozenset(eos_ids),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce, added tokens included."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of `<0xNN>` pieces. The ByteFallback decoder turns a run of them into text only
+        as a whole (an invalid run becomes one U+FFFD per byte, retroactively), so streaming
+        must not emit text while such a run may still grow."""
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(int(i) for i, token in added.items() if token.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        # No clean_up_tokenization_spaces: vLLM's streamed text never applies it, and the
+        # incremental detokenizer must agree with this method.
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        result = self.backend.token_to_id(token)
+        return None if result is None else int(result)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        result = self.backend.id_to_token(token_id)
+        return None if result is None else str(result)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """Renders a conversation to prompt text (tokenize it with `add_special_tokens=False`,
+        since templates normally write the BOS token themselves)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja); send a plain completion prompt instead"
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            extra=extra,
+        )

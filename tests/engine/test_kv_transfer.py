@@ -1,0 +1,121 @@
+"""Prefill on one engine, export the KV blocks, import into another, decode there.
+
+The result must be token-identical to one engine doing both: the operation prefill and decode
+workers are built on.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from nori.engine.engine import LLMEngine
+from nori.engine.llm import LLM
+from nori.engine.outputs import RequestOutput
+from nori.engine.request import RequestStatus
+from nori.models.init_checkpoint import init_checkpoint
+from nori.sampling.params import SamplingParams
+
+PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.7, top_k=20, seed=7, repetition_penalty=1.2),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    init_checkpoint(folder, "tiny", seed=3)
+    return folder
+
+
+def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def prefill(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params, prefill_only=True)
+    prefilled = set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.prefilled and not output.finished
+            assert len(output.token_ids) == 1
+            prefilled.add(output.request_id)
+    assert prefilled == set(ids)
+    return ids
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded-top-p", "seeded-penalty"])
+def test_prefill_export_import_decode_is_token_identical(
+    checkpoint: Path, params: SamplingParams
+) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 9, 16, 33, 50)]
+    expected = LLM(str(checkpoint), block_size=8).generate(prompts, params)
+
+    prefill_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=64).engine
+    decode_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=96).engine
+    # Occupy the decode engine's first blocks so imported requests land on other block ids.
+    decode_engine.add_request("resident", [1, 2, 3] * 11, SamplingParams(max_tokens=1))
+    decode_engine.step()
+    free_before = prefill_engine.num_free_blocks
+
+    ids = prefill(prefill_engine, prompts, params)
+    for request_id in ids:
+        export = prefill_engine.export_request(request_id)
+        source_blocks = list(prefill_engine._live[request_id].request.block_ids)
+        prefill_engine.release_request(request_id)
+        assert decode_engine.import_request(export)
+        target = decode_engine._live[request_id].request
+        assert target.status is RequestStatus.RUNNING
+        assert target.block_ids[: len(source_blocks)] != source_blocks
+    assert prefill_engine.num_free_blocks == free_before
+    prefill_engine.block_manager.check_invariants([])
+
+    finished = run_to_completion(decode_engine)
+    for request_id, reference in zip(ids, expected, strict=True):
+        assert finished[request_id].token_ids == reference.token_ids
+        assert finished[request_id].text == reference.text
+    decode_engine.block_manager.check_invariants([])
+
+
+def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
+    prefill_engine = LLM(str(checkpoint), block_size=8).engine
+    decode_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=32).engine
+    prefill(prefill_engine, [[5] * 20], PARAMS[0])
+    export = prefill_engine.export_request("req-0")
+    free_before = decode_engine.num_free_blocks
+    block_ids = decode_engine.reserve_request(export.state)
+    assert block_ids is not None and len(block_ids) == 3
+    assert decode_engine.num_free_blocks == free_before - 3
+    # The lease expires (or the sender dies): abort gives every reserved block back.
+    decode_engine.abort_request("req-0")
+    assert decode_engine.num_free_blocks == free_before
+    decode_engine.block_manager.check_invariants([])
+
+
+def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
+    prefill_engine = LLM(str(checkpoint), block_size=8).engine
+    prefill(prefill_engine, [[5] * 40], PARAMS[0])
+    export = prefill_engine.export_request("req-0")
+    small = LLM(str(checkpoint), block_size=8, num_kv_blocks=8).engine
+    small.add_request("resident", [7] * 39, SamplingParams(max_tokens=8))
+    small.step()  # holds 5 of the 8 blocks; the import needs 6
+    assert small.reserve_request(export.state) is None
+    assert "req-0" not in small._live
+    small.block_manager.check_invariants(small.requests_holding_blocks())
+    other_block_size = LLM(str(checkpoint), block_size=16).engine
+    with pytest.raises(ValueError, match="block size"):
+        other_block_size.reserve_request(export.state)
+    with pytest.raises(ValueError, match="not a prefilled request"):
+        prefill_engine.export_request("nope")
