@@ -85,8 +85,8 @@ class LLMEngine:
         )
         self._track(request)
         if self.config.scheduling_policy == "static":
-            reserve = min(request.num_tokens + params.max_tokens, self.max_model_len)
-            self.scheduler.static_reserve_tokens[request_id] = reserve
+            max_new = min(params.max_tokens, self.max_model_len - request.num_tokens)
+            self.scheduler.static_max_new_tokens[request_id] = max_new
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:

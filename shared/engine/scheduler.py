@@ -21,8 +21,10 @@ from nori.engine.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # "static" admits a new batch only when the previous one has fully finished, reserving each
-    # request's whole length up front: the baseline that continuous batching is measured against.
+    # "static": classic static batching, the baseline continuous batching is measured against.
+    # A batch is formed only when the previous one has fully finished (it waits for its longest
+    # member), and every member reserves a padded rectangle up front: the batch's longest prompt
+    # plus its largest max_tokens, as a [batch, max_len] KV tensor would.
     policy: str = "continuous"
 
     def __post_init__(self) -> None:
@@ -67,8 +69,8 @@ class SchedulerOutput:
 class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
-    # A static-policy request reserves blocks for prompt + this many tokens up front.
-    static_reserve_tokens: dict[str, int] = field(default_factory=dict)
+    # Static policy only: the most tokens each waiting request may still generate.
+    static_max_new_tokens: dict[str, int] = field(default_factory=dict)
 
     waiting: deque[Request] = field(default_factory=deque, init=False)
     running: list[Request] = field(default_factory=list, init=False)
@@ -103,7 +105,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.held.pop(request.request_id, None)
         self.block_manager.free(request)
-        self.static_reserve_tokens.pop(request.request_id, None)
+        self.static_max_new_tokens.pop(request.request_id, None)
         request.status = status
 
     def requests(self) -> Iterator[Request]:
@@ -139,43 +141,56 @@ class Scheduler:
                 index += 1
 
         # Admitting new work while others were just preempted would only thrash the pool.
-        if not preempted and self._may_admit():
-            budget = self._admit_waiting(budget, scheduled)
+        if not preempted:
+            if self.config.policy == "continuous":
+                self._admit_waiting(budget, scheduled)
+            elif not self.running:
+                self._admit_static_batch(budget, scheduled)
 
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
 
-    def _may_admit(self) -> bool:
-        return self.config.policy == "continuous" or not self.running
-
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        static = self.config.policy == "static"
-        # A static batch is formed all at once; its members start computing as budget allows.
-        while (
-            self.waiting and (budget > 0 or static) and len(self.running) < self.config.max_num_seqs
-        ):
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = self.block_manager.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(prefix) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if static:
-                if not self._reserve_whole_request(request, prefix, num_new):
-                    break
-            elif not self.block_manager.allocate(request, num_new, prefix):
+            if not self.block_manager.allocate(request, num_new, prefix):
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if num_new > 0:
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
-        return budget
+            self._start(request, num_new, scheduled)
+            budget -= num_new
 
-    def _reserve_whole_request(self, request: Request, prefix: list[int], num_new: int) -> bool:
-        # Static batching cannot grow a request's memory later, so it claims all of it now.
-        reserve = self.static_reserve_tokens.get(request.request_id, request.num_tokens)
-        extra = reserve - request.num_computed_tokens - len(prefix) * self.block_manager.block_size
-        return self.block_manager.allocate(request, max(extra, num_new), prefix)
+    def _admit_static_batch(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        manager = self.block_manager
+        pool_tokens = manager.num_blocks * manager.block_size
+        batch: list[Request] = []
+        padded = 0
+        longest_prompt = longest_new = 0
+        for request in self.waiting:
+            if len(batch) == self.config.max_num_seqs:
+                break
+            prompt = max(longest_prompt, request.num_tokens)
+            new = max(longest_new, self.static_max_new_tokens.get(request.request_id, 0))
+            length = min(prompt + new, pool_tokens)
+            if batch and (len(batch) + 1) * manager.blocks_needed(length) > manager.num_free_blocks:
+                break
+            batch.append(request)
+            longest_prompt, longest_new, padded = prompt, new, length
+        for request in batch:
+            if not manager.allocate(request, padded - request.num_computed_tokens):
+                break
+            self.waiting.popleft()
+            num_new = min(request.num_uncomputed_tokens, budget)
+            self._start(request, num_new, scheduled)
+            budget -= num_new
+
+    def _start(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if num_new > 0:
+            scheduled.append(ScheduledRequest(request, num_new))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nori.engine.block_manager import BlockManager
-from nori.engine.request import Request, RequestStatus
+from nori.engine.request import RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.engine.helpers import make_request
 
@@ -125,17 +125,33 @@ def test_prefix_cache_hit_skips_computed_blocks() -> None:
     assert b.num_cached_tokens == 8
 
 
-def test_static_policy_waits_for_the_whole_batch_and_reserves_everything() -> None:
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=2, budget=64, policy="static")
-    requests: list[Request] = [make_request(n, [i, 2, 3, 4, 5]) for i, n in enumerate("abc")]
-    for request in requests:
-        scheduler.static_reserve_tokens[request.request_id] = 5 + 3
+def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=3, budget=64, policy="static")
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7], "c": [8, 9, 10], "d": [11]}
+    max_new = {"a": 2, "b": 6, "c": 1, "d": 1}
+    requests = {name: make_request(name, tokens) for name, tokens in prompts.items()}
+    for name, request in requests.items():
+        scheduler.static_max_new_tokens[name] = max_new[name]
         scheduler.add(request)
+    # The rectangle is 5 (longest prompt) + 6 (largest max_tokens) = 11 tokens = 3 blocks each.
     output = run_step(scheduler)
-    assert plan(output) == [("a", 5), ("b", 5)]
-    assert requests[0].block_ids == [0, 1] and requests[1].block_ids == [2, 3]
-    scheduler.finish(requests[0], RequestStatus.FINISHED_STOPPED)
-    # c waits although a slot is free: b is still running.
+    assert plan(output) == [("a", 5), ("b", 2), ("c", 3)]
+    assert requests["a"].block_ids == [0, 1, 2]
+    assert requests["b"].block_ids == [3, 4, 5]
+    assert requests["c"].block_ids == [6, 7, 8]
+    scheduler.finish(requests["a"], RequestStatus.FINISHED_LENGTH)
+    scheduler.finish(requests["c"], RequestStatus.FINISHED_LENGTH)
+    # d waits although slots and blocks are free: b, the batch's longest member, still runs.
     assert plan(run_step(scheduler)) == [("b", 1)]
-    scheduler.finish(requests[1], RequestStatus.FINISHED_STOPPED)
-    assert plan(run_step(scheduler)) == [("c", 5)]
+    scheduler.finish(requests["b"], RequestStatus.FINISHED_LENGTH)
+    assert plan(run_step(scheduler)) == [("d", 1)]
+    assert len(requests["d"].block_ids) == 1
+
+
+def test_static_batch_is_limited_by_the_padded_reservation() -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_seqs=8, budget=64, policy="static")
+    for name in "abcd":
+        scheduler.static_max_new_tokens[name] = 8
+        scheduler.add(make_request(name, [1] * 8))
+    # Each member needs 16 tokens = 4 blocks: only two fit in 8 blocks.
+    assert [r for r, _ in plan(run_step(scheduler))] == ["a", "b"]

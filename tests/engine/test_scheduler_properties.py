@@ -28,6 +28,7 @@ actions = st.lists(
     budget=st.integers(1, 32),
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
+    policy=st.sampled_from(["continuous", "static"]),
 )
 def test_random_traffic_keeps_invariants(
     actions: list[tuple[str, object]],
@@ -36,8 +37,9 @@ def test_random_traffic_keeps_invariants(
     budget: int,
     max_seqs: int,
     caching: bool,
+    policy: str,
 ) -> None:
-    scheduler = make_scheduler(num_blocks, block_size, max_seqs, budget)
+    scheduler = make_scheduler(num_blocks, block_size, max_seqs, budget, policy=policy)
     manager = scheduler.block_manager
     manager.enable_prefix_caching = caching
     known = []
@@ -47,6 +49,7 @@ def test_random_traffic_keeps_invariants(
             tokens = list(value)[: max(1, (num_blocks - 1) * block_size)]  # type: ignore[call-overload]
             request = make_request(f"r{len(known)}", tokens, arrival_index=len(known))
             known.append(request)
+            scheduler.static_max_new_tokens[request.request_id] = len(tokens) % 7
             scheduler.add(request)
         elif kind == "step":
             output = run_step(scheduler, sampled_token=int(value))  # type: ignore[call-overload]
