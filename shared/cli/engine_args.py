@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "reference"],
+        help="auto: Triton kernels on GPU, PyTorch references on CPU",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -51,6 +57,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "attention_backend": args.attention_backend,
     }
     options.update(overrides)
     return EngineConfig(**options)  # type: ignore[arg-type]

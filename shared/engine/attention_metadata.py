@@ -19,7 +19,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     # [B, max_blocks], padded with 0 past each sequence's blocks.
     block_tables: torch.Tensor
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
+    # Longest context in the step, known on the host: sizes the decode kernel's context splits
+    # without a device sync.
+    max_seq_len: int

@@ -59,6 +59,7 @@ def build_batch_inputs(
         seq_lens=as_tensor(seq_lens, torch.int32),
         query_start_loc=as_tensor(query_start_loc, torch.int32),
         block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
+        max_seq_len=max(seq_lens),
     )
     return BatchInputs(
         input_ids=as_tensor(input_ids, torch.int64),

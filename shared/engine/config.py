@@ -30,6 +30,9 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     # Seeds weight init for dummy weights and the sampler of unseeded requests.
     seed: int = 0
+    # "auto": Triton kernels on GPU, PyTorch references on CPU. "triton" forces the kernels
+    # (on CPU only under TRITON_INTERPRET=1, for tests); "reference" forces PyTorch.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -47,6 +50,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "triton", "reference"):
+            raise ValueError(
+                "attention_backend must be auto, triton or reference, "
+                f"got {self.attention_backend!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

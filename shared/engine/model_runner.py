@@ -51,6 +51,8 @@ class ModelRunner:
         )
         self.max_model_len = self._max_model_len(num_blocks)
         self.sampler = Sampler(make_generator(config.seed, self.device))
+        backend = config.attention_backend
+        self._use_triton = None if backend == "auto" else backend == "triton"
         logger.info(
             "model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
             model_dir.name,
@@ -73,7 +75,7 @@ class ModelRunner:
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
     ) -> list[SampledToken]:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
-        attention = PagedAttention(self.kv_cache, inputs.attention)
+        attention = PagedAttention(self.kv_cache, inputs.attention, self._use_triton)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)
         requests = [s.request for s in output.scheduled if s.samples]
         if not requests:

@@ -81,7 +81,7 @@ def trace_engine(engine: LLMEngine) -> Iterator[EngineTrace]:
         logits = original_logits(hidden)
         samplers = [s.request.request_id for s in last[0].scheduled if s.samples]
         for request_id, row in zip(samplers, logits, strict=True):
-            trace.logits[request_id].append(row.detach().clone())
+            trace.logits[request_id].append(row.detach().float().cpu())
         return logits
 
     scheduler.schedule = schedule  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ from nori.sampling.params import SamplingParams
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     folder = tmp_path_factory.mktemp("tiny")
     init_checkpoint(folder, "tiny", seed=11)
-    return LLM(str(folder), block_size=8, num_kv_blocks=128)
+    return LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=128)
 
 
 PROMPTS = ["the cat sat on the mat", "a b c", "once upon a time there was"]
@@ -120,7 +120,7 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(llm: LLM) -> None:
 
 def test_generation_stops_at_max_model_len(tmp_path: Path) -> None:
     init_checkpoint(tmp_path, "tiny", seed=2)
-    llm = LLM(str(tmp_path), block_size=8, max_model_len=24)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=256, block_size=8, max_model_len=24)
     output = llm.generate([5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert output.finish_reason == "length" and len(output.token_ids) == 4
 

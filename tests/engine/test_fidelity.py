@@ -79,13 +79,13 @@ def assert_matches(llm: LLM, prompts: list[list[int]], reference: list[HFGreedy]
 
 
 def test_batched_greedy_matches_transformers(checkpoint: Path, references: References) -> None:
-    llm = LLM(str(checkpoint), block_size=8)
+    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
     prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
     assert_matches(llm, prompts, expected)
 
 
 def test_prefix_cache_hits_match_transformers(checkpoint: Path, references: References) -> None:
-    llm = LLM(str(checkpoint), block_size=8)
+    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
     prompts, reference = references.get(checkpoint, "shared", llm.engine.model_config.vocab_size)
     first, _ = assert_matches(llm, prompts, reference)
     # Within the first batch, prompts admitted after the first chunk of the prefix hit it too.
@@ -97,7 +97,14 @@ def test_prefix_cache_hits_match_transformers(checkpoint: Path, references: Refe
 
 
 def test_chunked_prefill_matches_transformers(checkpoint: Path, references: References) -> None:
-    llm = LLM(str(checkpoint), block_size=4, max_num_batched_tokens=12, max_num_seqs=4)
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_batched_tokens=12,
+        max_num_seqs=4,
+    )
     prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.max_tokens_in_step <= 12
@@ -106,7 +113,13 @@ def test_chunked_prefill_matches_transformers(checkpoint: Path, references: Refe
 
 def test_preemption_matches_transformers(checkpoint: Path, references: References) -> None:
     # 40 blocks of 4 tokens: the 10 requests need ~130 blocks together, the longest 31 alone.
-    llm = LLM(str(checkpoint), block_size=4, num_kv_blocks=40, enable_prefix_caching=False)
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=40,
+        enable_prefix_caching=False,
+    )
     prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.num_preemptions > 0
@@ -115,7 +128,28 @@ def test_preemption_matches_transformers(checkpoint: Path, references: Reference
 def test_preemption_with_prefix_cache_matches_transformers(
     checkpoint: Path, references: References
 ) -> None:
-    llm = LLM(str(checkpoint), block_size=4, num_kv_blocks=48, max_num_batched_tokens=32)
+    llm = LLM(
+        str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=32
+    )
     prompts, expected = references.get(checkpoint, "shared", llm.engine.model_config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.num_preemptions > 0
+
+
+def test_engine_on_triton_kernels_matches_transformers(
+    checkpoint: Path, references: References
+) -> None:
+    """The engine with its Triton kernels (the GPU path; here in Triton's CPU interpreter)."""
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        attention_backend="triton",
+    )
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    # Four prompts keep the interpreter fast; chunking and mixed decode+prefill steps still occur.
+    picks = [1, 3, 6, 9]
+    _, trace = assert_matches(llm, [prompts[i] for i in picks], [expected[i] for i in picks])
+    assert trace.num_chunked_steps > 0

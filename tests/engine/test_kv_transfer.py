@@ -61,10 +61,12 @@ def test_prefill_export_import_decode_is_token_identical(
 ) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 9, 16, 33, 50)]
-    expected = LLM(str(checkpoint), block_size=8).generate(prompts, params)
+    expected = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).generate(
+        prompts, params
+    )
 
-    prefill_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=64).engine
-    decode_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=96).engine
+    prefill_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64).engine
+    decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=96).engine
     # Occupy the decode engine's first blocks so imported requests land on other block ids.
     decode_engine.add_request("resident", [1, 2, 3] * 11, SamplingParams(max_tokens=1))
     decode_engine.step()
@@ -90,8 +92,8 @@ def test_prefill_export_import_decode_is_token_identical(
 
 
 def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
-    prefill_engine = LLM(str(checkpoint), block_size=8).engine
-    decode_engine = LLM(str(checkpoint), block_size=8, num_kv_blocks=32).engine
+    prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
+    decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=32).engine
     prefill(prefill_engine, [[5] * 20], PARAMS[0])
     export = prefill_engine.export_request("req-0")
     free_before = decode_engine.num_free_blocks
@@ -105,16 +107,18 @@ def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
 
 
 def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
-    prefill_engine = LLM(str(checkpoint), block_size=8).engine
+    prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
     prefill(prefill_engine, [[5] * 40], PARAMS[0])
     export = prefill_engine.export_request("req-0")
-    small = LLM(str(checkpoint), block_size=8, num_kv_blocks=8).engine
+    small = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=8).engine
     small.add_request("resident", [7] * 39, SamplingParams(max_tokens=8))
     small.step()  # holds 5 of the 8 blocks; the import needs 6
     assert small.reserve_request(export.state) is None
     assert "req-0" not in small._live
     small.block_manager.check_invariants(small.requests_holding_blocks())
-    other_block_size = LLM(str(checkpoint), block_size=16).engine
+    other_block_size = LLM(
+        str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=16
+    ).engine
     with pytest.raises(ValueError, match="block size"):
         other_block_size.reserve_request(export.state)
     with pytest.raises(ValueError, match="not a prefilled request"):

@@ -22,7 +22,7 @@ def model_dir() -> Path:
 
 
 def test_stories260k_greedy_matches_transformers(model_dir: Path) -> None:
-    llm = LLM(str(model_dir), block_size=16)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=256, block_size=16)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     expected = hf_greedy(model_dir, prompts, max_new_tokens=48)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The project's GPU check, for a machine with one NVIDIA GPU and no package registry.
+# Runs from source (no install): kernel tests on the GPU, engine tests on the GPU (Triton kernels
+# in the loop, compared with transformers), kernel benchmarks, and the offline engine benchmark on
+# Llama-3-8B and Llama-3.2-1B shapes with random weights. Writes everything under $OUT.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/nori-gpu}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$(python3 scripts/source_tree.py /tmp/nori-src):$PWD"
+nori() { python3 -m nori.cli.main "$@"; }
+
+step() {  # step NAME TIMEOUT_S COMMAND...: one check; a failure does not stop the others
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name" | tee -a "$OUT/summary.txt"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 4 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+  echo "--- $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/summary.txt"
+
+step kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -x tests/kernels
+step engine_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine
+step kernel_bench 120 python3 bench/kernels_gpu.py
+nori model init /tmp/llama3-8b --preset llama3-8b --no-weights >/dev/null
+# A 4 GiB KV pool (2048 blocks of 16 tokens at 128 KiB per token): what a 24 GB card holds next
+# to 16 GB of 8B weights. Continuous and static batching share it, and max_num_seqs 256.
+step bench_8b 300 python3 -m nori.cli.main bench offline --model /tmp/llama3-8b --load-format dummy \
+  --num-prompts 128 --input-len-range 32:512 --output-len-range 16:512 --compare-static --json \
+  --num-kv-blocks 2048
+grep -h '^{' "$OUT"/bench_*.log >"$OUT/bench.jsonl" || true
