@@ -26,13 +26,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/summary.txt"
 
-step kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -x tests/kernels
-step engine_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine
-step kernel_bench 120 python3 bench/kernels_gpu.py
+step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 nori model init /tmp/llama3-8b --preset llama3-8b --no-weights >/dev/null
 # A 4 GiB KV pool (2048 blocks of 16 tokens at 128 KiB per token): what a 24 GB card holds next
 # to 16 GB of 8B weights. Continuous and static batching share it, and max_num_seqs 256.
-step bench_8b 300 python3 -m nori.cli.main bench offline --model /tmp/llama3-8b --load-format dummy \
+step bench_8b 240 python3 -m nori.cli.main bench offline --model /tmp/llama3-8b --load-format dummy \
   --num-prompts 128 --input-len-range 32:512 --output-len-range 16:512 --compare-static --json \
   --num-kv-blocks 2048
+step engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
+step kernel_bench 60 python3 bench/kernels_gpu.py
 grep -h '^{' "$OUT"/bench_*.log >"$OUT/bench.jsonl" || true
