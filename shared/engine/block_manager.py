@@ -151,7 +151,7 @@ class BlockManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
-        for index in range(num_full):
+        for index in range(request.num_published_blocks, num_full):
             block = self.blocks[request.block_ids[index]]
             if block.block_hash is not None:
                 continue
@@ -164,6 +164,7 @@ class BlockManager:
             block.token_ids = tuple(request.token_ids[start : start + self.block_size])
             self._cached[block_hash] = block.block_id
             self._record(BlockEventKind.STORED, block_hash)
+        request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks; ones that reach ref_count 0 join the queue's back.
@@ -177,6 +178,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free_queue[block_id] = None
         request.block_ids = []
+        request.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block nobody uses (in-use blocks keep their hash)."""

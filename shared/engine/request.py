@@ -57,6 +57,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Chained content hashes of this request's full blocks, extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of block_ids already offered to the prefix cache (skipped next time).
+    num_published_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self) -> None:

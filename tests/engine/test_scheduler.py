@@ -11,6 +11,7 @@ from tests.engine.helpers import make_request
 def make_scheduler(
     num_blocks: int = 16, block_size: int = 4, max_seqs: int = 8, budget: int = 16, **kwargs: object
 ) -> Scheduler:
+    kwargs.setdefault("admission_watermark", 0.0)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, **kwargs)  # type: ignore[arg-type]
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
@@ -155,3 +156,18 @@ def test_static_batch_is_limited_by_the_padded_reservation() -> None:
         scheduler.add(make_request(name, [1] * 8))
     # Each member needs 16 tokens = 4 blocks: only two fit in 8 blocks.
     assert [r for r, _ in plan(run_step(scheduler))] == ["a", "b"]
+
+
+def test_admission_leaves_a_watermark_while_others_run() -> None:
+    scheduler = make_scheduler(num_blocks=10, block_size=4, budget=64, admission_watermark=0.2)
+    a = make_request("a", list(range(20)))  # 5 blocks
+    b = make_request("b", list(range(100, 112)))  # 3 blocks: would leave 2 free, the watermark
+    c = make_request("c", list(range(200, 205)))  # 2 blocks: would leave 0 free
+    for request in (a, b, c):
+        scheduler.add(request)
+    assert plan(run_step(scheduler)) == [("a", 20), ("b", 12)]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    # Alone, a request may take the whole pool: the watermark protects running requests only.
+    alone = make_scheduler(num_blocks=5, block_size=4, budget=64, admission_watermark=0.5)
+    alone.add(make_request("d", list(range(20))))
+    assert plan(run_step(alone)) == [("d", 20)]

@@ -99,9 +99,18 @@ def test_strided_query_and_odd_head_dim() -> None:
     )
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 1)])
-def test_reference_matches_dense_attention(num_heads: int, num_kv_heads: int) -> None:
-    lengths = [1, 7, 8, 29]
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "lengths"),
+    [
+        (2, 2, [1, 7, 8, 29]),
+        (4, 1, [1, 7, 8, 29]),
+        # More sequences than one length group: exercises the sort-and-group path.
+        (4, 2, [(i * 37) % 61 + 1 for i in range(40)]),
+    ],
+)
+def test_reference_matches_dense_attention(
+    num_heads: int, num_kv_heads: int, lengths: list[int]
+) -> None:
     ctx = random_paged_context(lengths, num_kv_heads, 8, 8)
     query = _query(len(lengths), num_heads, 8, torch.float32)
     out = paged_decode_attention_reference(
