@@ -1,9 +1,12 @@
 """Offline throughput: continuous batching, and optionally static batching on the same prompts.
 
-Static batching here is the classic scheme: a batch is formed only when the previous one has
-completely finished (it waits for its longest member), and each member reserves KV memory for its
-whole prompt + max_tokens up front, since it cannot grow later. Both runs share the loaded model,
-the KV pool size, max_num_seqs and the token budget; each starts with an empty prefix cache.
+Static batching here is the classic scheme of a [batch, max_len] tensor: a batch is formed only
+when the previous one has completely finished (it waits for its longest member); every member
+reserves KV memory for the batch's longest prompt plus its largest max_tokens up front, since it
+cannot grow later; and a member that finishes early keeps its row, computing padding tokens,
+until the batch ends. (Prompts are not padded: that part of a real static batch's waste is left
+out.) Both runs share the loaded model, the KV pool, max_num_seqs and the token budget; each
+starts with an empty prefix cache.
 """
 
 from __future__ import annotations

@@ -110,12 +110,20 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(output, self._generators(output))
         self.scheduler.update(output)
-        return [self._postprocess(token) for token in sampled]
+        outputs = []
+        for token in sampled:
+            if token.request.status.is_finished:
+                # A static batch's padding row: computed like the others, reported to nobody.
+                token.request.append_token(token.token_id)
+            else:
+                outputs.append(self._postprocess(token))
+        return outputs
 
     def _generators(self, output: SchedulerOutput) -> dict[str, torch.Generator]:
         generators = {}
         for item in output.scheduled:
-            generator = self._live[item.request.request_id].generator
+            live = self._live.get(item.request.request_id)
+            generator = live.generator if live is not None else None
             if generator is not None:
                 generators[item.request.request_id] = generator
         return generators

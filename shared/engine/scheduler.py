@@ -85,6 +85,8 @@ class Scheduler:
     running: list[Request] = field(default_factory=list, init=False)
     # Requests whose blocks are reserved or held outside the running batch (RESERVED, PREFILLED).
     held: dict[str, Request] = field(default_factory=dict, init=False)
+    # Static policy: finished members that keep their row until the whole batch is done.
+    padding_rows: set[str] = field(default_factory=set, init=False)
 
     # ------------------------------------------------------------------------- requests
 
@@ -107,7 +109,26 @@ class Scheduler:
         return request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request wherever it is and frees its blocks at once."""
+        """Ends a request wherever it is and frees its blocks at once.
+
+        Under the static policy a member that stops early (not an abort) keeps its row, computing
+        padding tokens as a [batch, max_len] tensor would, until the batch's last member stops.
+        """
+        if (
+            self.config.policy == "static"
+            and status is not RequestStatus.FINISHED_ABORTED
+            and request in self.running
+        ):
+            self.padding_rows.add(request.request_id)
+        else:
+            self._release(request)
+        request.status = status
+        if self.padding_rows and len(self.padding_rows) == len(self.running):
+            for row in list(self.running):
+                self._release(row)
+
+    def _release(self, request: Request) -> None:
+        self.padding_rows.discard(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -115,7 +136,6 @@ class Scheduler:
         self.held.pop(request.request_id, None)
         self.block_manager.free(request)
         self.static_max_new_tokens.pop(request.request_id, None)
-        request.status = status
 
     def requests(self) -> Iterator[Request]:
         """Every request the scheduler knows, in no particular order."""
@@ -125,6 +145,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests still to run, padding rows of a static batch included."""
         return len(self.running) + len(self.waiting)
 
     # ------------------------------------------------------------------------- one step
@@ -211,6 +232,10 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
 
     def _preempt(self, request: Request) -> None:
+        if request.request_id in self.padding_rows:
+            # A finished row that outgrew its reservation: nothing to recompute, just drop it.
+            self._release(request)
+            return
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0

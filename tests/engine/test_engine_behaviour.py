@@ -133,3 +133,26 @@ def test_chat_uses_the_template(llm: LLM) -> None:
         [{"role": "user", "content": "hello"}], add_generation_prompt=True
     )
     assert output.prompt_token_ids == llm.tokenizer.encode(rendered)
+
+
+def test_static_policy_gives_the_same_tokens_and_frees_everything(tmp_path: Path) -> None:
+    init_checkpoint(tmp_path, "tiny", seed=4)
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)
+    ]
+    continuous = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4)
+    static = LLM(
+        str(tmp_path),
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_seqs=4,
+        scheduling_policy="static",
+    )
+    expected = continuous.generate(prompts, params)
+    got = static.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [len(o.token_ids) for o in got] == [p.max_tokens for p in params]
+    static.engine.block_manager.check_invariants([])
+    assert static.engine.num_free_blocks == 64

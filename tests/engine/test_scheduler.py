@@ -142,9 +142,14 @@ def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle
     assert requests["c"].block_ids == [6, 7, 8]
     scheduler.finish(requests["a"], RequestStatus.FINISHED_LENGTH)
     scheduler.finish(requests["c"], RequestStatus.FINISHED_LENGTH)
-    # d waits although slots and blocks are free: b, the batch's longest member, still runs.
-    assert plan(run_step(scheduler)) == [("b", 1)]
+    # d waits although a and c are done: b, the batch's longest member, still runs, and a and c
+    # keep their rows (and blocks), computing padding, as a [batch, max_len] tensor would.
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1), ("c", 1)]
+    assert requests["a"].block_ids == [0, 1, 2]
+    assert requests["a"].status is RequestStatus.FINISHED_LENGTH
     scheduler.finish(requests["b"], RequestStatus.FINISHED_LENGTH)
+    assert all(r.block_ids == [] for r in requests.values() if r.request_id != "d")
+    assert scheduler.block_manager.num_free_blocks == 16 - 0
     assert plan(run_step(scheduler)) == [("d", 1)]
     assert len(requests["d"].block_ids) == 1
 
@@ -156,6 +161,20 @@ def test_static_batch_is_limited_by_the_padded_reservation() -> None:
         scheduler.add(make_request(name, [1] * 8))
     # Each member needs 16 tokens = 4 blocks: only two fit in 8 blocks.
     assert [r for r, _ in plan(run_step(scheduler))] == ["a", "b"]
+
+
+def test_static_abort_frees_at_once_and_ends_a_batch_of_padding() -> None:
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=4, budget=64, policy="static")
+    a, b = make_request("a", [1, 2, 3]), make_request("b", [4, 5, 6])
+    for request in (a, b):
+        scheduler.static_max_new_tokens[request.request_id] = 4
+        scheduler.add(request)
+    run_step(scheduler)
+    scheduler.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert a.block_ids != [] and "a" in scheduler.padding_rows
+    scheduler.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert a.block_ids == [] and b.block_ids == [] and not scheduler.running
+    scheduler.block_manager.check_invariants(scheduler.requests())
 
 
 def test_admission_leaves_a_watermark_while_others_run() -> None:
