@@ -6,7 +6,7 @@ import torch
 
 from nori.models.config import ModelConfig
 
-_HALF_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,14 +20,14 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:
     if name != "auto":
-        dtype = _HALF_TYPES[name]
+        dtype = _DTYPES[name]
         if device.type == "cpu" and dtype is not torch.float32:
             raise ValueError(f"dtype {name} is not supported on CPU; use float32")
         return dtype
     if device.type == "cpu":
         # CPU kernels for half types are slow and inexact; float32 is the CPU's native type.
         return torch.float32
-    checkpoint_dtype = _HALF_TYPES.get(str(model.torch_dtype or "").replace("torch.", ""))
-    if checkpoint_dtype in (torch.float16, torch.bfloat16):
-        return checkpoint_dtype
+    if model.dtype in (torch.float16, torch.bfloat16):
+        return model.dtype
+    # A float32 checkpoint is served in bfloat16 on GPU, as vLLM does by default.
     return torch.bfloat16

@@ -31,9 +31,6 @@ def should_use_triton(use_triton: bool | None, tensors: Sequence[torch.Tensor]) 
     return use_triton
 
 
-_JITTED: dict[tuple[Callable[..., Any], str], Any] = {}
-
-
 def jit(fn: Callable[..., Any]) -> Any:
     """Wraps `fn` with triton.jit on first use rather than at import.
 
@@ -41,14 +38,15 @@ def jit(fn: Callable[..., Any]) -> Any:
     the variable) lets tests switch the interpreter on after nori.kernels was imported, and keeps
     the import free of Triton.
     """
-    key = (fn, os.environ.get("TRITON_INTERPRET", ""))
-    kernel = _JITTED.get(key)
-    if kernel is None:
-        import triton
+    return _jit_for_mode(fn, os.environ.get("TRITON_INTERPRET", ""))
 
-        kernel = triton.jit(fn)
-        _JITTED[key] = kernel
-    return kernel
+
+@functools.cache
+def _jit_for_mode(fn: Callable[..., Any], interpret: str) -> Any:
+    # `interpret` is only part of the cache key: triton.jit reads the variable itself.
+    import triton
+
+    return triton.jit(fn)
 
 
 def cdiv(a: int, b: int) -> int:
