@@ -75,7 +75,7 @@ class LLMEngine:
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(prompt_ids, params)
+        self._validate_prompt(prompt_ids)
         request = Request(
             request_id,
             prompt_ids,
@@ -228,7 +228,7 @@ class LLMEngine:
         if state.request_id in self._live:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         params = state.sampling_params
-        self._validate_prompt(state.prompt_token_ids, params)
+        self._validate_prompt(state.prompt_token_ids)
         request = Request(
             state.request_id,
             list(state.prompt_token_ids),
@@ -282,7 +282,7 @@ class LLMEngine:
         self._live[request.request_id] = live
         return live
 
-    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab_size = self.model_config.vocab_size
