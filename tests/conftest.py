@@ -7,8 +7,26 @@ TRITON_INTERPRET when a function is decorated: set it before anything is importe
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real Redis: REDIS_URL when reachable, else a private redis-server on a free port."""
+    from nori.state.redis_server import RedisUnavailable, resolve_redis_url
+
+    try:
+        url, server = resolve_redis_url(os.environ.get("REDIS_URL") or None)
+    except RedisUnavailable as error:
+        pytest.skip(f"no Redis for this test: {error}")
+    try:
+        yield url
+    finally:
+        if server is not None:
+            server.stop()

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from nori.cli import bench, generate, model
+from nori.cli import bench, generate, model, serve, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(subparsers)
     model.register(subparsers)
     bench.register(subparsers)
+    serve.register(subparsers)
+    up.register(subparsers)
     return parser
 
 

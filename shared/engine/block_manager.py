@@ -89,6 +89,10 @@ class BlockManager:
         free = len(self._free_queue) - cached
         return BlockUsage(free=free, cached=cached, in_use=self.num_blocks - len(self._free_queue))
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """Hashes of every block the prefix cache can serve now (for a directory to refresh)."""
+        return list(self._cached)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

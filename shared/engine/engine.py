@@ -247,6 +247,56 @@ class LLMEngine:
         self.scheduler.hold(request, RequestStatus.RESERVED)
         return list(request.block_ids[: state.num_blocks])
 
+    def reserve_prompt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Decode side of a transfer, before the prefill has run: blocks for the prompt's K/V.
+
+        The reservation also covers the first sampled token, computed right after activation.
+        Returns the block ids the prompt's K/V goes into, in order, or None when the pool has no
+        room now. `complete_transfer` finishes the hand-over; `abort_request` frees the blocks.
+        """
+        state = TransferState(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=[],
+            sampling_params=params,
+            num_computed_tokens=len(prompt_token_ids),
+            block_size=self.config.block_size,
+        )
+        if self.reserve_request(state) is None:
+            return None
+        request = self._live[request_id].request
+        # reserve_request sized for the known tokens; leave room for the first sampled one too.
+        if not self.block_manager.allocate(request, 1):
+            self.abort_request(request_id)
+            return None
+        return list(request.block_ids[: state.num_blocks])
+
+    def complete_transfer(
+        self, request_id: str, output_token_ids: list[int], generator_state: bytes | None
+    ) -> None:
+        """The K/V of a `reserve_prompt` request has arrived with its first token(s): decode it.
+
+        The first token was already reported by the prefill side, so it counts as emitted here;
+        the detokenizer still sees it, so the text of later tokens continues it exactly.
+        """
+        live = self._live.get(request_id)
+        if live is None or live.request.status is not RequestStatus.RESERVED:
+            raise ValueError(f"request {request_id!r} has no reserved blocks")
+        request = live.request
+        if request.output_token_ids:
+            raise ValueError(f"request {request_id!r} already has its first token")
+        for token_id in output_token_ids:
+            request.append_token(token_id)
+            live.text += live.detokenizer.add_token(token_id).new_text
+        live.num_emitted_tokens = len(request.output_token_ids)
+        live.num_emitted_chars = len(live.text)
+        if live.generator is not None and generator_state is not None:
+            state = torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
+            live.generator.set_state(state)
+        self.activate_request(request_id)
+
     def write_request_kv(self, request_id: str, blocks: torch.Tensor) -> None:
         request = self._live[request_id].request
         if request.status is not RequestStatus.RESERVED:

@@ -63,8 +63,13 @@ class LLM:
             batch = [list(conversations)]  # type: ignore[arg-type]
         else:
             batch = [list(c) for c in conversations]  # type: ignore[arg-type]
+        # Templates write their own BOS; encoding must not add a second one (as vLLM does).
+        tokenizer = self.engine.tokenizer
         prompts: list[Prompt] = [
-            self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            tokenizer.encode(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
             for messages in batch
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

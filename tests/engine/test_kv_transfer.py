@@ -123,3 +123,53 @@ def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
         other_block_size.reserve_request(export.state)
     with pytest.raises(ValueError, match="not a prefilled request"):
         prefill_engine.export_request("nope")
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded-top-p", "seeded-penalty"])
+def test_reserve_before_prefill_then_complete_is_token_identical(
+    checkpoint: Path, params: SamplingParams
+) -> None:
+    """The cluster's order: the decode side reserves first, the K/V lands in those blocks."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 8, 17, 40)]
+    expected = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).generate(
+        prompts, params
+    )
+    prefill_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64).engine
+    decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=96).engine
+    free_before = decode_engine.num_free_blocks
+    reserved = {}
+    for index, prompt in enumerate(prompts):
+        block_ids = decode_engine.reserve_prompt(f"req-{index}", prompt, params)
+        assert block_ids is not None and len(block_ids) == -(-len(prompt) // 8)
+        reserved[f"req-{index}"] = block_ids
+    # Room for the first sampled token is part of the reservation.
+    assert free_before - decode_engine.num_free_blocks == sum(
+        -(-(len(p) + 1) // 8) for p in prompts
+    )
+
+    ids = prefill(prefill_engine, prompts, params)
+    first_tokens = {}
+    for request_id in ids:
+        export = prefill_engine.export_request(request_id)
+        prefill_engine.release_request(request_id)
+        # What a transport does: write each block straight into the reserved cache blocks.
+        cache = decode_engine.runner.kv_cache.data
+        for position, block_id in enumerate(reserved[request_id]):
+            cache[:, :, block_id].copy_(export.blocks[:, :, position])
+        first_tokens[request_id] = export.state.output_token_ids
+        decode_engine.complete_transfer(
+            request_id, export.state.output_token_ids, export.state.generator_state
+        )
+
+    finished = run_to_completion(decode_engine)
+    for request_id, reference in zip(ids, expected, strict=True):
+        got = finished[request_id]
+        assert got.token_ids == reference.token_ids
+        assert got.text == reference.text
+        # The first token was reported by the prefill side; decode reports the rest.
+        assert got.token_ids[:1] == first_tokens[request_id]
+    assert decode_engine.num_free_blocks == free_before
+    decode_engine.block_manager.check_invariants([])
+    with pytest.raises(ValueError, match="no reserved blocks"):
+        decode_engine.complete_transfer("req-0", [1], None)

@@ -1,0 +1,1 @@
+"""Code generated from the nori.v1 gRPC contracts in this folder."""

@@ -1,0 +1,166 @@
+"""DecodeService: reserve blocks under a lease, take the KV in, stream tokens out.
+
+One Generate call is one request's whole life on this worker, so cancelling the call (a client
+that went away, a gateway giving up) is what frees the request's blocks, wherever it was.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
+from nori.engine.engine import LLMEngine
+from nori.rpc.convert import delta_from_output, params_from_proto
+from nori.serving.engine_thread import EngineThread
+from nori.serving.output_streams import OutputStreams
+from nori.serving.state_recorder import StateRecorder
+from nori.transfer.base import TransferRejected
+from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        engine: EngineThread,
+        streams: OutputStreams,
+        sink: DecodeKVSink | None,
+        states: StateRecorder | None,
+        transfer_address: str,
+        lease_s: float,
+        is_draining: Callable[[], bool],
+    ) -> None:
+        self._worker_id = worker_id
+        self._engine = engine
+        self._streams = streams
+        self._sink = sink
+        self._states = states
+        self._transfer_address = transfer_address
+        self._lease_s = lease_s
+        self._is_draining = is_draining
+        self.active: set[str] = set()
+        self.num_requests = 0
+
+    async def Generate(
+        self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        request_id = request.request_id
+        if self._is_draining():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
+        if not request.compute_prompt and self._sink is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no KV transfers"
+            )
+        try:
+            params = params_from_proto(request.params)
+            queue = self._streams.open(request_id)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        prompt = list(request.prompt_token_ids)
+        self.active.add(request_id)
+        self.num_requests += 1
+        finished = False
+        try:
+            if request.compute_prompt:
+                await self._call(
+                    context, lambda engine: engine.add_request(request_id, prompt, params)
+                )
+            else:
+                block_ids = await self._call(
+                    context, lambda engine: engine.reserve_prompt(request_id, prompt, params)
+                )
+                if block_ids is None:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker"
+                    )
+                assert self._sink is not None and block_ids is not None
+                self._sink.expect(request_id, block_ids, self._lease_s)
+                yield decode_pb2.GenerateResponse(
+                    reservation=decode_pb2.Reservation(
+                        worker_id=self._worker_id,
+                        transfer_address=self._transfer_address,
+                        block_ids=block_ids,
+                        lease_seconds=self._lease_s,
+                    )
+                )
+                metadata = await self._receive(request_id, context)
+                self._record(request_id, "decoding")
+                first_tokens = [int(t) for t in metadata["output_token_ids"]]
+                state = metadata.get("generator_state")
+                generator_state = base64.b64decode(state) if isinstance(state, str) else None
+                await self._call(
+                    context,
+                    lambda engine: engine.complete_transfer(
+                        request_id, first_tokens, generator_state
+                    ),
+                )
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                delta: common_pb2.TokenDelta = delta_from_output(output)
+                yield decode_pb2.GenerateResponse(delta=delta)
+        finally:
+            self._streams.close(request_id)
+            if self._sink is not None:
+                self._sink.forget(request_id)
+            if not finished:
+                # Cancelled, expired or failed: free the blocks now, whatever state they are in.
+                self._engine.submit(lambda engine: engine.abort_request(request_id))
+            self.active.discard(request_id)
+
+    async def _receive(
+        self, request_id: str, context: grpc.aio.ServicerContext
+    ) -> dict[str, Any]:
+        assert self._sink is not None
+        try:
+            return await self._sink.wait(request_id)
+        except LeaseExpired as error:
+            self._record(request_id, "failed", error=str(error))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
+        except (TransferRejected, TimeoutError) as error:
+            self._record(request_id, "failed", error=str(error))
+            await context.abort(grpc.StatusCode.ABORTED, str(error) or "the KV transfer timed out")
+        raise AssertionError("unreachable")
+
+    async def _call(
+        self, context: grpc.aio.ServicerContext, operation: Callable[[LLMEngine], T]
+    ) -> T:
+        """Runs an engine operation; a ValueError (bad input) ends the call as INVALID_ARGUMENT."""
+        try:
+            return await self._engine.call(operation)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("unreachable")
+
+    def _record(self, request_id: str, state: str, **fields: str) -> None:
+        if self._states is not None:
+            self._states.record(request_id, state, decode_worker=self._worker_id, **fields)
+
+    async def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerStats:
+        load = self._engine.load
+        sink = self._sink
+        return common_pb2.WorkerStats(
+            worker_id=self._worker_id,
+            role="decode" if sink is not None else "colocated",
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            kv_bytes_received=sink.bytes_received if sink is not None else 0,
+            num_transfers=sink.transfers_completed if sink is not None else 0,
+            num_requests=self.num_requests,
+            draining=bool(self._is_draining()),
+            num_requests_holding_blocks=load.num_requests_holding_blocks,
+        )
+

@@ -1,0 +1,103 @@
+"""The decode worker process: a paged continuous-batching engine fed by KV transfers.
+
+`colocated` turns it into the single-worker baseline: it computes prompts itself and takes no
+transfers (`nori up --colocated`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from nori.decode.kv_sink import DecodeKVSink
+from nori.decode.servicer import DecodeServicer
+from nori.engine.config import EngineConfig
+from nori.engine.engine import LLMEngine
+from nori.serving.engine_thread import EngineThread
+from nori.serving.output_streams import OutputStreams
+from nori.serving.state_recorder import StateRecorder
+from nori.serving.worker_runtime import Worker, WorkerOptions
+from nori.state.requests import RequestStateStore
+from nori.transfer.base import KVReceiver
+from nori.transfer.select import make_receiver
+from nori.v1 import decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(Worker):
+    service_names = ("nori.v1.DecodeService",)
+
+    def __init__(
+        self,
+        options: WorkerOptions,
+        engine_config: EngineConfig,
+        transport: str = "auto",
+        transfer_port: int = 0,
+        lease_s: float = 10.0,
+        colocated: bool = False,
+    ) -> None:
+        self.role = "colocated" if colocated else "decode"
+        super().__init__(options)
+        self.engine_config = engine_config
+        self.transport = transport
+        self.transfer_port = transfer_port
+        self.lease_s = lease_s
+        self.colocated = colocated
+        self._engine: EngineThread | None = None
+        self._receiver: KVReceiver | None = None
+        self._sink: DecodeKVSink | None = None
+        self._servicer: DecodeServicer | None = None
+
+    async def start_role(self) -> None:
+        engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        streams = OutputStreams()
+        self._engine = EngineThread(engine, asyncio.get_running_loop(), streams.dispatch)
+        self._engine.start()
+        if not self.colocated:
+            self._sink = DecodeKVSink(engine.runner.kv_cache.data)
+            self._receiver = make_receiver(self.transport, self._sink)
+            self.transfer_address = await self._receiver.start(
+                host=self.options.host,
+                port=self.transfer_port,
+                advertise_host=self.options.resolved_advertise_host(),
+            )
+        assert self.redis is not None
+        states = StateRecorder(RequestStateStore(self.redis, self.keys))
+        self._servicer = DecodeServicer(
+            worker_id=self.worker_id,
+            engine=self._engine,
+            streams=streams,
+            sink=self._sink,
+            states=states,
+            transfer_address=self.transfer_address,
+            lease_s=self.lease_s,
+            is_draining=lambda: self.draining,
+        )
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        assert self._servicer is not None
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self._servicer, server)
+
+    def num_active_requests(self) -> int:
+        return len(self._servicer.active) if self._servicer is not None else 0
+
+    def load_info(self) -> dict[str, int]:
+        if self._engine is None:
+            return {}
+        load = self._engine.load
+        return {
+            "num_running": load.num_running,
+            "num_waiting": load.num_waiting,
+            "num_free_blocks": load.num_free_blocks,
+            "num_total_blocks": load.num_total_blocks,
+            "kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0,
+        }
+
+    async def stop_role(self) -> None:
+        if self._receiver is not None:
+            await self._receiver.close()
+        if self._engine is not None:
+            await self._engine.stop()

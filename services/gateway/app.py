@@ -1,0 +1,158 @@
+"""The gateway's FastAPI app: OpenAI routes, health and metrics over any `Backend`.
+
+`create_app` is all a launcher needs: hand it a backend, the served model's tokenizer and its
+context length. The app owns the backend from then on and closes it at shutdown (unless told
+not to), so a server started with uvicorn cleans up on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from nori.gateway.backend import Backend
+from nori.gateway.errors import APIError, as_api_error, install_error_handlers
+from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
+from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from nori.gateway.serving import ServingContext, create_chat_completion, create_completion
+from nori.sampling.tokenizer import Tokenizer
+
+logger = logging.getLogger("nori.gateway")
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+# Token id -> text lookups are repeated for every logprob; the cache is bounded by the
+# vocabulary in practice, and by this in the worst case.
+_TOKEN_TEXT_CACHE_SIZE = 1 << 18
+
+
+def create_app(
+    backend: Backend,
+    tokenizer: Tokenizer,
+    served_model_name: str,
+    max_model_len: int,
+    *,
+    vocab_size: int | None = None,
+    extra_metrics: ExtraMetrics | None = None,
+    close_backend_on_shutdown: bool = True,
+) -> FastAPI:
+    """The OpenAI-compatible app for one served model.
+
+    `max_model_len`: the longest prompt + output the backend accepts; longer requests are
+    refused with a 400 before they reach the backend. `vocab_size`: prompt token ids must be
+    below it (default: the tokenizer's size; pass the model's when its embedding is larger).
+    `extra_metrics`: awaited on each GET /metrics; its Prometheus text is appended (the cluster
+    backend's per-worker figures).
+    """
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    metrics = GatewayMetrics(
+        frozenset((COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, MODELS_PATH, HEALTH_PATH, METRICS_PATH))
+    )
+    tasks: set[asyncio.Task[None]] = set()
+
+    @lru_cache(maxsize=_TOKEN_TEXT_CACHE_SIZE)
+    def token_text(token_id: int) -> str:
+        # Decoded alone, as vLLM reports logprob tokens: " the" rather than "Ġthe".
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    ctx = ServingContext(
+        backend=backend,
+        tokenizer=tokenizer,
+        model_name=served_model_name,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size if vocab_size is not None else tokenizer.vocab_size,
+        metrics=metrics,
+        tasks=tasks,
+        token_text=token_text,
+    )
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        for task in list(tasks):
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if close_backend_on_shutdown:
+            await backend.close()
+
+    app = FastAPI(title="Nori gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+
+    @app.post(COMPLETIONS_PATH, response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            return await create_completion(ctx, body, request)
+        except Exception as error:
+            # Converted here rather than by an exception handler: Starlette re-raises what
+            # reaches its catch-all handler, and an expected 429 should not log a traceback.
+            return as_api_error(error).response()
+
+    @app.post(CHAT_COMPLETIONS_PATH, response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            return await create_chat_completion(ctx, body, request)
+        except Exception as error:
+            return as_api_error(error).response()
+
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=served_model_name,
+            created=created,
+            root=served_model_name,
+            max_model_len=max_model_len,
+        )
+
+    @app.get(MODELS_PATH)
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get(MODELS_PATH + "/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        if model_id != served_model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"The model `{model_id}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(model_card().model_dump())
+
+    @app.get(HEALTH_PATH)
+    async def health() -> JSONResponse:
+        try:
+            state = await backend.health()
+        except Exception as error:
+            logger.warning("backend health check failed: %s", error)
+            body = {"status": "unhealthy", "workers": {}, "detail": f"health check failed: {error}"}
+            return JSONResponse(body, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        body = {
+            "status": "ok" if state.healthy else "unhealthy",
+            "workers": dict(state.workers),
+            "detail": state.detail,
+        }
+        status = HTTPStatus.OK if state.healthy else HTTPStatus.SERVICE_UNAVAILABLE
+        return JSONResponse(body, status_code=status)
+
+    @app.get(METRICS_PATH)
+    async def metrics_text() -> PlainTextResponse:
+        text = await metrics.render(extra_metrics)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app

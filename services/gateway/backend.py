@@ -1,0 +1,90 @@
+"""What the HTTP layer needs from whatever runs the model: one streaming call per request.
+
+The OpenAI protocol code (`app.py`, `protocol.py`) knows nothing about gRPC, Redis or routing; it
+hands a tokenised `GenerationRequest` to a `Backend` and turns the chunks that come back into
+OpenAI JSON or SSE. The cluster backend (`cluster.py`) routes to prefill and decode workers; tests
+of pure protocol logic may use a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nori.sampling.logprobs import TokenLogprobs
+from nori.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """What one request gained since the previous chunk (a delta), as the engine reports it."""
+
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    # "stop", "length" or "abort" once finished.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the request, if one did.
+    stop_reason: str | int | None = None
+    # One entry per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
+    # Prompt tokens served from a prefix cache (for usage.prompt_tokens_details).
+    num_cached_tokens: int = 0
+
+
+class BackendError(Exception):
+    """A request the backend could not serve; the HTTP layer maps it to an OpenAI error."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+class InvalidRequestError(BackendError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class SaturatedError(BackendError):
+    """No capacity now: answered 503 with Retry-After (429 when the caller's own queue is full)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(SaturatedError):
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    healthy: bool
+    # Per role, how many workers are live: {"prefill": 1, "decode": 2}.
+    workers: dict[str, int] = field(default_factory=dict)
+    detail: str = ""
+
+
+class Backend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's chunks; the last one has finished=True.
+
+        Closing the iterator early (client disconnect) must cancel the request everywhere and free
+        its KV blocks. Raises a BackendError subclass for requests it cannot serve.
+        """
+        ...
+
+    async def health(self) -> BackendHealth: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,368 @@
+"""The cluster backend: route each request to a prefill and a decode worker over gRPC.
+
+Path of one request: pick a decode worker (free blocks, load) and open its Generate stream, which
+answers with a reservation (block ids under a lease, and a transfer address); pick a prefill
+worker (longest cached prefix from the Redis block directory, then load) and call Prefill with
+that destination. The prefill worker sends the KV blocks straight to the decode worker and
+returns the first token; the decode stream carries the rest. Closing the iterator cancels both
+calls, and cancelling a call frees the request's blocks on that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from redis.asyncio import Redis
+
+from nori.gateway.backend import (
+    BackendError,
+    BackendHealth,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    QueueFullError,
+    SaturatedError,
+)
+from nori.gateway.router import Router
+from nori.rpc.convert import logprobs_from_proto, params_to_proto, stop_reason_from_proto
+from nori.serving.state_recorder import StateRecorder
+from nori.serving.worker_runtime import GRPC_OPTIONS
+from nori.state.block_directory import BlockDirectory, prompt_block_hashes
+from nori.state.keys import Keys
+from nori.state.registry import WorkerInfo, WorkerRegistry
+from nori.state.requests import RequestStateStore
+from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class UpstreamTimeoutError(BackendError):
+    status_code = 504
+    error_type = "timeout"
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    redis_url: str
+    namespace: str = "nori"
+    # Must match the workers' block size: the gateway hashes prompts into blocks to look them up.
+    block_size: int = 16
+    refresh_s: float = 0.5
+    max_in_flight: int = 4096
+    # Decode workers to try when one answers that its pool is full.
+    decode_attempts: int = 3
+
+
+def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
+    return GenerationChunk(
+        new_token_ids=list(delta.token_ids),
+        new_text=delta.text,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason or None,
+        stop_reason=stop_reason_from_proto(delta),
+        logprobs=[logprobs_from_proto(entry) for entry in delta.logprobs] or None,
+        num_cached_tokens=delta.num_cached_tokens,
+    )
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return SaturatedError(f"{worker}: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError(f"{worker}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return SaturatedError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+    return BackendError(f"{worker} failed ({code.name}): {details}")
+
+
+class ClusterBackend:
+    def __init__(self, options: ClusterOptions) -> None:
+        self.options = options
+        self.router = Router(block_size=options.block_size)
+        self.workers: list[WorkerInfo] = []
+        self._redis: Redis | None = None
+        self._registry: WorkerRegistry | None = None
+        self._directory: BlockDirectory | None = None
+        self._states: StateRecorder | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        self._num_in_flight = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        keys = Keys(self.options.namespace)
+        self._redis = Redis.from_url(self.options.redis_url)
+        self._registry = WorkerRegistry(self._redis, keys)
+        self._directory = BlockDirectory(self._redis, keys)
+        self._states = StateRecorder(RequestStateStore(self._redis, keys))
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self._states is not None:
+            await self._states.flush()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def refresh(self) -> None:
+        """Reads the registry: workers join and leave while the gateway runs."""
+        assert self._registry is not None
+        self.workers = await self._registry.list_workers()
+        live = {worker.grpc_address for worker in self.workers}
+        for address in [a for a in self._channels if a not in live]:
+            await self._channels.pop(address).close()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.warning("could not read the worker registry", exc_info=True)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def health(self) -> BackendHealth:
+        counts: dict[str, int] = {}
+        for worker in self.workers:
+            if not worker.draining:
+                counts[worker.role] = counts.get(worker.role, 0) + 1
+        disaggregated = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
+        healthy = disaggregated or counts.get("colocated", 0) > 0
+        detail = "" if healthy else "waiting for prefill and decode workers to register"
+        return BackendHealth(healthy=healthy, workers=counts, detail=detail)
+
+    async def worker_stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
+        """Live figures from every registered worker (for /metrics)."""
+
+        async def one(worker: WorkerInfo) -> common_pb2.WorkerStats | None:
+            channel = self._channel(worker.grpc_address)
+            stub: prefill_pb2_grpc.PrefillServiceStub | decode_pb2_grpc.DecodeServiceStub
+            if worker.role == "prefill":
+                stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            else:
+                stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            try:
+                stats: common_pb2.WorkerStats = await stub.GetStats(
+                    common_pb2.StatsRequest(), timeout=timeout_s
+                )
+                return stats
+            except grpc.aio.AioRpcError:
+                return None
+
+        results = await asyncio.gather(*(one(worker) for worker in self.workers))
+        return [stats for stats in results if stats is not None]
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if self._num_in_flight >= self.options.max_in_flight:
+            raise QueueFullError(
+                f"the gateway has {self._num_in_flight} requests in flight (the limit)"
+            )
+        request_id = request.request_id
+        self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
+        self._num_in_flight += 1
+        outcome = "cancelled"
+        num_output_tokens = 0
+        try:
+            async for chunk in self._route(request):
+                num_output_tokens += len(chunk.new_token_ids)
+                yield chunk
+                if chunk.finished:
+                    outcome = "finished"
+        except BackendError as error:
+            outcome = "failed"
+            self._record(request_id, "failed", error=str(error))
+            raise
+        finally:
+            self._num_in_flight -= 1
+            if outcome != "failed":
+                self._record(request_id, outcome, num_output_tokens=num_output_tokens)
+
+    async def _route(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        tried: list[str] = []
+        while True:
+            num_yielded = 0
+            decode = self.router.pick_decode(self.workers, exclude=tried)
+            if decode is None:
+                if tried:
+                    raise SaturatedError("every decode worker's KV pool is full; retry shortly")
+                raise SaturatedError("no decode worker is available")
+            self.router.started(decode.worker_id)
+            try:
+                if decode.role == "colocated":
+                    chunks = self._colocated(request, decode)
+                else:
+                    chunks = self._disaggregated(request, decode)
+                async for chunk in chunks:
+                    num_yielded += 1
+                    yield chunk
+                return
+            except SaturatedError:
+                # Another worker may have room; but never replay a request the client has seen.
+                tried.append(decode.worker_id)
+                if num_yielded or len(tried) >= self.options.decode_attempts:
+                    raise
+            finally:
+                self.router.ended(decode.worker_id)
+
+    async def _colocated(
+        self, request: GenerationRequest, worker: WorkerInfo
+    ) -> AsyncIterator[GenerationChunk]:
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
+        call = stub.Generate(self._generate_request(request, compute_prompt=True))
+        self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
+        try:
+            async for message in _messages(call, worker.worker_id):
+                yield chunk_from_delta(message.delta)
+        finally:
+            call.cancel()
+
+    async def _disaggregated(
+        self, request: GenerationRequest, decode: WorkerInfo
+    ) -> AsyncIterator[GenerationChunk]:
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.grpc_address))
+        decode_call = stub.Generate(self._generate_request(request, compute_prompt=False))
+        prefill_call: grpc.aio.UnaryUnaryCall | None = None
+        read_task: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
+        prefill: WorkerInfo | None = None
+        num_prompt_tokens = len(request.prompt_token_ids)
+        try:
+            reservation = await _read(decode_call, decode.worker_id)
+            if reservation is None or not reservation.HasField("reservation"):
+                raise BackendError(f"{decode.worker_id} did not answer with a reservation")
+            prefill = await self._pick_prefill(request)
+            self.router.started(prefill.worker_id, num_prompt_tokens)
+            self._record(
+                request.request_id,
+                "prefilling",
+                prefill_worker=prefill.worker_id,
+                decode_worker=decode.worker_id,
+            )
+            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.grpc_address))
+            prefill_call = prefill_stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=params_to_proto(request.params),
+                    destination=prefill_pb2.KVDestination(
+                        worker_id=decode.worker_id,
+                        transfer_address=reservation.reservation.transfer_address,
+                        block_ids=reservation.reservation.block_ids,
+                    ),
+                )
+            )
+            # Either side may speak first: the decode stream ends early when the lease runs out
+            # (the prefill worker hangs or died), and may already carry token two before the
+            # prefill answer with token one reaches us.
+            prefill_task = asyncio.ensure_future(_await_call(prefill_call))
+            read_task = asyncio.ensure_future(_read(decode_call, decode.worker_id))
+            try:
+                await asyncio.wait({prefill_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
+                if read_task.done() and not prefill_task.done():
+                    read_task.result()  # raises the decode side's error (an expired lease)
+                response = await prefill_task
+            except grpc.aio.AioRpcError as error:
+                raise error_from_rpc(error, prefill.worker_id) from None
+            finally:
+                prefill_task.cancel()
+            self.router.ended(prefill.worker_id, num_prompt_tokens)
+            prefill = None
+            first = chunk_from_delta(response.first)
+            yield first
+            if first.finished:
+                return
+            message = await read_task
+            while message is not None:
+                yield chunk_from_delta(message.delta)
+                if message.delta.finished:
+                    return
+                message = await _read(decode_call, decode.worker_id)
+            raise BackendError(f"{decode.worker_id} ended the stream before the request finished")
+        finally:
+            if read_task is not None:
+                read_task.cancel()
+            decode_call.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
+            if prefill is not None:
+                self.router.ended(prefill.worker_id, num_prompt_tokens)
+
+    async def _pick_prefill(self, request: GenerationRequest) -> WorkerInfo:
+        assert self._directory is not None
+        candidates = [w for w in self.workers if w.role == "prefill" and not w.draining]
+        if not candidates:
+            raise SaturatedError("no prefill worker is available")
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.options.block_size)
+        try:
+            cached = await self._directory.longest_prefixes(
+                hashes, [w.worker_id for w in candidates]
+            )
+        except Exception:
+            logger.warning("block directory lookup failed; routing by load", exc_info=True)
+            cached = {}
+        chosen = self.router.pick_prefill(candidates, cached, len(request.prompt_token_ids))
+        assert chosen is not None
+        return chosen
+
+    def _generate_request(
+        self, request: GenerationRequest, compute_prompt: bool
+    ) -> decode_pb2.GenerateRequest:
+        return decode_pb2.GenerateRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params_to_proto(request.params),
+            compute_prompt=compute_prompt,
+        )
+
+    def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
+        if self._states is not None:
+            self._states.record(request_id, state, **fields)
+
+
+async def _await_call(call: grpc.aio.UnaryUnaryCall) -> prefill_pb2.PrefillResponse:
+    response: prefill_pb2.PrefillResponse = await call
+    return response
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end; a failed call becomes a BackendError."""
+    try:
+        message = await call.read()
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error, worker) from None
+    if message is grpc.aio.EOF:
+        return None
+    return message
+
+
+async def _messages(
+    call: grpc.aio.UnaryStreamCall, worker: str
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    while (message := await _read(call, worker)) is not None:
+        yield message
+        if message.delta.finished:
+            return
+    raise BackendError(f"{worker} ended the stream before the request finished")

@@ -1,0 +1,236 @@
+"""Request and response bodies of the OpenAI-compatible API (the subset Nori serves).
+
+Requests accept what the OpenAI API and vLLM accept, including vLLM's sampling extensions
+(`top_k`, `min_p`, `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI does, so
+clients that send newer fields keep working; fields we know but cannot honour (`n > 1`,
+`echo`, tools, ...) are rejected in `sampling.py` with a clear message rather than ignored.
+
+Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
+naming the field helps more than a silent coercion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit value; keep to the signed range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**63 - 1
+
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _REQUEST_CONFIG
+
+    # OpenAI requires `model`; vLLM defaults it to the served model, which is friendlier.
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM extension: logprob tokens as "token_id:123", exact even for partial UTF-8 bytes.
+    return_tokens_as_token_ids: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a batch of strings, one tokenized prompt, or a batch of tokenized prompts.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_call_id, ...) go to the chat template untouched, as in vLLM.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[TextContentPart | dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    # The newer OpenAI name; wins over `max_tokens` when both are given.
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    # vLLM extension: the stop string or token id that ended the choice.
+    stop_reason: str | int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _present_fields_only(self) -> dict[str, str]:
+        # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...},
+        # and {} on the chunk that only reports finish_reason.
+        fields = {"role": self.role, "content": self.content}
+        return {key: value for key, value in fields.items() if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nori"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,86 @@
+"""The gateway process: the OpenAI-compatible app over the cluster backend, served by uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+
+from nori.gateway.app import create_app
+from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.models.config import ModelConfig
+from nori.models.demo import resolve_model
+from nori.sampling.tokenizer import Tokenizer
+from nori.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    model: str
+    served_model_name: str
+    redis_url: str
+    host: str = "0.0.0.0"
+    port: int = 8000
+    namespace: str = "nori"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_in_flight: int = 4096
+
+
+def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
+    """Per-worker figures in the Prometheus text format, one sample per worker."""
+    gauges = {
+        "nori_worker_running_requests": ("gauge", "num_running"),
+        "nori_worker_waiting_requests": ("gauge", "num_waiting"),
+        "nori_worker_free_kv_blocks": ("gauge", "num_free_blocks"),
+        "nori_worker_total_kv_blocks": ("gauge", "num_total_blocks"),
+        "nori_worker_kv_bytes_sent_total": ("counter", "kv_bytes_sent"),
+        "nori_worker_kv_bytes_received_total": ("counter", "kv_bytes_received"),
+        "nori_worker_kv_transfers_total": ("counter", "num_transfers"),
+        "nori_worker_requests_total": ("counter", "num_requests"),
+    }
+    lines = []
+    for name, (kind, field) in gauges.items():
+        lines.append(f"# TYPE {name} {kind}")
+        for worker in stats:
+            labels = f'worker_id="{worker.worker_id}",role="{worker.role}"'
+            lines.append(f"{name}{{{labels}}} {getattr(worker, field)}")
+    return "\n".join(lines) + "\n"
+
+
+async def serve_gateway(options: GatewayOptions) -> None:
+    model_dir = resolve_model(options.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model_config = ModelConfig.from_dir(model_dir)
+    max_model_len = options.max_model_len or model_config.max_position_embeddings
+    backend = ClusterBackend(
+        ClusterOptions(
+            redis_url=options.redis_url,
+            namespace=options.namespace,
+            block_size=options.block_size,
+            max_in_flight=options.max_in_flight,
+        )
+    )
+    await backend.start()
+
+    async def extra_metrics() -> str:
+        return worker_metrics_text(await backend.worker_stats())
+
+    app = create_app(
+        backend,
+        tokenizer,
+        options.served_model_name,
+        max_model_len,
+        vocab_size=model_config.vocab_size,
+        extra_metrics=extra_metrics,
+    )
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level="warning", access_log=False
+    )
+    logger.warning(
+        "gateway serving %r on http://%s:%d", options.served_model_name, options.host, options.port
+    )
+    await uvicorn.Server(config).serve()

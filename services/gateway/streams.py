@@ -1,0 +1,191 @@
+"""Running backend streams for one HTTP request, and the SSE response that carries them.
+
+Each prompt's backend iterator is driven by a task of its own and its chunks are merged into one
+queue. Owning each iterator in a task has two purposes: prompts of a batch run concurrently, and
+closing is always possible. An async generator cannot be `aclose()`d while another task is
+inside its `__anext__`; cancelling the task that owns it instead ends the pending step and runs
+the backend's cleanup (which cancels the request) promptly, in a task that is not itself inside
+a cancelled anyio scope, so the backend may still await during cleanup.
+
+The client's disconnect is watched the same way: a task waits on ASGI `receive()` for
+`http.disconnect` and puts a marker into the same queue, so the consumer needs no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from nori.gateway.backend import Backend, BackendError, GenerationChunk, GenerationRequest
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class _Disconnected:
+    """Queue marker: the disconnect watcher saw `http.disconnect`."""
+
+
+class _Done:
+    """Queue marker: one prompt's stream ended after its finished chunk."""
+
+
+_Event = tuple[int, GenerationChunk | _Done] | BaseException | _Disconnected
+
+
+async def close_iterator(iterator: object) -> None:
+    """`aclose()` an async iterator if it has one (async generators do, plain iterators not)."""
+    aclose: Callable[[], Awaitable[Any]] | None = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class GenerationRun:
+    """The backend streams of one HTTP request (one per prompt), merged in arrival order.
+
+    `tasks` is a set owned by the app that keeps the producer tasks referenced (asyncio only
+    keeps weak references to tasks) until they end, even after this object is dropped.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        requests: Sequence[GenerationRequest],
+        tasks: set[asyncio.Task[None]],
+    ) -> None:
+        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._remaining = len(requests)
+        self._tasks = tasks
+        self._producers = [
+            self._spawn(self._produce(backend, i, r)) for i, r in enumerate(requests)
+        ]
+        self._watcher: asyncio.Task[None] | None = None
+
+    def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _produce(self, backend: Backend, index: int, request: GenerationRequest) -> None:
+        iterator: AsyncIterator[GenerationChunk] | None = None
+        try:
+            iterator = backend.generate(request)
+            finished = False
+            async for chunk in iterator:
+                self._queue.put_nowait((index, chunk))
+                if chunk.finished:
+                    finished = True
+                    break
+            if not finished:
+                raise BackendError(f"the backend ended request {request.request_id} early")
+            self._queue.put_nowait((index, _Done()))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            self._queue.put_nowait(error)
+        finally:
+            if iterator is not None:
+                # After `break` or an error the generator is suspended, not finished: closing
+                # it runs its cleanup now rather than whenever it is garbage-collected.
+                await close_iterator(iterator)
+
+    def watch_disconnect(self, receive: Receive) -> None:
+        """Until `stop_watching`, a client disconnect makes `next()` raise ClientDisconnected."""
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self._queue.put_nowait(_Disconnected())
+                    return
+
+        self._watcher = self._spawn(watch())
+
+    def stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def next(self) -> tuple[int, GenerationChunk] | None:
+        """The next chunk of any prompt, or None once every prompt has finished.
+
+        Raises the first error of any prompt (cancelling the others), or ClientDisconnected.
+        """
+        while self._remaining > 0:
+            event = await self._queue.get()
+            if isinstance(event, _Disconnected):
+                self.cancel()
+                raise ClientDisconnected()
+            if isinstance(event, BaseException):
+                self.cancel()
+                raise event
+            index, item = event
+            if isinstance(item, _Done):
+                self._remaining -= 1
+                continue
+            return index, item
+        self.stop_watching()
+        return None
+
+    def cancel(self) -> None:
+        """Stops every stream still running; their backend requests are cancelled.
+
+        Deliberately synchronous: it is called from `finally` blocks that may run inside a
+        cancelled anyio scope, where any await would be cancelled again.
+        """
+        self.stop_watching()
+        for task in self._producers:
+            task.cancel()
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` that always closes its body iterator, whatever ends the stream.
+
+    Starlette only cancels the body on disconnect for ASGI spec < 2.4 and, on a failed send,
+    leaves the generator for the garbage collector. Here the stream and a disconnect listener
+    run side by side on every spec version, and the body is `aclose()`d at the end, so the
+    backend request is cancelled as soon as the client goes away, even between tokens.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    # A send to a closed connection raises OSError on newer ASGI servers.
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    while True:
+                        message: Message = await receive()
+                        if message["type"] == "http.disconnect":
+                            break
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_iterator(self.body_iterator)
+
+
+def sse_event(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")

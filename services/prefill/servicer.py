@@ -1,0 +1,159 @@
+"""PrefillService: compute a prompt, ship its KV blocks to the decode worker, return token one.
+
+The engine batches prefills from many calls (continuous batching, chunked prefill, prefix cache);
+each call then exports its request's blocks (one copy on this side), frees them at once, and sends
+the copy while the engine goes on with other prompts.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from nori.engine.engine import LLMEngine
+from nori.engine.transfer import KVExport
+from nori.rpc.convert import delta_from_output, params_from_proto
+from nori.serving.engine_thread import EngineThread
+from nori.serving.kv_layout import source_buffers
+from nori.serving.output_streams import OutputStreams
+from nori.transfer.base import KVSender, TransferError, TransferHeader, TransferRejected
+from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
+    export = engine.export_request(request_id)
+    engine.release_request(request_id)
+    return export
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        engine: EngineThread,
+        streams: OutputStreams,
+        sender: KVSender,
+        is_draining: Callable[[], bool],
+    ) -> None:
+        self._worker_id = worker_id
+        self._engine = engine
+        self._streams = streams
+        self._sender = sender
+        self._is_draining = is_draining
+        self.active: set[str] = set()
+        self.num_requests = 0
+        self.kv_bytes_sent = 0
+        self.num_transfers = 0
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        request_id = request.request_id
+        if self._is_draining():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
+        destination = request.destination
+        try:
+            params = params_from_proto(request.params)
+            queue = self._streams.open(request_id)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        prompt = list(request.prompt_token_ids)
+        self.active.add(request_id)
+        self.num_requests += 1
+        done = False
+        try:
+            started = time.perf_counter()
+            await self._call(
+                context,
+                lambda engine: engine.add_request(request_id, prompt, params, prefill_only=True),
+            )
+            output = await queue.get()
+            first = delta_from_output(output)
+            prefill_seconds = time.perf_counter() - started
+            if output.finished:
+                done = True  # the first token ended it: nothing to send
+                return prefill_pb2.PrefillResponse(first=first, prefill_seconds=prefill_seconds)
+            export = await self._engine.call(lambda e: _export_and_release(e, request_id))
+            done = True  # the blocks are free; what remains is sending the copy
+            sent = await self._send(export, destination, context)
+            return prefill_pb2.PrefillResponse(
+                first=first,
+                kv_bytes_sent=sent,
+                prefill_seconds=prefill_seconds,
+                transfer_seconds=time.perf_counter() - started - prefill_seconds,
+            )
+        finally:
+            self._streams.close(request_id)
+            if not done:
+                self._engine.submit(lambda engine: engine.abort_request(request_id))
+            self.active.discard(request_id)
+
+    async def _send(
+        self,
+        export: KVExport,
+        destination: prefill_pb2.KVDestination,
+        context: grpc.aio.ServicerContext,
+    ) -> int:
+        block_ids = list(destination.block_ids)
+        try:
+            buffers = source_buffers(export.blocks, block_ids)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {error}")
+        state = export.state
+        header = TransferHeader(
+            request_id=state.request_id,
+            block_ids=block_ids,
+            buffer_nbytes=[buffer.nbytes for buffer in buffers],
+            metadata={
+                "output_token_ids": list(state.output_token_ids),
+                "generator_state": base64.b64encode(state.generator_state).decode()
+                if state.generator_state is not None
+                else None,
+            },
+        )
+        try:
+            await self._sender.send(destination.transfer_address, header, buffers)
+        except TransferRejected as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV refused: {error}")
+        except TransferError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")
+        nbytes = sum(header.buffer_nbytes)
+        self.kv_bytes_sent += nbytes
+        self.num_transfers += 1
+        return nbytes
+
+    async def _call(
+        self, context: grpc.aio.ServicerContext, operation: Callable[[LLMEngine], T]
+    ) -> T:
+        try:
+            return await self._engine.call(operation)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("unreachable")
+
+    async def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerStats:
+        load = self._engine.load
+        return common_pb2.WorkerStats(
+            worker_id=self._worker_id,
+            role="prefill",
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            kv_bytes_sent=self.kv_bytes_sent,
+            num_transfers=self.num_transfers,
+            num_requests=self.num_requests,
+            draining=self._is_draining(),
+            num_requests_holding_blocks=load.num_requests_holding_blocks,
+        )

@@ -1,0 +1,132 @@
+"""The prefill worker process: batched prompt computation, KV blocks out over the transport.
+
+Its prefix cache is mirrored into the Redis block directory (stored and evicted block hashes), so
+the gateway can send a prompt to the worker that already holds most of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+
+import grpc
+
+from nori.engine.block_manager import BlockEvent
+from nori.engine.config import EngineConfig
+from nori.engine.engine import LLMEngine
+from nori.prefill.servicer import PrefillServicer
+from nori.serving.engine_thread import EngineThread
+from nori.serving.output_streams import OutputStreams
+from nori.serving.worker_runtime import Worker, WorkerOptions
+from nori.state.block_directory import BlockDirectory
+from nori.transfer.base import KVSender
+from nori.transfer.select import make_sender
+from nori.v1 import prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Block events waiting for Redis. The directory is a routing hint: when Redis lags this far
+# behind, the oldest events are dropped rather than kept without bound.
+MAX_PENDING_BLOCK_EVENTS = 65536
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+    service_names = ("nori.v1.PrefillService",)
+
+    def __init__(
+        self, options: WorkerOptions, engine_config: EngineConfig, transport: str = "auto"
+    ) -> None:
+        super().__init__(options)
+        self.engine_config = engine_config
+        self.transport = transport
+        self._engine: EngineThread | None = None
+        self._sender: KVSender | None = None
+        self._servicer: PrefillServicer | None = None
+        self._events: collections.deque[BlockEvent] = collections.deque(
+            maxlen=MAX_PENDING_BLOCK_EVENTS
+        )
+        self._events_lock = threading.Lock()
+        self._publisher: asyncio.Task[None] | None = None
+
+    async def start_role(self) -> None:
+        engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        engine.block_manager.record_events = True
+        streams = OutputStreams()
+        self._engine = EngineThread(
+            engine, asyncio.get_running_loop(), streams.dispatch, on_step=self._collect_events
+        )
+        self._engine.start()
+        self._sender = make_sender(self.transport)
+        self._servicer = PrefillServicer(
+            worker_id=self.worker_id,
+            engine=self._engine,
+            streams=streams,
+            sender=self._sender,
+            is_draining=lambda: self.draining,
+        )
+        assert self.redis is not None
+        self._publisher = asyncio.create_task(
+            self._publish_blocks(BlockDirectory(self.redis, self.keys))
+        )
+
+    def _collect_events(self, engine: LLMEngine) -> None:
+        events = engine.block_manager.drain_events()
+        if events:
+            with self._events_lock:
+                self._events.extend(events)
+
+    async def _publish_blocks(self, directory: BlockDirectory) -> None:
+        refresh_every = directory.ttl_s / 3
+        last_refresh = time.monotonic()
+        while True:
+            await asyncio.sleep(0.1)
+            if time.monotonic() - last_refresh > refresh_every:
+                # Blocks are announced once, when stored; re-announce what is still cached so
+                # long-lived prefixes do not fall out of the directory.
+                last_refresh = time.monotonic()
+                assert self._engine is not None
+                held = await self._engine.call(lambda e: e.block_manager.cached_block_hashes())
+                try:
+                    await directory.touch(self.worker_id, held)
+                except Exception:
+                    logger.warning("could not refresh the block directory", exc_info=True)
+            with self._events_lock:
+                events = list(self._events)
+                self._events.clear()
+            if not events:
+                continue
+            try:
+                await directory.publish(self.worker_id, events)
+            except Exception:
+                logger.warning("could not publish %d block events", len(events), exc_info=True)
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        assert self._servicer is not None
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
+
+    def num_active_requests(self) -> int:
+        return len(self._servicer.active) if self._servicer is not None else 0
+
+    def load_info(self) -> dict[str, int]:
+        if self._engine is None or self._servicer is None:
+            return {}
+        load = self._engine.load
+        return {
+            "num_running": load.num_running,
+            "num_waiting": load.num_waiting,
+            "num_free_blocks": load.num_free_blocks,
+            "num_total_blocks": load.num_total_blocks,
+            "kv_bytes_sent": self._servicer.kv_bytes_sent,
+        }
+
+    async def stop_role(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+        if self._sender is not None:
+            await self._sender.close()
+        if self._engine is not None:
+            await self._engine.stop()

@@ -1,0 +1,153 @@
+"""`nori serve gateway|prefill|decode`: run one role of a cluster (what a container runs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nori.cli.engine_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from nori.serving.worker_runtime import WorkerOptions
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def served_model_name(model: str, override: str | None) -> str:
+    """The model id of the API: --served-model-name, else the model folder's name."""
+    if override:
+        return override
+    if model == "demo":
+        return "demo"
+    return Path(model).expanduser().resolve().name
+
+
+def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    group.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    group.add_argument(
+        "--advertise-host",
+        default=os.environ.get("NORI_ADVERTISE_HOST", "127.0.0.1"),
+        help="the host name other processes reach this one at (a container's service name)",
+    )
+    group.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis for the worker registry, request states and the block directory "
+        "(default: $REDIS_URL or %(default)s)",
+    )
+    group.add_argument("--namespace", default="nori", help="prefix of every Redis key")
+    group.add_argument("--served-model-name", default=None)
+
+
+def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    _add_cluster_args(parser, default_port)
+    group = parser.add_argument_group("worker")
+    group.add_argument("--worker-id", default="", help="default: ROLE-HOSTNAME-PID")
+    group.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "ucx", "tcp"],
+        help="how KV blocks move: auto = UCX (ucxx) when importable, else plain TCP",
+    )
+    group.add_argument("--drain-timeout-s", type=float, default=120.0)
+    add_engine_args(parser)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run one role of a Nori cluster")
+    roles = parser.add_subparsers(dest="role", required=True)
+
+    gateway = roles.add_parser("gateway", help="the OpenAI-compatible HTTP endpoint")
+    _add_cluster_args(gateway, default_port=8000)
+    gateway.add_argument("--model", default="demo", help="model folder (for its tokenizer)")
+    gateway.add_argument("--max-model-len", type=int, default=None)
+    gateway.add_argument("--block-size", type=int, default=16, help="the workers' block size")
+    gateway.add_argument("--max-in-flight", type=int, default=4096)
+    gateway.set_defaults(handler=run_gateway)
+
+    prefill = roles.add_parser("prefill", help="a prefill worker")
+    _add_worker_args(prefill, default_port=50061)
+    prefill.set_defaults(handler=run_prefill)
+
+    decode = roles.add_parser("decode", help="a decode worker")
+    _add_worker_args(decode, default_port=50071)
+    decode.add_argument("--transfer-port", type=int, default=0, help="KV transfer listener port")
+    decode.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=10.0,
+        help="reserved blocks are freed when the KV has not arrived within this many seconds",
+    )
+    decode.add_argument(
+        "--colocated",
+        action="store_true",
+        help="compute prompts here too (one worker doing prefill and decode, no transfers)",
+    )
+    decode.set_defaults(handler=run_decode)
+
+
+def _worker_options(args: argparse.Namespace) -> WorkerOptions:
+    from nori.serving.worker_runtime import WorkerOptions
+
+    return WorkerOptions(
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        worker_id=args.worker_id,
+        served_model_name=served_model_name(args.model, args.served_model_name),
+        drain_timeout_s=args.drain_timeout_s,
+    )
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from nori.prefill.worker import PrefillWorker
+    from nori.serving.worker_runtime import run_worker
+
+    config = engine_config_from_args(args)
+    run_worker(PrefillWorker(_worker_options(args), config, transport=args.transport))
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from nori.decode.worker import DecodeWorker
+    from nori.serving.worker_runtime import run_worker
+
+    if args.kv_lease_s <= 0:
+        raise ValueError(f"--kv-lease-s must be positive, got {args.kv_lease_s}")
+    config = engine_config_from_args(args)
+    worker = DecodeWorker(
+        _worker_options(args),
+        config,
+        transport=args.transport,
+        transfer_port=args.transfer_port,
+        lease_s=args.kv_lease_s,
+        colocated=args.colocated,
+    )
+    run_worker(worker)
+    return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from nori.gateway.server import GatewayOptions, serve_gateway
+
+    options = GatewayOptions(
+        model=args.model,
+        served_model_name=served_model_name(args.model, args.served_model_name),
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_in_flight=args.max_in_flight,
+    )
+    asyncio.run(serve_gateway(options))
+    return 0

@@ -1,0 +1,150 @@
+"""An LLMEngine on its own thread, driven from asyncio.
+
+The engine is not thread-safe and a step can take tens of milliseconds, so it lives on one thread
+that alternates between applying queued operations (add, abort, reserve, ...) and stepping. The
+asyncio side never touches the engine: it sends operations with `call` and receives each step's
+outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers and Redis heartbeats
+keep running while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from nori.engine.engine import LLMEngine
+from nori.engine.outputs import RequestOutput
+from nori.engine.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot taken on the engine thread after every step, read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_held: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+    @property
+    def num_requests_holding_blocks(self) -> int:
+        return self.num_running + self.num_held
+
+
+class EngineThread:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ) -> None:
+        """`on_outputs` runs on the event loop; `on_step` on the engine thread after each step
+        (e.g. to drain block events)."""
+        self.engine = engine
+        self._loop = loop
+        self._on_outputs = on_outputs
+        self._on_step = on_step
+        self._operations: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future[object]]]
+        self._operations = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nori-engine", daemon=True)
+        self.load = self._snapshot()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def call(self, operation: Callable[[LLMEngine], T]) -> T:
+        """Runs `operation(engine)` on the engine thread between steps and returns its result."""
+        future: Future[object] = Future()
+        self._operations.put((operation, future))
+        result = await asyncio.wrap_future(future, loop=self._loop)
+        return result  # type: ignore[return-value]
+
+    def submit(self, operation: Callable[[LLMEngine], object]) -> None:
+        """Queues `operation(engine)` without waiting (cleanup from a cancelled coroutine)."""
+        self._operations.put((operation, Future()))
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._operations.put((lambda engine: None, Future()))  # wake the thread
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._apply_operations(block=not busy)
+            if self._stopping.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+                if self._on_step is not None:
+                    self._on_step(self.engine)
+            except Exception:
+                # A bug, not bad input (that is rejected when added): fail the batch, keep serving.
+                logger.exception("engine step failed; aborting the running requests")
+                outputs = self._abort_running()
+            self.load = self._snapshot()
+            if outputs:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+
+    def _apply_operations(self, block: bool) -> None:
+        try:
+            # Idle: sleep until an operation arrives. Busy: only take what is already queued.
+            item = self._operations.get(timeout=0.5) if block else self._operations.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            operation, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(operation(self.engine))
+                except BaseException as error:
+                    future.set_exception(error)
+            try:
+                item = self._operations.get_nowait()
+            except queue.Empty:
+                break
+        self.load = self._snapshot()
+
+    def _abort_running(self) -> list[RequestOutput]:
+        outputs = []
+        for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            request_id = request.request_id
+            self.engine.abort_request(request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    token_ids=request.output_token_ids,
+                    text="",
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason=RequestStatus.FINISHED_ABORTED.value,
+                )
+            )
+        return outputs
+
+    def _snapshot(self) -> EngineLoad:
+        scheduler = self.engine.scheduler
+        return EngineLoad(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_held=len(scheduler.held),
+            num_free_blocks=self.engine.num_free_blocks,
+            num_total_blocks=self.engine.block_manager.num_blocks,
+        )

@@ -1,0 +1,212 @@
+"""A whole cluster on one machine, each role its own OS process (`nori up`, end-to-end tests).
+
+The processes are exactly what containers run (`nori serve ROLE ...`); this only picks ports,
+passes the same Redis and namespace to all of them, waits until the gateway reports every role
+healthy, and stops them in order: the gateway first (no new requests), then the workers, each of
+which drains on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    redis_url: str
+    model: str = "demo"
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    port: int = 8000
+    namespace: str = "nori"
+    served_model_name: str | None = None
+    transport: str = "auto"
+    kv_lease_s: float = 10.0
+    # Extra flags for every worker (engine options such as --num-kv-blocks).
+    worker_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+
+
+@dataclass
+class RoleProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    # A worker's gRPC address ("" for the gateway).
+    grpc_address: str = ""
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    processes: list[RoleProcess] = field(default_factory=list)
+    _log_dir: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+        self._log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="nori-up-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        if self.spec.colocated:
+            self.add_worker("colocated", "colocated-0")
+        else:
+            for index in range(self.spec.num_prefill):
+                self.add_worker("prefill", f"prefill-{index}")
+            for index in range(self.spec.num_decode):
+                self.add_worker("decode", f"decode-{index}")
+        self._spawn(
+            "gateway",
+            [
+                "serve",
+                "gateway",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.spec.port),
+                "--model",
+                self.spec.model,
+                *self._common_args(),
+            ],
+        )
+        expected = (
+            {"colocated": 1}
+            if self.spec.colocated
+            else {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
+        )
+        self.wait_healthy(expected, timeout_s)
+        return self
+
+    def add_worker(self, role: str, worker_id: str) -> RoleProcess:
+        """Starts one more worker; it joins the running cluster through the registry."""
+        serve_role = "decode" if role == "colocated" else role
+        port = free_port()
+        args = [
+            "serve",
+            serve_role,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-id",
+            worker_id,
+            "--model",
+            self.spec.model,
+            "--transport",
+            self.spec.transport,
+            *self._common_args(),
+            *self.spec.worker_args,
+        ]
+        if role == "colocated":
+            args.append("--colocated")
+        if role == "decode":
+            args += ["--kv-lease-s", str(self.spec.kv_lease_s)]
+        worker = self._spawn(worker_id, args)
+        worker.grpc_address = f"127.0.0.1:{port}"
+        return worker
+
+    def worker(self, name: str) -> RoleProcess:
+        return next(p for p in self.processes if p.name == name)
+
+    def _common_args(self) -> list[str]:
+        args = ["--redis-url", self.spec.redis_url, "--namespace", self.spec.namespace]
+        if self.spec.served_model_name:
+            args += ["--served-model-name", self.spec.served_model_name]
+        return args
+
+    def _spawn(self, name: str, args: list[str]) -> RoleProcess:
+        assert self._log_dir is not None
+        log_path = self._log_dir / f"{name}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "nori.cli.main", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        role_process = RoleProcess(name, process, log_path)
+        self.processes.append(role_process)
+        return role_process
+
+    def health(self) -> dict[str, object] | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return dict(json.loads(response.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def wait_healthy(self, expected: dict[str, int], timeout_s: float = 120.0) -> None:
+        """Until the gateway sees at least `expected` live workers per role."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            health = self.health()
+            workers = health.get("workers", {}) if health else {}
+            if isinstance(workers, dict) and all(
+                int(workers.get(role, 0)) >= count for role, count in expected.items()
+            ):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"the cluster was not healthy within {timeout_s:.0f}s (expected {expected}); "
+            f"logs in {self._log_dir}"
+        )
+
+    def check_alive(self) -> None:
+        for role in self.processes:
+            code = role.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"{role.name} exited with status {code}; its log ends with:\n"
+                    f"{role.log_tail()}"
+                )
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        gateways = [p for p in self.processes if p.name == "gateway"]
+        workers = [p for p in self.processes if p.name != "gateway"]
+        for group in (gateways, workers):
+            for role in group:
+                if role.process.poll() is None:
+                    role.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for role in group:
+                try:
+                    role.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    role.process.kill()
+                    role.process.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,177 @@
+"""The life of a worker process: serve gRPC, stay registered in Redis, drain on SIGTERM.
+
+Roles (prefill, decode, colocated) supply their servicers and load figures; this file owns what
+they share: the grpc.aio server with the standard health service, the Redis heartbeat that makes
+the worker routable (and its expiry what makes a dead one unroutable), and the shutdown order:
+announce draining, finish running requests, deregister, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from redis.asyncio import Redis
+
+from nori.state.keys import Keys
+from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+# gRPC messages carry token ids and deltas, never KV blocks; 64 MiB covers the longest prompt.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    host: str = "0.0.0.0"
+    port: int = 0
+    # The host other processes reach this worker at (gRPC and KV transfers).
+    advertise_host: str = "127.0.0.1"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "nori"
+    worker_id: str = ""
+    served_model_name: str = ""
+    heartbeat_ttl_s: float = 3.0
+    # SIGTERM: how long running requests may take to finish before the worker stops anyway.
+    drain_timeout_s: float = 120.0
+
+    def resolved_worker_id(self, role: str) -> str:
+        return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+    def resolved_advertise_host(self) -> str:
+        """"auto": this host's own address, so each replica of a scaled role is reachable."""
+        if self.advertise_host != "auto":
+            return self.advertise_host
+        return socket.gethostbyname(socket.gethostname())
+
+
+class Worker(ABC):
+    role: str
+    service_names: tuple[str, ...]
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.worker_id = options.resolved_worker_id(self.role)
+        self.draining = False
+        self.grpc_address = ""
+        self.transfer_address = ""
+        self._started_at = time.time()
+        self._stop = asyncio.Event()
+        self.redis: Redis | None = None
+        self.keys = Keys(options.namespace)
+
+    # ------------------------------------------------------------------ for the roles
+
+    @abstractmethod
+    async def start_role(self) -> None:
+        """Loads the engine, starts transports; called before the gRPC server opens."""
+
+    @abstractmethod
+    def add_servicers(self, server: grpc.aio.Server) -> None: ...
+
+    @abstractmethod
+    def num_active_requests(self) -> int:
+        """Requests this worker still owes an answer (what draining waits for)."""
+
+    @abstractmethod
+    def load_info(self) -> dict[str, int]:
+        """WorkerInfo load fields: num_running, num_free_blocks, kv_bytes_received, ..."""
+
+    @abstractmethod
+    async def stop_role(self) -> None: ...
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,  # type: ignore[arg-type]
+            grpc_address=self.grpc_address,
+            transfer_address=self.transfer_address,
+            model=self.options.served_model_name,
+            draining=self.draining,
+            started_at=self._started_at,
+            **self.load_info(),
+        )
+
+    # ------------------------------------------------------------------ the process
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+
+        redis = self.redis = Redis.from_url(self.options.redis_url)
+        registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s)
+        await self.start_role()
+
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.add_servicers(server)
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if port == 0:
+            raise ValueError(f"cannot listen on {self.options.host}:{self.options.port}")
+        self.grpc_address = f"{self.options.resolved_advertise_host()}:{port}"
+        await server.start()
+        for name in ("", *self.service_names):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        heartbeat = Heartbeat(registry, self.info)
+        await registry.register(self.info())
+        heartbeat.start()
+        logger.warning(
+            "%s worker %s serving gRPC on %s (KV transfers: %s)",
+            self.role,
+            self.worker_id,
+            self.grpc_address,
+            self.transfer_address or "none",
+        )
+        try:
+            await self._stop.wait()
+            await self._drain(registry, health)
+        finally:
+            await heartbeat.stop(deregister=True)
+            await server.stop(grace=2.0)
+            await self.stop_role()
+            await redis.aclose()
+            logger.warning("%s worker %s stopped", self.role, self.worker_id)
+
+    async def _drain(self, registry: WorkerRegistry, health: HealthServicer) -> None:
+        """Stops taking new requests (the gateway sees `draining`) and lets running ones finish."""
+        self.draining = True
+        for name in ("", *self.service_names):
+            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            await registry.heartbeat(self.info())
+        except Exception:
+            logger.warning("could not announce draining in Redis", exc_info=True)
+        deadline = time.monotonic() + self.options.drain_timeout_s
+        logger.warning(
+            "%s worker %s draining %d request(s)",
+            self.role,
+            self.worker_id,
+            self.num_active_requests(),
+        )
+        while self.num_active_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.num_active_requests():
+            logger.warning("drain timed out with %d request(s) left", self.num_active_requests())
+
+
+def run_worker(worker: Worker) -> None:
+    asyncio.run(worker.serve())

@@ -1,0 +1,1 @@
+"""Cluster state in Redis: worker registry, request states, the prefix-block directory."""

@@ -1,0 +1,212 @@
+"""A private, throwaway redis-server for local clusters and tests.
+
+Nothing is persisted (`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it
+exists for the life of one `nori up` or one test session and holds nothing worth keeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "install Redis (e.g. `apt-get install redis-server`, `brew install redis`) "
+    "or set REDIS_URL to a reachable Redis (e.g. redis://host:6379/0)"
+)
+
+
+class RedisUnavailable(RuntimeError):
+    """No Redis to use: none reachable at REDIS_URL and none could be started here."""
+
+
+def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
+    """Whether a Redis at `url` answers PING within `timeout_s`."""
+    try:
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=None
+        )
+    except ValueError:  # not a redis:// URL at all
+        return False
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def _served_by(url: str, pid: int) -> bool:
+    """Whether the Redis at `url` answers and is the process `pid`."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.2, socket_timeout=0.2, retry=None)
+    try:
+        return int(client.info("server").get("process_id", -1)) == pid
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _terminate(process: subprocess.Popen[bytes], workdir: str) -> None:
+    # Module-level (not a method) so weakref.finalize holds no reference to the RedisServer.
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+class RedisServer:
+    """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1."""
+
+    def __init__(
+        self, binary: str = "redis-server", port: int | None = None, start_timeout_s: float = 10.0
+    ) -> None:
+        self.binary = binary
+        self._requested_port = port
+        self.start_timeout_s = start_timeout_s
+        self._port: int | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes], str], RedisServer] | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None or not self.running:
+            raise RuntimeError("the Redis server is not running")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> RedisServer:
+        if self.running:
+            return self
+        executable = shutil.which(self.binary)
+        if executable is None:
+            raise RedisUnavailable(f"{self.binary!r} was not found; {INSTALL_HINT}")
+        # The free port can be taken between probing and redis binding it: try a few.
+        attempts = 1 if self._requested_port is not None else 3
+        for attempt in range(attempts):
+            port = self._requested_port if self._requested_port is not None else _free_port()
+            try:
+                self._launch(executable, port)
+                return self
+            except _PortTaken:
+                if attempt == attempts - 1:
+                    raise RedisUnavailable(f"port {port} is already in use") from None
+        raise AssertionError("unreachable")
+
+    def _launch(self, executable: str, port: int) -> None:
+        workdir = tempfile.mkdtemp(prefix="nori-redis-")
+        log_path = Path(workdir) / "redis.log"
+        command = [
+            executable,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", workdir,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            # Output to a file, not a pipe: nobody reads a pipe, and a full one blocks the server.
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finalizer = weakref.finalize(self, _terminate, process, workdir)
+        url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + self.start_timeout_s
+        # Ask for the pid too: another Redis already on this port would also answer PING.
+        while not _served_by(url, process.pid):
+            returncode = process.poll()
+            if returncode is not None or time.monotonic() > deadline:
+                # Read the log before the finalizer deletes the directory it is in.
+                output = log_path.read_text(errors="replace") if log_path.exists() else ""
+                finalizer()
+                if "Address already in use" in output:
+                    raise _PortTaken
+                reason = (
+                    f"exited with status {returncode}"
+                    if returncode is not None
+                    else f"did not answer PING within {self.start_timeout_s:.1f}s"
+                )
+                raise RedisUnavailable(
+                    f"{executable} on port {port} {reason}; its output:\n{output.strip()}"
+                )
+            time.sleep(0.02)
+        self._process, self._port, self._finalizer = process, port, finalizer
+        logger.info("started private redis-server at %s (pid %d)", url, process.pid)
+
+    def stop(self) -> None:
+        """Terminates the server and removes its directory; safe to call more than once."""
+        finalizer, self._finalizer = self._finalizer, None
+        self._process = None
+        if finalizer is not None:
+            finalizer()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def resolve_redis_url(
+    env_url: str | None, binary: str = "redis-server"
+) -> tuple[str, RedisServer | None]:
+    """The Redis to use: `env_url` (REDIS_URL) when reachable, else a private server.
+
+    Returns the URL and the server that was started for it (None when `env_url` was used); the
+    caller owns that server and must stop it.
+    """
+    if env_url:
+        if redis_reachable(env_url):
+            return env_url, None
+        logger.warning("REDIS_URL=%s is not reachable; starting a private redis-server", env_url)
+    try:
+        server = RedisServer(binary=binary).start()
+    except RedisUnavailable as error:
+        unreachable = f"REDIS_URL={env_url} is not reachable and " if env_url else ""
+        raise RedisUnavailable(
+            f"{unreachable}no private Redis could be started: {error}"
+        ) from error
+    return server.url, server
+
+
+def redis_url_from_env() -> tuple[str, RedisServer | None]:
+    """resolve_redis_url for the REDIS_URL environment variable."""
+    return resolve_redis_url(os.environ.get("REDIS_URL") or None)

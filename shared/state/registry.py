@@ -1,0 +1,280 @@
+"""The worker registry: who is in the cluster now, what it serves, and how loaded it is.
+
+Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a worker that
+dies (or loses Redis) drops out of the cluster by itself; nobody has to clean up after it. Workers
+join and leave at run time just by starting and stopping their Heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, get_args
+
+from redis.asyncio import Redis
+from redis.typing import EncodableT
+
+from nori.state.codec import RawMapping, as_str, as_str_mapping
+from nori.state.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: frozenset[str] = frozenset(get_args(Role))
+
+_TRUE = frozenset({"1", "true", "yes"})
+_FALSE = frozenset({"0", "false", "no", ""})
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as the registry stores it: identity, addresses, and its latest load figures."""
+
+    worker_id: str
+    role: Role
+    grpc_address: str = ""  # "host:port"
+    transfer_address: str = ""  # "" when the worker does not send or receive KV blocks
+    model: str = ""  # the served model name
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_bytes_received: int = 0
+    kv_bytes_sent: int = 0
+    draining: bool = False  # finishing its requests before leaving: route nothing new to it
+    started_at: float = 0.0
+    updated_at: float = 0.0  # stamped by the registry on every write
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.role not in ROLES:
+            raise ValueError(f"unknown worker role {self.role!r}; expected one of {sorted(ROLES)}")
+
+    def to_mapping(self) -> dict[str, str]:
+        """The Redis hash fields: every value a string, booleans as "1"/"0"."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                out[f.name] = "1" if value else "0"
+            elif isinstance(value, float):
+                out[f.name] = repr(value)  # repr round-trips a float exactly
+            else:
+                out[f.name] = str(value)
+        return out
+
+    @classmethod
+    def from_mapping(cls, mapping: RawMapping) -> WorkerInfo:
+        """Parses a hash written by `to_mapping`, possibly by another version of Nori.
+
+        Fields this version does not know are ignored and fields it lacks take their defaults, so
+        workers and gateways can be upgraded one at a time. Only worker_id and role are required;
+        a malformed value raises ValueError rather than being guessed at.
+        """
+        raw = as_str_mapping(mapping)
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in raw:
+                continue
+            text = raw[f.name]
+            if f.type in ("int", int):
+                kwargs[f.name] = int(text)
+            elif f.type in ("float", float):
+                kwargs[f.name] = float(text)
+            elif f.type in ("bool", bool):
+                kwargs[f.name] = _parse_bool(f.name, text)
+            else:
+                kwargs[f.name] = text
+        for required in ("worker_id", "role"):
+            if required not in kwargs:
+                raise ValueError(f"worker hash lacks the {required!r} field")
+        return cls(**kwargs)
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"field {name!r}: {text!r} is not a boolean")
+
+
+def _fields(mapping: dict[str, str]) -> dict[EncodableT, EncodableT]:
+    # redis-py types hset's mapping with an invariant key type; widen it explicitly.
+    return dict(mapping.items())
+
+
+class WorkerRegistry:
+    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 5.0) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self._redis = redis
+        self._keys = keys
+        self._ttl_ms = max(1, round(ttl_s * 1000))
+        self.ttl_s = ttl_s
+
+    async def register(self, info: WorkerInfo) -> WorkerInfo:
+        """Writes a fresh record (dropping fields a previous run of this id left behind)."""
+        return await self._write(info, fresh=True)
+
+    async def heartbeat(self, info: WorkerInfo) -> WorkerInfo:
+        """Refreshes the record and its expiry; recreates it if it had already expired."""
+        return await self._write(info, fresh=False)
+
+    async def _write(self, info: WorkerInfo, *, fresh: bool) -> WorkerInfo:
+        stamped = replace(info, updated_at=time.time())
+        key = self._keys.worker(info.worker_id)
+        # MULTI/EXEC: the hash never exists, even for an instant, without its expiry.
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if fresh:
+                pipe.delete(key)
+            pipe.hset(key, mapping=_fields(stamped.to_mapping()))
+            pipe.pexpire(key, self._ttl_ms)
+            await pipe.execute()
+        return stamped
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._redis.delete(self._keys.worker(worker_id))
+
+    async def get(self, worker_id: str) -> WorkerInfo | None:
+        raw = await self._redis.hgetall(self._keys.worker(worker_id))
+        if not raw:
+            return None
+        return WorkerInfo.from_mapping(raw)
+
+    async def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Live workers (optionally of one role), sorted by worker_id.
+
+        SCAN rather than a members set: a set would need its own cleanup of dead workers, while
+        expired hashes simply vanish. A record that does not parse (a much newer or corrupt
+        writer) is logged and skipped so that one bad worker cannot hide the others.
+        """
+        keys: set[str] = set()  # SCAN may return a key more than once
+        async for key in self._redis.scan_iter(
+            match=self._keys.worker_pattern(), count=500, _type="HASH"
+        ):
+            keys.add(as_str(key))
+        if not keys:
+            return []
+        ordered = sorted(keys)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in ordered:
+                pipe.hgetall(key)
+            replies = await pipe.execute(raise_on_error=False)
+        workers: list[WorkerInfo] = []
+        for key, raw in zip(ordered, replies, strict=True):
+            if isinstance(raw, Exception):
+                logger.warning("reading worker record %s failed: %s", key, raw)
+                continue
+            if not raw:
+                continue  # expired (or deregistered) between SCAN and HGETALL
+            try:
+                info = WorkerInfo.from_mapping(raw)
+            except (ValueError, TypeError) as error:
+                logger.warning("skipping unreadable worker record %s: %s", key, error)
+                continue
+            if role is None or info.role == role:
+                workers.append(info)
+        workers.sort(key=lambda w: w.worker_id)
+        return workers
+
+
+class Heartbeat:
+    """Keeps one worker registered by re-writing its record every `interval_s`.
+
+    `info` is called on every beat so that the record carries current load figures. Any failure
+    (Redis down or slow, `info` raising) is logged and retried on the next beat: losing Redis for
+    a while must never stop a worker from re-joining when Redis comes back.
+    """
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        info: Callable[[], WorkerInfo],
+        interval_s: float | None = None,
+    ) -> None:
+        self._registry = registry
+        self._info = info
+        # Three beats per TTL: one lost beat (or two) does not make the worker vanish.
+        self.interval_s = interval_s if interval_s is not None else registry.ttl_s / 3
+        if self.interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self._task: asyncio.Task[None] | None = None
+        self._last_worker_id: str | None = None
+        self.beats = 0  # successful writes, for tests and metrics
+        self.failures = 0
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Starts beating (first beat at once) on the running event loop."""
+        if self.running:
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="nori-heartbeat")
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stops beating and, by default, removes the record so routing stops at once.
+
+        The task is cancelled and awaited before the delete, so no late beat can bring the
+        record back. A failed delete is only logged: the record expires within the TTL anyway.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                # Swallow only the cancellation we asked for, not one aimed at our caller.
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+        if not deregister:
+            return
+        worker_id = self._last_worker_id
+        try:
+            if worker_id is None:
+                worker_id = self._info().worker_id
+            await self._registry.deregister(worker_id)
+        except Exception:
+            logger.warning("deregistering worker %s failed", worker_id, exc_info=True)
+
+    async def _run(self) -> None:
+        first = True
+        failing = False
+        while True:
+            try:
+                info = self._info()
+                self._last_worker_id = info.worker_id
+                # A hung Redis must not hold the loop forever; a write slower than the TTL is
+                # worthless anyway (the record would expire first), so give up and retry then.
+                async with asyncio.timeout(self._registry.ttl_s):
+                    if first:
+                        await self._registry.register(info)
+                    else:
+                        await self._registry.heartbeat(info)
+                first = False
+                self.beats += 1
+                if failing:
+                    logger.info("heartbeat for worker %s recovered", info.worker_id)
+                    failing = False
+            except Exception:
+                self.failures += 1
+                # One traceback per outage, not one per beat.
+                if not failing:
+                    logger.warning(
+                        "heartbeat for worker %s failed; retrying every %.2fs",
+                        self._last_worker_id,
+                        self.interval_s,
+                        exc_info=True,
+                    )
+                else:
+                    logger.debug("heartbeat still failing", exc_info=True)
+                failing = True
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,1 @@
+"""Transports that move KV blocks between workers: UCX (ucxx) and a plain TCP fallback."""

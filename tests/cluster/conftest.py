@@ -1,0 +1,64 @@
+"""A real cluster for the end-to-end tests: Redis, a gateway, 1 prefill and 2 decode processes.
+
+Everything is real: the processes are `nori serve ROLE` as containers run them, KV blocks move
+over UCX (ucxx) between processes, the workers talk gRPC, the clients speak HTTP.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nori.models.init_checkpoint import init_checkpoint
+from nori.serving.local_cluster import ClusterSpec, LocalCluster, free_port
+from nori.transfer.select import ucx_available
+
+# Small pools so that blocks are easy to account for, float32 so the offline reference matches.
+WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "32")
+LEASE_S = 3.0
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("cluster") / "tiny-llama"
+    init_checkpoint(folder, "tiny", seed=11)
+    return folder
+
+
+def start_cluster(
+    redis_url: str, checkpoint: Path, log_dir: Path, **overrides: object
+) -> LocalCluster:
+    options: dict[str, object] = {
+        "redis_url": redis_url,
+        "model": str(checkpoint),
+        "num_prefill": 1,
+        "num_decode": 2,
+        "port": free_port(),
+        "namespace": f"test-{uuid.uuid4().hex[:12]}",
+        "transport": "ucx" if ucx_available() else "tcp",
+        "kv_lease_s": LEASE_S,
+        "worker_args": WORKER_ARGS,
+        "log_dir": log_dir,
+    }
+    options.update(overrides)
+    cluster = LocalCluster(ClusterSpec(**options))  # type: ignore[arg-type]
+    try:
+        cluster.start(timeout_s=180)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    running = start_cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"))
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -1,0 +1,284 @@
+"""End to end through real processes: gateway -> prefill -> KV over UCX -> decode -> client.
+
+Greedy outputs must be token-identical to the offline engine on the same checkpoint; blocks must
+come back on every path (finish, client disconnect, expired lease); workers join and leave while
+the cluster serves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from nori.engine.llm import LLM
+from nori.sampling.params import SamplingParams
+from nori.serving.local_cluster import LocalCluster
+from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.cluster.conftest import LEASE_S
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog ran to the",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3,
+    "Hello",
+    "In a small village there lived an old man who",
+    "1 2 3 4 5 6 7 8 9 10",
+    "She looked at the sky and said",
+    "x",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint: Path) -> LLM:
+    return LLM(str(checkpoint), dtype="float32", num_kv_blocks=512)
+
+
+def model_name(cluster: LocalCluster) -> str:
+    return Path(cluster.spec.model).name
+
+
+def stats(cluster: LocalCluster, name: str) -> common_pb2.WorkerStats:
+    worker = cluster.worker(name)
+    with grpc.insecure_channel(worker.grpc_address) as channel:
+        stub: prefill_pb2_grpc.PrefillServiceStub | decode_pb2_grpc.DecodeServiceStub
+        if name.startswith("prefill"):
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        else:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        result: common_pb2.WorkerStats = stub.GetStats(common_pb2.StatsRequest(), timeout=5)
+        return result
+
+
+def live_workers(cluster: LocalCluster) -> list[str]:
+    return [p.name for p in cluster.processes if p.name != "gateway" and p.process.poll() is None]
+
+
+def wait_for_free_blocks(
+    cluster: LocalCluster, expected: dict[str, int], timeout_s: float = 20.0
+) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {name: stats(cluster, name).num_free_blocks for name in expected}
+        if now == expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
+def idle_free_blocks(cluster: LocalCluster) -> dict[str, int]:
+    names = live_workers(cluster)
+    for name in names:
+        deadline = time.monotonic() + 20
+        while stats(cluster, name).num_requests_holding_blocks and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return {name: stats(cluster, name).num_free_blocks for name in names}
+
+
+def client(cluster: LocalCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_concurrent_greedy_completions_are_token_identical_to_offline(
+    cluster: LocalCluster, offline: LLM
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
+    expected = offline.generate(PROMPTS, params)
+    tokenizer = offline.engine.tokenizer
+
+    def complete(prompt: str) -> dict[str, object]:
+        response = httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={
+                "model": model_name(cluster),
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "logprobs": 0,
+            },
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(complete, PROMPTS))
+    for result, reference in zip(results, expected, strict=True):
+        choice = result["choices"][0]  # type: ignore[index]
+        want_tokens = [tokenizer.id_to_token(t) for t in reference.token_ids]
+        assert choice["logprobs"]["tokens"] == want_tokens
+        assert choice["text"] == reference.text
+        assert choice["finish_reason"] == reference.finish_reason
+        usage = result["usage"]
+        assert usage["completion_tokens"] == len(reference.token_ids)  # type: ignore[index]
+
+    decodes = [stats(cluster, name) for name in ("decode-0", "decode-1")]
+    assert all(s.num_requests > 0 for s in decodes), "both decode workers get requests"
+    assert all(s.kv_bytes_received > 0 for s in decodes)
+    prefill = stats(cluster, "prefill-0")
+    assert prefill.kv_bytes_sent == sum(s.kv_bytes_received for s in decodes)
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert 'nori_worker_kv_bytes_received_total{worker_id="decode-0",role="decode"}' in metrics
+
+
+def test_openai_client_streaming_and_not_completions_and_chat(
+    cluster: LocalCluster, offline: LLM
+) -> None:
+    api = client(cluster)
+    name = model_name(cluster)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    prompt = PROMPTS[4]
+    [reference] = offline.generate([prompt], params)
+
+    completion = api.completions.create(model=name, prompt=prompt, max_tokens=20, temperature=0)
+    assert completion.choices[0].text == reference.text
+    streamed = api.completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in streamed:
+        pieces.extend(choice.text for choice in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == reference.text
+    assert usage is not None and usage.completion_tokens == len(reference.token_ids)
+
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    [chat_reference] = offline.chat([messages], params)
+    chat = api.chat.completions.create(
+        model=name,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content == chat_reference.text
+    chat_stream = api.chat.completions.create(
+        model=name,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chat_stream if chunk.choices)
+    assert text == chat_reference.text
+
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=name, prompt="hi", max_tokens=10**6)
+
+
+def test_streaming_client_that_disconnects_frees_blocks_everywhere(cluster: LocalCluster) -> None:
+    baseline = idle_free_blocks(cluster)
+    body = {
+        "model": model_name(cluster),
+        "prompt": PROMPTS[2],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{cluster.url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+            if events >= 5:
+                break
+        held = {name: stats(cluster, name).num_requests_holding_blocks for name in baseline}
+        assert sum(held.values()) >= 1, "the request is decoding while we disconnect"
+    # Leaving the block closed the connection mid-stream.
+    assert wait_for_free_blocks(cluster, baseline) == baseline
+
+
+def test_lease_frees_blocks_when_the_kv_never_arrives(cluster: LocalCluster) -> None:
+    baseline = idle_free_blocks(cluster)
+    prefill = cluster.worker("prefill-0").process
+    os.kill(prefill.pid, signal.SIGSTOP)  # a hung prefill worker: it never sends the KV
+    try:
+        started = time.monotonic()
+        response = httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={"model": model_name(cluster), "prompt": "Once upon a time", "max_tokens": 8},
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+        assert response.status_code == 504, response.text
+        assert "lease" in response.json()["error"]["message"]
+        assert elapsed < LEASE_S + 10
+        decodes = {name: count for name, count in baseline.items() if name.startswith("decode")}
+        assert wait_for_free_blocks(cluster, decodes) == decodes
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert wait_for_free_blocks(cluster, baseline) == baseline
+    ok = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": model_name(cluster), "prompt": "Hello", "max_tokens": 4},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_decode_worker_joins_at_run_time_and_one_drains_on_sigterm(
+    cluster: LocalCluster,
+) -> None:
+    cluster.add_worker("decode", "decode-2")
+    cluster.wait_healthy({"prefill": 1, "decode": 3}, timeout_s=120)
+
+    def complete(prompt: str) -> int:
+        response = httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={"model": model_name(cluster), "prompt": prompt, "max_tokens": 8},
+            timeout=60,
+        )
+        return response.status_code
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(complete, PROMPTS[:6])) == [200] * 6
+    assert stats(cluster, "decode-2").num_requests > 0, "the new worker takes requests"
+
+    # A long streaming request; SIGTERM the decode worker serving it: it must finish first.
+    body = {
+        "model": model_name(cluster),
+        "prompt": PROMPTS[1],
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", f"{cluster.url}/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        first = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in first)
+        serving = [
+            name
+            for name in ("decode-0", "decode-1", "decode-2")
+            if stats(cluster, name).num_running
+        ]
+        assert len(serving) == 1
+        worker = cluster.worker(serving[0]).process
+        worker.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    assert worker.wait(timeout=60) == 0
+    assert complete("after the drain") == 200

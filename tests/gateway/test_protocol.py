@@ -1,0 +1,574 @@
+"""The HTTP layer against a fake backend, in-process: request parsing, errors, response shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from nori.gateway.app import create_app
+from nori.gateway.backend import (
+    BackendError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    QueueFullError,
+    SaturatedError,
+)
+from nori.sampling.logprobs import TokenLogprobs
+from nori.sampling.tokenizer import Tokenizer
+from tests.gateway.helpers import FakeBackend, chunk, sse_json
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = "tiny-test"
+MAX_MODEL_LEN = 64
+
+
+def make_app(tokenizer: Tokenizer, backend: Any = None, **options: Any) -> FastAPI:
+    return create_app(
+        backend if backend is not None else FakeBackend(),
+        tokenizer,
+        MODEL,
+        MAX_MODEL_LEN,
+        **options,
+    )
+
+
+def client(app: FastAPI) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://gateway")
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    assert "Traceback" not in response.text
+    return dict(error)
+
+
+async def post(app: FastAPI, path: str, body: Any) -> httpx.Response:
+    async with client(app) as http:
+        if isinstance(body, bytes):
+            headers = {"content-type": "application/json"}
+            return await http.post(path, content=body, headers=headers)
+        return await http.post(path, json=body)
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+
+async def test_completion_response_shape(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend()
+    response = await post(
+        make_app(tokenizer, backend), "/v1/completions", {"model": MODEL, "prompt": "hello"}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "Hello!",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    ]
+    prompt_ids = tokenizer.encode("hello")
+    assert prompt_ids[0] == tokenizer.bos_token_id  # completions prompts get BOS
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 3,
+        "total_tokens": len(prompt_ids) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    (request,) = backend.requests
+    assert request.prompt_token_ids == prompt_ids
+    assert request.request_id == f"{body['id']}-0"
+    assert request.params.max_tokens == 16  # the completions default
+
+
+async def test_sampling_fields_reach_the_backend(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend()
+    body = {
+        "prompt": [3, 4, 5],
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.1,
+        "seed": 42,
+        "stop": "xy",
+        "stop_token_ids": [9],
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "logprobs": 3,
+        "user": "someone",
+        "some_future_field": {"ignored": True},
+    }
+    response = await post(make_app(tokenizer, backend), "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    params = backend.requests[0].params
+    assert backend.requests[0].prompt_token_ids == [3, 4, 5]
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (5, 0.5, 0.9, 7)
+    assert (params.min_p, params.seed, params.stop, params.stop_token_ids) == (
+        0.1,
+        42,
+        ("xy",),
+        (9,),
+    )
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.ignore_eos, params.min_tokens) == (1.2, True, 2)
+    assert params.logprobs == 3
+
+
+async def test_chat_prompt_uses_template_without_extra_bos(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend()
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}],
+        },
+    ]
+    response = await post(
+        make_app(tokenizer, backend), "/v1/chat/completions", {"model": MODEL, "messages": messages}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello!"},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    ]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"}]
+    )
+    expected = tokenizer.encode(rendered, add_special_tokens=False)
+    request = backend.requests[0]
+    assert request.prompt_token_ids == expected
+    assert expected.count(tokenizer.bos_token_id) == 1  # the template's BOS, not a second one
+    # No max_tokens: whatever the context leaves.
+    assert request.params.max_tokens == MAX_MODEL_LEN - len(expected)
+    assert body["usage"]["prompt_tokens"] == len(expected)
+
+
+async def test_chat_max_completion_tokens_wins(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend()
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 9,
+        "max_completion_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    response = await post(make_app(tokenizer, backend), "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert backend.requests[0].params.max_tokens == 4
+    assert backend.requests[0].params.logprobs == 2
+
+
+async def test_batch_of_prompts_runs_concurrently(tokenizer: Tokenizer) -> None:
+    both_started = asyncio.Event()
+    started: list[str] = []
+
+    class Backend(FakeBackend):
+        async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+            started.append(request.request_id)
+            if len(started) == 2:
+                both_started.set()
+            # Each stream waits for the other: a sequential gateway would never finish.
+            await asyncio.wait_for(both_started.wait(), timeout=5)
+            text = f"<{request.prompt_token_ids[-1]}>"
+            yield chunk([1], text, finished=True, finish_reason="stop")
+
+    backend = Backend()
+    response = await post(
+        make_app(tokenizer, backend), "/v1/completions", {"prompt": [[3, 10], [3, 11]]}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["text"] for c in body["choices"]] == ["<10>", "<11>"]
+    assert sorted(started) == [f"{body['id']}-0", f"{body['id']}-1"]
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 2
+
+
+async def test_logprobs_formats(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(" the cat", add_special_tokens=False)[:2]
+    names = [tokenizer.decode([i]) for i in ids]
+    assert all(names) and "\ufffd" not in "".join(names)
+    entries = [
+        TokenLogprobs(ids[0], -0.5, 1, ((ids[0], -0.5), (ids[1], -1.5))),
+        TokenLogprobs(ids[1], -0.25, 2, ((ids[0], -0.2), (ids[1], -0.25))),
+    ]
+
+    def script(request: GenerationRequest) -> list[GenerationChunk]:
+        return [
+            chunk([ids[0]], names[0], logprobs=entries[:1]),
+            chunk([ids[1]], names[1], logprobs=entries[1:], finished=True, finish_reason="stop"),
+        ]
+
+    app = make_app(tokenizer, FakeBackend(script))
+    response = await post(app, "/v1/completions", {"prompt": "x", "logprobs": 2})
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs == {
+        "tokens": names,
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{names[0]: -0.5, names[1]: -1.5}, {names[0]: -0.2, names[1]: -0.25}],
+        "text_offset": [0, len(names[0])],
+    }
+
+    response = await post(
+        app,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+    )
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert content[1] == {
+        "token": names[1],
+        "logprob": -0.25,
+        "bytes": list(names[1].encode()),
+        "top_logprobs": [
+            {"token": names[0], "logprob": -0.2, "bytes": list(names[0].encode())},
+            {"token": names[1], "logprob": -0.25, "bytes": list(names[1].encode())},
+        ],
+    }
+
+    # Streaming: offsets continue across chunks; token ids on request (vLLM extension).
+    response = await post(
+        app,
+        "/v1/completions",
+        {"prompt": "x", "logprobs": 0, "stream": True, "return_tokens_as_token_ids": True},
+    )
+    chunks = sse_json(response.text)
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert [s["text_offset"] for s in streamed] == [[0], [len(f"token_id:{ids[0]}")]]
+    assert [s["tokens"] for s in streamed] == [[f"token_id:{ids[0]}"], [f"token_id:{ids[1]}"]]
+
+
+async def test_streaming_chat_framing(tokenizer: Tokenizer) -> None:
+    app = make_app(tokenizer)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    response = await post(app, "/v1/chat/completions", body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_json(response.text)
+    assert all("usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]] == ["Hel", "lo", "!"]
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert len({c["id"] for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+    body["stream_options"] = {"include_usage": True}
+    chunks = sse_json((await post(app, "/v1/chat/completions", body)).text)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_streaming_completion_batch(tokenizer: Tokenizer) -> None:
+    body = {"prompt": ["a", "b"], "stream": True, "stream_options": {"include_usage": True}}
+    response = await post(make_app(tokenizer), "/v1/completions", body)
+    chunks = sse_json(response.text)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    texts: dict[int, str] = {0: "", 1: ""}
+    finishes = {}
+    for item in chunks[:-1]:
+        (choice,) = item["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "Hello!", 1: "Hello!"} and finishes == {0: "length", 1: "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment", "param"),
+    [
+        (b"{not json", "not valid JSON", None),
+        (b"[1, 2]", "JSON object", None),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "max_tokens"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature", "temperature"),
+        ({"prompt": "hi", "stream": "yes"}, "stream", "stream"),
+        ({"prompt": 5}, "prompt: expected one of", "prompt"),
+        ({"prompt": ["a", 1]}, "prompt", "prompt"),
+        ({}, "prompt: Field required", "prompt"),
+        ({"prompt": "hi", "temperature": -1}, "temperature must be", "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p must be", "top_p"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+        ({"prompt": "hi", "stop": [""]}, "stop must contain", "stop"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be", "max_tokens"),
+        ({"prompt": "hi", "n": 2}, "n must be 1", "n"),
+        ({"prompt": "hi", "echo": True}, "echo is not supported", "echo"),
+        ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream", None),
+        ({"prompt": ""}, "empty", "prompt"),
+        ({"prompt": []}, "empty", "prompt"),
+        ({"prompt": [[]]}, "empty", "prompt"),
+        ({"prompt": [1, 512]}, "out of the vocabulary range [0, 512): [512]", "prompt"),
+        ({"prompt": [1, -3]}, "[-3]", "prompt"),
+    ],
+)
+async def test_completion_input_errors_are_400(
+    tokenizer: Tokenizer, body: Any, fragment: str, param: str | None
+) -> None:
+    backend = FakeBackend()
+    error = assert_error(
+        await post(make_app(tokenizer, backend), "/v1/completions", body), 400, fragment
+    )
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": []}, "at least one message"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "Unknown role: wizard"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "'image_url' is not supported",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "requires logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tool"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ],
+)
+async def test_chat_input_errors_are_400(tokenizer: Tokenizer, body: Any, fragment: str) -> None:
+    assert_error(await post(make_app(tokenizer), "/v1/chat/completions", body), 400, fragment)
+
+
+async def test_too_long_requests_name_the_numbers(tokenizer: Tokenizer) -> None:
+    app = make_app(tokenizer)
+    error = assert_error(
+        await post(app, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 10}),
+        400,
+        f"maximum context length is {MAX_MODEL_LEN}",
+        "70 tokens (60 in the prompt, 10 in the completion)",
+    )
+    assert error["param"] == "max_tokens"
+    assert_error(
+        await post(app, "/v1/completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}),
+        400,
+        f"the prompt has {MAX_MODEL_LEN} tokens",
+    )
+    long_chat = {"messages": [{"role": "user", "content": "word " * 200}]}
+    assert_error(await post(app, "/v1/chat/completions", long_chat), 400, "maximum context length")
+    # Exactly at the limit is fine.
+    response = await post(app, "/v1/completions", {"prompt": [5] * 60, "max_tokens": 4})
+    assert response.status_code == 200
+
+
+async def test_unknown_model_is_404(tokenizer: Tokenizer) -> None:
+    for path, body in [
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]},
+        ),
+    ]:
+        error = assert_error(await post(make_app(tokenizer), path, body), 404, "gpt-4")
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+async def test_tokenizer_without_chat_template_is_400(tokenizer: Tokenizer) -> None:
+    plain = dataclasses.replace(tokenizer, chat_template=None)
+    app = create_app(FakeBackend(), plain, MODEL, MAX_MODEL_LEN)
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert_error(await post(app, "/v1/chat/completions", body), 400, "no chat template")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("call_time", [False, True])
+@pytest.mark.parametrize(
+    ("error", "status", "retry_after"),
+    [
+        (SaturatedError("no decode capacity", retry_after_s=2.5), 503, "3"),
+        (QueueFullError("too many requests", retry_after_s=0.1), 429, "1"),
+        (InvalidRequestError("the worker says no"), 400, None),
+        (BackendError("worker exploded"), 500, None),
+    ],
+)
+async def test_backend_errors_map_to_status(
+    tokenizer: Tokenizer,
+    error: BackendError,
+    status: int,
+    retry_after: str | None,
+    stream: bool,
+    call_time: bool,
+) -> None:
+    backend = FakeBackend(call_error=error) if call_time else FakeBackend(error=error)
+    response = await post(
+        make_app(tokenizer, backend), "/v1/completions", {"prompt": "hi", "stream": stream}
+    )
+    body = assert_error(response, status, str(error))
+    assert body["type"] == error.error_type
+    assert response.headers.get("retry-after") == retry_after
+
+
+async def test_unexpected_backend_exception_is_500_without_details(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend(error=RuntimeError("secret internal state"))
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        response = await post(make_app(tokenizer, backend), path, body)
+        assert_error(response, 500, "internal server error")
+        assert "secret" not in response.text
+
+
+async def test_abort_is_an_error(tokenizer: Tokenizer) -> None:
+    def script(request: GenerationRequest) -> list[GenerationChunk]:
+        return [chunk([7], "Hel"), chunk([], "", finished=True, finish_reason="abort")]
+
+    app = make_app(tokenizer, FakeBackend(script))
+    assert_error(await post(app, "/v1/completions", {"prompt": "hi"}), 500, "aborted")
+    response = await post(app, "/v1/completions", {"prompt": "hi", "stream": True})
+    assert response.status_code == 200
+    chunks = sse_json(response.text)
+    assert chunks[0]["choices"][0]["text"] == "Hel"
+    assert "aborted" in chunks[-1]["error"]["message"]  # type: ignore[index]
+
+
+async def test_error_mid_stream_is_an_error_event(tokenizer: Tokenizer) -> None:
+    class Backend(FakeBackend):
+        async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+            yield chunk([7], "Hel")
+            raise SaturatedError("decode worker lost")
+
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    response = await post(make_app(tokenizer, Backend()), "/v1/chat/completions", body)
+    chunks = sse_json(response.text)
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Hel"}  # type: ignore[index]
+    assert chunks[-1] == {
+        "error": {
+            "message": "decode worker lost",
+            "type": "service_unavailable",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+async def test_unknown_route_is_openai_style_404(tokenizer: Tokenizer) -> None:
+    async with client(make_app(tokenizer)) as http:
+        assert_error(await http.get("/v1/nothing"), 404)
+        assert_error(await http.get("/v1/completions"), 405)
+
+
+# ----------------------------------------------------------------------------- other routes
+
+
+async def test_models_route(tokenizer: Tokenizer) -> None:
+    async with client(make_app(tokenizer)) as http:
+        body = (await http.get("/v1/models")).json()
+        assert body["object"] == "list"
+        (card,) = body["data"]
+        assert card["id"] == MODEL and card["object"] == "model"
+        assert card["max_model_len"] == MAX_MODEL_LEN
+        assert (await http.get(f"/v1/models/{MODEL}")).json() == card
+        assert_error(await http.get("/v1/models/other"), 404)
+
+
+async def test_health_route(tokenizer: Tokenizer) -> None:
+    async with client(make_app(tokenizer, FakeBackend())) as http:
+        response = await http.get("/health")
+        assert response.status_code == 200
+        assert response.json() == {
+            "status": "ok",
+            "workers": {"prefill": 1, "decode": 2},
+            "detail": "",
+        }
+    async with client(make_app(tokenizer, FakeBackend(healthy=False))) as http:
+        response = await http.get("/health")
+        assert response.status_code == 503 and response.json()["status"] == "unhealthy"
+    async with client(make_app(tokenizer, FakeBackend(health_error=OSError("redis down")))) as http:
+        response = await http.get("/health")
+        assert response.status_code == 503 and "redis down" in response.json()["detail"]
+
+
+async def test_metrics_route(tokenizer: Tokenizer) -> None:
+    async def extra() -> str:
+        return 'nori_worker_kv_bytes_received_total{worker="d0"} 1234'
+
+    backend = FakeBackend(delay_s=0.01)
+    app = make_app(tokenizer, backend, extra_metrics=extra)
+    other_app = make_app(tokenizer)  # a second app in the same process must not clash
+    async with client(app) as http, client(other_app) as other:
+        await http.post("/v1/completions", json={"prompt": "hi"})
+        await http.post("/v1/completions", json={"prompt": "hi", "model": "nope"})
+        response = await http.get("/metrics")
+        untouched = (await other.get("/metrics")).text
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    prompt_tokens = len(tokenizer.encode("hi"))
+    for line in [
+        'nori_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+        'nori_gateway_requests_total{endpoint="/v1/completions",status="404"} 1.0',
+        'nori_gateway_requests_in_flight{endpoint="/metrics"} 1.0',
+        'nori_gateway_requests_in_flight{endpoint="/v1/completions"} 0.0',
+        f"nori_gateway_prompt_tokens_total {float(prompt_tokens)}",
+        "nori_gateway_generation_tokens_total 3.0",
+        "nori_gateway_time_to_first_token_seconds_count 1.0",
+        "nori_gateway_e2e_request_latency_seconds_count 1.0",
+        'nori_worker_kv_bytes_received_total{worker="d0"} 1234',
+    ]:
+        assert line in text.splitlines(), line
+    assert "nori_gateway_generation_tokens_total 0.0" in untouched.splitlines()
+    assert "nori_worker" not in untouched
+
+
+async def test_metrics_survive_a_failing_hook(tokenizer: Tokenizer) -> None:
+    async def broken() -> str:
+        raise ConnectionError("redis down")
+
+    async with client(make_app(tokenizer, extra_metrics=broken)) as http:
+        response = await http.get("/metrics")
+    assert response.status_code == 200 and "nori_gateway_requests_total" in response.text
+
+
+async def test_create_app_rejects_a_useless_context(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        create_app(FakeBackend(), tokenizer, MODEL, 1)
+
+
+async def test_error_bodies_are_json(tokenizer: Tokenizer) -> None:
+    # The SSE error event must be valid JSON on one line (no newline inside a `data:` field).
+    from nori.gateway.errors import bad_request
+
+    text = bad_request("line one\nline two").body().model_dump_json()
+    assert "\n" not in text and json.loads(text)["error"]["message"] == "line one\nline two"

@@ -1,0 +1,67 @@
+"""The decode side's lease: what it accepts, what it refuses, and when it lets blocks go."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
+from nori.serving.kv_layout import destination_buffers
+from nori.transfer.base import TransferHeader, TransferRejected
+
+
+def make_sink() -> tuple[DecodeKVSink, torch.Tensor]:
+    cache = torch.zeros(2, 2, 8, 4, 1, 2)
+    return DecodeKVSink(cache, transfer_timeout_s=1.0), cache
+
+
+def header(request_id: str, block_ids: list[int], cache: torch.Tensor) -> TransferHeader:
+    sizes = [b.nbytes for b in destination_buffers(cache, block_ids)]
+    return TransferHeader(request_id, block_ids, sizes, {"output_token_ids": [7]})
+
+
+async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> None:
+    sink, cache = make_sink()
+    sink.expect("r1", [3, 4], lease_s=5)
+    with pytest.raises(TransferRejected, match="no reserved blocks"):
+        sink.destinations(header("other", [3, 4], cache))
+    with pytest.raises(TransferRejected, match="differ from the reservation"):
+        sink.destinations(header("r1", [3, 5], cache))
+    bad_sizes = TransferHeader("r1", [3, 4], [1, 2, 3], {})
+    with pytest.raises(TransferRejected, match="buffer sizes"):
+        sink.destinations(bad_sizes)
+
+    good = header("r1", [3, 4], cache)
+    buffers = sink.destinations(good)
+    with pytest.raises(TransferRejected, match="already receiving"):
+        sink.destinations(good)
+    for buffer in buffers:
+        buffer.fill_(1.0)
+    sink.completed(good, sum(good.buffer_nbytes))
+    assert await sink.wait("r1") == {"output_token_ids": [7]}
+    assert cache[:, :, 3:5].eq(1).all() and not cache[:, :, :3].any()
+    assert sink.bytes_received == sum(good.buffer_nbytes) and sink.transfers_completed == 1
+
+
+async def test_an_expired_lease_refuses_late_transfers() -> None:
+    sink, cache = make_sink()
+    sink.expect("r1", [0], lease_s=0.05)
+    with pytest.raises(LeaseExpired, match="did not arrive within the lease"):
+        await sink.wait("r1")
+    with pytest.raises(TransferRejected, match="no reserved blocks"):
+        sink.destinations(header("r1", [0], cache))
+
+
+async def test_a_transfer_under_way_holds_the_lease_until_it_ends() -> None:
+    sink, cache = make_sink()
+    sink.expect("r1", [1], lease_s=0.05)
+    started = header("r1", [1], cache)
+    sink.destinations(started)
+    waiter = asyncio.ensure_future(sink.wait("r1"))
+    await asyncio.sleep(0.2)  # past the lease, but bytes are landing: the blocks stay reserved
+    assert not waiter.done()
+    sink.failed(started, "connection reset")
+    with pytest.raises(TransferRejected, match="connection reset"):
+        await waiter
