@@ -74,7 +74,9 @@ class DecodeKVSink:
             # Bytes are landing in the blocks right now: they cannot be freed under the transport.
             await asyncio.wait_for(lease.done.wait(), self._transfer_timeout_s)
         if lease.state is LeaseState.FAILED:
-            raise TransferRejected(f"the KV transfer of request {request_id!r} failed: {lease.error}")
+            raise TransferRejected(
+                f"the KV transfer of request {request_id!r} failed: {lease.error}"
+            )
         return lease.metadata
 
     # ------------------------------------------------------------------ KVSink (transport)

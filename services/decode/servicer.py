@@ -117,9 +117,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
             self.active.discard(request_id)
 
-    async def _receive(
-        self, request_id: str, context: grpc.aio.ServicerContext
-    ) -> dict[str, Any]:
+    async def _receive(self, request_id: str, context: grpc.aio.ServicerContext) -> dict[str, Any]:
         assert self._sink is not None
         try:
             return await self._sink.wait(request_id)
@@ -163,4 +161,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             draining=bool(self._is_draining()),
             num_requests_holding_blocks=load.num_requests_holding_blocks,
         )
-

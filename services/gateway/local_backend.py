@@ -1,20 +1,14 @@
 """A `Backend` that runs an in-process `LLMEngine` (single-process serving and HTTP-layer tests).
 
-The engine is not thread-safe and its `step()` blocks for a whole forward pass, so it lives on a
-thread of its own and nothing else touches it. The event loop talks to that thread through a
-command deque guarded by a condition variable (add a request, abort one, close); the thread
-sleeps on the condition when it has neither commands nor unfinished requests, so an idle backend
-costs no CPU. Outputs go back to each request's asyncio queue with `call_soon_threadsafe`.
+The engine runs on its own thread (`EngineThread`, the same one every worker uses); this file only
+adds what the HTTP layer needs on top: a bound on unfinished requests, engine errors mapped to
+backend errors, and shutdown ending the streams that are still open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from nori.engine.config import EngineConfig
@@ -29,36 +23,26 @@ from nori.gateway.backend import (
     QueueFullError,
 )
 from nori.sampling.tokenizer import Tokenizer
+from nori.serving.engine_thread import EngineThread
+from nori.serving.output_streams import OutputStreams
 
-logger = logging.getLogger("nori.gateway")
-
-_Item = GenerationChunk | BackendError
-
-
-@dataclass(frozen=True)
-class _Sink:
-    """Where one request's chunks go: an asyncio queue on the loop that awaits them."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
-
-    def deliver(self, item: _Item) -> bool:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody will ever read this request
-            return False
-        return True
+_SHUTDOWN = "the local engine is shutting down"
 
 
-@dataclass(frozen=True)
-class _Add:
-    request: GenerationRequest
-    sink: _Sink
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
+def chunk_from_output(output: RequestOutput) -> GenerationChunk:
+    logprobs = output.logprobs
+    if logprobs is not None:
+        # The engine reports every logprob so far; a chunk carries only the new tokens'.
+        logprobs = logprobs[len(logprobs) - len(output.new_token_ids) :]
+    return GenerationChunk(
+        new_token_ids=list(output.new_token_ids),
+        new_text=output.new_text,
+        finished=output.finished,
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+        logprobs=logprobs,
+        num_cached_tokens=output.num_cached_tokens,
+    )
 
 
 class LocalEngineBackend:
@@ -73,14 +57,12 @@ class LocalEngineBackend:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
         self.engine = engine
         self._max_unfinished = engine.config.max_num_seqs + max_queued_requests
-        self._wakeup = threading.Condition()
-        # Guarded by _wakeup.
-        self._commands: deque[_Add | _Abort] = deque()
         self._num_unfinished = 0
+        self._streams = OutputStreams()
+        # Started on first use: it delivers outputs to the event loop that serves the requests.
+        self._thread: EngineThread | None = None
         self._closed = False
-        self._failure: str | None = None
-        self._thread = threading.Thread(target=self._run, name="nori-local-engine", daemon=True)
-        self._thread.start()
+        self._shutdown = asyncio.Event()
 
     @classmethod
     def from_model(
@@ -101,147 +83,75 @@ class LocalEngineBackend:
     def vocab_size(self) -> int:
         return int(self.engine.model_config.vocab_size)
 
-    # ------------------------------------------------------------------ event-loop side
+    def _engine_thread(self) -> EngineThread:
+        if self._thread is None:
+            loop = asyncio.get_running_loop()
+            self._thread = EngineThread(self.engine, loop, self._streams.dispatch)
+            self._thread.start()
+        return self._thread
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         return self._stream(request)
 
     async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        sink = _Sink(asyncio.get_running_loop(), queue)
-        with self._wakeup:
-            if self._closed or self._failure is not None:
-                raise BackendError(self._failure or "the local engine is shut down")
-            if self._num_unfinished >= self._max_unfinished:
-                raise QueueFullError(
-                    f"the engine already has {self._num_unfinished} unfinished requests "
-                    f"(limit {self._max_unfinished}); retry later"
-                )
-            self._num_unfinished += 1
-            self._commands.append(_Add(request, sink))
-            self._wakeup.notify()
+        if self._closed:
+            raise BackendError("the local engine is shut down")
+        if self._num_unfinished >= self._max_unfinished:
+            raise QueueFullError(
+                f"the engine already has {self._num_unfinished} unfinished requests "
+                f"(limit {self._max_unfinished}); retry later"
+            )
+        thread = self._engine_thread()
+        request_id = request.request_id
+        prompt, params = list(request.prompt_token_ids), request.params
+        try:
+            queue = self._streams.open(request_id)
+        except ValueError as error:
+            raise InvalidRequestError(str(error)) from None
+        self._num_unfinished += 1
         finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BackendError):
-                    finished = True  # the engine side has already dropped the request
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            try:
+                await thread.call(lambda engine: engine.add_request(request_id, prompt, params))
+            except ValueError as error:
+                finished = True
+                raise InvalidRequestError(str(error)) from None
+            while not finished:
+                output = await self._next(queue)
+                finished = output.finished
+                yield chunk_from_output(output)
         finally:
-            # Reached on completion, on error, and when the consumer closes or cancels us
-            # early; only the last needs the engine to drop the request and free its blocks.
-            with self._wakeup:
-                self._num_unfinished -= 1
-                if not finished:
-                    self._commands.append(_Abort(request.request_id))
-                    self._wakeup.notify()
+            self._streams.close(request_id)
+            self._num_unfinished -= 1
+            if not finished and not self._closed:
+                # Closed or cancelled early: the engine drops the request and frees its blocks.
+                thread.submit(lambda engine: engine.abort_request(request_id))
+
+    async def _next(self, queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
+        """The next output, or BackendError when the backend shuts down first."""
+        if queue.empty() and self._shutdown.is_set():
+            raise BackendError(_SHUTDOWN)
+        getter = asyncio.ensure_future(queue.get())
+        shutdown = asyncio.ensure_future(self._shutdown.wait())
+        try:
+            await asyncio.wait({getter, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            shutdown.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        raise BackendError(_SHUTDOWN)
 
     async def health(self) -> BackendHealth:
-        alive = self._thread.is_alive() and not self._closed
-        detail = self._failure or ("" if alive else "the local engine is shut down")
+        alive = not self._closed and (self._thread is None or self._thread.alive)
+        detail = "" if alive else "the local engine is shut down"
         return BackendHealth(healthy=alive, workers={"local": int(alive)}, detail=detail)
 
     async def close(self) -> None:
-        with self._wakeup:
-            self._closed = True
-            self._wakeup.notify()
-        await asyncio.to_thread(self._thread.join)
-
-    # ------------------------------------------------------------------ engine thread
-
-    def _run(self) -> None:
-        sinks: dict[str, _Sink] = {}
-        try:
-            self._loop(sinks)
-        except BaseException as error:
-            # A bug in the loop itself: fail loudly and refuse new requests rather than hang.
-            logger.exception("the local engine loop died")
-            failure = f"the local engine loop died: {error!r}"
-            with self._wakeup:
-                self._failure = failure
-                commands = list(self._commands)
-                self._commands.clear()
-            self._fail_all(sinks, commands, BackendError(failure))
-
-    def _loop(self, sinks: dict[str, _Sink]) -> None:
-        engine = self.engine
-        while True:
-            with self._wakeup:
-                while not (self._commands or self._closed or engine.has_unfinished_requests()):
-                    self._wakeup.wait()
-                commands = list(self._commands)
-                self._commands.clear()
-                closed = self._closed
-            if closed:
-                self._fail_all(sinks, commands, BackendError("the local engine is shutting down"))
-                return
-            for command in commands:
-                self._apply(command, sinks)
-            if not engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as error:
-                # The step's requests are in an unknown state; end them all, keep serving.
-                logger.exception("engine step failed")
-                self._fail_all(sinks, [], BackendError(f"engine step failed: {error}"))
-                continue
-            for output in outputs:
-                self._deliver(output, sinks)
-
-    def _apply(self, command: _Add | _Abort, sinks: dict[str, _Sink]) -> None:
-        if isinstance(command, _Abort):
-            sinks.pop(command.request_id, None)
-            self.engine.abort_request(command.request_id)
+        if self._closed:
             return
-        request = command.request
-        try:
-            self.engine.add_request(
-                request.request_id, list(request.prompt_token_ids), request.params
-            )
-        except ValueError as error:
-            command.sink.deliver(InvalidRequestError(str(error)))
-            return
-        sinks[request.request_id] = command.sink
-
-    def _deliver(self, output: RequestOutput, sinks: dict[str, _Sink]) -> None:
-        sink = sinks.get(output.request_id)
-        if sink is None:
-            return  # aborted while its step ran
-        logprobs = output.logprobs
-        if logprobs is not None:
-            # The engine reports every logprob so far; a chunk carries only the new tokens'.
-            logprobs = logprobs[len(logprobs) - len(output.new_token_ids) :]
-        chunk = GenerationChunk(
-            new_token_ids=list(output.new_token_ids),
-            new_text=output.new_text,
-            finished=output.finished,
-            finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
-            logprobs=logprobs,
-            num_cached_tokens=output.num_cached_tokens,
-        )
-        delivered = sink.deliver(chunk)
-        if output.finished or not delivered:
-            del sinks[output.request_id]
-            if not delivered:
-                self.engine.abort_request(output.request_id)
-
-    def _fail_all(
-        self, sinks: dict[str, _Sink], unapplied: list[_Add | _Abort], error: BackendError
-    ) -> None:
-        """Ends every request the engine holds, and those not yet handed to it, with `error`."""
-        for request_id, sink in list(sinks.items()):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                logger.exception("aborting %s failed", request_id)
-            sink.deliver(error)
-        sinks.clear()
-        for command in unapplied:
-            if isinstance(command, _Add):
-                command.sink.deliver(error)
+        self._closed = True
+        self._shutdown.set()
+        if self._thread is not None:
+            await self._thread.stop()

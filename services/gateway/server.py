@@ -78,7 +78,13 @@ async def serve_gateway(options: GatewayOptions) -> None:
         extra_metrics=extra_metrics,
     )
     config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level="warning", access_log=False
+        app,
+        host=options.host,
+        port=options.port,
+        log_level="warning",
+        access_log=False,
+        # Open streams end with the workers; do not hold the shutdown for them.
+        timeout_graceful_shutdown=5,
     )
     logger.warning(
         "gateway serving %r on http://%s:%d", options.served_model_name, options.host, options.port

@@ -146,6 +146,8 @@ def _message_for_template(message: ChatMessage) -> dict[str, Any]:
         for part in content:
             if not isinstance(part, TextContentPart):
                 kind = part.get("type", "unknown")
+                if kind == "text":
+                    raise bad_request("a text content part needs a string `text`", "messages")
                 raise bad_request(
                     f"message content of type {kind!r} is not supported; only text parts are",
                     "messages",
@@ -461,7 +463,8 @@ async def create_completion(
     def closing() -> list[str]:
         return [chunk([], session.usage())] if include_usage else []
 
-    return EventStreamResponse(_stream_events(session, first, (), render, closing))
+    events = _stream_events(session, first, (), render, closing)
+    return EventStreamResponse(events, on_close=session.cancel)
 
 
 async def create_chat_completion(
@@ -539,4 +542,5 @@ async def create_chat_completion(
         return [chunk([], session.usage())] if include_usage else []
 
     opening = [chunk([ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])]
-    return EventStreamResponse(_stream_events(session, first, opening, render, closing))
+    events = _stream_events(session, first, opening, render, closing)
+    return EventStreamResponse(events, on_close=session.cancel)

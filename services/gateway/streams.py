@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from nori.gateway.backend import Backend, BackendError, GenerationChunk, GenerationRequest
+
+logger = logging.getLogger("nori.gateway")
 
 
 class ClientDisconnected(Exception):
@@ -95,7 +98,10 @@ class GenerationRun:
             if iterator is not None:
                 # After `break` or an error the generator is suspended, not finished: closing
                 # it runs its cleanup now rather than whenever it is garbage-collected.
-                await close_iterator(iterator)
+                try:
+                    await close_iterator(iterator)
+                except Exception:
+                    logger.exception("closing the backend stream of %s failed", request.request_id)
 
     def watch_disconnect(self, receive: Receive) -> None:
         """Until `stop_watching`, a client disconnect makes `next()` raise ClientDisconnected."""
@@ -157,8 +163,13 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None
+    ) -> None:
+        """`on_close` runs once the response is over however it ended, even when the body
+        was never started (closing an unstarted generator skips its `finally`)."""
         super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -182,6 +193,8 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await close_iterator(self.body_iterator)
+            if self._on_close is not None:
+                self._on_close()
 
 
 def sse_event(payload: str) -> str:

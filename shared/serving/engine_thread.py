@@ -65,6 +65,14 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
     async def call(self, operation: Callable[[LLMEngine], T]) -> T:
         """Runs `operation(engine)` on the engine thread between steps and returns its result."""
         future: Future[object] = Future()
@@ -103,8 +111,9 @@ class EngineThread:
 
     def _apply_operations(self, block: bool) -> None:
         try:
-            # Idle: sleep until an operation arrives. Busy: only take what is already queued.
-            item = self._operations.get(timeout=0.5) if block else self._operations.get_nowait()
+            # Idle: sleep until an operation arrives (stop() sends one). Busy: only take what is
+            # already queued.
+            item = self._operations.get() if block else self._operations.get_nowait()
         except queue.Empty:
             return
         while True:

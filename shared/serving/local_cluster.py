@@ -184,8 +184,7 @@ class LocalCluster:
             code = role.process.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"{role.name} exited with status {code}; its log ends with:\n"
-                    f"{role.log_tail()}"
+                    f"{role.name} exited with status {code}; its log ends with:\n{role.log_tail()}"
                 )
 
     # ------------------------------------------------------------------ stop

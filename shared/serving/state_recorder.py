@@ -30,7 +30,9 @@ class StateRecorder:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _write(self, request_id: str, state: str, fields: dict[str, str | int | float]) -> None:
+    async def _write(
+        self, request_id: str, state: str, fields: dict[str, str | int | float]
+    ) -> None:
         try:
             await self._store.set_state(request_id, state, **fields)
         except Exception:

@@ -52,7 +52,7 @@ class WorkerOptions:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
     def resolved_advertise_host(self) -> str:
-        """"auto": this host's own address, so each replica of a scaled role is reachable."""
+        """ "auto": this host's own address, so each replica of a scaled role is reachable."""
         if self.advertise_host != "auto":
             return self.advertise_host
         return socket.gethostbyname(socket.gethostname())

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -42,7 +43,7 @@ def serve(app: FastAPI) -> Iterator[str]:
 
 
 def chunk(token_ids: list[int], text: str, **kwargs: object) -> GenerationChunk:
-    return GenerationChunk(new_token_ids=token_ids, new_text=text, **kwargs)  # type: ignore[arg-type]
+    return GenerationChunk(new_token_ids=token_ids, new_text=text, **kwargs)
 
 
 Script = Callable[[GenerationRequest], list[GenerationChunk]]
@@ -129,7 +130,7 @@ def parse_sse(raw: str) -> list[str]:
     return payloads
 
 
-def sse_json(raw: str) -> list[dict[str, object]]:
+def sse_json(raw: str) -> list[dict[str, Any]]:
     payloads = parse_sse(raw)
     assert payloads[-1] == "[DONE]"
     assert "[DONE]" not in payloads[:-1]

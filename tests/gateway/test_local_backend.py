@@ -79,12 +79,12 @@ async def test_closing_the_iterator_aborts_and_frees_blocks(tiny_checkpoint: Pat
         aborted.append(request_id)
         abort(request_id)
 
-    engine.abort_request = recording_abort  # type: ignore[method-assign]
+    engine.abort_request = recording_abort
     try:
         stream = backend.generate(request("long", 100))
         first = await anext(stream)
         assert first.new_token_ids and not first.finished
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
         deadline = time.monotonic() + 5
         while aborted != ["long"] or engine.num_free_blocks != engine.block_manager.num_blocks:
             assert time.monotonic() < deadline, aborted
@@ -108,9 +108,9 @@ async def test_a_full_queue_refuses_with_queue_full(tiny_checkpoint: Path) -> No
         with pytest.raises(QueueFullError) as refused:
             await collect(backend, request("refused"))
         assert refused.value.status_code == 429 and refused.value.retry_after_s > 0
-        await running.aclose()  # type: ignore[attr-defined]
+        await running.aclose()
         assert (await waiting_first).new_token_ids  # admitted once the running one left
-        await waiting.aclose()  # type: ignore[attr-defined]
+        await waiting.aclose()
         assert (await collect(backend, request("later", 2)))[-1].finished
     finally:
         await backend.close()
@@ -149,6 +149,7 @@ async def test_idle_engine_thread_sleeps(tiny_checkpoint: Path) -> None:
     backend = make_backend(tiny_checkpoint)
     try:
         await collect(backend, request("warm", 2))
+        assert backend._thread is not None
         native_id = backend._thread.native_id
 
         def cpu_ticks() -> int:

@@ -32,7 +32,9 @@ GENERATE = (
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools")
-    shutil.copytree(PROTO, tmp_path / "proto", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    shutil.copytree(
+        PROTO, tmp_path / "proto", ignore=shutil.ignore_patterns("*_pb2*", "__pycache__")
+    )
     sources = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "proto").rglob("*.proto"))
     subprocess.run(
         [
@@ -53,7 +55,9 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     for fresh in generated:
         checked_in = PROTO / "nori/v1" / fresh.name
         assert checked_in.is_file(), f"{checked_in} is missing; run: {GENERATE}"
-        assert filecmp.cmp(fresh, checked_in, shallow=False), f"{fresh.name} is stale; run: {GENERATE}"
+        assert filecmp.cmp(fresh, checked_in, shallow=False), (
+            f"{fresh.name} is stale; run: {GENERATE}"
+        )
 
 
 @pytest.mark.parametrize(
