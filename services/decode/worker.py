@@ -21,7 +21,7 @@ from nori.serving.state_recorder import StateRecorder
 from nori.serving.worker_runtime import Worker, WorkerOptions
 from nori.state.requests import RequestStateStore
 from nori.transfer.base import KVReceiver
-from nori.transfer.select import make_receiver
+from nori.transfer.factory import make_receiver
 from nori.v1 import decode_pb2_grpc
 
 logger = logging.getLogger(__name__)

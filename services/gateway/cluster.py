@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from nori.gateway.backend import (
     BackendError,
@@ -39,6 +41,10 @@ from nori.state.requests import RequestStateStore
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# How long a channel to a worker that left the registry stays open for calls still on it.
+CHANNEL_LINGER_S = 120.0
 
 
 class UpstreamTimeoutError(BackendError):
@@ -93,6 +99,7 @@ class ClusterBackend:
         self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._absent_since: dict[str, float] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._num_in_flight = 0
 
@@ -104,6 +111,13 @@ class ClusterBackend:
         self._registry = WorkerRegistry(self._redis, keys)
         self._directory = BlockDirectory(self._redis, keys)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
+        try:
+            await self._redis.ping()
+        except (RedisError, OSError) as error:
+            raise ValueError(
+                f"cannot reach Redis at {self.options.redis_url} ({error}); start one, or pass "
+                "--redis-url / set REDIS_URL"
+            ) from None
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
 
@@ -125,8 +139,17 @@ class ClusterBackend:
         assert self._registry is not None
         self.workers = await self._registry.list_workers()
         live = {worker.grpc_address for worker in self.workers}
-        for address in [a for a in self._channels if a not in live]:
-            await self._channels.pop(address).close()
+        now = time.monotonic()
+        for address in list(self._channels):
+            if address in live:
+                self._absent_since.pop(address, None)
+                continue
+            # A worker that missed its heartbeats may still be finishing calls on this channel
+            # (or be hung, which the decode lease handles): close it only once long gone.
+            since = self._absent_since.setdefault(address, now)
+            if now - since > CHANNEL_LINGER_S:
+                del self._absent_since[address]
+                await self._channels.pop(address).close()
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -343,7 +366,14 @@ class ClusterBackend:
 
 
 async def _await_call(call: grpc.aio.UnaryUnaryCall) -> prefill_pb2.PrefillResponse:
-    response: prefill_pb2.PrefillResponse = await call
+    try:
+        response: prefill_pb2.PrefillResponse = await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # we are being cancelled (the client went away)
+        # The call was cancelled under us (its channel closed): a failure, not a cancellation.
+        raise BackendError("the prefill call was cancelled") from None
     return response
 
 
@@ -353,6 +383,11 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.Gener
         message = await call.read()
     except grpc.aio.AioRpcError as error:
         raise error_from_rpc(error, worker) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise BackendError(f"the call to {worker} was cancelled") from None
     if message is grpc.aio.EOF:
         return None
     return message

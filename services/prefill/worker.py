@@ -23,7 +23,7 @@ from nori.serving.output_streams import OutputStreams
 from nori.serving.worker_runtime import Worker, WorkerOptions
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
-from nori.transfer.select import make_sender
+from nori.transfer.factory import make_sender
 from nori.v1 import prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)

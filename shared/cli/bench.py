@@ -25,6 +25,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(offline)
     offline.set_defaults(handler=run_offline)
 
+    transfer = commands.add_parser(
+        "transfer", help="KV block transfer bandwidth: UCX vs our TCP, a plain socket, memcpy"
+    )
+    transfer.add_argument("--total-mib", type=int, default=64, help="bytes moved per repeat")
+    transfer.add_argument(
+        "--block-kib",
+        type=int,
+        default=32,
+        help="size of one block message (default: one layer's K or V of one 16-token block of "
+        "a Llama-3-8B-class model in bfloat16)",
+    )
+    transfer.add_argument("--repeats", type=int, default=5, help="timed repeats (median reported)")
+    transfer.add_argument(
+        "--transports",
+        default="ucx,tcp_transport,socket,memcpy",
+        help="comma-separated subset of ucx,tcp_transport,socket,memcpy",
+    )
+    transfer.add_argument("--json", action="store_true", help="print one JSON object")
+    transfer.set_defaults(handler=run_transfer)
+
 
 def run_offline(args: argparse.Namespace) -> int:
     from nori.bench.offline import parse_range, run_offline_benchmark
@@ -39,6 +59,24 @@ def run_offline(args: argparse.Namespace) -> int:
         compare_static=args.compare_static,
         show_progress=sys.stderr.isatty() or not args.json,
     )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>28}: {value}")
+    return 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    from nori.bench.transfer import TransferBenchConfig, run_transfer_benchmark
+
+    settings = TransferBenchConfig(
+        total_mib=args.total_mib,
+        block_kib=args.block_kib,
+        repeats=args.repeats,
+        transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
+    )
+    report = run_transfer_benchmark(settings)
     if args.json:
         print(json.dumps(report))
     else:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
@@ -116,12 +117,20 @@ class Worker(ABC):
             loop.add_signal_handler(signum, self.request_stop)
 
         redis = self.redis = Redis.from_url(self.options.redis_url)
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as error:
+            await redis.aclose()
+            raise ValueError(
+                f"cannot reach Redis at {self.options.redis_url} ({error}); start one, or pass "
+                "--redis-url / set REDIS_URL"
+            ) from None
         registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s)
         await self.start_role()
 
         server = grpc.aio.server(options=GRPC_OPTIONS)
         self.add_servicers(server)
-        health = HealthServicer()
+        health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         port = server.add_insecure_port(f"{self.options.host}:{self.options.port}")
         if port == 0:
@@ -151,7 +160,7 @@ class Worker(ABC):
             await redis.aclose()
             logger.warning("%s worker %s stopped", self.role, self.worker_id)
 
-    async def _drain(self, registry: WorkerRegistry, health: HealthServicer) -> None:
+    async def _drain(self, registry: WorkerRegistry, health: health_aio.HealthServicer) -> None:
         """Stops taking new requests (the gateway sees `draining`) and lets running ones finish."""
         self.draining = True
         for name in ("", *self.service_names):

@@ -6,6 +6,7 @@ over UCX (ucxx) between processes, the workers talk gRPC, the clients speak HTTP
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from nori.models.init_checkpoint import init_checkpoint
 from nori.serving.local_cluster import ClusterSpec, LocalCluster, free_port
-from nori.transfer.select import ucx_available
+from nori.transfer.factory import ucx_available
 
 # Small pools so that blocks are easy to account for, float32 so the offline reference matches.
 WORKER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "32")
@@ -23,8 +24,10 @@ LEASE_S = 3.0
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("cluster") / "tiny-llama"
-    init_checkpoint(folder, "tiny", seed=11)
+    # The demo shape (4 layers, 4096 positions): slow enough on a CPU that a long request is
+    # reliably still running when a test disconnects or stops its worker.
+    folder = tmp_path_factory.mktemp("cluster") / "demo-llama"
+    init_checkpoint(folder, "demo", seed=11)
     return folder
 
 
@@ -38,7 +41,7 @@ def start_cluster(
         "num_decode": 2,
         "port": free_port(),
         "namespace": f"test-{uuid.uuid4().hex[:12]}",
-        "transport": "ucx" if ucx_available() else "tcp",
+        "transport": os.environ.get("NORI_TEST_TRANSPORT") or ("ucx" if ucx_available() else "tcp"),
         "kv_lease_s": LEASE_S,
         "worker_args": WORKER_ARGS,
         "log_dir": log_dir,
