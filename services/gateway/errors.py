@@ -80,8 +80,11 @@ def as_api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, BackendError):
-        if error.status_code >= HTTPStatus.INTERNAL_SERVER_ERROR:
+        if error.status_code == HTTPStatus.INTERNAL_SERVER_ERROR:
             logger.error("backend error: %s", error, exc_info=error)
+        elif error.status_code > HTTPStatus.INTERNAL_SERVER_ERROR:
+            # Saturation and upstream timeouts are expected under load: one line, no traceback.
+            logger.warning("backend error %d: %s", error.status_code, error)
         return from_backend_error(error)
     logger.error("unexpected error while serving a request", exc_info=error)
     return internal_error()

@@ -1,0 +1,99 @@
+"""`nori up` as a user runs it: a real subprocess, its printed URL, a request, then a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nori.serving.local_cluster import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def start_up(args: list[str], redis_url: str | None, tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("REDIS_URL", None)
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    return subprocess.Popen(
+        [sys.executable, "-m", "nori.cli.main", "up", "--log-dir", str(tmp_path / "logs"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def wait_for_line(process: subprocess.Popen[str], needle: str, timeout_s: float) -> list[str]:
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} not printed; got: {lines}")
+
+
+def processes_of(namespace: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"namespace {namespace}"], capture_output=True)
+    return found.stdout.decode().split()
+
+
+@pytest.mark.parametrize(
+    ("layout", "signum"),
+    [([], signal.SIGTERM), (["--colocated"], signal.SIGINT)],
+    ids=["disaggregated-sigterm", "colocated-ctrl-c"],
+)
+def test_up_serves_prints_how_and_stops_everything(
+    redis_url: str, checkpoint: Path, tmp_path: Path, layout: list[str], signum: int
+) -> None:
+    port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
+    args = ["--model", str(checkpoint), "--port", str(port), "--namespace", namespace, *layout]
+    process = start_up(args, redis_url, tmp_path)
+    try:
+        lines = wait_for_line(process, "curl", timeout_s=180)
+        assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines)
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": checkpoint.name, "prompt": "Once upon a time", "max_tokens": 5},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert processes_of(namespace)
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=90)
+        assert process.returncode == 0, output
+        assert "nori: stopped" in output
+        assert not processes_of(namespace), "every role process is gone"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_up_without_any_redis_says_how_to_get_one(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(tmp_path)}  # no redis-server on this PATH
+    env.pop("REDIS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.cli.main", "up", "--model", "demo"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "redis-server" in result.stderr and "REDIS_URL" in result.stderr
+    assert "Traceback" not in result.stderr
