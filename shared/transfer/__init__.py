@@ -1,1 +1,35 @@
-"""Transports that move KV blocks between workers: UCX (ucxx) and a plain TCP fallback."""
+"""Transports that move KV blocks between workers: UCX (ucxx) and a plain TCP fallback.
+
+A decode worker implements `KVSink` and runs a receiver; a prefill worker sends with a sender:
+
+    receiver = make_receiver("auto", sink)       # UCX where ucxx imports, TCP otherwise
+    address = await receiver.start(advertise_host=my_ip)
+    sender = make_sender("auto")                 # dispatches on the address scheme
+    await sender.send(address, TransferHeader(...), buffers)
+
+Importing this package does not import ucxx; `make_*("auto"|"ucx")` and `ucx_available()` do.
+"""
+
+from nori.transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVSink,
+    TransferConfig,
+    TransferError,
+    TransferHeader,
+    TransferRejected,
+)
+from nori.transfer.factory import make_receiver, make_sender, ucx_available
+
+__all__ = [
+    "KVReceiver",
+    "KVSender",
+    "KVSink",
+    "TransferConfig",
+    "TransferError",
+    "TransferHeader",
+    "TransferRejected",
+    "make_receiver",
+    "make_sender",
+    "ucx_available",
+]

@@ -1,0 +1,181 @@
+"""The transport-neutral interface: the transfer header, the errors, the sink and the endpoints.
+
+A prefill worker (`KVSender`) pushes one request's KV blocks into the paged KV cache of a decode
+worker (`KVReceiver`). The decode worker decides where the bytes land (`KVSink.destinations`),
+so the receiver writes straight into the cache tensors, never into a staging buffer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+# Bumped when the JSON layout of `TransferHeader` changes, so a mixed deployment fails loudly.
+HEADER_VERSION = 1
+
+
+class TransferRejected(Exception):
+    """The receiver refused the transfer (unknown request, expired lease, size mismatch, ...).
+
+    The message is the receiver's own words. A rejection leaves the connection usable.
+    """
+
+
+class TransferError(Exception):
+    """The transfer failed in transport: connection refused or lost, timeout, protocol error."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Limits and timeouts shared by both transports."""
+
+    # Opening a connection, including UCX's endpoint handshake.
+    connect_timeout_s: float = 5.0
+    # Each later phase of one transfer: the receiver's reply to a header, then the data and the
+    # final acknowledgement. Bounded so a frozen peer turns into a TransferError, not a hang.
+    timeout_s: float = 60.0
+    # Connections a sender keeps to one receiver; that many transfers to it run concurrently.
+    max_connections_per_peer: int = 4
+    # Receivers refuse (and drop the connection of) larger headers: a bad peer cannot make a
+    # receiver allocate unbounded memory.
+    max_header_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("transfer timeouts must be > 0")
+        if self.max_connections_per_peer < 1:
+            raise ValueError("max_connections_per_peer must be >= 1")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be >= 1024")
+
+
+def _int_list(value: object, name: str) -> list[int]:
+    # bool is an int subclass: `true` in a header is malformed, not 1.
+    if not isinstance(value, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        raise ValueError(f"header field {name!r} must be a list of integers")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    """What precedes the KV bytes of one transfer; JSON on the wire."""
+
+    request_id: str
+    # Destination block ids on the receiver; the receiver's sink checks them.
+    block_ids: list[int]
+    # Byte size of each buffer that follows, in order.
+    buffer_nbytes: list[int]
+    # JSON-able extras: first token ids, a sampler's RNG state as base64, ...
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(self.buffer_nbytes)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "version": HEADER_VERSION,
+                "request_id": self.request_id,
+                "block_ids": self.block_ids,
+                "buffer_nbytes": self.buffer_nbytes,
+                "metadata": self.metadata,
+            },
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TransferHeader:
+        """Parses and validates a header; raises ValueError on anything malformed."""
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+            raise ValueError(f"header is not JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("header must be a JSON object")
+        if raw.get("version") != HEADER_VERSION:
+            raise ValueError(
+                f"header version {raw.get('version')!r} is not supported "
+                f"(this receiver speaks {HEADER_VERSION})"
+            )
+        request_id = raw.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("header field 'request_id' must be a non-empty string")
+        buffer_nbytes = _int_list(raw.get("buffer_nbytes"), "buffer_nbytes")
+        if any(size < 0 for size in buffer_nbytes):
+            raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
+        metadata = raw.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ValueError("header field 'metadata' must be a JSON object")
+        return cls(
+            request_id=request_id,
+            block_ids=_int_list(raw.get("block_ids"), "block_ids"),
+            buffer_nbytes=buffer_nbytes,
+            metadata=metadata,
+        )
+
+
+@runtime_checkable
+class KVSink(Protocol):
+    """Implemented by the decode worker; called on the receiver's event loop."""
+
+    def destinations(self, header: TransferHeader) -> list[torch.Tensor]:
+        """Contiguous CPU (or CUDA) tensors to receive into, one per header buffer, same nbytes.
+
+        Raises TransferRejected to refuse.
+        """
+        ...
+
+    def completed(self, header: TransferHeader, nbytes: int) -> None:
+        """Every byte arrived in the destinations."""
+        ...
+
+    def failed(self, header: TransferHeader, error: str) -> None:
+        """The destinations were handed out but the data did not fully arrive (or was refused)."""
+        ...
+
+
+@runtime_checkable
+class KVReceiver(Protocol):
+    async def start(
+        self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
+    ) -> str:
+        """Starts listening; returns the address senders use, e.g. "ucx://127.0.0.1:41234"."""
+        ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of fully received transfers."""
+        ...
+
+    @property
+    def transfers_completed(self) -> int: ...
+
+
+@runtime_checkable
+class KVSender(Protocol):
+    async def send(self, address: str, header: TransferHeader, buffers: list[torch.Tensor]) -> None:
+        """Returns once the receiver acknowledged every byte.
+
+        Raises TransferRejected or TransferError; ValueError when the buffers do not match the
+        header (nothing is sent then).
+        """
+        ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of transfers the receiver acknowledged."""
+        ...

@@ -1,0 +1,122 @@
+"""Choosing a transport: "ucx", "tcp", or "auto" (UCX where ucxx imports, TCP otherwise)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from nori.transfer.address import parse_address
+from nori.transfer.base import (
+    KVReceiver,
+    KVSender,
+    KVSink,
+    TransferConfig,
+    TransferError,
+    TransferHeader,
+)
+from nori.transfer.tcp import TcpReceiver, TcpSender
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("auto", "ucx", "tcp")
+
+
+def _load_ucx() -> ModuleType | str:
+    """The UCX transport module, or why it cannot be imported (no ucxx, broken native libs)."""
+    try:
+        return importlib.import_module("nori.transfer.ucx")
+    except (ImportError, OSError) as error:
+        return str(error) or type(error).__name__
+
+
+def ucx_available() -> bool:
+    return isinstance(_load_ucx(), ModuleType)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"transport kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _require_ucx() -> ModuleType:
+    module = _load_ucx()
+    if isinstance(module, str):
+        raise ValueError(
+            f"the UCX transport needs ucxx, which is not importable ({module}); "
+            "install ucxx-cu12 or choose the tcp transport"
+        )
+    return module
+
+
+def _auto_ucx() -> ModuleType | None:
+    module = _load_ucx()
+    if isinstance(module, str):
+        logger.warning("ucxx is not importable (%s); using the TCP transport", module)
+        return None
+    return module
+
+
+def make_receiver(kind: str, sink: KVSink, config: TransferConfig | None = None) -> KVReceiver:
+    _check_kind(kind)
+    if kind == "tcp":
+        return TcpReceiver(sink, config)
+    module = _require_ucx() if kind == "ucx" else _auto_ucx()
+    if module is None:
+        return TcpReceiver(sink, config)
+    receiver: KVReceiver = module.UcxReceiver(sink, config)
+    return receiver
+
+
+def make_sender(kind: str, config: TransferConfig | None = None) -> KVSender:
+    """A sender for either address scheme: what a receiver advertises decides the transport.
+
+    "ucx" fails here without ucxx; "tcp" never loads ucxx (sending to a ucx:// address then
+    raises ValueError); "auto" uses UCX for ucx:// addresses when ucxx imports.
+    """
+    _check_kind(kind)
+    if kind == "tcp":
+        return MultiSender(None, config)
+    module = _require_ucx() if kind == "ucx" else _auto_ucx()
+    return MultiSender(module, config)
+
+
+class MultiSender:
+    """Dispatches each transfer by the address scheme, creating each transport's sender lazily."""
+
+    def __init__(self, ucx_module: ModuleType | None, config: TransferConfig | None = None) -> None:
+        self._ucx_module = ucx_module
+        self._config = config
+        self._senders: dict[str, KVSender] = {}
+        self._closed = False
+
+    def _sender(self, scheme: str) -> KVSender:
+        if self._closed:
+            raise TransferError("the sender is closed")
+        sender = self._senders.get(scheme)
+        if sender is None:
+            if scheme == "tcp":
+                sender = TcpSender(self._config)
+            elif self._ucx_module is not None:
+                sender = self._ucx_module.UcxSender(self._config)
+            else:
+                raise ValueError(
+                    "cannot send to a ucx:// address: this sender has no UCX transport"
+                )
+            self._senders[scheme] = sender
+        return sender
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(sender.bytes_sent for sender in self._senders.values())
+
+    async def send(self, address: str, header: TransferHeader, buffers: list[torch.Tensor]) -> None:
+        await self._sender(parse_address(address).scheme).send(address, header, buffers)
+
+    async def close(self) -> None:
+        # The senders stay (closed) so bytes_sent still counts what they sent.
+        self._closed = True
+        for sender in list(self._senders.values()):
+            await sender.close()

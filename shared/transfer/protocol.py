@@ -1,0 +1,246 @@
+"""The per-transfer conversation, the same over UCX and TCP.
+
+    sender                                receiver
+    header ------------------------------> sink.destinations(header), sizes checked
+           <------------------------------ accept | reject(message)
+    buffer 0 .. buffer n-1 (all posted) -> received in place into the destinations
+           <------------------------------ done(nbytes), after sink.completed
+
+Both directions are framed messages on one connection, one transfer at a time. A transport only
+provides a `Channel`; this module holds the logic, so the two transports cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from nori.transfer.base import (
+    KVSink,
+    TransferConfig,
+    TransferError,
+    TransferHeader,
+    TransferRejected,
+)
+from nori.transfer.buffers import check_destinations
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Replies are tiny; a longer one means the peer does not speak this protocol.
+MAX_REPLY_BYTES = 64 * 1024
+# Rejection messages are cut to this many characters so a reply always fits.
+MAX_ERROR_CHARS = 4000
+
+
+class ConnectionClosed(TransferError):
+    """The peer closed the connection between messages (a normal end for a receiver)."""
+
+
+class MessageTooLarge(TransferError):
+    """A framed message exceeded the limit; the connection cannot be trusted afterwards."""
+
+
+class HeaderPhaseError(TransferError):
+    """The connection failed before the receiver answered the header: no data was sent, so a
+    sender may retry on a fresh connection (a pooled one may have gone stale)."""
+
+
+class Channel(Protocol):
+    """One connection as the protocol sees it."""
+
+    async def send_message(self, payload: bytes) -> None: ...
+
+    async def recv_message(self, max_bytes: int) -> bytes:
+        """One whole message. Raises ConnectionClosed when the peer closed before it started,
+        MessageTooLarge above max_bytes, TransferError on other failures."""
+        ...
+
+    async def send_buffers(self, views: list[torch.Tensor]) -> None:
+        """Sends flat uint8 views, all in flight at once (no round trip per buffer)."""
+        ...
+
+    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
+        """Receives into flat uint8 views in place."""
+        ...
+
+    async def close(self) -> None:
+        """Drops the connection; once it returns, nothing more is written into any buffer."""
+        ...
+
+
+class TransferCounters:
+    """Bytes and transfers that completed, for one sender or receiver."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.transfers = 0
+
+    def add(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self.transfers += 1
+
+
+def _encode_reply(status: str, **fields: Any) -> bytes:
+    return json.dumps({"status": status, **fields}, separators=(",", ":")).encode()
+
+
+def _decode_reply(payload: bytes) -> dict[str, Any]:
+    try:
+        reply = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = None
+    if not isinstance(reply, dict) or not isinstance(reply.get("status"), str):
+        raise TransferError("the receiver sent a malformed reply")
+    return reply
+
+
+def _expect(reply: dict[str, Any], status: str) -> dict[str, Any]:
+    if reply["status"] == "reject":
+        raise TransferRejected(str(reply.get("error", "rejected")))
+    if reply["status"] != status:
+        raise TransferError(f"the receiver replied {reply['status']!r}, expected {status!r}")
+    return reply
+
+
+async def _within(operation: Awaitable[T], timeout_s: float, what: str) -> T:
+    """Awaits an operation, turning timeouts and socket errors into TransferError."""
+    try:
+        return await asyncio.wait_for(operation, timeout_s)
+    except TimeoutError:
+        raise TransferError(f"timed out after {timeout_s:g} s {what}") from None
+    except OSError as error:
+        raise TransferError(f"connection failed {what}: {error}") from error
+
+
+async def send_transfer(
+    channel: Channel, header: TransferHeader, views: list[torch.Tensor], config: TransferConfig
+) -> None:
+    """The sender's side of one transfer; returns when the receiver acknowledged every byte."""
+    try:
+        await _within(channel.send_message(header.to_bytes()), config.timeout_s, "sending a header")
+        reply = await _within(
+            channel.recv_message(MAX_REPLY_BYTES), config.timeout_s, "waiting for the receiver"
+        )
+    except TransferError as error:
+        raise HeaderPhaseError(str(error)) from error
+    _expect(_decode_reply(reply), "accept")
+    await _within(channel.send_buffers(views), config.timeout_s, "sending KV data")
+    done = _expect(
+        _decode_reply(
+            await _within(
+                channel.recv_message(MAX_REPLY_BYTES),
+                config.timeout_s,
+                "waiting for the acknowledgement",
+            )
+        ),
+        "done",
+    )
+    if done.get("nbytes") != header.total_nbytes:
+        raise TransferError(
+            f"the receiver acknowledged {done.get('nbytes')} bytes of {header.total_nbytes}"
+        )
+
+
+def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
+    try:
+        sink.failed(header, error)
+    except Exception:
+        logger.exception("KV sink failed() raised for request %s", header.request_id)
+
+
+async def _reply(channel: Channel, status: str, **fields: Any) -> bool:
+    """Sends a reply; False when the connection is gone (the caller stops serving it)."""
+    try:
+        await channel.send_message(_encode_reply(status, **fields))
+    except (TransferError, OSError) as error:
+        logger.debug("could not reply %s: %s", status, error)
+        return False
+    return True
+
+
+async def _reject(channel: Channel, error: str) -> bool:
+    return await _reply(channel, "reject", error=error[:MAX_ERROR_CHARS])
+
+
+async def serve_connection(
+    channel: Channel, sink: KVSink, counters: TransferCounters, config: TransferConfig
+) -> None:
+    """Serves transfers on one connection until the peer leaves; never raises but cancellation.
+
+    Every failure a peer can cause (bad header, refused request, broken connection) ends in a
+    rejection or a dropped connection, never in an exception escaping into the process.
+    """
+    try:
+        while await _serve_one(channel, sink, counters, config):
+            pass
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("KV receiver connection failed")
+    finally:
+        await channel.close()
+
+
+async def _serve_one(
+    channel: Channel, sink: KVSink, counters: TransferCounters, config: TransferConfig
+) -> bool:
+    """One transfer; returns whether the connection can carry another."""
+    try:
+        payload = await channel.recv_message(config.max_header_bytes)
+    except ConnectionClosed:
+        return False
+    except MessageTooLarge as error:
+        await _reject(channel, str(error))
+        return False
+    except (TransferError, OSError) as error:
+        logger.debug("KV receiver connection lost: %s", error)
+        return False
+
+    try:
+        header = TransferHeader.from_bytes(payload)
+    except ValueError as error:
+        return await _reject(channel, f"bad transfer header: {error}")
+    try:
+        destinations = sink.destinations(header)
+    except TransferRejected as error:
+        return await _reject(channel, str(error))
+    except Exception as error:
+        logger.exception("KV sink destinations() raised for request %s", header.request_id)
+        return await _reject(channel, f"receiver error: {error!r}")
+    try:
+        views = check_destinations(header, destinations)
+    except TransferRejected as error:
+        # The sink handed out (maybe leased) blocks that do not fit: let it take them back.
+        _notify_failed(sink, header, str(error))
+        return await _reject(channel, str(error))
+
+    if not await _reply(channel, "accept"):
+        _notify_failed(sink, header, "connection lost before the data")
+        return False
+    try:
+        await _within(channel.recv_buffers(views), config.timeout_s, "receiving KV data")
+    except BaseException as error:
+        # Close first: once close() returns, no late packet can land in blocks the sink reuses.
+        await channel.close()
+        _notify_failed(sink, header, str(error) or type(error).__name__)
+        if isinstance(error, (TransferError, OSError)):
+            logger.debug("KV transfer %s failed: %s", header.request_id, error)
+            return False
+        raise
+
+    nbytes = header.total_nbytes
+    try:
+        # Before the acknowledgement: once the sender returns, the decode side knows the blocks.
+        sink.completed(header, nbytes)
+    except Exception as error:
+        logger.exception("KV sink completed() raised for request %s", header.request_id)
+        return await _reject(channel, f"receiver error after the data: {error!r}")
+    counters.add(nbytes)
+    return await _reply(channel, "done", nbytes=nbytes)

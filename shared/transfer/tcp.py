@@ -1,0 +1,316 @@
+"""The plain TCP transport: asyncio over raw non-blocking sockets.
+
+Received bytes go straight from the kernel into the sink's tensors (`sock_recv_into` on a view of
+the destination); the sender streams every buffer back to back. CUDA tensors are staged through
+host memory, since a socket only reads and writes host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+
+import torch
+
+from nori.transfer.address import parse_address
+from nori.transfer.base import (
+    KVSink,
+    TransferConfig,
+    TransferError,
+    TransferHeader,
+)
+from nori.transfer.buffers import check_sources
+from nori.transfer.pool import ConnectionPool
+from nori.transfer.protocol import (
+    ConnectionClosed,
+    MessageTooLarge,
+    TransferCounters,
+    send_transfer,
+    serve_connection,
+)
+
+logger = logging.getLogger(__name__)
+
+# Every framed message starts with its length, little-endian unsigned 64 bits.
+_LENGTH = struct.Struct("<Q")
+# KV data moves with vectored I/O: one sendmsg/recvmsg_into covers up to this many blocks
+# (Linux's IOV_MAX), instead of one syscall and one event-loop trip per block.
+_IOV_MAX = 1024
+# Let other connections' coroutines run after this many back-to-back syscalls.
+_SYSCALLS_PER_YIELD = 64
+
+
+def _advance(views: list[memoryview], index: int, count: int) -> int:
+    """Consumes `count` bytes from views[index:], trimming a partly used view in place."""
+    while count:
+        size = len(views[index])
+        if count < size:
+            views[index] = views[index][count:]
+            return index
+        count -= size
+        index += 1
+    return index
+
+
+class _HostStaging:
+    """Moves CUDA bytes through host memory for the socket, saying so once per owner."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._logged = False
+
+    def note(self) -> None:
+        if not self._logged:
+            self._logged = True
+            logger.info(
+                "%s: CUDA tensors go through host memory over TCP (use UCX to avoid the copy)",
+                self._owner,
+            )
+
+    def host_bytes(self, view: torch.Tensor) -> memoryview:
+        if view.is_cuda:
+            self.note()
+            view = view.cpu()
+        return _flat(view)
+
+
+def _flat(view: torch.Tensor) -> memoryview:
+    """A flat, writable memoryview of a CPU uint8 tensor's bytes (no copy)."""
+    return view.numpy().data.cast("B")
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    # Headers and replies are small, latency-bound messages: do not let Nagle hold them back.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _TcpChannel:
+    def __init__(self, sock: socket.socket, staging: _HostStaging) -> None:
+        self._sock = sock
+        self._staging = staging
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        """Whether an idle connection still looks usable (no EOF, no stray bytes)."""
+        if self._closed:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # nothing to read: open and idle
+        except OSError:
+            return False
+        return False  # EOF, or bytes nobody asked for: the conversation is out of step
+
+    async def _read_into(self, view: memoryview, message_start: bool = False) -> None:
+        first = True
+        while len(view):
+            received = await self._loop.sock_recv_into(self._sock, view)
+            if received == 0:
+                if first and message_start:
+                    raise ConnectionClosed("the peer closed the connection")
+                raise TransferError("the peer closed the connection mid-message")
+            first = False
+            view = view[received:]
+
+    async def _ready(self, writable: bool) -> None:
+        """Waits until the socket can be written (or read) without blocking."""
+        future = self._loop.create_future()
+        fd = self._sock.fileno()
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        if writable:
+            self._loop.add_writer(fd, wake)
+        else:
+            self._loop.add_reader(fd, wake)
+        try:
+            await future
+        finally:
+            if writable:
+                self._loop.remove_writer(fd)
+            else:
+                self._loop.remove_reader(fd)
+
+    async def _vectored(self, views: list[memoryview], send: bool) -> None:
+        """Moves every byte of `views` (flat, non-empty) with as few syscalls as possible."""
+        index = calls = 0
+        while index < len(views):
+            batch = views[index : index + _IOV_MAX]
+            try:
+                count = self._sock.sendmsg(batch) if send else self._sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                await self._ready(writable=send)
+                continue
+            if count == 0 and not send:
+                raise TransferError("the peer closed the connection mid-transfer")
+            index = _advance(views, index, count)
+            calls += 1
+            if calls % _SYSCALLS_PER_YIELD == 0:
+                await asyncio.sleep(0)
+
+    async def send_message(self, payload: bytes) -> None:
+        await self._loop.sock_sendall(self._sock, _LENGTH.pack(len(payload)) + payload)
+
+    async def recv_message(self, max_bytes: int) -> bytes:
+        prefix = bytearray(_LENGTH.size)
+        await self._read_into(memoryview(prefix), message_start=True)
+        (length,) = _LENGTH.unpack(prefix)
+        if length > max_bytes:
+            raise MessageTooLarge(f"a message of {length} bytes exceeds the {max_bytes}-byte limit")
+        payload = bytearray(length)
+        await self._read_into(memoryview(payload))
+        return bytes(payload)
+
+    async def send_buffers(self, views: list[torch.Tensor]) -> None:
+        await self._vectored(
+            [self._staging.host_bytes(view) for view in views if view.numel()], send=True
+        )
+
+    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
+        targets = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for view in views:
+            if not view.numel():
+                continue
+            if view.is_cuda:
+                self._staging.note()
+                host = torch.empty(view.shape, dtype=torch.uint8, pin_memory=True)
+                staged.append((view, host))
+                view = host
+            targets.append(_flat(view))
+        await self._vectored(targets, send=False)
+        for device_view, host in staged:
+            device_view.copy_(host)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+
+class TcpReceiver:
+    """Accepts connections from senders and receives their transfers into the sink's tensors."""
+
+    def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
+        self._sink = sink
+        self._config = config or TransferConfig()
+        self._counters = TransferCounters()
+        self._staging = _HostStaging("TcpReceiver")
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._address = ""
+
+    @property
+    def address(self) -> str:
+        if not self._address:
+            raise RuntimeError("the receiver is not started")
+        return self._address
+
+    @property
+    def bytes_received(self) -> int:
+        return self._counters.nbytes
+
+    @property
+    def transfers_completed(self) -> int:
+        return self._counters.transfers
+
+    async def start(
+        self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
+    ) -> str:
+        if self._listener is not None:
+            raise RuntimeError("the receiver is already started")
+        listener = socket.create_server((host, port), backlog=128)
+        listener.setblocking(False)
+        self._listener = listener
+        bound_port = listener.getsockname()[1]
+        self._address = f"tcp://{advertise_host}:{bound_port}"
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(listener))
+        return self._address
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as error:
+                # Out of file descriptors and the like: back off rather than spin.
+                logger.warning("TcpReceiver accept failed: %s", error)
+                await asyncio.sleep(0.1)
+                continue
+            _configure(sock)
+            task = loop.create_task(self._serve(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        channel = _TcpChannel(sock, self._staging)
+        await serve_connection(channel, self._sink, self._counters, self._config)
+
+    async def close(self) -> None:
+        """Stops accepting and drops every connection; transfers in flight fail on both ends."""
+        tasks = [task for task in (self._accept_task, *self._connections) if task is not None]
+        for task in tasks:
+            task.cancel()
+        # Cancelling (not closing sockets under asyncio's feet) unregisters the readers first;
+        # each connection then closes its own socket and tells the sink about a cut transfer.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._accept_task = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+class TcpSender:
+    """Sends transfers to `tcp://` receivers over pooled connections."""
+
+    def __init__(self, config: TransferConfig | None = None) -> None:
+        self._config = config or TransferConfig()
+        self._counters = TransferCounters()
+        self._staging = _HostStaging("TcpSender")
+        self._pool: ConnectionPool[_TcpChannel] = ConnectionPool(
+            self._connect, self._config.max_connections_per_peer
+        )
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._counters.nbytes
+
+    async def _connect(self, address: str) -> _TcpChannel:
+        target = parse_address(address)
+        loop = asyncio.get_running_loop()
+        sock: socket.socket | None = None
+        try:
+            infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, sockaddr = infos[0]
+            sock = socket.socket(family, kind, proto)
+            _configure(sock)
+            await asyncio.wait_for(
+                loop.sock_connect(sock, sockaddr), self._config.connect_timeout_s
+            )
+        except (OSError, TimeoutError) as error:
+            if sock is not None:
+                sock.close()
+            reason = "timed out" if isinstance(error, TimeoutError) else str(error)
+            raise TransferError(f"cannot connect to {address}: {reason}") from error
+        return _TcpChannel(sock, self._staging)
+
+    async def send(self, address: str, header: TransferHeader, buffers: list[torch.Tensor]) -> None:
+        if parse_address(address).scheme != "tcp":
+            raise ValueError(f"TcpSender cannot send to {address!r}")
+        views = check_sources(header, buffers)
+        await self._pool.run(
+            address, lambda channel: send_transfer(channel, header, views, self._config)
+        )
+        self._counters.add(header.total_nbytes)
+
+    async def close(self) -> None:
+        await self._pool.close()

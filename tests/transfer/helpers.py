@@ -1,0 +1,52 @@
+"""What the transfer tests share: the transports to test, KV blocks to send, a free port."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from nori.transfer.base import TransferHeader
+from nori.transfer.factory import ucx_available
+from tests.transfer.receiver_process import CACHE_SHAPE
+
+KINDS = [
+    "tcp",
+    pytest.param(
+        "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
+    ),
+]
+
+
+def kv_blocks(
+    request_id: str, block_ids: list[int], dtype: torch.dtype, seed: int, **metadata: object
+) -> tuple[TransferHeader, list[torch.Tensor], torch.Tensor]:
+    """A header, its buffers (one contiguous slice per layer, K/V, block) and their source.
+
+    The source is [layers, 2, len(block_ids), block_size, heads, dim], like a prefill worker's
+    exported blocks; the buffers are views of it, so nothing is copied before sending.
+    """
+    layers, kv, _, *block_shape = CACHE_SHAPE
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randn(layers, kv, len(block_ids), *block_shape, generator=generator).to(dtype)
+    buffers = [
+        source[layer, k, i]
+        for layer in range(layers)
+        for k in range(kv)
+        for i in range(len(block_ids))
+    ]
+    header = TransferHeader(
+        request_id=request_id,
+        block_ids=block_ids,
+        buffer_nbytes=[buffer.nbytes for buffer in buffers],
+        metadata={"cache": str(dtype).removeprefix("torch."), **metadata},
+    )
+    return header, buffers, source
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (just released by the kernel)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -1,0 +1,37 @@
+"""`nori bench transfer` as a user runs it: a real subprocess, one JSON object on stdout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_transfer_json() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.cli.main", "bench", "transfer", "--total-mib", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for key in ("ucx_gbps", "socket_gbps", "memcpy_gbps", "tcp_transport_gbps"):
+        assert key in report
+    # Speeds are not asserted (shared CI machines); only that each ran and reported a rate.
+    for key in ("socket_gbps", "memcpy_gbps", "tcp_transport_gbps"):
+        assert report[key] > 0
+    assert report["ucx_gbps"] is None or report["ucx_gbps"] > 0
+    assert report["total_mib"] == 4 and report["num_blocks"] == 4 * 1024 // report["block_kib"]
+    assert "median" in report["statistic"]
+
+
+def test_bench_transfer_rejects_bad_settings() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.cli.main", "bench", "transfer", "--block-kib", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "must be >= 1" in result.stderr

@@ -1,0 +1,151 @@
+"""Choosing a transport, with and without ucxx, and the pieces the choice rests on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from nori.transfer.address import Address, parse_address
+from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.buffers import check_destinations, check_sources
+from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.tcp import TcpReceiver
+from tests.transfer.receiver_process import CacheSink
+
+# Runs in a fresh interpreter where `import ucxx` fails, as on a machine without it.
+_WITHOUT_UCXX = textwrap.dedent(
+    """
+    import asyncio, json, logging, sys
+    sys.modules["ucxx"] = None  # any `import ucxx` now raises ImportError
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    import torch
+    from nori.transfer.base import TransferHeader
+    from nori.transfer.factory import make_receiver, make_sender, ucx_available
+
+    class Sink:
+        def __init__(self):
+            self.cache = torch.zeros(4, 16)
+        def destinations(self, header):
+            return [self.cache[i] for i in header.block_ids]
+        def completed(self, header, nbytes):
+            pass
+        def failed(self, header, error):
+            pass
+
+    async def main():
+        sink = Sink()
+        receiver = make_receiver("auto", sink)
+        address = await receiver.start(host="127.0.0.1")
+        sender = make_sender("auto")
+        data = torch.arange(16.0)
+        await sender.send(address, TransferHeader("r", [2], [data.nbytes]), [data])
+        try:
+            await sender.send("ucx://127.0.0.1:1", TransferHeader("r", [2], [data.nbytes]), [data])
+            ucx_address = "accepted"
+        except ValueError as error:
+            ucx_address = str(error)
+        try:
+            make_receiver("ucx", sink)
+            explicit = "accepted"
+        except ValueError as error:
+            explicit = str(error)
+        await sender.close()
+        await receiver.close()
+        print(json.dumps({
+            "available": ucx_available(),
+            "receiver": type(receiver).__name__,
+            "address": address,
+            "landed": bool(torch.equal(sink.cache[2], data)),
+            "ucx_address": ucx_address,
+            "explicit_ucx": explicit,
+        }))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_auto_falls_back_to_tcp_without_ucxx() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_UCXX], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["available"] is False
+    assert report["receiver"] == "TcpReceiver"
+    assert report["address"].startswith("tcp://127.0.0.1:")
+    assert report["landed"]
+    assert "no UCX transport" in report["ucx_address"]
+    assert "ucxx" in report["explicit_ucx"] and "not importable" in report["explicit_ucx"]
+    assert "ucxx is not importable" in result.stderr
+    assert "using the TCP transport" in result.stderr
+
+
+def test_kinds() -> None:
+    sink = CacheSink({})
+    assert isinstance(make_receiver("tcp", sink), TcpReceiver)
+    with pytest.raises(ValueError, match="one of auto, ucx, tcp"):
+        make_receiver("rdma", sink)
+    with pytest.raises(ValueError, match="one of"):
+        make_sender("udp")
+    if ucx_available():
+        from nori.transfer.ucx import UcxReceiver
+
+        assert isinstance(make_receiver("auto", sink), UcxReceiver)
+
+
+@pytest.mark.asyncio
+async def test_a_tcp_sender_refuses_ucx_addresses() -> None:
+    sender = make_sender("tcp")
+    data = torch.zeros(4)
+    with pytest.raises(ValueError, match="no UCX transport"):
+        await sender.send("ucx://127.0.0.1:9", TransferHeader("r", [0], [16]), [data])
+    await sender.close()
+
+
+def test_addresses() -> None:
+    assert parse_address("ucx://10.0.0.7:41234") == Address("ucx", "10.0.0.7", 41234)
+    assert parse_address("tcp://[::1]:80") == Address("tcp", "::1", 80)
+    assert str(Address("tcp", "::1", 80)) == "tcp://[::1]:80"
+    for bad in ("10.0.0.7:1", "http://a:1", "tcp://a", "tcp://a:0", "tcp://a:x", "tcp://:5"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def test_header_validation() -> None:
+    header = TransferHeader("r", [1, 2], [8, 8], {"rng": "AAEC"})
+    assert TransferHeader.from_bytes(header.to_bytes()) == header
+    for bad in (
+        b"{",
+        b"null",
+        b'{"version": 1}',
+        json.dumps({"version": 1, "request_id": "", "block_ids": [], "buffer_nbytes": []}),
+        json.dumps({"version": 1, "request_id": "r", "block_ids": [1.5], "buffer_nbytes": []}),
+        json.dumps({"version": 2, "request_id": "r", "block_ids": [], "buffer_nbytes": []}),
+    ):
+        with pytest.raises(ValueError):
+            TransferHeader.from_bytes(bad if isinstance(bad, bytes) else bad.encode())
+
+
+def test_buffer_checks() -> None:
+    header = TransferHeader("r", [0], [32])
+    bf16 = torch.zeros(2, 8, dtype=torch.bfloat16)
+    (view,) = check_sources(header, [bf16])
+    assert view.dtype == torch.uint8 and view.numel() == 32
+    assert view.data_ptr() == bf16.data_ptr()  # a view, not a copy
+    with pytest.raises(ValueError, match="contiguous"):
+        check_sources(header, [torch.zeros(8, 4, dtype=torch.bfloat16).t()])
+    with pytest.raises(ValueError, match="holds 16 bytes"):
+        check_sources(header, [torch.zeros(4)])
+    with pytest.raises(ValueError, match="2 buffers"):
+        check_sources(header, [bf16, bf16])
+    with pytest.raises(TransferRejected, match="size mismatch"):
+        check_destinations(header, [torch.zeros(4)])
+    with pytest.raises(TransferRejected, match="not a contiguous tensor"):
+        check_destinations(header, [torch.zeros(2, 4).t()])

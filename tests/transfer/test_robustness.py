@@ -1,0 +1,284 @@
+"""Hostile and broken peers: the receiver rejects or drops them and keeps serving.
+
+These talk to a receiver in the test process through the transports' own channels, which
+lets a test send exactly the bytes a broken or malicious sender would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import socket
+import struct
+from typing import Any, cast
+
+import pytest
+import torch
+
+from nori.transfer.base import KVReceiver, TransferConfig, TransferError, TransferHeader
+from nori.transfer.buffers import check_sources
+from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.protocol import Channel
+from tests.transfer.helpers import KINDS, kv_blocks
+from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
+
+
+def _local_caches() -> dict[str, torch.Tensor]:
+    return {
+        "float32": torch.full(CACHE_SHAPE, UNTOUCHED),
+        "bfloat16": torch.full(CACHE_SHAPE, UNTOUCHED, dtype=torch.bfloat16),
+    }
+
+
+async def _raw_channel(kind: str, address: str) -> tuple[Any, Channel]:
+    """A bare connection to a receiver, to speak the protocol by hand."""
+    sender: Any
+    if kind == "tcp":
+        from nori.transfer.tcp import TcpSender
+
+        sender = TcpSender()
+    else:
+        from nori.transfer.ucx import UcxSender
+
+        sender = UcxSender()
+    return sender, await sender._connect(address)
+
+
+async def _reply(channel: Channel) -> dict[str, Any]:
+    reply: dict[str, Any] = json.loads(await channel.recv_message(65536))
+    return reply
+
+
+async def _still_serves(kind: str, receiver: KVReceiver, caches: dict[str, torch.Tensor]) -> None:
+    header, buffers, source = kv_blocks("healthy", [11], torch.float32, seed=99)
+    sender = make_sender(kind)
+    try:
+        await sender.send(receiver.address, header, buffers)
+    finally:
+        await sender.close()
+    assert torch.equal(caches["float32"][:, :, [11]], source)
+
+
+async def _eventually(condition: Any, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "timed out waiting for the receiver"
+        await asyncio.sleep(0.01)
+
+
+def _header_json(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"version": 1, "request_id": "r", "block_ids": [1], "buffer_nbytes": [1]}
+    return json.dumps({**base, **fields}).encode()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_malformed_headers_are_rejected_and_the_receiver_serves_on(kind: str) -> None:
+    caches = _local_caches()
+    sink = CacheSink(caches)
+    receiver = make_receiver(kind, sink, TransferConfig(max_header_bytes=4096))
+    address = await receiver.start(host="127.0.0.1")
+    raw, channel = await _raw_channel(kind, address)
+    try:
+        bad_headers = [
+            (b"\xff\x00 not json", "not JSON"),
+            (b"[1, 2]", "JSON object"),
+            (b'{"version": 1, "request_id": ' + b"[" * 100_000, "not JSON"),
+            (_header_json(version=99), "version"),
+            (_header_json(request_id=7), "request_id"),
+            (_header_json(block_ids=[True]), "block_ids"),
+            (_header_json(buffer_nbytes=[-5]), "negative"),
+            (_header_json(metadata=[]), "metadata"),
+        ]
+        for payload, complaint in bad_headers:
+            if len(payload) > 4096:
+                continue  # the nested-brackets bomb only fits a larger limit; see below
+            await channel.send_message(payload)
+            reply = await _reply(channel)
+            assert reply["status"] == "reject"
+            assert complaint in reply["error"]
+
+        # An oversized message: refused, then the connection is dropped (it cannot be trusted).
+        oversized: asyncio.Future[None] | None = None
+        if kind == "tcp":
+            # A length prefix claiming a terabyte, and nothing after it.
+            sock: socket.socket = cast(Any, channel)._sock
+            await asyncio.get_running_loop().sock_sendall(sock, struct.pack("<Q", 1 << 40))
+        else:
+            # Never received, so this send itself fails once the receiver hangs up.
+            oversized = asyncio.ensure_future(channel.send_message(b"x" * 10_000))
+        reply = await _reply(channel)
+        assert reply["status"] == "reject" and "exceeds" in reply["error"]
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(channel.recv_message(65536), 5)
+        if oversized is not None:
+            with contextlib.suppress(TransferError):
+                await oversized
+        await channel.close()
+
+        assert sink.events == []
+        await _still_serves(kind, receiver, caches)
+    finally:
+        await channel.close()
+        await raw.close()
+        await receiver.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_header_too_deep_for_json_is_rejected(kind: str) -> None:
+    receiver = make_receiver(kind, CacheSink(_local_caches()))
+    address = await receiver.start(host="127.0.0.1")
+    raw, channel = await _raw_channel(kind, address)
+    try:
+        await channel.send_message(b"[" * 200_000)
+        reply = await _reply(channel)
+        assert reply["status"] == "reject" and "not JSON" in reply["error"]
+    finally:
+        await channel.close()
+        await raw.close()
+        await receiver.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_sender_that_vanishes_mid_transfer_fails_the_transfer_on_the_sink(
+    kind: str,
+) -> None:
+    caches = _local_caches()
+    sink = CacheSink(caches)
+    receiver = make_receiver(kind, sink)
+    address = await receiver.start(host="127.0.0.1")
+    raw, channel = await _raw_channel(kind, address)
+    try:
+        header, buffers, _ = kv_blocks("cut-short", [2, 3], torch.float32, seed=8)
+        await channel.send_message(header.to_bytes())
+        assert (await _reply(channel))["status"] == "accept"
+        await channel.send_buffers(check_sources(header, buffers)[:3])  # 3 of 8 buffers
+        await channel.close()
+
+        await _eventually(lambda: sink.events)
+        assert [event[:2] for event in sink.events] == [("failed", "cut-short")]
+        assert receiver.transfers_completed == 0
+        await _still_serves(kind, receiver, caches)
+    finally:
+        await channel.close()
+        await raw.close()
+        await receiver.close()
+
+
+class _DropAfterAccept:
+    """A receiver that accepts a header, then hangs up: the sender must not wait forever."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._stop: list[Any] = []
+
+    async def _serve(self, channel: Channel) -> None:
+        await channel.recv_message(1 << 20)
+        await channel.send_message(b'{"status":"accept"}')
+        await channel.close()
+
+    async def start(self) -> str:
+        if self.kind == "tcp":
+            from nori.transfer.tcp import _HostStaging, _TcpChannel
+
+            loop = asyncio.get_running_loop()
+            listener = socket.create_server(("127.0.0.1", 0))
+            listener.setblocking(False)
+
+            async def accept() -> None:
+                sock, _ = await loop.sock_accept(listener)
+                sock.setblocking(False)
+                await self._serve(_TcpChannel(sock, _HostStaging("test")))
+
+            task = loop.create_task(accept())
+            self._stop = [task.cancel, listener.close]
+            return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        from nori.transfer.ucx import _UcxChannel
+        from nori.transfer.ucx_worker import UcxProgress, create_listener
+
+        progress = UcxProgress()
+
+        async def handle(endpoint: Any) -> None:  # ucxx awaits only coroutine functions
+            await self._serve(_UcxChannel(endpoint, progress))
+
+        ucx_listener = create_listener(handle, 0, 5.0)
+        self._stop = [ucx_listener.close, progress.close]
+        return f"ucx://127.0.0.1:{ucx_listener.port}"
+
+    def stop(self) -> None:
+        for stop in self._stop:
+            stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_receiver_that_hangs_up_mid_transfer_is_a_transfer_error(kind: str) -> None:
+    peer = _DropAfterAccept(kind)
+    address = await peer.start()
+    sender = make_sender(kind, TransferConfig(timeout_s=10.0))
+    header, buffers, _ = kv_blocks("hung-up", [0, 1, 2, 3], torch.float32, seed=9)
+    try:
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(sender.send(address, header, buffers), 20)
+    finally:
+        await sender.close()
+        await asyncio.sleep(0.05)
+        peer.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_closing_releases_everything_cleanly(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    # ucxx's logger does not propagate: listen to it directly.
+    ucx_logger = logging.getLogger("ucx")
+    ucx_logger.addHandler(caplog.handler)
+    caches = _local_caches()
+    receiver = make_receiver(kind, CacheSink(caches))
+    address = await receiver.start(host="127.0.0.1")
+    sender = make_sender(kind, TransferConfig(connect_timeout_s=1.0))
+    header, buffers, _ = kv_blocks("before-close", [1], torch.float32, seed=10)
+    try:
+        await asyncio.gather(*(sender.send(address, header, buffers) for _ in range(3)))
+        # Connections are pooled and idle now; the receiver goes away under them.
+        await receiver.close()
+        gc.collect()
+        with pytest.raises(TransferError):
+            await sender.send(address, header, buffers)
+    finally:
+        await sender.close()
+        gc.collect()
+        ucx_logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if "still alive" in r.getMessage()]
+    assert receiver.transfers_completed == 3
+
+
+def test_header_round_trip() -> None:
+    header = TransferHeader("req-1", [4, 2], [128, 64], {"first_token_ids": [7], "rng": "AAEC"})
+    assert TransferHeader.from_bytes(header.to_bytes()) == header
+    assert header.total_nbytes == 192
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
+async def test_ucx_works_through_the_public_ucxx_api_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without the ucxx internals the fast path uses (another ucxx version, say), every buffer
+    # goes through ucxx's public Endpoint.send/recv coroutines instead.
+    import nori.transfer.ucx_worker as ucx_worker
+
+    monkeypatch.setattr(ucx_worker, "Array", None)
+    caches = _local_caches()
+    receiver = make_receiver("ucx", CacheSink(caches))
+    await receiver.start(host="127.0.0.1")
+    try:
+        await _still_serves("ucx", receiver, caches)
+    finally:
+        await receiver.close()
