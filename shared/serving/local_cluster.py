@@ -8,6 +8,7 @@ which drains on SIGTERM.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -20,6 +21,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the launcher dies, even by SIGKILL (Linux),
+    so a killed `nori up` or test run leaves no orphaned roles behind; they drain and exit."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -150,6 +160,7 @@ class LocalCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=_terminate_with_parent,
             )
         role_process = RoleProcess(name, process, log_path)
         self.processes.append(role_process)
