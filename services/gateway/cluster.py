@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 CHANNEL_LINGER_S = 120.0
 
 
+class DecodeFullError(SaturatedError):
+    """A decode worker had no free KV blocks for the request: another one may have."""
+
+
 class UpstreamTimeoutError(BackendError):
     status_code = 504
     error_type = "timeout"
@@ -231,7 +235,10 @@ class ClusterBackend:
             decode = self.router.pick_decode(self.workers, exclude=tried)
             if decode is None:
                 if tried:
-                    raise SaturatedError("every decode worker's KV pool is full; retry shortly")
+                    raise SaturatedError(
+                        "no decode worker could take the request (KV pools full or draining); "
+                        "retry shortly"
+                    )
                 raise SaturatedError("no decode worker is available")
             self.router.started(decode.worker_id)
             try:
@@ -243,7 +250,7 @@ class ClusterBackend:
                     num_yielded += 1
                     yield chunk
                 return
-            except SaturatedError:
+            except DecodeFullError:
                 # Another worker may have room; but never replay a request the client has seen.
                 tried.append(decode.worker_id)
                 if num_yielded or len(tried) >= self.options.decode_attempts:
@@ -273,7 +280,10 @@ class ClusterBackend:
         prefill: WorkerInfo | None = None
         num_prompt_tokens = len(request.prompt_token_ids)
         try:
-            reservation = await _read(decode_call, decode.worker_id)
+            try:
+                reservation = await _read(decode_call, decode.worker_id)
+            except SaturatedError as error:
+                raise DecodeFullError(str(error), error.retry_after_s) from None
             if reservation is None or not reservation.HasField("reservation"):
                 raise BackendError(f"{decode.worker_id} did not answer with a reservation")
             prefill = await self._pick_prefill(request)

@@ -227,6 +227,8 @@ def test_lease_frees_blocks_when_the_kv_never_arrives(cluster: LocalCluster) -> 
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
     assert wait_for_free_blocks(cluster, baseline) == baseline
+    # Its heartbeats stopped while it hung, so the registry dropped it; it re-joins by itself.
+    cluster.wait_healthy({"prefill": 1, "decode": 2}, timeout_s=30)
     ok = httpx.post(
         f"{cluster.url}/v1/completions",
         json={"model": model_name(cluster), "prompt": "Hello", "max_tokens": 4},
