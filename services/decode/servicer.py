@@ -9,22 +9,20 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
-from nori.engine.engine import LLMEngine
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread
+from nori.serving.grpc_calls import call_engine
 from nori.serving.output_streams import OutputStreams
 from nori.serving.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -71,12 +69,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finished = False
         try:
             if request.compute_prompt:
-                await self._call(
-                    context, lambda engine: engine.add_request(request_id, prompt, params)
+                await call_engine(
+                    self._engine,
+                    context,
+                    lambda engine: engine.add_request(request_id, prompt, params),
                 )
             else:
-                block_ids = await self._call(
-                    context, lambda engine: engine.reserve_prompt(request_id, prompt, params)
+                block_ids = await call_engine(
+                    self._engine,
+                    context,
+                    lambda engine: engine.reserve_prompt(request_id, prompt, params),
                 )
                 if block_ids is None:
                     await context.abort(
@@ -97,7 +99,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 first_tokens = [int(t) for t in metadata["output_token_ids"]]
                 state = metadata.get("generator_state")
                 generator_state = base64.b64decode(state) if isinstance(state, str) else None
-                await self._call(
+                await call_engine(
+                    self._engine,
                     context,
                     lambda engine: engine.complete_transfer(
                         request_id, first_tokens, generator_state
@@ -127,16 +130,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except (TransferRejected, TimeoutError) as error:
             self._record(request_id, "failed", error=str(error))
             await context.abort(grpc.StatusCode.ABORTED, str(error) or "the KV transfer timed out")
-        raise AssertionError("unreachable")
-
-    async def _call(
-        self, context: grpc.aio.ServicerContext, operation: Callable[[LLMEngine], T]
-    ) -> T:
-        """Runs an engine operation; a ValueError (bad input) ends the call as INVALID_ARGUMENT."""
-        try:
-            return await self._engine.call(operation)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         raise AssertionError("unreachable")
 
     def _record(self, request_id: str, state: str, **fields: str) -> None:

@@ -87,12 +87,8 @@ class DecodeWorker(Worker):
     def load_info(self) -> dict[str, int]:
         if self._engine is None:
             return {}
-        load = self._engine.load
         return {
-            "num_running": load.num_running,
-            "num_waiting": load.num_waiting,
-            "num_free_blocks": load.num_free_blocks,
-            "num_total_blocks": load.num_total_blocks,
+            **self._engine.load.registry_fields(),
             "kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0,
         }
 

@@ -11,7 +11,6 @@ import base64
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import grpc
 
@@ -19,14 +18,13 @@ from nori.engine.engine import LLMEngine
 from nori.engine.transfer import KVExport
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread
+from nori.serving.grpc_calls import call_engine
 from nori.serving.kv_layout import source_buffers
 from nori.serving.output_streams import OutputStreams
 from nori.transfer.base import KVSender, TransferError, TransferHeader, TransferRejected
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
@@ -72,7 +70,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         done = False
         try:
             started = time.perf_counter()
-            await self._call(
+            await call_engine(
+                self._engine,
                 context,
                 lambda engine: engine.add_request(request_id, prompt, params, prefill_only=True),
             )
@@ -130,15 +129,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.kv_bytes_sent += nbytes
         self.num_transfers += 1
         return nbytes
-
-    async def _call(
-        self, context: grpc.aio.ServicerContext, operation: Callable[[LLMEngine], T]
-    ) -> T:
-        try:
-            return await self._engine.call(operation)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        raise AssertionError("unreachable")
 
     async def GetStats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -114,12 +114,8 @@ class PrefillWorker(Worker):
     def load_info(self) -> dict[str, int]:
         if self._engine is None or self._servicer is None:
             return {}
-        load = self._engine.load
         return {
-            "num_running": load.num_running,
-            "num_waiting": load.num_waiting,
-            "num_free_blocks": load.num_free_blocks,
-            "num_total_blocks": load.num_total_blocks,
+            **self._engine.load.registry_fields(),
             "kv_bytes_sent": self._servicer.kv_bytes_sent,
         }
 

@@ -41,6 +41,15 @@ class EngineLoad:
     def num_requests_holding_blocks(self) -> int:
         return self.num_running + self.num_held
 
+    def registry_fields(self) -> dict[str, int]:
+        """The load figures a worker publishes in the registry for routing."""
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_free_blocks": self.num_free_blocks,
+            "num_total_blocks": self.num_total_blocks,
+        }
+
 
 class EngineThread:
     def __init__(
