@@ -21,6 +21,8 @@ class Router:
     in_flight: Counter[str] = field(default_factory=Counter)
     # Prompt tokens this gateway has sent to each prefill worker and not yet seen prefilled.
     pending_prompt_tokens: Counter[str] = field(default_factory=Counter)
+    _decode_picks: int = 0
+    _prefill_picks: int = 0
 
     def pick_decode(
         self, workers: Iterable[WorkerInfo], exclude: Iterable[str] = ()
@@ -37,13 +39,17 @@ class Router:
         ]
         if not candidates:
             return None
+        # Equal workers take turns (min keeps the first of equals; the start rotates), so
+        # requests that arrive one at a time still spread over an idle pool.
+        candidates.sort(key=lambda w: w.worker_id)
+        start = self._decode_picks % len(candidates)
+        self._decode_picks += 1
         return min(
-            candidates,
+            candidates[start:] + candidates[:start],
             key=lambda w: (
                 self.in_flight[w.worker_id],
-                -_free_share(w),
+                -round(_free_share(w), 2),
                 w.num_running + w.num_waiting,
-                w.worker_id,
             ),
         )
 
@@ -59,18 +65,18 @@ class Router:
         if not candidates:
             return None
 
-        def cost(worker: WorkerInfo) -> tuple[int, int, str]:
+        def cost(worker: WorkerInfo) -> tuple[int, int]:
             cached = min(
                 cached_blocks.get(worker.worker_id, 0) * self.block_size, num_prompt_tokens
             )
             queued = self.pending_prompt_tokens[worker.worker_id]
-            return (
-                num_prompt_tokens - cached + queued,
-                self.in_flight[worker.worker_id],
-                worker.worker_id,
-            )
+            return (num_prompt_tokens - cached + queued, self.in_flight[worker.worker_id])
 
-        return min(candidates, key=cost)
+        # As for decode: equal workers take turns.
+        candidates.sort(key=lambda w: w.worker_id)
+        start = self._prefill_picks % len(candidates)
+        self._prefill_picks += 1
+        return min(candidates[start:] + candidates[:start], key=cost)
 
     def started(self, worker_id: str, prompt_tokens: int = 0) -> None:
         self.in_flight[worker_id] += 1

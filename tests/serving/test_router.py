@@ -54,3 +54,10 @@ def test_prefill_prefers_the_longest_cached_prefix_unless_it_is_busier() -> None
     assert router.pick_prefill(workers, {"p0": 100}, 20).worker_id == "p0"  # type: ignore[union-attr]
     assert router.pick_prefill([decode("d0", free=1)], {}, 10) is None
     assert router.pick_prefill([prefill("p9", draining=True)], {}, 10) is None
+
+
+def test_equal_decode_workers_take_turns() -> None:
+    router = Router()
+    workers = [decode("d2", free=50), decode("d0", free=50), decode("d1", free=50)]
+    picks = [router.pick_decode(workers).worker_id for _ in range(6)]  # type: ignore[union-attr]
+    assert picks == ["d0", "d1", "d2", "d0", "d1", "d2"]
