@@ -259,7 +259,7 @@ def test_a_decode_worker_joins_at_run_time_and_one_drains_on_sigterm(
     body = {
         "model": model_name(cluster),
         "prompt": PROMPTS[1],
-        "max_tokens": 1000,
+        "max_tokens": 2000,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
