@@ -45,8 +45,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self._transfer_address = transfer_address
         self._lease_s = lease_s
         self._is_draining = is_draining
-        self.active: set[str] = set()
         self.num_requests = 0
+
+    @property
+    def num_active_requests(self) -> int:
+        """Calls still being served: each holds one open output stream (what draining waits for)."""
+        return len(self._streams)
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -64,7 +68,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         prompt = list(request.prompt_token_ids)
-        self.active.add(request_id)
         self.num_requests += 1
         finished = False
         try:
@@ -118,7 +121,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if not finished:
                 # Cancelled, expired or failed: free the blocks now, whatever state they are in.
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
-            self.active.discard(request_id)
 
     async def _receive(self, request_id: str, context: grpc.aio.ServicerContext) -> dict[str, Any]:
         assert self._sink is not None

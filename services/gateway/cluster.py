@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from redis.asyncio import Redis
@@ -41,6 +42,8 @@ from nori.state.requests import RequestStateStore
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # How long a channel to a worker that left the registry stays open for calls still on it.
@@ -310,15 +313,13 @@ class ClusterBackend:
             # Either side may speak first: the decode stream ends early when the lease runs out
             # (the prefill worker hangs or died), and may already carry token two before the
             # prefill answer with token one reaches us.
-            prefill_task = asyncio.ensure_future(_await_call(prefill_call))
+            prefill_task = asyncio.ensure_future(_await_call(prefill_call, prefill.worker_id))
             read_task = asyncio.ensure_future(_read(decode_call, decode.worker_id))
             try:
                 await asyncio.wait({prefill_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
                 if read_task.done() and not prefill_task.done():
                     read_task.result()  # raises the decode side's error (an expired lease)
                 response = await prefill_task
-            except grpc.aio.AioRpcError as error:
-                raise error_from_rpc(error, prefill.worker_id) from None
             finally:
                 prefill_task.cancel()
             self.router.ended(prefill.worker_id, num_prompt_tokens)
@@ -375,22 +376,15 @@ class ClusterBackend:
             self._states.record(request_id, state, **fields)
 
 
-async def _await_call(call: grpc.aio.UnaryUnaryCall) -> prefill_pb2.PrefillResponse:
-    try:
-        response: prefill_pb2.PrefillResponse = await call
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            raise  # we are being cancelled (the client went away)
-        # The call was cancelled under us (its channel closed): a failure, not a cancellation.
-        raise BackendError("the prefill call was cancelled") from None
-    return response
+async def _rpc(call: Awaitable[T], worker: str) -> T:
+    """Awaits a gRPC call; its failure becomes a BackendError.
 
-
-async def _read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.GenerateResponse | None:
-    """The stream's next message, None at its end; a failed call becomes a BackendError."""
+    A call cancelled under us (its channel closed) is a failure too, not a cancellation of the
+    request: only when this task itself is being cancelled (the client went away) does
+    CancelledError pass through.
+    """
     try:
-        message = await call.read()
+        return await call
     except grpc.aio.AioRpcError as error:
         raise error_from_rpc(error, worker) from None
     except asyncio.CancelledError:
@@ -398,6 +392,16 @@ async def _read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.Gener
         if task is not None and task.cancelling():
             raise
         raise BackendError(f"the call to {worker} was cancelled") from None
+
+
+async def _await_call(call: grpc.aio.UnaryUnaryCall, worker: str) -> prefill_pb2.PrefillResponse:
+    response: prefill_pb2.PrefillResponse = await _rpc(call, worker)
+    return response
+
+
+async def _read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end."""
+    message = await _rpc(call.read(), worker)
     if message is grpc.aio.EOF:
         return None
     return message

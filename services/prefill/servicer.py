@@ -47,10 +47,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._streams = streams
         self._sender = sender
         self._is_draining = is_draining
-        self.active: set[str] = set()
         self.num_requests = 0
         self.kv_bytes_sent = 0
         self.num_transfers = 0
+
+    @property
+    def num_active_requests(self) -> int:
+        """Calls still being served: each holds one open output stream (what draining waits for)."""
+        return len(self._streams)
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -65,7 +69,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         prompt = list(request.prompt_token_ids)
-        self.active.add(request_id)
         self.num_requests += 1
         done = False
         try:
@@ -94,7 +97,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             self._streams.close(request_id)
             if not done:
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
-            self.active.discard(request_id)
 
     async def _send(
         self,

@@ -109,7 +109,7 @@ class PrefillWorker(Worker):
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
     def num_active_requests(self) -> int:
-        return len(self._servicer.active) if self._servicer is not None else 0
+        return self._servicer.num_active_requests if self._servicer is not None else 0
 
     def load_info(self) -> dict[str, int]:
         if self._engine is None or self._servicer is None:
