@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,15 @@ class LeaseExpired(Exception):
 
 
 class DecodeKVSink:
-    def __init__(self, cache: torch.Tensor, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        cache: torch.Tensor,
+        transfer_timeout_s: float = 30.0,
+        on_receiving: Callable[[str], None] | None = None,
+    ) -> None:
         self._cache = cache
+        # Told the request id when a transfer is accepted (the "transferring" request state).
+        self._on_receiving = on_receiving
         # How long a transfer that has started may take after its lease ran out.
         self._transfer_timeout_s = transfer_timeout_s
         self._leases: dict[str, Lease] = {}
@@ -102,6 +110,8 @@ class DecodeKVSink:
                 f"{expected} (same model, dtype and block size on both sides?)"
             )
         lease.state = LeaseState.RECEIVING
+        if self._on_receiving is not None:
+            self._on_receiving(header.request_id)
         return buffers
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:

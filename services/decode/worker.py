@@ -56,16 +56,21 @@ class DecodeWorker(Worker):
         streams = OutputStreams()
         self._engine = EngineThread(engine, asyncio.get_running_loop(), streams.dispatch)
         self._engine.start()
+        assert self.redis is not None
+        states = StateRecorder(RequestStateStore(self.redis, self.keys))
         if not self.colocated:
-            self._sink = DecodeKVSink(engine.runner.kv_cache.data)
+            self._sink = DecodeKVSink(
+                engine.runner.kv_cache.data,
+                on_receiving=lambda request_id: states.record(
+                    request_id, "transferring", decode_worker=self.worker_id
+                ),
+            )
             self._receiver = make_receiver(self.transport, self._sink)
             self.transfer_address = await self._receiver.start(
                 host=self.options.host,
                 port=self.transfer_port,
                 advertise_host=self.options.resolved_advertise_host(),
             )
-        assert self.redis is not None
-        states = StateRecorder(RequestStateStore(self.redis, self.keys))
         self._servicer = DecodeServicer(
             worker_id=self.worker_id,
             engine=self._engine,

@@ -219,9 +219,10 @@ class ClusterBackend:
         try:
             async for chunk in self._route(request):
                 num_output_tokens += len(chunk.new_token_ids)
-                yield chunk
                 if chunk.finished:
+                    # Before the yield: a consumer may close us right after the last chunk.
                     outcome = "finished"
+                yield chunk
         except BackendError as error:
             outcome = "failed"
             self._record(request_id, "failed", error=str(error))

@@ -17,6 +17,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import redis
 
 from nori.engine.llm import LLM
 from nori.sampling.params import SamplingParams
@@ -126,6 +127,17 @@ def test_concurrent_greedy_completions_are_token_identical_to_offline(
     assert all(s.kv_bytes_received > 0 for s in decodes)
     prefill = stats(cluster, "prefill-0")
     assert prefill.kv_bytes_sent == sum(s.kv_bytes_received for s in decodes)
+    # Each request's state history is in Redis, with a TTL.
+    store = redis.Redis.from_url(cluster.spec.redis_url, decode_responses=True)
+    key = f"{cluster.spec.namespace}:request:{results[0]['id']}-0"
+    deadline = time.monotonic() + 5
+    while "t_finished" not in store.hgetall(key) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    history = store.hgetall(key)
+    for state in ("queued", "prefilling", "transferring", "decoding", "finished"):
+        assert f"t_{state}" in history, history
+    assert history["state"] == "finished" and store.pttl(key) > 0
+    store.close()
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     assert 'nori_worker_kv_bytes_received_total{worker_id="decode-0",role="decode"}' in metrics
 

@@ -12,9 +12,10 @@ from nori.serving.kv_layout import destination_buffers
 from nori.transfer.base import TransferHeader, TransferRejected
 
 
-def make_sink() -> tuple[DecodeKVSink, torch.Tensor]:
+def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:
     cache = torch.zeros(2, 2, 8, 4, 1, 2)
-    return DecodeKVSink(cache, transfer_timeout_s=1.0), cache
+    on_receiving = receiving.append if receiving is not None else None
+    return DecodeKVSink(cache, transfer_timeout_s=1.0, on_receiving=on_receiving), cache
 
 
 def header(request_id: str, block_ids: list[int], cache: torch.Tensor) -> TransferHeader:
@@ -23,7 +24,8 @@ def header(request_id: str, block_ids: list[int], cache: torch.Tensor) -> Transf
 
 
 async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> None:
-    sink, cache = make_sink()
+    receiving: list[str] = []
+    sink, cache = make_sink(receiving)
     sink.expect("r1", [3, 4], lease_s=5)
     with pytest.raises(TransferRejected, match="no reserved blocks"):
         sink.destinations(header("other", [3, 4], cache))
@@ -34,7 +36,9 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
         sink.destinations(bad_sizes)
 
     good = header("r1", [3, 4], cache)
+    assert receiving == []  # refused transfers are not "transferring"
     buffers = sink.destinations(good)
+    assert receiving == ["r1"]
     with pytest.raises(TransferRejected, match="already receiving"):
         sink.destinations(good)
     for buffer in buffers:
