@@ -1,17 +1,22 @@
 """Offline throughput: continuous batching, and optionally static batching on the same prompts.
 
-Static batching here is the classic scheme of a [batch, max_len] tensor: a batch is formed only
-when the previous one has completely finished (it waits for its longest member); every member
-reserves KV memory for the batch's longest prompt plus its largest max_tokens up front, since it
-cannot grow later; and a member that finishes early keeps its row, computing padding tokens,
-until the batch ends. (Prompts are not padded: that part of a real static batch's waste is left
-out.) Both runs share the loaded model, the KV pool, max_num_seqs and the token budget; each
-starts with an empty prefix cache.
+Static batching here is the classic scheme of a [batch, max_len] tensor (Hugging Face
+`generate`, FasterTransformer): a batch is formed only when the previous one has completely
+finished (it waits for its longest member); its prompts are left-padded to the longest one, the
+pads computed but masked out of attention; every member reserves KV memory for the batch's
+longest prompt plus its largest max_tokens up front, since it cannot grow later; and a member
+that finishes early keeps its row, computing padding tokens, until the batch ends. Both runs
+share the loaded model, the kernels, the KV pool, max_num_seqs and the token budget; each starts
+with an empty prefix cache (static batching has none).
+
+With repeats, the policies take turns (continuous, static, continuous, ...), so that a slow
+spell of a shared machine hits both, and each policy's median run is reported.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -121,6 +126,12 @@ def run_policy(
     )
 
 
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run of median duration (the lower middle one for an even count)."""
+    middle = statistics.median_low(run.seconds for run in runs)
+    return next(run for run in runs if run.seconds == middle)
+
+
 def run_offline_benchmark(
     config: EngineConfig,
     num_prompts: int,
@@ -128,7 +139,10 @@ def run_offline_benchmark(
     output_range: tuple[int, int],
     compare_static: bool,
     show_progress: bool,
+    repeats: int = 1,
 ) -> dict[str, object]:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     runner = ModelRunner(config, resolve_model(config.model))  # ignore_eos: no EOS masking
     workload = make_workload(
         num_prompts, input_range, output_range, runner.model_config.vocab_size, config.seed
@@ -137,7 +151,12 @@ def run_offline_benchmark(
     warmup = make_workload(4, (8, 32), (4, 8), runner.model_config.vocab_size, config.seed + 1)
     run_policy(config, runner, warmup, "continuous", show_progress=False)
 
-    continuous = run_policy(config, runner, workload, "continuous", show_progress)
+    policies = ["continuous", "static"] if compare_static else ["continuous"]
+    runs: dict[str, list[RunResult]] = {policy: [] for policy in policies}
+    for _ in range(repeats):
+        for policy in policies:
+            runs[policy].append(run_policy(config, runner, workload, policy, show_progress))
+    continuous = median_run(runs["continuous"])
     report: dict[str, object] = {
         "model": config.model,
         "device": str(runner.device),
@@ -151,20 +170,23 @@ def run_offline_benchmark(
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "input_tokens": workload.num_input_tokens,
         "output_tokens": continuous.num_output_tokens,
+        "repeats": repeats,
         "continuous_seconds": round(continuous.seconds, 3),
         "continuous_output_tok_s": round(continuous.output_tok_s, 1),
         "continuous_total_tok_s": round(continuous.total_tok_s, 1),
         "continuous_steps": continuous.num_steps,
         "continuous_preemptions": continuous.num_preemptions,
+        "continuous_seconds_all": [round(run.seconds, 3) for run in runs["continuous"]],
     }
     if compare_static:
-        static = run_policy(config, runner, workload, "static", show_progress)
+        static = median_run(runs["static"])
         report.update(
             {
                 "static_seconds": round(static.seconds, 3),
                 "static_output_tok_s": round(static.output_tok_s, 1),
                 "static_total_tok_s": round(static.total_tok_s, 1),
                 "static_steps": static.num_steps,
+                "static_seconds_all": [round(run.seconds, 3) for run in runs["static"]],
                 "ratio": round(continuous.output_tok_s / static.output_tok_s, 3),
             }
         )

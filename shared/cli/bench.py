@@ -21,6 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also run static batching on the same prompts and report the ratio",
     )
+    offline.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per policy, taking turns; the median run is reported",
+    )
     offline.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(offline)
     offline.set_defaults(handler=run_offline)
@@ -58,6 +64,7 @@ def run_offline(args: argparse.Namespace) -> int:
         output_range=parse_range(args.output_len_range),
         compare_static=args.compare_static,
         show_progress=sys.stderr.isatty() or not args.json,
+        repeats=args.repeats,
     )
     if args.json:
         print(json.dumps(report))

@@ -31,13 +31,21 @@ def build_batch_inputs(
     num_decodes = 0
     max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
     block_rows: list[list[int]] = []
+    context_starts: list[int] = []
 
     for item in output.scheduled:
         request = item.request
         start = request.num_computed_tokens
         end = start + item.num_new_tokens
         input_ids.extend(request.token_ids[start:end])
-        positions.extend(range(start, end))
+        # Left padding (static baseline): real tokens keep positions 0, 1, ... as unpadded, so a
+        # padded row never runs past the model's position range (RoPE itself is shift-invariant).
+        pad = request.num_padding_tokens
+        if pad:
+            positions.extend(max(p - pad, 0) for p in range(start, end))
+        else:
+            positions.extend(range(start, end))
+        context_starts.append(pad)
         block_ids = request.block_ids
         slots.extend(
             block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
@@ -60,6 +68,7 @@ def build_batch_inputs(
         query_start_loc=as_tensor(query_start_loc, torch.int32),
         block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
         max_seq_len=max(seq_lens),
+        context_starts=as_tensor(context_starts, torch.int32) if any(context_starts) else None,
     )
     return BatchInputs(
         input_ids=as_tensor(input_ids, torch.int64),

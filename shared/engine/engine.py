@@ -50,8 +50,12 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config, model_dir, self.tokenizer.eos_token_ids)
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
+        # Static batching (a benchmark baseline) has no prefix cache: a dense padded batch has
+        # none, and its identical pad blocks would otherwise be served from the cache.
         self.block_manager = BlockManager(
-            self.runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.kv_cache.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching and config.scheduling_policy == "continuous",
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -157,7 +161,7 @@ class LLMEngine:
             if result.stop_string is not None:
                 live.stop_reason = result.stop_string
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or request.num_unpadded_tokens >= self.max_model_len:
             return self._flush(live, RequestStatus.FINISHED_LENGTH)
         return None
 

@@ -63,6 +63,7 @@ class PagedAttention:
             meta.seq_lens[rows],
             scale,
             max_seq_len=meta.max_seq_len,
+            context_starts=None if meta.context_starts is None else meta.context_starts[rows],
             use_triton=self.use_triton,
         )
 
@@ -87,5 +88,6 @@ class PagedAttention:
             query_start_loc,
             meta.seq_lens[first:],
             scale,
+            context_starts=None if meta.context_starts is None else meta.context_starts[first:],
             use_triton=self.use_triton,
         )

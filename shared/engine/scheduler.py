@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from nori.engine.block_manager import BlockManager
 from nori.engine.request import Request, RequestStatus
 
+# Static batching pads prompts with this id. Any id serves: pads are computed but hidden from
+# the real tokens' attention.
+STATIC_PAD_TOKEN_ID = 0
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -23,8 +27,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # "static": classic static batching, the baseline continuous batching is measured against.
     # A batch is formed only when the previous one has fully finished (it waits for its longest
-    # member), and every member reserves a padded rectangle up front: the batch's longest prompt
-    # plus its largest max_tokens, as a [batch, max_len] KV tensor would.
+    # member); every member is left-padded to the batch's longest prompt and reserves a padded
+    # rectangle up front (that prompt plus the batch's largest max_tokens), as a
+    # [batch, max_len] tensor would.
     policy: str = "continuous"
     # Share of the KV pool a new request must leave free when others are running. Requests grow
     # a block every block_size tokens; admitting into the last free blocks only forces a
@@ -210,7 +215,7 @@ class Scheduler:
         for request in self.waiting:
             if len(batch) == self.config.max_num_seqs:
                 break
-            prompt = max(longest_prompt, request.num_tokens)
+            prompt = max(longest_prompt, request.num_unpadded_tokens)
             new = max(longest_new, self.static_max_new_tokens.get(request.request_id, 0))
             length = min(prompt + new, pool_tokens)
             if batch and (len(batch) + 1) * manager.blocks_needed(length) > manager.num_free_blocks:
@@ -218,6 +223,7 @@ class Scheduler:
             batch.append(request)
             longest_prompt, longest_new, padded = prompt, new, length
         for request in batch:
+            request.left_pad(longest_prompt - request.num_unpadded_tokens, STATIC_PAD_TOKEN_ID)
             if not manager.allocate(request, padded - request.num_computed_tokens):
                 break
             self.waiting.popleft()

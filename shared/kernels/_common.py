@@ -162,12 +162,13 @@ def check_block_tables(block_tables: object, batch: int) -> torch.Tensor:
     return tables
 
 
-def check_seq_lens(seq_lens: object, batch: int) -> torch.Tensor:
-    lens = check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+def check_seq_lens(seq_lens: object, batch: int, name: str = "seq_lens") -> torch.Tensor:
+    """A contiguous int32 vector of one entry per sequence (lengths, or context starts)."""
+    lens = check_tensor(name, seq_lens, 1, (torch.int32,))
     if lens.shape[0] != batch:
-        raise ValueError(f"seq_lens must have {batch} entries, got shape {tuple(lens.shape)}")
+        raise ValueError(f"{name} must have {batch} entries, got shape {tuple(lens.shape)}")
     if not lens.is_contiguous():
-        raise ValueError("seq_lens must be contiguous")
+        raise ValueError(f"{name} must be contiguous")
     return lens
 
 

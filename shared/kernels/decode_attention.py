@@ -51,6 +51,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    context_starts_ptr,
     m_ptr,
     l_ptr,
     acc_ptr,
@@ -69,11 +70,15 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    context_start = 0
+    if MASK_LEFT:
+        context_start = tl.load(context_starts_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -110,11 +115,20 @@ def _decode_split_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(tok_mask[None, :], scores, float("-inf"))
-        # Every tile holds at least one real token, so m_new is finite from the first tile on.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        if MASK_LEFT:
+            # Left padding is read and computed (as a dense padded batch would) but not seen.
+            visible = tok_mask & (pos >= context_start)
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A tile of padding only leaves m at -inf; exp2(-inf - -inf) would be NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            scores = tl.where(tok_mask[None, :], scores, float("-inf"))
+            # Every tile holds at least one real token, so m_new is finite from the first on.
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
         # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
@@ -125,8 +139,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # An empty split (past the end of a short sequence) stores m = -inf, l = 0, acc = 0, which
-    # the merge weighs by zero.
+    # An empty split (past the end of a short sequence, or all left padding) stores m = -inf,
+    # l = 0, acc = 0, which the merge weighs by zero.
     row = (seq * NUM_KV_HEADS * GROUP + q_heads) * NUM_SPLITS + split
     tl.store(m_ptr + row, m_i, mask=head_mask)
     tl.store(l_ptr + row, l_i, mask=head_mask)
@@ -164,7 +178,8 @@ def _decode_merge_kernel(
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    # Split 0 always holds the first token, so m_max is finite and empty splits get weight 0.
+    # The split holding the last token is never empty, so m_max is finite and empty splits get
+    # weight 0.
     m_max = tl.max(m, axis=0)
     weights = tl.exp2(m - m_max)
     denominator = tl.sum(weights * l, axis=0)
@@ -178,7 +193,9 @@ def _decode_merge_kernel(
 
 # The reference pads every context to the longest in its group; grouping sequences of similar
 # length bounds that waste when a batch mixes short and long contexts (the CPU engine runs this).
-_REFERENCE_GROUP = 16
+# 8 measured fastest for 40 decode rows of 50-1000 tokens on a 2-core CPU (16 wasted 17% of
+# the gathered context on padding in the offline benchmark; 4 adds more calls than it saves).
+_REFERENCE_GROUP = 8
 
 
 def paged_decode_attention_reference(
@@ -188,20 +205,31 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding.
 
     Sequences are processed in groups of similar length, so padding stays small.
     """
     batch = query.shape[0]
+    if context_starts is None:
+        context_starts = torch.zeros_like(seq_lens)
     if batch <= _REFERENCE_GROUP:
-        return _padded_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _padded_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale
+        )
     output = torch.empty_like(query)
     order = torch.argsort(seq_lens, stable=True)
     for start in range(0, batch, _REFERENCE_GROUP):
         rows = order[start : start + _REFERENCE_GROUP]
         output[rows] = _padded_decode_attention(
-            query[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale
+            query[rows],
+            k_cache,
+            v_cache,
+            block_tables[rows],
+            seq_lens[rows],
+            context_starts[rows],
+            scale,
         )
     return output
 
@@ -212,6 +240,7 @@ def _padded_decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    context_starts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
@@ -225,18 +254,21 @@ def _padded_decode_attention(
     keys = k_cache[tables].reshape(batch, padded_len, num_kv_heads, head_dim).transpose(1, 2)
     values = v_cache[tables].reshape(batch, padded_len, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(padded_len, device=query.device)
-    in_context = positions[None, :] < seq_lens[:, None].to(positions.dtype)
-    # PyTorch's fused attention (GQA included) is the reference: faster on CPU than spelled-out
-    # softmax, and independent of the Triton kernel it checks.
+    in_context = (positions[None, :] < seq_lens[:, None].to(positions.dtype)) & (
+        positions[None, :] >= context_starts[:, None].to(positions.dtype)
+    )
+    # PyTorch's fused attention is the reference: faster on CPU than spelled-out softmax, and
+    # independent of the Triton kernel it checks. The query heads sharing a kv head go in as that
+    # head's "query positions" (one mask for all), so K/V are never expanded per query head.
+    group = num_heads // num_kv_heads
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.float()[:, :, None, :],
+        query.float().reshape(batch, num_kv_heads, group, head_dim),
         keys.float(),
         values.float(),
         attn_mask=in_context[:, None, None, :],
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
     )
-    return out[:, :, 0, :].to(query.dtype)
+    return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
 
 def choose_num_splits(
@@ -259,6 +291,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
+    context_starts: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, D] attends to seq_lens[b] (>= 1) cached tokens of its sequence -> [B, Hq, D].
@@ -267,6 +300,7 @@ def paged_decode_attention(
     int32. num_splits=None picks a split count from the batch and context size. max_seq_len, if
     the caller knows it, sizes the splits; otherwise the block table's width bounds the context,
     which needs no device synchronisation but may leave splits empty when tables are wide.
+    context_starts [B] int32 (< seq_lens[b]), if given, hides positions before it: left padding.
     """
     query = check_tensor("query", query, 3, FLOAT_DTYPES)
     k_cache, v_cache = check_kv_caches(k_cache, v_cache)
@@ -274,15 +308,16 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     block_tables = check_block_tables(block_tables, batch)
     seq_lens = check_seq_lens(seq_lens, batch)
-    check_same_device(
-        {
-            "query": query,
-            "k_cache": k_cache,
-            "v_cache": v_cache,
-            "block_tables": block_tables,
-            "seq_lens": seq_lens,
-        }
-    )
+    tensors = {
+        "query": query,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+    }
+    if context_starts is not None:
+        tensors["context_starts"] = check_seq_lens(context_starts, batch, "context_starts")
+    check_same_device(tensors)
     check_last_dim_contiguous("query", query)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -293,7 +328,7 @@ def paged_decode_attention(
 
     if not should_use_triton(use_triton, [query]):
         return paged_decode_attention_reference(
-            query, k_cache, v_cache, block_tables, seq_lens, scale
+            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
         )
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if batch == 0:
@@ -319,6 +354,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if context_starts is None else context_starts,
         m,
         l,
         acc,
@@ -337,6 +373,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
+        MASK_LEFT=context_starts is not None,
         num_warps=4,
     )
     jit(_decode_merge_kernel)[(batch, num_heads)](

@@ -46,6 +46,7 @@ def _prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    context_starts_ptr,
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -63,6 +64,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
 ) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,6 +88,9 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
+    context_start = 0
+    if MASK_LEFT:
+        context_start = tl.load(context_starts_ptr + seq)
 
     # Rows are (query token, head of this kv group) pairs, so the group's heads share every
     # K/V tile load.
@@ -126,10 +131,19 @@ def _prefill_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(pos[None, :] <= q_pos[:, None], scores, float("-inf"))
+        visible = pos[None, :] <= q_pos[:, None]
+        if MASK_LEFT:
+            # Real tokens do not see the left padding (which is still read and computed, as in
+            # a dense padded batch); pad tokens see what precedes them, so no row is empty.
+            visible = visible & ((pos[None, :] >= context_start) | (q_pos[:, None] < context_start))
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = m_new
+        if MASK_LEFT:
+            # A tile of padding only leaves a real row's m at -inf; exp2(-inf - -inf) is NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
         # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
@@ -156,6 +170,7 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask."""
     num_heads = query.shape[1]
@@ -163,6 +178,7 @@ def paged_prefill_attention_reference(
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
+    hidden = [0] * len(lengths) if context_starts is None else context_starts.tolist()
     for b, seq_len in enumerate(lengths):
         start, end = starts[b], starts[b + 1]
         q_len = end - start
@@ -176,6 +192,10 @@ def paged_prefill_attention_reference(
         q_positions = torch.arange(q_len, device=query.device) + (seq_len - q_len)
         k_positions = torch.arange(seq_len, device=query.device)
         mask = k_positions[None, :] <= q_positions[:, None]
+        if hidden[b]:
+            # Left padding: real tokens skip it; pad tokens see what precedes them.
+            pad = hidden[b]
+            mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
         attended = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale
         )
@@ -192,6 +212,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    context_starts: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the T new tokens query [T, Hq, D] -> [T, Hq, D].
@@ -199,7 +220,8 @@ def paged_prefill_attention(
     Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1],
     starting at 0 and ending at T); seq_lens[b] (int32 [B]) counts its whole context, new tokens
     included, whose K/V must already be in the cache. New token i of b sits at position
-    seq_lens[b] - q_len_b + i and attends to positions 0 .. that one.
+    seq_lens[b] - q_len_b + i and attends to positions 0 .. that one. context_starts [B] int32,
+    if given, marks positions before it as left padding: tokens at or after it do not see them.
     """
     query = check_tensor("query", query, 3, FLOAT_DTYPES)
     k_cache, v_cache = check_kv_caches(k_cache, v_cache)
@@ -212,23 +234,24 @@ def paged_prefill_attention(
         raise ValueError("query_start_loc must be contiguous")
     block_tables = check_block_tables(block_tables, batch)
     seq_lens = check_seq_lens(seq_lens, batch)
-    check_same_device(
-        {
-            "query": query,
-            "k_cache": k_cache,
-            "v_cache": v_cache,
-            "block_tables": block_tables,
-            "query_start_loc": query_start_loc,
-            "seq_lens": seq_lens,
-        }
-    )
+    tensors = {
+        "query": query,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": block_tables,
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens,
+    }
+    if context_starts is not None:
+        tensors["context_starts"] = check_seq_lens(context_starts, batch, "context_starts")
+    check_same_device(tensors)
     check_last_dim_contiguous("query", query)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
 
     if not should_use_triton(use_triton, [query]):
         return paged_prefill_attention_reference(
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, context_starts
         )
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -251,6 +274,7 @@ def paged_prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        seq_lens if context_starts is None else context_starts,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -268,6 +292,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
+        MASK_LEFT=context_starts is not None,
         num_warps=8 if block_q * block_g >= 128 else 4,
     )
     return out

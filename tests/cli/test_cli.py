@@ -108,11 +108,15 @@ def test_bench_offline_json(tiny_model: Path) -> None:
     result = nori(
         "bench", "offline", "--model", str(tiny_model), "--num-prompts", "6",
         "--input-len-range", "4:20", "--output-len-range", "2:12", "--compare-static", "--json",
-        "--max-num-seqs", "2",
+        "--max-num-seqs", "2", "--repeats", "3",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["num_prompts"] == 6
+    assert report["num_prompts"] == 6 and report["repeats"] == 3
+    # The reported run of each policy is its median one.
+    for policy in ("continuous", "static"):
+        runs = report[f"{policy}_seconds_all"]
+        assert len(runs) == 3 and report[f"{policy}_seconds"] == sorted(runs)[1]
     assert report["continuous_output_tok_s"] > 0 and report["static_output_tok_s"] > 0
     ratio = report["continuous_output_tok_s"] / report["static_output_tok_s"]
     assert report["ratio"] == pytest.approx(ratio, rel=0.01)
@@ -123,6 +127,8 @@ def test_bench_offline_json(tiny_model: Path) -> None:
 def test_bench_rejects_a_bad_range(tiny_model: Path) -> None:
     result = nori("bench", "offline", "--model", str(tiny_model), "--input-len-range", "9:3")
     assert result.returncode == 2 and "9:3" in result.stderr
+    result = nori("bench", "offline", "--model", str(tiny_model), "--repeats", "0")
+    assert result.returncode == 2 and "repeats" in result.stderr
 
 
 def test_demo_model_is_created_on_first_use(tmp_path: Path) -> None:

@@ -125,6 +125,23 @@ def test_generation_stops_at_max_model_len(tmp_path: Path) -> None:
     assert output.finish_reason == "length" and len(output.token_ids) == 4
 
 
+def test_left_padding_does_not_count_against_max_model_len(tmp_path: Path) -> None:
+    """A static batch pads the 4-token prompt to 20: it still may grow to 24 real tokens."""
+    init_checkpoint(tmp_path, "tiny", seed=2)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        num_kv_blocks=256,
+        block_size=8,
+        max_model_len=24,
+        scheduling_policy="static",
+    )
+    outputs = llm.generate([[5] * 20, [6] * 4], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [4, 20]
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert llm.engine.num_free_blocks == 256
+
+
 def test_chat_uses_the_template(llm: LLM) -> None:
     output = llm.chat(
         [{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3, ignore_eos=True)

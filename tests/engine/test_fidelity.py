@@ -153,3 +153,46 @@ def test_engine_on_triton_kernels_matches_transformers(
     picks = [1, 3, 6, 9]
     _, trace = assert_matches(llm, [prompts[i] for i in picks], [expected[i] for i in picks])
     assert trace.num_chunked_steps > 0
+
+
+def assert_static_matches(llm: LLM, prompts: list[list[int]], reference: list[HFGreedy]) -> None:
+    with trace_engine(llm.engine) as trace:
+        outputs = llm.generate(prompts, GREEDY)
+    for index, (output, expected) in enumerate(zip(outputs, reference, strict=True)):
+        assert output.token_ids == expected.tokens, f"prompt {index} diverged"
+        # A member that finishes before its batch keeps its row: its first rows are the answer.
+        logits = trace.stacked(output.request_id)[:NEW_TOKENS]
+        torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
+    assert trace.num_chunked_steps > 0
+    llm.engine.block_manager.check_invariants([])
+    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def static_llm(checkpoint: Path, backend: str) -> LLM:
+    return LLM(
+        str(checkpoint),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        scheduling_policy="static",
+        attention_backend=backend,
+    )
+
+
+def test_static_batching_with_left_padding_matches_transformers(
+    checkpoint: Path, references: References
+) -> None:
+    """The static baseline left-pads each batch of 4 to its longest prompt; pads stay hidden."""
+    llm = static_llm(checkpoint, "reference")
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    assert_static_matches(llm, prompts, expected)
+
+
+def test_static_batching_on_triton_kernels_matches_transformers(tmp_path: Path) -> None:
+    """The left-padding masks of the Triton kernels (the GPU path; here in the interpreter)."""
+    init_checkpoint(tmp_path, "tiny", seed=1)
+    llm = static_llm(tmp_path, "triton")
+    prompts = [make_prompts(llm.engine.model_config.vocab_size, seed=0)[i] for i in (1, 3, 6, 9)]
+    assert_static_matches(llm, prompts, hf_greedy(tmp_path, prompts, NEW_TOKENS))

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.request import RequestStatus
-from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nori.engine.scheduler import (
+    STATIC_PAD_TOKEN_ID,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tests.engine.helpers import make_request
 
 
@@ -134,9 +139,13 @@ def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle
     for name, request in requests.items():
         scheduler.static_max_new_tokens[name] = max_new[name]
         scheduler.add(request)
-    # The rectangle is 5 (longest prompt) + 6 (largest max_tokens) = 11 tokens = 3 blocks each.
+    # Every member is left-padded to the longest prompt (5) and reserves the rectangle:
+    # 5 + 6 (largest max_tokens) = 11 tokens = 3 blocks each.
     output = run_step(scheduler)
-    assert plan(output) == [("a", 5), ("b", 2), ("c", 3)]
+    assert plan(output) == [("a", 5), ("b", 5), ("c", 5)]
+    assert requests["b"].token_ids[:5] == [STATIC_PAD_TOKEN_ID] * 3 + [6, 7]
+    assert requests["b"].num_padding_tokens == 3 and requests["c"].num_padding_tokens == 2
+    assert requests["b"].output_token_ids == [7]  # the token run_step sampled
     assert requests["a"].block_ids == [0, 1, 2]
     assert requests["b"].block_ids == [3, 4, 5]
     assert requests["c"].block_ids == [6, 7, 8]

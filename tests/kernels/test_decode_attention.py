@@ -160,3 +160,50 @@ def test_rejects_bad_arguments() -> None:
         paged_decode_attention(query, k, v, tables, lens, SCALE, num_splits=0)
     with pytest.raises(ValueError, match="scale must be finite"):
         paged_decode_attention(query, k, v, tables, lens, float("nan"))
+
+
+# Left padding (the static-batching baseline): whole tiles and whole splits of padding, a start
+# inside a block, and an unpadded row.
+PADDED_LENGTHS = [2000, 300, 37, 9]
+PADDED_STARTS = [1500, 64 + 3, 0, 8]
+
+
+def test_left_padding_reference_matches_dense_attention() -> None:
+    ctx = random_paged_context(PADDED_LENGTHS, 2, 16, 16)
+    query = _query(len(PADDED_LENGTHS), 4, 16, torch.float32)
+    starts = torch.tensor(PADDED_STARTS, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention_reference(
+        query, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens, SCALE, starts
+    )
+    for b, (length, start) in enumerate(zip(PADDED_LENGTHS, PADDED_STARTS, strict=True)):
+        keys = dense_context(ctx.k_cache, ctx.block_tables[b], length)
+        values = dense_context(ctx.v_cache, ctx.block_tables[b], length)
+        expected = dense_attention(query[b : b + 1], keys, values, [length - 1], SCALE, start)
+        torch.testing.assert_close(
+            out[b : b + 1].double().cpu(), expected, atol=REFERENCE_ATOL, rtol=0
+        )
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_left_padding_triton_matches_reference(num_splits: int) -> None:
+    ctx = random_paged_context(PADDED_LENGTHS, 2, 16, 16)
+    query = _query(len(PADDED_LENGTHS), 4, 16, torch.float32)
+    starts = torch.tensor(PADDED_STARTS, dtype=torch.int32, device=DEVICE)
+    args = (query, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens, SCALE)
+    expected = paged_decode_attention_reference(*args, starts)
+    got = paged_decode_attention(
+        *args, num_splits=num_splits, context_starts=starts, use_triton=True
+    )
+    assert_close(got, expected)
+    # The padding really is hidden: without the starts the answer differs.
+    assert not torch.allclose(paged_decode_attention_reference(*args), expected)
+
+
+def test_rejects_bad_context_starts() -> None:
+    ctx = random_paged_context([5, 9], 1, 8, 4)
+    query = _query(2, 2, 8, torch.float32)
+    args = (query, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens, SCALE)
+    with pytest.raises(ValueError, match="context_starts must have 2 entries"):
+        paged_decode_attention(*args, context_starts=ctx.seq_lens[:1].clone())
+    with pytest.raises(ValueError, match="context_starts must have dtype"):
+        paged_decode_attention(*args, context_starts=ctx.seq_lens.long())
