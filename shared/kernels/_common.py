@@ -176,5 +176,5 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
     """The first `length` tokens of one sequence: [length, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = cdiv(length, block_size)
-    blocks = cache[block_table_row[:num_blocks].long()]
+    blocks = cache.index_select(0, block_table_row[:num_blocks])
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
