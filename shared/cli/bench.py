@@ -66,11 +66,7 @@ def run_offline(args: argparse.Namespace) -> int:
         show_progress=sys.stderr.isatty() or not args.json,
         repeats=args.repeats,
     )
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:>28}: {value}")
+    _print_report(report, args.json)
     return 0
 
 
@@ -84,9 +80,14 @@ def run_transfer(args: argparse.Namespace) -> int:
         transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
     )
     report = run_transfer_benchmark(settings)
-    if args.json:
+    _print_report(report, args.json)
+    return 0
+
+
+def _print_report(report: dict[str, object], as_json: bool) -> None:
+    """One JSON object, or one aligned `key: value` line per figure."""
+    if as_json:
         print(json.dumps(report))
     else:
         for key, value in report.items():
             print(f"{key:>28}: {value}")
-    return 0

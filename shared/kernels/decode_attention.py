@@ -212,8 +212,6 @@ def paged_decode_attention_reference(
     Sequences are processed in groups of similar length, so padding stays small.
     """
     batch = query.shape[0]
-    if context_starts is None:
-        context_starts = torch.zeros_like(seq_lens)
     if batch <= _REFERENCE_GROUP:
         return _padded_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale
@@ -228,7 +226,7 @@ def paged_decode_attention_reference(
             v_cache,
             block_tables[rows],
             seq_lens[rows],
-            context_starts[rows],
+            None if context_starts is None else context_starts[rows],
             scale,
         )
     return output
@@ -240,7 +238,7 @@ def _padded_decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    context_starts: torch.Tensor,
+    context_starts: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = query.shape
@@ -256,9 +254,9 @@ def _padded_decode_attention(
     keys = k_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
     values = v_cache.index_select(0, block_ids).view(shape).transpose(1, 2)
     positions = torch.arange(padded_len, device=query.device)
-    in_context = (positions[None, :] < seq_lens[:, None].to(positions.dtype)) & (
-        positions[None, :] >= context_starts[:, None].to(positions.dtype)
-    )
+    in_context = positions[None, :] < seq_lens[:, None].to(positions.dtype)
+    if context_starts is not None:
+        in_context &= positions[None, :] >= context_starts[:, None].to(positions.dtype)
     # PyTorch's fused attention is the reference: faster on CPU than spelled-out softmax, and
     # independent of the Triton kernel it checks. The query heads sharing a kv head go in as that
     # head's "query positions" (one mask for all), so K/V are never expanded per query head.

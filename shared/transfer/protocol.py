@@ -87,6 +87,28 @@ class TransferCounters:
         self.transfers += 1
 
 
+class ReceiverStats:
+    """What every receiver reports: the address it was started on, and what it completed."""
+
+    def __init__(self) -> None:
+        self._counters = TransferCounters()
+        self._address = ""
+
+    @property
+    def address(self) -> str:
+        if not self._address:
+            raise RuntimeError("the receiver is not started")
+        return self._address
+
+    @property
+    def bytes_received(self) -> int:
+        return self._counters.nbytes
+
+    @property
+    def transfers_completed(self) -> int:
+        return self._counters.transfers
+
+
 def _encode_reply(status: str, **fields: Any) -> bytes:
     return json.dumps({"status": status, **fields}, separators=(",", ":")).encode()
 

@@ -26,6 +26,7 @@ from nori.transfer.pool import ConnectionPool
 from nori.transfer.protocol import (
     ConnectionClosed,
     MessageTooLarge,
+    ReceiverStats,
     TransferCounters,
     send_transfer,
     serve_connection,
@@ -196,32 +197,17 @@ class _TcpChannel:
             self._sock.close()
 
 
-class TcpReceiver:
+class TcpReceiver(ReceiverStats):
     """Accepts connections from senders and receives their transfers into the sink's tensors."""
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
+        super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
-        self._counters = TransferCounters()
         self._staging = _HostStaging("TcpReceiver")
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._address = ""
-
-    @property
-    def address(self) -> str:
-        if not self._address:
-            raise RuntimeError("the receiver is not started")
-        return self._address
-
-    @property
-    def bytes_received(self) -> int:
-        return self._counters.nbytes
-
-    @property
-    def transfers_completed(self) -> int:
-        return self._counters.transfers
 
     async def start(
         self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"

@@ -24,6 +24,7 @@ from nori.transfer.pool import ConnectionPool
 from nori.transfer.protocol import (
     ConnectionClosed,
     MessageTooLarge,
+    ReceiverStats,
     TransferCounters,
     send_transfer,
     serve_connection,
@@ -119,7 +120,7 @@ class _UcxChannel:
             self._progress.wake()
 
 
-class UcxReceiver:
+class UcxReceiver(ReceiverStats):
     """Listens for UCX senders and receives their transfers into the sink's tensors.
 
     ucxx listens on every interface: `host` is accepted for the interface's sake but only
@@ -127,28 +128,13 @@ class UcxReceiver:
     """
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
+        super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
-        self._counters = TransferCounters()
         self._progress: UcxProgress | None = None
         self._listener: Any = None
         self._channels: set[_UcxChannel] = set()
         self._closing = False
-        self._address = ""
-
-    @property
-    def address(self) -> str:
-        if not self._address:
-            raise RuntimeError("the receiver is not started")
-        return self._address
-
-    @property
-    def bytes_received(self) -> int:
-        return self._counters.nbytes
-
-    @property
-    def transfers_completed(self) -> int:
-        return self._counters.transfers
 
     async def start(
         self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
