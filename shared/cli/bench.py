@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from nori.bench.serve.args import add_serve_args, settings_from_args
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -51,6 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.set_defaults(handler=run_transfer)
 
+    serve = commands.add_parser(
+        "serve", help="load an OpenAI-compatible server (ours or another) and measure it"
+    )
+    add_serve_args(serve)
+    serve.set_defaults(handler=run_serve)
+
 
 def run_offline(args: argparse.Namespace) -> int:
     from nori.bench.offline import parse_range, run_offline_benchmark
@@ -81,6 +89,26 @@ def run_transfer(args: argparse.Namespace) -> int:
     )
     report = run_transfer_benchmark(settings)
     _print_report(report, args.json)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from nori.bench.serve.report import format_report
+    from nori.bench.serve.runner import run_benchmark_sync
+
+    settings = settings_from_args(args)
+    result = run_benchmark_sync(settings, show_progress=sys.stderr.isatty() or not args.json)
+    report = result.to_dict(detailed=args.save_detailed)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        from nori.bench.serve.plot import plot_runs
+
+        plot_runs({result.model: result}, args.plot)
+    if args.json:
+        _print_report(report, as_json=True)
+    else:
+        print(format_report(result))
     return 0
 
 

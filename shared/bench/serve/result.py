@@ -1,0 +1,43 @@
+"""The outcome of one run: settings, records and figures, and its JSON form."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nori.bench.serve.metrics import ServeMetrics
+from nori.bench.serve.records import RequestRecord
+from nori.bench.serve.settings import ServeBenchSettings
+
+
+@dataclass(frozen=True)
+class ServeBenchResult:
+    settings: ServeBenchSettings
+    # The model the requests named (--model, or the server's first).
+    model: str
+    metrics: ServeMetrics
+    # Every request sent after the warm-ups, in the order they were sent.
+    records: tuple[RequestRecord, ...]
+    # The mixed dataset's figures per request class ("short", "long"); empty otherwise.
+    class_metrics: Mapping[str, ServeMetrics] = field(default_factory=dict)
+    # ISO 8601 start of the run (vLLM's result files carry a date too).
+    date: str = ""
+
+    @property
+    def num_sent(self) -> int:
+        return len(self.records)
+
+    def to_dict(self, detailed: bool = False) -> dict[str, object]:
+        """One flat object in vLLM's result-file style; per-class figures under their class
+        name; with `detailed`, every request's record under "requests"."""
+        result: dict[str, object] = {
+            "date": self.date,
+            **self.settings.echo(self.model),
+            "num_sent": self.num_sent,
+            **self.metrics.as_dict(),
+        }
+        for name, metrics in self.class_metrics.items():
+            result[name] = {"num_sent": metrics.completed + metrics.failed, **metrics.as_dict()}
+        if detailed:
+            result["requests"] = [record.to_dict() for record in self.records]
+        return result
