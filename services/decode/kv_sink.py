@@ -1,45 +1,27 @@
 """Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease.
 
-Runs on the worker's event loop (the transport calls it there), so it needs no locks. A transfer
-is accepted only for a request that is reserved right now, into exactly its reserved block ids,
-with exactly the expected byte sizes: a late, duplicate or malformed transfer is refused and can
-never write into blocks that belong to someone else.
+Runs on the worker's event loop (the transport and the gRPC servicer both call it there), so it
+needs no locks. A transfer is accepted only for a request whose lease is live right now, into
+exactly its reserved block ids, with exactly the expected byte sizes: a late, duplicate or
+malformed transfer is refused and can never write into blocks that belong to someone else. When a
+lease runs out is `lease.py`'s business; this file keeps the leases and wakes their waiters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.serving.kv_layout import destination_buffers
 from nori.transfer.base import TransferHeader, TransferRejected
 
-
-class LeaseState(enum.Enum):
-    RESERVED = "reserved"
-    RECEIVING = "receiving"
-    ARRIVED = "arrived"
-    FAILED = "failed"
-
-
-@dataclass
-class Lease:
-    block_ids: list[int]
-    expires_at: float
-    state: LeaseState = LeaseState.RESERVED
-    metadata: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class LeaseExpired(Exception):
-    pass
+__all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 
 
 class DecodeKVSink:
@@ -48,18 +30,32 @@ class DecodeKVSink:
         cache: torch.Tensor,
         transfer_timeout_s: float = 30.0,
         on_receiving: Callable[[str], None] | None = None,
+        queue_timeout_s: float = 60.0,
     ) -> None:
         self._cache = cache
         # Told the request id when a transfer is accepted (the "transferring" request state).
         self._on_receiving = on_receiving
-        # How long a transfer that has started may take after its lease ran out.
         self._transfer_timeout_s = transfer_timeout_s
+        self._queue_timeout_s = queue_timeout_s
         self._leases: dict[str, Lease] = {}
         self.bytes_received = 0
         self.transfers_completed = 0
 
     def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> None:
-        self._leases[request_id] = Lease(list(block_ids), time.monotonic() + lease_s)
+        policy = LeasePolicy(lease_s, self._queue_timeout_s, self._transfer_timeout_s)
+        self._leases[request_id] = Lease.reserve(request_id, block_ids, policy, time.monotonic())
+
+    def renew(self, request_id: str, started: bool) -> bool:
+        """The prefill worker holding the prompt is alive (and has `started` computing it).
+
+        False when this worker holds no live lease for the request: its holder stops renewing.
+        """
+        lease = self._leases.get(request_id)
+        return lease is not None and lease.renew(time.monotonic(), started)
+
+    def state(self, request_id: str) -> LeaseState | None:
+        lease = self._leases.get(request_id)
+        return lease.state if lease is not None else None
 
     def forget(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
@@ -67,20 +63,24 @@ class DecodeKVSink:
     async def wait(self, request_id: str) -> dict[str, Any]:
         """The transfer's metadata once its blocks have all arrived.
 
-        Raises LeaseExpired when nothing arrived in time (the lease is then gone, so a late
-        sender is refused), or TransferRejected when the transfer broke off.
+        Raises LeaseExpired when the lease ran out first (the lease is then gone, so a late sender
+        is refused), TimeoutError when a transfer under way took too long, TransferRejected when
+        the transfer broke off.
         """
         lease = self._leases[request_id]
-        try:
-            await asyncio.wait_for(lease.done.wait(), max(0.0, lease.expires_at - time.monotonic()))
-        except TimeoutError:
-            if lease.state is not LeaseState.RECEIVING:
+        while not lease.done.is_set():
+            remaining = lease.deadline() - time.monotonic()
+            if remaining <= 0:
+                if lease.state is LeaseState.RECEIVING:
+                    raise TimeoutError(
+                        f"the KV transfer of request {request_id!r} did not finish within "
+                        f"{lease.policy.transfer_timeout_s:g} s"
+                    )
                 self.forget(request_id)
-                raise LeaseExpired(
-                    f"the KV blocks of request {request_id!r} did not arrive within the lease"
-                ) from None
-            # Bytes are landing in the blocks right now: they cannot be freed under the transport.
-            await asyncio.wait_for(lease.done.wait(), self._transfer_timeout_s)
+                raise lease.expiry()
+            # Renewals move the deadline on: sleep until the current one, then look again.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lease.done.wait(), remaining)
         if lease.state is LeaseState.FAILED:
             raise TransferRejected(
                 f"the KV transfer of request {request_id!r} failed: {lease.error}"
@@ -96,8 +96,12 @@ class DecodeKVSink:
                 f"request {header.request_id!r} has no reserved blocks here "
                 "(unknown, finished, or its lease expired)"
             )
-        if lease.state is not LeaseState.RESERVED:
+        if lease.state not in (LeaseState.QUEUED, LeaseState.COMPUTING):
             raise TransferRejected(f"request {header.request_id!r} is already {lease.state.value}")
+        now = time.monotonic()
+        if not lease.is_live(now):
+            # Its waiter has not woken yet, but the blocks are about to be freed.
+            raise TransferRejected(f"the lease of request {header.request_id!r} has expired")
         if list(header.block_ids) != lease.block_ids:
             raise TransferRejected(
                 f"block ids {list(header.block_ids)} differ from the reservation {lease.block_ids}"
@@ -109,7 +113,7 @@ class DecodeKVSink:
                 f"buffer sizes {list(header.buffer_nbytes)} differ from this worker's KV layout "
                 f"{expected} (same model, dtype and block size on both sides?)"
             )
-        lease.state = LeaseState.RECEIVING
+        lease.start_receiving(now)
         if self._on_receiving is not None:
             self._on_receiving(header.request_id)
         return buffers

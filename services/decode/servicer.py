@@ -2,6 +2,8 @@
 
 One Generate call is one request's whole life on this worker, so cancelling the call (a client
 that went away, a gateway giving up) is what frees the request's blocks, wherever it was.
+RenewLeases is how the prefill worker holding a prompt keeps its reservation alive while the
+prompt waits in its queue and is computed (see `lease.py` for when a lease runs out).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
+from nori.decode.kv_sink import DecodeKVSink
+from nori.decode.lease import LeaseExpired
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread
 from nori.serving.grpc_calls import call_engine
@@ -137,6 +140,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def _record(self, request_id: str, state: str, **fields: str) -> None:
         if self._states is not None:
             self._states.record(request_id, state, decode_worker=self._worker_id, **fields)
+
+    async def RenewLeases(
+        self, request: decode_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.RenewLeasesResponse:
+        sink = self._sink
+        unknown = [
+            renewal.request_id
+            for renewal in request.renewals
+            if sink is None or not sink.renew(renewal.request_id, renewal.started)
+        ]
+        return decode_pb2.RenewLeasesResponse(unknown_request_ids=unknown)
 
     async def GetStats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -38,6 +38,7 @@ class DecodeWorker(Worker):
         transfer_port: int = 0,
         lease_s: float = 10.0,
         colocated: bool = False,
+        queue_timeout_s: float = 60.0,
     ) -> None:
         self.role = "colocated" if colocated else "decode"
         super().__init__(options)
@@ -45,6 +46,7 @@ class DecodeWorker(Worker):
         self.transport = transport
         self.transfer_port = transfer_port
         self.lease_s = lease_s
+        self.queue_timeout_s = queue_timeout_s
         self.colocated = colocated
         self._engine: EngineThread | None = None
         self._receiver: KVReceiver | None = None
@@ -64,6 +66,7 @@ class DecodeWorker(Worker):
                 on_receiving=lambda request_id: states.record(
                     request_id, "transferring", decode_worker=self.worker_id
                 ),
+                queue_timeout_s=self.queue_timeout_s,
             )
             self._receiver = make_receiver(self.transport, self._sink)
             self.transfer_address = await self._receiver.start(

@@ -1,11 +1,15 @@
 """The cluster backend: route each request to a prefill and a decode worker over gRPC.
 
-Path of one request: pick a decode worker (free blocks, load) and open its Generate stream, which
-answers with a reservation (block ids under a lease, and a transfer address); pick a prefill
-worker (longest cached prefix from the Redis block directory, then load) and call Prefill with
-that destination. The prefill worker sends the KV blocks straight to the decode worker and
-returns the first token; the decode stream carries the rest. Closing the iterator cancels both
-calls, and cancelling a call frees the request's blocks on that worker.
+Path of one request: pick a decode worker (free blocks, load) and a prefill worker (longest cached
+prefix from the Redis block directory, then load); open the decode worker's Generate stream, which
+answers with a reservation (block ids under a lease, and a transfer address); call Prefill with
+that destination, and where to renew the reservation's lease while the prefill worker holds the
+prompt. The prefill worker sends the KV blocks straight to the decode worker and returns the first
+token; the decode stream carries the rest. Closing the iterator cancels both calls, and cancelling
+a call frees the request's blocks on that worker.
+
+Before any of that, admission (`admission.py`) refuses a request with 429 when the prompt tokens
+already queued for the pool would make its first token too late.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from nori.gateway.admission import PromptQueue, QueuedPrompt
 from nori.gateway.backend import (
     BackendError,
     BackendHealth,
@@ -69,6 +74,9 @@ class ClusterOptions:
     max_in_flight: int = 4096
     # Decode workers to try when one answers that its pool is full.
     decode_attempts: int = 3
+    # Admission: prompt tokens that may wait for their first token, per worker computing prompts
+    # (prefill or colocated); 0 = no bound. See admission.py for the default.
+    max_queued_prompt_tokens: int = 8192
 
 
 def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
@@ -109,6 +117,7 @@ class ClusterBackend:
         self._absent_since: dict[str, float] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._num_in_flight = 0
+        self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,13 +220,19 @@ class ClusterBackend:
             raise QueueFullError(
                 f"the gateway has {self._num_in_flight} requests in flight (the limit)"
             )
+        num_prompt_workers = sum(
+            1 for w in self.workers if w.role in ("prefill", "colocated") and not w.draining
+        )
+        queued = self.prompt_queue.admit(
+            len(request.prompt_token_ids), num_prompt_workers, time.monotonic()
+        )
         request_id = request.request_id
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
         self._num_in_flight += 1
         outcome = "cancelled"
         num_output_tokens = 0
         try:
-            async for chunk in self._route(request):
+            async for chunk in self._route(request, queued):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
                     # Before the yield: a consumer may close us right after the last chunk.
@@ -228,11 +243,14 @@ class ClusterBackend:
             self._record(request_id, "failed", error=str(error))
             raise
         finally:
+            queued.abandon()  # a no-op once its first token came
             self._num_in_flight -= 1
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
 
-    async def _route(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _route(
+        self, request: GenerationRequest, queued: QueuedPrompt
+    ) -> AsyncIterator[GenerationChunk]:
         tried: list[str] = []
         while True:
             num_yielded = 0
@@ -247,9 +265,9 @@ class ClusterBackend:
             self.router.started(decode.worker_id)
             try:
                 if decode.role == "colocated":
-                    chunks = self._colocated(request, decode)
+                    chunks = self._colocated(request, decode, queued)
                 else:
-                    chunks = self._disaggregated(request, decode)
+                    chunks = self._disaggregated(request, decode, queued)
                 async for chunk in chunks:
                     num_yielded += 1
                     yield chunk
@@ -263,26 +281,33 @@ class ClusterBackend:
                 self.router.ended(decode.worker_id)
 
     async def _colocated(
-        self, request: GenerationRequest, worker: WorkerInfo
+        self, request: GenerationRequest, worker: WorkerInfo, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
         stub = decode_pb2_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
         call = stub.Generate(self._generate_request(request, compute_prompt=True))
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
         try:
             async for message in _messages(call, worker.worker_id):
+                queued.prefilled(time.monotonic())
                 yield chunk_from_delta(message.delta)
         finally:
             call.cancel()
 
     async def _disaggregated(
-        self, request: GenerationRequest, decode: WorkerInfo
+        self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.grpc_address))
-        decode_call = stub.Generate(self._generate_request(request, compute_prompt=False))
+        # The prefill worker is chosen before the reservation is taken: the lease starts with
+        # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
+        # Counted as started at once, so that a burst spreads over the prefill pool.
+        num_prompt_tokens = len(request.prompt_token_ids)
+        chosen = await self._pick_prefill(request)
+        self.router.started(chosen.worker_id, num_prompt_tokens)
+        # Still counted in the router's queued prompt tokens (until its first token).
+        prefill: WorkerInfo | None = chosen
         prefill_call: grpc.aio.UnaryUnaryCall | None = None
         read_task: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
-        prefill: WorkerInfo | None = None
-        num_prompt_tokens = len(request.prompt_token_ids)
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.grpc_address))
+        decode_call = stub.Generate(self._generate_request(request, compute_prompt=False))
         try:
             try:
                 reservation = await _read(decode_call, decode.worker_id)
@@ -290,15 +315,13 @@ class ClusterBackend:
                 raise DecodeFullError(str(error), error.retry_after_s) from None
             if reservation is None or not reservation.HasField("reservation"):
                 raise BackendError(f"{decode.worker_id} did not answer with a reservation")
-            prefill = await self._pick_prefill(request)
-            self.router.started(prefill.worker_id, num_prompt_tokens)
             self._record(
                 request.request_id,
                 "prefilling",
-                prefill_worker=prefill.worker_id,
+                prefill_worker=chosen.worker_id,
                 decode_worker=decode.worker_id,
             )
-            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(prefill.grpc_address))
+            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(chosen.grpc_address))
             prefill_call = prefill_stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=request.request_id,
@@ -308,13 +331,16 @@ class ClusterBackend:
                         worker_id=decode.worker_id,
                         transfer_address=reservation.reservation.transfer_address,
                         block_ids=reservation.reservation.block_ids,
+                        # The prefill worker renews the lease here while it holds the prompt.
+                        grpc_address=decode.grpc_address,
+                        lease_seconds=reservation.reservation.lease_seconds,
                     ),
                 )
             )
             # Either side may speak first: the decode stream ends early when the lease runs out
-            # (the prefill worker hangs or died), and may already carry token two before the
-            # prefill answer with token one reaches us.
-            prefill_task = asyncio.ensure_future(_await_call(prefill_call, prefill.worker_id))
+            # (the prefill worker hung or died, or the prompt never left its queue), and may
+            # already carry token two before the prefill answer with token one reaches us.
+            prefill_task = asyncio.ensure_future(_await_call(prefill_call, chosen.worker_id))
             read_task = asyncio.ensure_future(_read(decode_call, decode.worker_id))
             try:
                 await asyncio.wait({prefill_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -323,8 +349,9 @@ class ClusterBackend:
                 response = await prefill_task
             finally:
                 prefill_task.cancel()
-            self.router.ended(prefill.worker_id, num_prompt_tokens)
+            self.router.ended(chosen.worker_id, num_prompt_tokens)
             prefill = None
+            queued.prefilled(time.monotonic())
             first = chunk_from_delta(response.first)
             yield first
             if first.finished:

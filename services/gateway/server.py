@@ -28,6 +28,8 @@ class GatewayOptions:
     max_model_len: int | None = None
     block_size: int = 16
     max_in_flight: int = 4096
+    # Admission bound per worker computing prompts; 0 = none (see nori.gateway.admission).
+    max_queued_prompt_tokens: int = 8192
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -62,12 +64,18 @@ async def serve_gateway(options: GatewayOptions) -> None:
             namespace=options.namespace,
             block_size=options.block_size,
             max_in_flight=options.max_in_flight,
+            max_queued_prompt_tokens=options.max_queued_prompt_tokens,
         )
     )
     await backend.start()
 
     async def extra_metrics() -> str:
-        return worker_metrics_text(await backend.worker_stats())
+        queued = backend.prompt_queue.queued_tokens
+        admission = (
+            "# TYPE nori_gateway_queued_prompt_tokens gauge\n"
+            f"nori_gateway_queued_prompt_tokens {queued}\n"
+        )
+        return admission + worker_metrics_text(await backend.worker_stats())
 
     app = create_app(
         backend,

@@ -2,7 +2,9 @@
 
 The engine batches prefills from many calls (continuous batching, chunked prefill, prefix cache);
 each call then exports its request's blocks (one copy on this side), frees them at once, and sends
-the copy while the engine goes on with other prompts.
+the copy while the engine goes on with other prompts. While a call holds its prompt (queued,
+computing, exporting, sending), the `LeaseKeeper` keeps the decode worker's reservation for it
+alive; the destination says where to renew it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 
 from nori.engine.engine import LLMEngine
 from nori.engine.transfer import KVExport
+from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread
 from nori.serving.grpc_calls import call_engine
@@ -41,11 +44,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         streams: OutputStreams,
         sender: KVSender,
         is_draining: Callable[[], bool],
+        leases: LeaseKeeper,
     ) -> None:
         self._worker_id = worker_id
         self._engine = engine
         self._streams = streams
         self._sender = sender
+        self._leases = leases
         self._is_draining = is_draining
         self.num_requests = 0
         self.kv_bytes_sent = 0
@@ -71,6 +76,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         prompt = list(request.prompt_token_ids)
         self.num_requests += 1
         done = False
+        # Before the prompt is queued: its wait in our queue must not use up the decode lease.
+        self._leases.hold(request_id, destination.grpc_address, destination.lease_seconds)
         try:
             started = time.perf_counter()
             await call_engine(
@@ -79,6 +86,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 lambda engine: engine.add_request(request_id, prompt, params, prefill_only=True),
             )
             output = await queue.get()
+            # It may have run in a single step, unseen by the StartWatch: it is out of the queue.
+            self._leases.started([request_id])
             first = delta_from_output(output)
             prefill_seconds = time.perf_counter() - started
             if output.finished:
@@ -94,6 +103,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 transfer_seconds=time.perf_counter() - started - prefill_seconds,
             )
         finally:
+            # Sent, failed or cancelled: nothing left to vouch for.
+            self._leases.release(request_id)
             self._streams.close(request_id)
             if not done:
                 self._engine.submit(lambda engine: engine.abort_request(request_id))

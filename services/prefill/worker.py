@@ -1,7 +1,9 @@
 """The prefill worker process: batched prompt computation, KV blocks out over the transport.
 
 Its prefix cache is mirrored into the Redis block directory (stored and evicted block hashes), so
-the gateway can send a prompt to the worker that already holds most of it.
+the gateway can send a prompt to the worker that already holds most of it. It keeps the decode
+reservations of the prompts it holds alive (`lease_keeper.py`), and tells them when its engine
+starts a prompt (`start_watch.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import grpc
 from nori.engine.block_manager import BlockEvent
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
+from nori.prefill.lease_client import LeaseRenewalClient
+from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.servicer import PrefillServicer
+from nori.prefill.start_watch import StartWatch
 from nori.serving.engine_thread import EngineThread
 from nori.serving.output_streams import OutputStreams
 from nori.serving.worker_runtime import Worker, WorkerOptions
@@ -31,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Block events waiting for Redis. The directory is a routing hint: when Redis lags this far
 # behind, the oldest events are dropped rather than kept without bound.
 MAX_PENDING_BLOCK_EVENTS = 65536
+# An engine step taking this long is a wedged engine, not a long prompt (a step computes at most
+# max_num_batched_tokens): the worker stops renewing decode leases, so their blocks are freed.
+ENGINE_STALL_S = 120.0
 
 
 class PrefillWorker(Worker):
@@ -51,14 +59,18 @@ class PrefillWorker(Worker):
         )
         self._events_lock = threading.Lock()
         self._publisher: asyncio.Task[None] | None = None
+        self._lease_client = LeaseRenewalClient(self.worker_id)
+        self._leases = LeaseKeeper(self._lease_client.renew, self._engine_responsive)
+        self._lease_renewer: asyncio.Task[None] | None = None
+        self._start_watch: StartWatch | None = None
 
     async def start_role(self) -> None:
         engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         engine.block_manager.record_events = True
         streams = OutputStreams()
-        self._engine = EngineThread(
-            engine, asyncio.get_running_loop(), streams.dispatch, on_step=self._collect_events
-        )
+        loop = asyncio.get_running_loop()
+        self._start_watch = StartWatch(loop, self._leases.started)
+        self._engine = EngineThread(engine, loop, streams.dispatch, on_step=self._on_step)
         self._engine.start()
         self._sender = make_sender(self.transport)
         self._servicer = PrefillServicer(
@@ -67,11 +79,22 @@ class PrefillWorker(Worker):
             streams=streams,
             sender=self._sender,
             is_draining=lambda: self.draining,
+            leases=self._leases,
         )
+        self._lease_renewer = asyncio.create_task(self._leases.run())
         assert self.redis is not None
         self._publisher = asyncio.create_task(
             self._publish_blocks(BlockDirectory(self.redis, self.keys))
         )
+
+    def _engine_responsive(self) -> bool:
+        return self._engine is not None and self._engine.responsive(ENGINE_STALL_S)
+
+    def _on_step(self, engine: LLMEngine) -> None:
+        """On the engine thread, after every step."""
+        self._collect_events(engine)
+        if self._start_watch is not None:
+            self._start_watch.on_step(engine)
 
     def _collect_events(self, engine: LLMEngine) -> None:
         events = engine.block_manager.drain_events()
@@ -122,6 +145,9 @@ class PrefillWorker(Worker):
     async def stop_role(self) -> None:
         if self._publisher is not None:
             self._publisher.cancel()
+        if self._lease_renewer is not None:
+            self._lease_renewer.cancel()
+        await self._lease_client.close()
         if self._sender is not None:
             await self._sender.close()
         if self._engine is not None:

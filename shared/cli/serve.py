@@ -67,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway.add_argument("--max-model-len", type=int, default=None)
     gateway.add_argument("--block-size", type=int, default=16, help="the workers' block size")
     gateway.add_argument("--max-in-flight", type=int, default=4096)
+    gateway.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=8192,
+        help="admission: refuse new requests (429 with Retry-After) while this many prompt "
+        "tokens per prefill (or colocated) worker wait for their first token; about TTFT target "
+        "x prefill tokens/s; 0 = no bound (default %(default)s: four 2048-token steps)",
+    )
     gateway.set_defaults(handler=run_gateway)
 
     prefill = roles.add_parser("prefill", help="a prefill worker")
@@ -80,7 +88,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--kv-lease-s",
         type=float,
         default=10.0,
-        help="reserved blocks are freed when the KV has not arrived within this many seconds",
+        help="reserved blocks are freed when the prefill worker holding their prompt has not "
+        "renewed them for this many seconds (it renews while the prompt is queued or computed)",
+    )
+    decode.add_argument(
+        "--kv-queue-timeout-s",
+        type=float,
+        default=60.0,
+        help="reserved blocks are also freed when their prompt has waited this long in the "
+        "prefill queue without being started (gateway admission keeps queues much shorter)",
     )
     decode.add_argument(
         "--colocated",
@@ -120,6 +136,8 @@ def run_decode(args: argparse.Namespace) -> int:
 
     if args.kv_lease_s <= 0:
         raise ValueError(f"--kv-lease-s must be positive, got {args.kv_lease_s}")
+    if args.kv_queue_timeout_s <= 0:
+        raise ValueError(f"--kv-queue-timeout-s must be positive, got {args.kv_queue_timeout_s}")
     config = engine_config_from_args(args)
     worker = DecodeWorker(
         _worker_options(args),
@@ -128,6 +146,7 @@ def run_decode(args: argparse.Namespace) -> int:
         transfer_port=args.transfer_port,
         lease_s=args.kv_lease_s,
         colocated=args.colocated,
+        queue_timeout_s=args.kv_queue_timeout_s,
     )
     run_worker(worker)
     return 0
@@ -148,6 +167,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         max_in_flight=args.max_in_flight,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
     )
     asyncio.run(serve_gateway(options))
     return 0

@@ -24,6 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
     parser.add_argument("--kv-lease-s", type=float, default=10.0)
+    parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=8192,
+        help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
+    )
     parser.add_argument("--namespace", default="nori", help="prefix of every Redis key")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
@@ -61,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=served_model_name(args.model, args.served_model_name),
         transport=args.transport,
         kv_lease_s=args.kv_lease_s,
+        kv_queue_timeout_s=args.kv_queue_timeout_s,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )
     stop = threading.Event()

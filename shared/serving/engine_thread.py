@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ class EngineLoad:
     num_held: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # time.monotonic() when it was taken: the engine thread's last sign of life.
+    taken_at: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.num_running + self.num_waiting > 0
 
     @property
     def num_requests_holding_blocks(self) -> int:
@@ -77,6 +84,12 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    def responsive(self, stall_s: float) -> bool:
+        """Alive, and idle or done with a step within `stall_s`: a step that takes longer is a
+        wedged engine (a worker stops vouching for its requests then, e.g. lease renewals)."""
+        load = self.load
+        return self.alive and (not load.busy or time.monotonic() - load.taken_at < stall_s)
 
     @property
     def native_id(self) -> int | None:
@@ -165,4 +178,5 @@ class EngineThread:
             num_held=len(scheduler.held),
             num_free_blocks=self.engine.num_free_blocks,
             num_total_blocks=self.engine.block_manager.num_blocks,
+            taken_at=time.monotonic(),
         )

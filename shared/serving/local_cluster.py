@@ -50,6 +50,9 @@ class ClusterSpec:
     served_model_name: str | None = None
     transport: str = "auto"
     kv_lease_s: float = 10.0
+    kv_queue_timeout_s: float = 60.0
+    # Gateway admission, per worker computing prompts; 0 = no bound.
+    max_queued_prompt_tokens: int = 8192
     # Extra flags for every worker (engine options such as --num-kv-blocks).
     worker_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -103,6 +106,8 @@ class LocalCluster:
                 str(self.spec.port),
                 "--model",
                 self.spec.model,
+                "--max-queued-prompt-tokens",
+                str(self.spec.max_queued_prompt_tokens),
                 *self._common_args(),
             ],
         )
@@ -138,6 +143,7 @@ class LocalCluster:
             args.append("--colocated")
         if role == "decode":
             args += ["--kv-lease-s", str(self.spec.kv_lease_s)]
+            args += ["--kv-queue-timeout-s", str(self.spec.kv_queue_timeout_s)]
         worker = self._spawn(worker_id, args)
         worker.grpc_address = f"127.0.0.1:{port}"
         return worker

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
+from nori.decode.lease import LeaseState
 from nori.serving.kv_layout import destination_buffers
 from nori.transfer.base import TransferHeader, TransferRejected
 
@@ -69,3 +70,57 @@ async def test_a_transfer_under_way_holds_the_lease_until_it_ends() -> None:
     sink.failed(started, "connection reset")
     with pytest.raises(TransferRejected, match="connection reset"):
         await waiter
+
+
+async def test_renewals_keep_the_blocks_past_the_lease_and_silence_frees_them() -> None:
+    sink, cache = make_sink()
+    sink.expect("r1", [2], lease_s=0.4)
+    waiter = asyncio.ensure_future(sink.wait("r1"))
+    # The prompt waits in the prefill queue, then is computed, for 2 leases: renewed all along.
+    for step in range(8):
+        await asyncio.sleep(0.1)
+        assert sink.renew("r1", started=step >= 4)
+        assert not waiter.done()
+    assert sink.state("r1") is LeaseState.COMPUTING
+    started = header("r1", [2], cache)
+    sink.destinations(started)
+    sink.completed(started, sum(started.buffer_nbytes))
+    assert await waiter == {"output_token_ids": [7]}
+
+    # Another one whose prefill worker hangs after two renewals: freed one lease later.
+    sink.expect("r2", [3], lease_s=0.4)
+    waiter = asyncio.ensure_future(sink.wait("r2"))
+    for _ in range(2):
+        await asyncio.sleep(0.1)
+        assert sink.renew("r2", started=True)
+    with pytest.raises(LeaseExpired, match="stopped renewing"):
+        await waiter
+    assert not sink.renew("r2", started=True), "the holder learns to stop"
+    with pytest.raises(TransferRejected, match="no reserved blocks"):
+        sink.destinations(header("r2", [3], cache))
+
+
+async def test_a_queue_that_never_moves_frees_the_blocks_at_the_queue_timeout() -> None:
+    cache = torch.zeros(2, 2, 8, 4, 1, 2)
+    sink = DecodeKVSink(cache, queue_timeout_s=0.6)
+    sink.expect("r1", [0], lease_s=0.4)
+    waiter = asyncio.ensure_future(sink.wait("r1"))
+    for _ in range(10):
+        await asyncio.sleep(0.1)
+        if waiter.done():
+            break
+        sink.renew("r1", started=False)
+    with pytest.raises(LeaseExpired, match=r"waited more than 0\.6 s in the prefill queue"):
+        await waiter
+    assert sink.state("r1") is None
+
+
+async def test_a_transfer_is_refused_once_the_deadline_passed_even_before_the_waiter_wakes() -> (
+    None
+):
+    sink, cache = make_sink()
+    sink.expect("r1", [0], lease_s=0.05)
+    await asyncio.sleep(0.1)  # nobody waits: the lease is past its deadline but still listed
+    with pytest.raises(TransferRejected, match="has expired"):
+        sink.destinations(header("r1", [0], cache))
+    assert sink.renew("unknown", started=True) is False

@@ -31,6 +31,28 @@ class Reservation(_message.Message):
     lease_seconds: float
     def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
+class LeaseRenewal(_message.Message):
+    __slots__ = ("request_id", "started")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    started: bool
+    def __init__(self, request_id: _Optional[str] = ..., started: _Optional[bool] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("prefill_worker_id", "renewals")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseRenewal]
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., renewals: _Optional[_Iterable[_Union[LeaseRenewal, _Mapping]]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("unknown_request_ids",)
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("reservation", "delta")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]

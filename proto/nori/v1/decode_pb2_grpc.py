@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=nori_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=nori_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/nori.v1.DecodeService/RenewLeases',
+                request_serializer=nori_dot_v1_dot_decode__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=nori_dot_v1_dot_decode__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/nori.v1.DecodeService/GetStats',
                 request_serializer=nori_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
@@ -58,7 +63,18 @@ class DecodeServiceServicer:
         and the tokens start with the first one.
         Cancelling the call aborts the request and frees its blocks. Errors: RESOURCE_EXHAUSTED
         (no free blocks or queue full), INVALID_ARGUMENT, DEADLINE_EXCEEDED (the KV did not arrive
-        before the lease ran out), UNAVAILABLE (draining).
+        before the lease ran out, or the prompt waited too long in the prefill queue), UNAVAILABLE
+        (draining).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Keeps reservations alive. The prefill worker that holds their prompts calls it at least three
+        times per lease, from the moment it receives a prompt until its KV is sent, so neither a wait
+        in its queue nor a long computation uses the lease up; a prefill worker that hangs or dies
+        stops calling, and the blocks are freed one lease later.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +93,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=nori_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=nori_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=nori_dot_v1_dot_decode__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=nori_dot_v1_dot_decode__pb2.RenewLeasesResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -111,6 +132,33 @@ class DecodeService:
             '/nori.v1.DecodeService/Generate',
             nori_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
             nori_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nori.v1.DecodeService/RenewLeases',
+            nori_dot_v1_dot_decode__pb2.RenewLeasesRequest.SerializeToString,
+            nori_dot_v1_dot_decode__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

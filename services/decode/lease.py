@@ -1,0 +1,142 @@
+"""A reservation's lease: how long reserved blocks may wait for their KV, and who keeps them.
+
+The lease bounds how long a reservation may go *unattended*, not how long its prompt may take.
+The prefill worker holding the prompt renews it (`RenewLeases`, at least three times per lease)
+from the moment the prompt reaches it until its KV is sent: while the prompt waits in the
+prefill queue, while it is computed, exported and sent. So a long queue or a long prompt never
+uses the lease up, while a prefill worker that hangs (SIGSTOP) or dies stops renewing and the
+blocks are free one lease later. The reservation itself counts as the first renewal: the gateway
+has one lease to get the prompt to a prefill worker.
+
+Renewals alone would let a live but swamped prefill worker hold blocks for ever, so each phase has
+one more bound of its own:
+
+    QUEUED     reserved; the prompt is on its way or waits in the prefill queue. Ends at the last
+               renewal + lease, and at most `queue_timeout_s` after the reservation (gateway
+               admission keeps queues far shorter; this only catches a queue that never moves).
+    COMPUTING  a prefill engine has begun the prompt (a renewal said `started`): last renewal +
+               lease. A wedged engine stops its worker's renewals (`EngineThread.responsive`).
+    RECEIVING  bytes are landing in the blocks: `transfer_timeout_s` from the transfer's start; the
+               blocks are never freed under the transport before that.
+    ARRIVED, FAILED  final; the waiter takes it from there.
+
+Pure logic on a monotonic clock passed in by the caller, so tests can drive it exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LeaseState(enum.Enum):
+    QUEUED = "queued"
+    COMPUTING = "computing"
+    RECEIVING = "receiving"
+    ARRIVED = "arrived"
+    FAILED = "failed"
+
+
+_WAITING_FOR_KV = frozenset({LeaseState.QUEUED, LeaseState.COMPUTING})
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    # Longest silence of the prefill worker holding the prompt (`--kv-lease-s`).
+    lease_s: float = 10.0
+    # Longest wait from the reservation until a prefill engine starts the prompt
+    # (`--kv-queue-timeout-s`).
+    queue_timeout_s: float = 60.0
+    # Longest transfer, from the receiver's acceptance of its header to the last byte.
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if min(self.lease_s, self.queue_timeout_s, self.transfer_timeout_s) <= 0:
+            raise ValueError(f"lease timeouts must be positive: {self}")
+
+
+class LeaseExpired(Exception):
+    """The reservation ran out before its KV arrived; its blocks are to be freed."""
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    policy: LeasePolicy
+    reserved_at: float
+    renewed_at: float
+    num_renewals: int = 0
+    state: LeaseState = LeaseState.QUEUED
+    receiving_since: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def reserve(
+        cls, request_id: str, block_ids: list[int], policy: LeasePolicy, now: float
+    ) -> Lease:
+        return cls(request_id, list(block_ids), policy, reserved_at=now, renewed_at=now)
+
+    @property
+    def queue_deadline(self) -> float:
+        return self.reserved_at + self.policy.queue_timeout_s
+
+    def deadline(self) -> float:
+        """When the reservation runs out unless something happens first."""
+        if self.state is LeaseState.RECEIVING:
+            return self.receiving_since + self.policy.transfer_timeout_s
+        if self.state not in _WAITING_FOR_KV:
+            return math.inf
+        deadline = self.renewed_at + self.policy.lease_s
+        if self.state is LeaseState.QUEUED:
+            deadline = min(deadline, self.queue_deadline)
+        return deadline
+
+    def is_live(self, now: float) -> bool:
+        return now < self.deadline()
+
+    def renew(self, now: float, started: bool) -> bool:
+        """A renewal from the prefill worker; False when the lease is already over (stop renewing).
+
+        A renewal that comes after the deadline does not revive the lease: the waiter may be about
+        to free the blocks, and a lease must never come back from the dead.
+        """
+        if self.state in (LeaseState.ARRIVED, LeaseState.FAILED) or not self.is_live(now):
+            return False
+        if self.state in _WAITING_FOR_KV:
+            self.renewed_at = now
+            self.num_renewals += 1
+            if started:
+                self.state = LeaseState.COMPUTING
+        return True
+
+    def start_receiving(self, now: float) -> None:
+        self.state = LeaseState.RECEIVING
+        self.receiving_since = now
+
+    def expiry(self) -> LeaseExpired:
+        """Why the lease ran out, for a lease whose deadline has passed while waiting for KV."""
+        request = repr(self.request_id)
+        lease_s = f"{self.policy.lease_s:g}"
+        if self.state is LeaseState.QUEUED and self.queue_deadline <= self.deadline():
+            return LeaseExpired(
+                f"the prompt of request {request} waited more than "
+                f"{self.policy.queue_timeout_s:g} s in the prefill queue without being started "
+                "(the prefill worker is alive but its queue does not move); its reserved KV "
+                "blocks were freed"
+            )
+        if self.num_renewals == 0:
+            return LeaseExpired(
+                f"the KV blocks of request {request} did not arrive within the lease: no prefill "
+                f"worker took the prompt up within {lease_s} s of the reservation"
+            )
+        return LeaseExpired(
+            f"the KV blocks of request {request} did not arrive within the lease: its prefill "
+            f"worker stopped renewing it for {lease_s} s (hung or dead) while the prompt was "
+            f"{self.state.value}"
+        )

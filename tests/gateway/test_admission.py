@@ -1,0 +1,58 @@
+"""Admission by queued prompt tokens: exact decisions, the count kept exactly, Retry-After."""
+
+from __future__ import annotations
+
+import pytest
+
+from nori.gateway.admission import PromptQueue
+from nori.gateway.backend import QueueFullError
+
+
+def test_refuses_beyond_the_bound_of_the_pool_and_admits_again_once_drained() -> None:
+    queue = PromptQueue(max_tokens_per_worker=1000)
+    first = queue.admit(600, num_workers=1, now=0.0)
+    second = queue.admit(400, num_workers=1, now=0.0)  # exactly at the bound
+    assert queue.queued_tokens == 1000
+    with pytest.raises(QueueFullError, match="1000 prompt tokens are waiting") as refused:
+        queue.admit(1, num_workers=1, now=0.0)
+    assert refused.value.status_code == 429 and refused.value.retry_after_s == 1.0
+    # Two workers: the bound doubles.
+    third = queue.admit(900, num_workers=2, now=0.0)
+    first.prefilled(now=1.0)
+    second.abandon()
+    third.prefilled(now=2.0)
+    third.abandon()  # leaves once only
+    assert queue.queued_tokens == 0
+
+
+def test_an_empty_queue_admits_any_prompt_and_zero_means_no_bound() -> None:
+    queue = PromptQueue(max_tokens_per_worker=1000)
+    huge = queue.admit(50_000, num_workers=1, now=0.0)
+    with pytest.raises(QueueFullError):
+        queue.admit(10, num_workers=1, now=0.0)
+    huge.abandon()
+    unbounded = PromptQueue(max_tokens_per_worker=0)
+    for _ in range(100):
+        unbounded.admit(10_000, num_workers=1, now=0.0)
+    assert unbounded.queued_tokens == 1_000_000
+    # No worker computes prompts: routing answers that (503), not admission.
+    assert PromptQueue(1000).bound(num_workers=0) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        PromptQueue(max_tokens_per_worker=-1)
+
+
+def test_retry_after_is_the_excess_at_the_recent_drain_rate() -> None:
+    queue = PromptQueue(max_tokens_per_worker=1000)
+    for now in (0.0, 1.0, 2.0, 3.0, 4.0):  # 500 tokens a second
+        queue.admit(500, num_workers=1, now=now).prefilled(now=now + 1.0)
+    assert queue.drain_rate(now=5.0) == pytest.approx(2500 / 4.0)
+    queue.admit(1000, num_workers=1, now=5.0)
+    with pytest.raises(QueueFullError) as refused:
+        queue.admit(2000, num_workers=1, now=5.0)
+    assert refused.value.retry_after_s == 4.0  # 2000 tokens too many at 625 tokens/s -> 3.2 s
+    # Old prefills leave the window: no recent rate, the default second.
+    assert queue.drain_rate(now=100.0) is None
+    assert queue.retry_after_s(10_000, now=100.0) == 1.0
+    trickle = PromptQueue(max_tokens_per_worker=1000)
+    trickle.admit(1, num_workers=1, now=100.0).prefilled(now=100.0)
+    assert trickle.retry_after_s(10**9, now=100.5) == 60.0  # never more than a minute
