@@ -6,9 +6,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from nori.bench.serve.args import add_serve_args, settings_from_args
+from nori.bench.serve.args import (
+    add_serve_args,
+    add_workload_args,
+    settings_from_args,
+    workload_settings_from_args,
+)
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from nori.bench.compare import CompareOutcome
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +67,68 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
+    _register_compare(commands)
+
+
+def _register_compare(commands: argparse._SubParsersAction) -> None:
+    compare = commands.add_parser(
+        "compare",
+        help="the same bench serve workload on `nori up --colocated` and on `nori up`, in turn, "
+        "on the same CPUs",
+    )
+    cluster = compare.add_argument_group("clusters")
+    cluster.add_argument(
+        "--model", default="demo", help="model folder, or a built-in model: demo, small"
+    )
+    cluster.add_argument("--prefill", type=int, default=1, help="disaggregated prefill workers")
+    cluster.add_argument("--decode", type=int, default=1, help="disaggregated decode workers")
+    cluster.add_argument(
+        "--worker-args",
+        default="",
+        metavar="'ARGS'",
+        help="engine options for every worker of both sides, as one string "
+        "(e.g. '--num-kv-blocks 2048 --max-num-seqs 64')",
+    )
+    cluster.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
+    cluster.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=8192,
+        help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
+    )
+    cluster.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="the CPUs both sides run on (taskset syntax; default: all this process may use)",
+    )
+    cluster.add_argument("--startup-timeout-s", type=float, default=300.0)
+    cluster.add_argument("--log-dir", default=None, help="where each process writes its log")
+    add_workload_args(compare)
+    runs = compare.add_argument_group("comparison")
+    runs.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per side, alternating (c, d, c, d, ...); each side's median run by output "
+        "throughput is reported",
+    )
+    runs.add_argument(
+        "--sweep",
+        default=None,
+        metavar="R1,R2,...",
+        help="compare at each of these request rates (req/s) instead of --request-rate",
+    )
+    runs.add_argument("--json", action="store_true", help="print one JSON object")
+    runs.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="both median runs side by side; with --sweep, effective throughput and p99 ITL "
+        "against the request rate",
+    )
+    # The workload that shows what disaggregation is for; warm-ups before every timed run.
+    compare.set_defaults(handler=run_compare, dataset="mixed", num_warmups=2)
 
 
 def run_offline(args: argparse.Namespace) -> int:
@@ -110,6 +181,80 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         print(format_report(result))
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import signal
+
+    from nori.bench.compare import CompareSettings, parse_rates
+    from nori.bench.compare import run_compare as compare
+
+    settings = CompareSettings(
+        workload=workload_settings_from_args(args),
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        worker_args=worker_args(args.worker_args),
+        transport=args.transport,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        cpus=args.cpus,
+        repeats=args.repeats,
+        request_rates=parse_rates(args.sweep) if args.sweep is not None else (),
+        startup_timeout_s=args.startup_timeout_s,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+    )
+    # SIGTERM unwinds like Ctrl-C, so that both clusters are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        outcome = compare(
+            settings, lambda line: print(f"nori: {line}", file=sys.stderr, flush=True)
+        )
+    except (RuntimeError, TimeoutError) as error:
+        print(f"nori: error: {error}", file=sys.stderr)
+        return 1
+    _report_compare(outcome, args)
+    return 0
+
+
+def worker_args(text: str) -> tuple[str, ...]:
+    """--worker-args, checked against the engine options `nori serve` takes."""
+    import shlex
+
+    tokens = tuple(shlex.split(text))
+    if any(token == "--model" or token.startswith("--model=") for token in tokens):
+        raise ValueError("--worker-args: give the model with --model")
+    parser = argparse.ArgumentParser(prog="--worker-args", add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    try:
+        _, unknown = parser.parse_known_args(tokens)
+    except argparse.ArgumentError as error:
+        raise ValueError(f"--worker-args: {error}") from None
+    if unknown:
+        raise ValueError(f"--worker-args: not an engine option: {' '.join(unknown)}")
+    return tokens
+
+
+def _report_compare(outcome: CompareOutcome, args: argparse.Namespace) -> None:
+    from nori.bench.compare_report import format_comparison, format_sweep
+
+    report = outcome.report()
+    if args.plot and outcome.sweep:
+        from nori.bench.compare_plot import plot_sweep
+
+        plot_sweep(outcome.point_reports(), args.plot)
+    elif args.plot:
+        from nori.bench.compare_report import SHORT_CLASS
+        from nori.bench.serve.plot import plot_runs
+
+        # The mixed dataset's short requests: the streams whose latency is compared.
+        short = SHORT_CLASS if args.dataset == "mixed" else None
+        plot_runs(outcome.points[0].median_runs(), args.plot, request_class=short)
+    if args.json:
+        print(json.dumps(report))
+    elif outcome.sweep:
+        print(format_sweep(outcome.point_reports()))
+    else:
+        print(format_comparison(report))
 
 
 def _print_report(report: dict[str, object], as_json: bool) -> None:

@@ -6,13 +6,19 @@ import argparse
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nori.serving.cpu_plan import CpuPlan
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="run a local cluster: gateway, prefill and decode workers as processes"
     )
-    parser.add_argument("--model", default="demo", help="model folder, or 'demo'")
+    parser.add_argument(
+        "--model", default="demo", help="model folder, or a built-in model: demo, small"
+    )
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
@@ -34,7 +40,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--namespace", default="nori", help="prefix of every Redis key")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
+    _add_cpu_args(parser)
     parser.set_defaults(handler=run)
+
+
+def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "CPUs",
+        "by default prefill and decode workers get disjoint CPUs (split in proportion to their "
+        "numbers), a colocated worker all of them, the gateway the prefill CPUs; each worker "
+        "runs one intra-op thread per CPU",
+    )
+    for role, what in (
+        ("prefill", "the prefill workers' CPUs, shared out among them"),
+        ("decode", "the decode workers' CPUs, shared out among them"),
+        ("gateway", "the gateway's CPUs"),
+    ):
+        group.add_argument(f"--cpus-{role}", default=None, metavar="LIST", help=f"{what} (0-3,6)")
+    for role in ("prefill", "decode", "colocated", "gateway"):
+        group.add_argument(
+            f"--threads-{role}",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"intra-op threads of each {role} process (default: its number of CPUs"
+            + (", 1 for the gateway)" if role == "gateway" else ")"),
+        )
+    group.add_argument(
+        "--no-cpu-pinning",
+        action="store_true",
+        help="every process on every CPU with the libraries' default thread counts",
+    )
+
+
+def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
+    """The plan for this machine and these flags; None with --no-cpu-pinning."""
+    from nori.serving.cpu_plan import CpuRequest, plan_cpus
+
+    if args.no_cpu_pinning:
+        return None
+    request = CpuRequest(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        colocated=args.colocated,
+        cpus_prefill=args.cpus_prefill,
+        cpus_decode=args.cpus_decode,
+        cpus_gateway=args.cpus_gateway,
+        threads_prefill=args.threads_prefill,
+        threads_decode=args.threads_decode,
+        threads_colocated=args.threads_colocated,
+        threads_gateway=args.threads_gateway,
+    )
+    return plan_cpus(os.sched_getaffinity(0), request)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    cpu_plan = cpu_plan_from_args(args)
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
     model = args.model
@@ -71,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         kv_queue_timeout_s=args.kv_queue_timeout_s,
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        cpu_plan=cpu_plan,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -79,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         where = "private redis-server" if redis_server is not None else "REDIS_URL"
         print(f"nori: Redis at {redis_url} ({where}); starting the cluster...", flush=True)
+        print(_describe_plan(cpu_plan), flush=True)
         cluster.start(timeout_s=args.startup_timeout_s)
         name = spec.served_model_name
         print(
@@ -101,3 +161,12 @@ def run(args: argparse.Namespace) -> int:
             redis_server.stop()
     print("nori: stopped", flush=True)
     return 0
+
+
+def _describe_plan(plan: CpuPlan | None) -> str:
+    if plan is None:
+        return "nori: CPUs: not pinned (--no-cpu-pinning)"
+    from nori.serving.cpu_plan import format_cpu_list
+
+    header = f"nori: CPUs {format_cpu_list(plan.usable)}, per process:"
+    return "\n".join([header, *(f"  {line}" for line in plan.describe())])

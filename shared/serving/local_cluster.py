@@ -3,7 +3,8 @@
 The processes are exactly what containers run (`nori serve ROLE ...`); this only picks ports,
 passes the same Redis and namespace to all of them, waits until the gateway reports every role
 healthy, and stops them in order: the gateway first (no new requests), then the workers, each of
-which drains on SIGTERM.
+which drains on SIGTERM. With a CPU plan (`nori.serving.cpu_plan`), each process gets its CPUs
+and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/MKL_NUM_THREADS.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from nori.serving.cpu_plan import CpuPlan
 
 
 def _terminate_with_parent() -> None:
@@ -51,11 +54,14 @@ class ClusterSpec:
     transport: str = "auto"
     kv_lease_s: float = 10.0
     kv_queue_timeout_s: float = 60.0
+    kv_transfer_timeout_s: float = 30.0
     # Gateway admission, per worker computing prompts; 0 = no bound.
     max_queued_prompt_tokens: int = 8192
     # Extra flags for every worker (engine options such as --num-kv-blocks).
     worker_args: tuple[str, ...] = ()
     log_dir: Path | None = None
+    # Each process's CPUs and threads; None: unpinned, the libraries' default thread counts.
+    cpu_plan: CpuPlan | None = None
 
 
 @dataclass
@@ -65,6 +71,8 @@ class RoleProcess:
     log_path: Path
     # A worker's gRPC address ("" for the gateway).
     grpc_address: str = ""
+    # gateway, prefill, decode or colocated.
+    role: str = ""
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -96,6 +104,7 @@ class LocalCluster:
             for index in range(self.spec.num_decode):
                 self.add_worker("decode", f"decode-{index}")
         self._spawn(
+            "gateway",
             "gateway",
             [
                 "serve",
@@ -144,7 +153,8 @@ class LocalCluster:
         if role == "decode":
             args += ["--kv-lease-s", str(self.spec.kv_lease_s)]
             args += ["--kv-queue-timeout-s", str(self.spec.kv_queue_timeout_s)]
-        worker = self._spawn(worker_id, args)
+            args += ["--kv-transfer-timeout-s", str(self.spec.kv_transfer_timeout_s)]
+        worker = self._spawn(worker_id, role, args)
         worker.grpc_address = f"127.0.0.1:{port}"
         return worker
 
@@ -157,18 +167,25 @@ class LocalCluster:
             args += ["--served-model-name", self.spec.served_model_name]
         return args
 
-    def _spawn(self, name: str, args: list[str]) -> RoleProcess:
+    def _spawn(self, name: str, role: str, args: list[str]) -> RoleProcess:
         assert self._log_dir is not None
         log_path = self._log_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        plan = self.spec.cpu_plan
+        if plan is not None:
+            ordinal = sum(1 for p in self.processes if p.role == role)
+            placement = plan.placement(name, role, ordinal)
+            args = [*args, *placement.serve_args()]
+            env.update(placement.env())
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "nori.cli.main", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env,
                 preexec_fn=_terminate_with_parent,
             )
-        role_process = RoleProcess(name, process, log_path)
+        role_process = RoleProcess(name, process, log_path, role=role)
         self.processes.append(role_process)
         return role_process
 

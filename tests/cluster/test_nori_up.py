@@ -52,12 +52,20 @@ def processes_of(namespace: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "signum"),
-    [([], signal.SIGTERM), (["--colocated"], signal.SIGINT)],
-    ids=["disaggregated-sigterm", "colocated-ctrl-c"],
+    ("layout", "signum", "cpu_lines"),
+    [
+        ([], signal.SIGTERM, ["prefill-0", "decode-0", "gateway"]),
+        (["--colocated", "--no-cpu-pinning"], signal.SIGINT, ["nori: CPUs: not pinned"]),
+    ],
+    ids=["disaggregated-sigterm", "colocated-unpinned-ctrl-c"],
 )
 def test_up_serves_prints_how_and_stops_everything(
-    redis_url: str, checkpoint: Path, tmp_path: Path, layout: list[str], signum: int
+    redis_url: str,
+    checkpoint: Path,
+    tmp_path: Path,
+    layout: list[str],
+    signum: int,
+    cpu_lines: list[str],
 ) -> None:
     port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
     args = ["--model", str(checkpoint), "--port", str(port), "--namespace", namespace, *layout]
@@ -65,6 +73,9 @@ def test_up_serves_prints_how_and_stops_everything(
     try:
         lines = wait_for_line(process, "curl", timeout_s=180)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines)
+        # The CPU plan, one line per process (name, CPUs, threads), before the cluster starts.
+        for start in cpu_lines:
+            assert any(line.strip().startswith(start) for line in lines), (start, lines)
         response = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": checkpoint.name, "prompt": "Once upon a time", "max_tokens": 5},

@@ -1,8 +1,13 @@
-"""The `nori bench serve` command-line options, and the settings they make."""
+"""The `nori bench serve` command-line options, and the settings they make.
+
+The workload options (dataset, load, SLOs) are also `nori bench compare`'s: `add_workload_args`
+and `workload_settings_from_args` serve both commands.
+"""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from nori.bench.serve.settings import DATASETS, ENDPOINT_PATHS, PROMPT_FORMATS, ServeBenchSettings
 
@@ -10,6 +15,12 @@ _DEFAULTS = ServeBenchSettings()
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    _add_server_args(parser)
+    add_workload_args(parser)
+    _add_output_args(parser)
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default=_DEFAULTS.base_url)
     server.add_argument(
@@ -27,6 +38,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: --model when it is a local folder, else demo)",
     )
 
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """What is sent, when, and how it is judged."""
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default=_DEFAULTS.dataset)
     data.add_argument("--dataset-path", help="ShareGPT JSON file (--dataset sharegpt)")
@@ -92,6 +106,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     slo.add_argument("--slo-ttft-ms", type=float, help="TTFT limit for effective throughput")
     slo.add_argument("--slo-tpot-ms", type=float, help="TPOT limit for effective throughput")
 
+
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object")
     output.add_argument("--result-file", help="also write the JSON result to this file")
@@ -102,11 +118,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeBenchSettings:
-    return ServeBenchSettings(
+    return replace(
+        workload_settings_from_args(args),
         base_url=args.base_url.rstrip("/"),
         endpoint_type=args.endpoint_type,
         model=args.model,
         tokenizer=args.tokenizer,
+    )
+
+
+def workload_settings_from_args(args: argparse.Namespace) -> ServeBenchSettings:
+    """The options of `add_workload_args`; the server's fields keep their defaults."""
+    return ServeBenchSettings(
         dataset=args.dataset,
         dataset_path=args.dataset_path,
         num_prompts=args.num_prompts,

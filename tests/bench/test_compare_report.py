@@ -1,0 +1,160 @@
+"""`nori bench compare`'s figures on fixed results: median runs, d/c ratios, tables, plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from nori.bench.compare import CompareSettings, parse_rates
+from nori.bench.compare_plot import plot_sweep
+from nori.bench.compare_report import (
+    compare_runs,
+    format_comparison,
+    format_sweep,
+    median_index,
+    ratio,
+)
+from nori.cli.bench import worker_args
+
+
+def run(output: float, effective: float, p99_itl: float, short_p99_itl: float | None = None):
+    """The figures of one `bench serve` run that the comparison reads."""
+    figures: dict[str, object] = {
+        "completed": 10,
+        "failed": 0,
+        "output_throughput": output,
+        "effective_throughput": effective,
+        "median_ttft_ms": 100.0,
+        "p99_ttft_ms": 300.0,
+        "median_itl_ms": p99_itl / 4,
+        "p99_itl_ms": p99_itl,
+    }
+    if short_p99_itl is not None:
+        figures["short"] = {"p99_itl_ms": short_p99_itl, "median_itl_ms": short_p99_itl / 4}
+        figures["long"] = {"p99_itl_ms": 1.0}
+    return figures
+
+
+def test_median_index() -> None:
+    assert median_index([5.0]) == 0
+    assert median_index([3.0, 1.0, 2.0]) == 2
+    assert median_index([4.0, 1.0, 3.0, 2.0]) == 3  # the lower middle one of an even count
+    with pytest.raises(ValueError):
+        median_index([])
+
+
+def test_ratio() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(1, 4) == 0.25
+    assert ratio(1.0, 0.0) is None
+    assert ratio(None, 2.0) is None and ratio(2.0, None) is None
+    assert ratio(1.0, math.nan) is None
+
+
+def test_mixed_comparison_takes_each_sides_median_run_and_the_short_requests_itl() -> None:
+    runs = {
+        "colocated": [
+            run(100.0, 90.0, 50.0, 40.0),
+            run(120.0, 100.0, 60.0, 80.0),
+            run(80.0, 70.0, 70.0, 90.0),
+        ],
+        "disaggregated": [
+            run(130.0, 110.0, 30.0, 20.0),
+            run(90.0, 85.0, 35.0, 25.0),
+            run(110.0, 99.0, 45.0, 30.0),
+        ],
+    }
+    report = compare_runs(runs, request_rate=4.0)
+    # Median by output throughput: colocated 100 (run 0), disaggregated 110 (run 2).
+    colocated, disaggregated = report["colocated"], report["disaggregated"]
+    assert isinstance(colocated, dict) and isinstance(disaggregated, dict)
+    assert (colocated["run_index"], disaggregated["run_index"]) == (0, 2)
+    assert colocated["output_throughput"] == 100.0 and disaggregated["output_throughput"] == 110.0
+    assert report["request_rate"] == 4.0
+    assert report["median_by"] == "output_throughput"
+    assert report["itl_p99_class"] == "short"
+    assert report["itl_p99_ratio"] == pytest.approx(30.0 / 40.0)
+    assert report["itl_p99_ratio_all"] == pytest.approx(45.0 / 50.0)
+    assert report["effective_throughput_ratio"] == pytest.approx(99.0 / 90.0)
+    assert report["output_throughput_ratio"] == pytest.approx(1.1)
+    assert report["runs"] == runs
+
+
+def test_other_datasets_judge_the_itl_of_all_requests() -> None:
+    report = compare_runs(
+        {"colocated": [run(10.0, 10.0, 20.0)], "disaggregated": [run(5.0, 0.0, 10.0)]}
+    )
+    assert "request_rate" not in report
+    assert report["itl_p99_class"] == "all"
+    assert report["itl_p99_ratio"] == report["itl_p99_ratio_all"] == 0.5
+    assert report["effective_throughput_ratio"] == 0.0
+
+
+def test_comparison_table() -> None:
+    report = compare_runs(
+        {
+            "colocated": [run(100.0, 90.0, 50.0, 40.0)],
+            "disaggregated": [run(110.0, 99.0, 45.0, 30.0)],
+        }
+    )
+    table = format_comparison(report)
+    lines = table.splitlines()
+    assert lines[0].split() == ["colocated", "disaggregated", "d/c"]
+    rows = {line[:34].strip(): line[34:].split() for line in lines[1:-2]}
+    assert rows["Effective throughput (tok/s)"] == ["90.00", "99.00", "1.10"]
+    assert rows["P99 ITL, short requests (ms)"] == ["40.00", "30.00", "0.75"]
+    assert rows["P99 ITL, all requests (ms)"] == ["50.00", "45.00", "0.90"]
+    assert rows["Failed requests"] == ["0", "0", "n/a"]
+    assert lines[-2:] == [
+        "colocated runs, output tok/s: 100.00",
+        "disaggregated runs, output tok/s: 110.00",
+    ]
+
+
+def sweep_points() -> list[dict[str, object]]:
+    return [
+        compare_runs(
+            {"colocated": [run(c, c, 10.0, 8.0)], "disaggregated": [run(d, d, 9.0, 4.0)]},
+            request_rate=rate,
+        )
+        for rate, c, d in ((1.0, 50.0, 40.0), (4.0, 100.0, 120.0))
+    ]
+
+
+def test_sweep_table_has_one_row_per_rate() -> None:
+    rows = format_sweep(sweep_points()).splitlines()
+    assert rows[1].split() == ["1.00", "50.00", "40.00", "0.80", "8.00", "4.00", "0.50"]
+    assert rows[2].split() == ["4.00", "100.00", "120.00", "1.20", "8.00", "4.00", "0.50"]
+    assert "short requests" in rows[3]
+
+
+def test_sweep_plot(tmp_path: Path) -> None:
+    path = plot_sweep(sweep_points(), tmp_path / "sweep.png")
+    assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 10_000
+
+
+def test_settings_and_options_are_checked() -> None:
+    assert parse_rates("1, 2.5,4") == (1.0, 2.5, 4.0)
+    with pytest.raises(ValueError, match="--sweep 'a,b'"):
+        parse_rates("a,b")
+    with pytest.raises(ValueError, match="finite and > 0"):
+        CompareSettings(request_rates=(1.0, math.inf))
+    with pytest.raises(ValueError, match="--repeats"):
+        CompareSettings(repeats=0)
+    assert CompareSettings(request_rates=(2.0,)).rates == (2.0,)
+    assert CompareSettings().rates == (math.inf,)
+    assert worker_args("--num-kv-blocks 64 --dtype float32") == (
+        "--num-kv-blocks",
+        "64",
+        "--dtype",
+        "float32",
+    )
+    for bad, message in (
+        ("--model x", "give the model with --model"),
+        ("--bogus 1", "not an engine option: --bogus 1"),
+        ("--dtype int3", "--worker-args: argument --dtype: invalid choice"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            worker_args(bad)
