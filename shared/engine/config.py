@@ -23,6 +23,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prompt tokens a step may carry while decodes run in it (see SchedulerConfig): a number,
+    # "auto" (as many as cost about one decode step, learnt from the steps' timings: see
+    # step_cost.py; what serving workers use), or None: no cap beyond max_num_batched_tokens,
+    # the offline throughput setting.
+    prefill_budget_with_decodes: int | str | None = None
     # Longest prompt + output; None means the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -30,8 +35,10 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     # Seeds weight init for dummy weights and the sampler of unseeded requests.
     seed: int = 0
-    # "auto": Triton kernels on GPU, PyTorch references on CPU. "triton" forces the kernels
-    # (on CPU only under TRITON_INTERPRET=1, for tests); "reference" forces PyTorch.
+    # "auto": Triton kernels on GPU; on CPU the C++ decode kernel where it builds, else the
+    # PyTorch references. "triton" forces the Triton kernels (on CPU only under
+    # TRITON_INTERPRET=1, for tests), "cpu" the C++ kernel, "reference" the PyTorch attention
+    # references (NORI_CPU_KERNELS=0 also turns off the C++ norm, rotary and MLP kernels).
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -45,15 +52,20 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        budget = self.prefill_budget_with_decodes
+        if budget is not None and budget != "auto" and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"prefill_budget_with_decodes must be an int >= 1, 'auto' or None, got {budget!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
-        if self.attention_backend not in ("auto", "triton", "reference"):
+        if self.attention_backend not in ("auto", "triton", "cpu", "reference"):
             raise ValueError(
-                "attention_backend must be auto, triton or reference, "
+                "attention_backend must be auto, triton, cpu or reference, "
                 f"got {self.attention_backend!r}"
             )
         if self.load_format not in ("auto", "dummy"):

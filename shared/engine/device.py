@@ -31,3 +31,20 @@ def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.
         return model.dtype
     # A float32 checkpoint is served in bfloat16 on GPU, as vLLM does by default.
     return torch.bfloat16
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """ "auto" -> "triton" on GPU; on CPU "cpu" (the C++ decode kernel) where it builds, else
+    "reference". Builds the C++ kernels now, at start, rather than in the first step."""
+    from nori.kernels.cpu_build import cpu_kernels
+
+    if name == "auto":
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if cpu_kernels() is not None else "reference"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend 'cpu' runs on CPU tensors only")
+        if cpu_kernels() is None:
+            raise ValueError("attention_backend 'cpu': the C++ kernels could not be built here")
+    return name

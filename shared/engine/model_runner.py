@@ -11,11 +11,12 @@ import torch
 
 from nori.engine.batch_inputs import build_batch_inputs
 from nori.engine.config import EngineConfig
-from nori.engine.device import resolve_device, resolve_dtype
+from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.kv_cache import KVCache, bytes_per_block
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
+from nori.kernels.argmax import argmax_rows
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
 from nori.sampling.batch import RowState, SamplingBatch, make_generator
@@ -51,13 +52,13 @@ class ModelRunner:
         )
         self.max_model_len = self._max_model_len(num_blocks)
         self.sampler = Sampler(make_generator(config.seed, self.device))
-        backend = config.attention_backend
-        self._use_triton = None if backend == "auto" else backend == "triton"
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s, %s attention): %d KV blocks of %d tokens, max_model_len %d",
             model_dir.name,
             self.device,
             self.dtype,
+            self.attention_backend,
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -75,7 +76,7 @@ class ModelRunner:
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
     ) -> list[SampledToken]:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
-        attention = PagedAttention(self.kv_cache, inputs.attention, self._use_triton)
+        attention = PagedAttention(self.kv_cache, inputs.attention, self.attention_backend)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)
         requests = [s.request for s in output.scheduled if s.samples]
         if not requests:
@@ -89,6 +90,17 @@ class ModelRunner:
         logits: torch.Tensor,
         generators: Mapping[str, torch.Generator],
     ) -> list[SampledToken]:
+        if all(
+            r.sampling_params.is_plain_greedy
+            and r.num_output_tokens >= r.sampling_params.min_tokens
+            for r in requests
+        ):
+            # The common benchmark and evaluation case: one argmax, no per-row tensors.
+            token_ids: list[int] = argmax_rows(logits).tolist()
+            return [
+                SampledToken(request, token_id, None)
+                for request, token_id in zip(requests, token_ids, strict=True)
+            ]
         rows = [
             RowState(
                 params=r.sampling_params,

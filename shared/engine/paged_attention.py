@@ -1,4 +1,10 @@
-"""The engine's `Attention`: write new K/V into the paged cache, then attend over it."""
+"""The engine's `Attention`: write new K/V into the paged cache, then attend over it.
+
+One instance serves one step. What the kernels derive from the step's metadata alone (the CPU
+reference's gather plan) is computed at the first layer and reused by the others, and the
+engine's own, already consistent inputs skip the kernel wrappers' argument checks on the
+reference path: both are per-layer costs the step pays once instead.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,26 @@ import torch
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.kv_cache import KVCache
 from nori.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
+from nori.kernels.decode_attention import (
+    ReferenceDecodePlan,
+    paged_decode_attention_cpu,
+    plan_reference_decode,
+    run_reference_decode,
+)
+from nori.kernels.prefill_attention import paged_prefill_attention_reference
+from nori.kernels.prefill_attention_cpu import CpuPrefillPlan, plan_cpu_prefill, run_cpu_prefill
+from nori.kernels.store_kv import store_kv_cache_cpu
 
 
 class PagedAttention:
-    def __init__(
-        self, kv_cache: KVCache, metadata: AttentionMetadata, use_triton: bool | None = None
-    ) -> None:
-        """use_triton None: the kernels decide by device (Triton on GPU)."""
+    def __init__(self, kv_cache: KVCache, metadata: AttentionMetadata, backend: str) -> None:
+        """backend: "triton", "cpu" (the C++ decode kernel, PyTorch otherwise) or "reference"."""
         self.kv_cache = kv_cache
         self.metadata = metadata
-        self.use_triton = use_triton
+        self.backend = backend
+        self.use_triton = backend == "triton"
+        self._decode_plan: ReferenceDecodePlan | None = None
+        self._prefill_plan: CpuPrefillPlan | None = None
 
     def __call__(
         self,
@@ -28,48 +44,85 @@ class PagedAttention:
     ) -> torch.Tensor:
         meta = self.metadata
         k_cache, v_cache = self.kv_cache.layer(layer_index)
-        store_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping, use_triton=self.use_triton)
+        self._store(key, value, k_cache, v_cache)
         num_decodes = meta.num_decodes
         if num_decodes == meta.seq_lens.shape[0]:
-            return self._decode(query, k_cache, v_cache, slice(None), scale)
+            return self._decode(query, k_cache, v_cache, scale)
         if num_decodes == 0:
-            return self._prefill(query, k_cache, v_cache, 0, scale)
+            return self._prefill(query, key, value, k_cache, v_cache, 0, scale)
         # Mixed step: decodes go through the split-context kernel, prefill chunks through the
         # tiled one; each is the faster path for its shape.
-        output = torch.empty_like(query)
-        output[:num_decodes] = self._decode(
-            query[:num_decodes], k_cache, v_cache, slice(num_decodes), scale
-        )
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, scale)
         output[num_decodes:] = self._prefill(
-            query[num_decodes:], k_cache, v_cache, num_decodes, scale
+            query[num_decodes:],
+            key[num_decodes:],
+            value[num_decodes:],
+            k_cache,
+            v_cache,
+            num_decodes,
+            scale,
         )
         return output
 
+    def _store(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        slots = self.metadata.slot_mapping
+        if self.use_triton:
+            store_kv_cache(key, value, k_cache, v_cache, slots, use_triton=True)
+            return
+        if self.backend == "cpu":
+            store_kv_cache_cpu(key, value, k_cache, v_cache, slots)
+            return
+        # The engine never emits the kernel's "skip" slot (-1), so no masking is needed.
+        flat_shape = (-1, *k_cache.shape[2:])
+        k_cache.view(flat_shape).index_copy_(0, slots, key)
+        v_cache.view(flat_shape).index_copy_(0, slots, value)
+
     def _decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        rows: slice,
-        scale: float,
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """The decode kernel over the sequences in `rows` (one query token each)."""
+        """Attention of the decode rows (the first query.shape[0] sequences, one token each)."""
         meta = self.metadata
-        return paged_decode_attention(
-            query,
-            k_cache,
-            v_cache,
-            meta.block_tables[rows],
-            meta.seq_lens[rows],
-            scale,
-            max_seq_len=meta.max_seq_len,
-            context_starts=None if meta.context_starts is None else meta.context_starts[rows],
-            use_triton=self.use_triton,
-        )
+        rows = slice(query.shape[0])
+        context_starts = None if meta.context_starts is None else meta.context_starts[rows]
+        if self.use_triton:
+            return paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables[rows],
+                meta.seq_lens[rows],
+                scale,
+                max_seq_len=meta.max_seq_len,
+                context_starts=context_starts,
+                use_triton=True,
+            )
+        if self.backend == "cpu":
+            return paged_decode_attention_cpu(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables[rows],
+                meta.seq_lens[rows],
+                scale,
+                context_starts,
+            )
+        if self._decode_plan is None:
+            self._decode_plan = plan_reference_decode(
+                meta.block_tables[rows],
+                meta.seq_lens[rows],
+                self.kv_cache.block_size,
+                context_starts,
+            )
+        return run_reference_decode(query, k_cache, v_cache, self._decode_plan, scale)
 
     def _prefill(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         first: int,
@@ -80,6 +133,36 @@ class PagedAttention:
         query_start_loc = meta.query_start_loc[first:]
         if first:
             query_start_loc = query_start_loc - first
+        context_starts = None if meta.context_starts is None else meta.context_starts[first:]
+        if self.backend == "cpu":
+            if self._prefill_plan is None:
+                self._prefill_plan = plan_cpu_prefill(
+                    query_start_loc, meta.seq_lens[first:], context_starts
+                )
+            return run_cpu_prefill(
+                query,
+                key,
+                value,
+                k_cache,
+                v_cache,
+                meta.block_tables[first:],
+                query_start_loc,
+                meta.seq_lens[first:],
+                scale,
+                self._prefill_plan,
+                context_starts,
+            )
+        if not self.use_triton:
+            return paged_prefill_attention_reference(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables[first:],
+                query_start_loc,
+                meta.seq_lens[first:],
+                scale,
+                context_starts,
+            )
         return paged_prefill_attention(
             query,
             k_cache,
@@ -88,6 +171,6 @@ class PagedAttention:
             query_start_loc,
             meta.seq_lens[first:],
             scale,
-            context_starts=None if meta.context_starts is None else meta.context_starts[first:],
-            use_triton=self.use_triton,
+            context_starts=context_starts,
+            use_triton=True,
         )

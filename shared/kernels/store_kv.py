@@ -17,6 +17,7 @@ from nori.kernels._common import (
     next_power_of_2,
     should_use_triton,
 )
+from nori.kernels.cpu_build import cpu_kernels
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -75,6 +76,24 @@ def store_kv_cache_reference(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid])
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
+
+
+def store_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The C++ CPU kernel (store_kv_cpu.cpp): both caches in one call, rows copied whole.
+
+    Same arguments as `store_kv_cache_reference` (int64 slots); the kernel checks shapes and
+    slots itself. Raises RuntimeError where the kernel cannot be built.
+    """
+    module = cpu_kernels()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
+    module.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def store_kv_cache(

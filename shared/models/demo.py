@@ -1,4 +1,8 @@
-"""Turns a `--model` argument into a model folder, creating the demo checkpoint on first use."""
+"""Turns a `--model` argument into a model folder, creating a built-in checkpoint on first use.
+
+Built-in models are random-weight presets with a real tokenizer, small enough to write on first
+use: `demo` (the default everywhere) and `small` (a 24M-parameter shape for serving benchmarks).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from nori.models.errors import ModelLoadError
 from nori.models.init_checkpoint import init_checkpoint
 
 DEMO_NAME = "demo"
-_DEMO_FOLDER = "demo-seed0"
+BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small")
 
 
 def default_cache_dir() -> Path:
@@ -21,13 +25,14 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """ "demo" -> the cached demo checkpoint (created if absent); else an existing model folder."""
-    if name_or_path == DEMO_NAME:
-        return ensure_demo_checkpoint(cache_dir or default_cache_dir())
+    """A built-in name -> its cached checkpoint (created if absent); else an existing folder."""
+    if name_or_path in BUILTIN_MODELS:
+        return ensure_builtin_checkpoint(cache_dir or default_cache_dir(), name_or_path)
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
-            f"model {name_or_path!r} is neither {DEMO_NAME!r} nor an existing folder"
+            f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "nor an existing folder"
         )
     if not (folder / "config.json").is_file():
         raise ModelLoadError(f"model folder {folder} has no config.json")
@@ -35,18 +40,23 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 
 
 def ensure_demo_checkpoint(cache_dir: Path) -> Path:
-    """Creates the demo checkpoint atomically: built in a temporary sibling folder, then renamed.
+    return ensure_builtin_checkpoint(cache_dir, DEMO_NAME)
+
+
+def ensure_builtin_checkpoint(cache_dir: Path, name: str) -> Path:
+    """Creates a built-in checkpoint atomically: built in a temporary sibling folder, then renamed.
 
     Concurrent first uses each build their own copy; one rename wins and the others discard
     theirs, so no reader ever sees a half-written folder.
     """
-    target = cache_dir / _DEMO_FOLDER
+    folder_name = f"{name}-seed0"
+    target = cache_dir / folder_name
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{_DEMO_FOLDER}-", dir=cache_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=cache_dir))
     try:
-        init_checkpoint(staging, DEMO_NAME, seed=0)
+        init_checkpoint(staging, name, seed=0)
         try:
             staging.rename(target)
         except OSError:

@@ -51,6 +51,8 @@ def load_model(
         else:
             _load_safetensors(model, folder, device)
     model.requires_grad_(False)
+    if device.type == "cpu":
+        model.store_weights_transposed()
     return model.eval(), config
 
 

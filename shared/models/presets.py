@@ -70,6 +70,18 @@ _DEMO = ModelConfig(
     torch_dtype="float32",
 )
 
+# 24M parameters: big enough on a CPU that a long prompt's prefill (hundreds of milliseconds)
+# visibly stalls decode steps of a few milliseconds; the serving benchmarks' second shape.
+_SMALL = replace(
+    _DEMO,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+
 _QWEN3_06B = ModelConfig(
     architecture="Qwen3ForCausalLM",
     vocab_size=151936,
@@ -109,6 +121,7 @@ PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
             rope_theta=1000000.0,
         ),
         "demo": _DEMO,
+        "small": _SMALL,
         "llama3-1b": _LLAMA3_1B,
         "llama3-8b": replace(
             _LLAMA3_1B,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nori.kernels.rms_norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(
@@ -18,10 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32, then back to the input dtype before the weight multiply: the
-        # order transformers uses, which matters for matching bf16 outputs.
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(h), h) with h = x + residual (or x): the residual stream's next value
+        comes back with it, so the decoder adds and normalises in one kernel on CPU."""
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -7,10 +7,12 @@ right rotation without the model knowing where one sequence ends.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nori.kernels.rotary import rotary
 from nori.models.config import ModelConfig, RopeScaling
 
 
@@ -41,8 +43,20 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+@dataclass(frozen=True)
+class RotaryTables:
+    """One step's rotation: each token's cos and sin, [T, head_dim / 2], shared by every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> x rotated by each token's position (possibly x itself, in place)."""
+        return rotary(x, self.cos, self.sin)
+
+
 class RotaryEmbedding(nn.Module):
-    """Turns position ids [T] into cos/sin tables [T, head_dim] shared by every layer."""
+    """Turns position ids [T] into the rotation tables shared by every layer of one step."""
 
     inv_freq: torch.Tensor
 
@@ -64,21 +78,7 @@ class RotaryEmbedding(nn.Module):
             )
             self.inv_freq.copy_(fresh)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
         # Angles in float32 whatever the model dtype: bf16 positions lose whole units past 256.
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, D] -> x rotated by each token's position."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+        return RotaryTables(cos=freqs.cos().to(dtype), sin=freqs.sin().to(dtype))

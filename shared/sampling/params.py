@@ -7,6 +7,7 @@ hot path never has to re-check anything.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @functools.cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for more than the token: such
+        rows (once past min_tokens) need only an argmax, no sampling batch."""
+        return self.is_greedy and not self.has_penalties and self.logprobs is None
 
     @property
     def top_k_enabled(self) -> bool:

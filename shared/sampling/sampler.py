@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nori.kernels.argmax import argmax_rows
 from nori.sampling.batch import SamplingBatch
 from nori.sampling.logprobs import TokenLogprobs, compute_logprobs
 from nori.sampling.penalties import apply_penalties, ban_stop_tokens
@@ -50,11 +51,11 @@ class Sampler:
         logits = apply_penalties(logits, batch)
 
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, batch)
             if batch.any_greedy:
-                tokens = torch.where(batch.greedy, logits.argmax(dim=-1), tokens)
+                tokens = torch.where(batch.greedy, argmax_rows(logits), tokens)
 
         logprobs = None
         if batch.max_logprobs >= 0:
@@ -76,4 +77,4 @@ class Sampler:
         for row in batch.seeded_rows:
             uniform[row].uniform_(generator=batch.generators[row])
         noise = uniform.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)

@@ -1,0 +1,80 @@
+"""Builds the C++ CPU kernels on first use (torch.utils.cpp_extension), once per machine.
+
+The build needs a C++ compiler and ninja; it takes tens of seconds the first time and is then
+cached by torch (under $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). Where it
+cannot be built the engine falls back to the PyTorch references, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (
+    "cpu_module.cpp",
+    "argmax_cpu.cpp",
+    "decode_attention_cpu.cpp",
+    "rms_norm_cpu.cpp",
+    "rotary_cpu.cpp",
+    "silu_and_mul_cpu.cpp",
+    "store_kv_cpu.cpp",
+)
+# -march=native: the build runs on the machine that uses it. -ffast-math lets the compiler
+# vectorise the dot products' float sums and call glibc's vector exp (the kernels promise float32
+# rounding, not bit-exactness, like any reordered reduction; they never produce infinities).
+_CFLAGS = [
+    "-O3",
+    # at::parallel_for is a header template: without OpenMP it would run serially.
+    "-fopenmp",
+    "-march=native",
+    "-ffast-math",
+]
+
+
+def _cpu_tag() -> str:
+    """Tells machines apart in a shared cache: -march=native code may not run elsewhere."""
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = "unknown"
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def cpu_kernels() -> Any | None:
+    """The compiled module, or None where it cannot be built (logged once) or where
+    NORI_CPU_KERNELS=0 turns the C++ kernels off (the PyTorch references then run)."""
+    if os.environ.get("NORI_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        folder = Path(__file__).resolve().parent
+        # Link the OpenMP runtime torch ships and has already loaded: one thread pool, the
+        # one torch.set_num_threads sizes.
+        torch_lib = Path(torch.__file__).resolve().parent / "lib"
+        return load(
+            name=f"nori_cpu_kernels_{_cpu_tag()}",
+            sources=[str(folder / source) for source in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"],
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no ninja, an unsupported platform, ...
+        logger.warning(
+            "the C++ CPU kernels could not be built (%s); using the PyTorch references",
+            str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__,
+        )
+        return None

@@ -1,0 +1,195 @@
+// Paged decode attention for the CPU engine: one query token per sequence over its cached context,
+// read straight from the paged cache.
+//
+// The PyTorch reference (decode_attention.py) gathers every context into a padded copy and then
+// runs scaled_dot_product_attention on it: K and V cross memory three times and the padding is
+// computed. Here each (sequence, kv head) task reads its K and V rows once, in place, for all the
+// query heads that share the kv head. Tested against the reference (tests/kernels).
+//
+// Layouts: query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
+// [B, M] int32; seq_lens [B] int32; context_starts [B] int32 (left padding to hide) or empty.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// One task: sequence `b`, kv heads [head_begin, head_end) and the query heads that share them.
+// Tokens are visited in cache order and each token's K (then V) row is read front to back, so a
+// block's memory streams sequentially whatever the number of heads in the task.
+// HEAD_DIM > 0 fixes the head size at compile time (the common sizes), so the per-token loops
+// over it unroll into a few vector instructions; 0 reads it from `head_dim`.
+template <typename scalar_t, int HEAD_DIM>
+void decode_task(
+    const float* query,  // this sequence's rows [Hq, D], float32
+    const scalar_t* k_cache,
+    const scalar_t* v_cache,
+    const int32_t* block_table,
+    int64_t seq_len,
+    int64_t context_start,
+    int64_t head_begin,
+    int64_t head_end,
+    int64_t num_kv_heads,
+    int64_t group,
+    int64_t head_dim,
+    int64_t block_size,
+    float scale,
+    std::vector<float>& scores,  // scratch, reused across tasks of one thread
+    float* out) {                // this sequence's output rows [Hq, D], float32
+  const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t length = seq_len - context_start;
+  const int64_t rows = (head_end - head_begin) * group;  // query heads of this task
+  scores.resize(static_cast<size_t>(rows * length));
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const float* q = query + head_begin * group * dim;
+
+  // Pass 1: the scores of every visible token for each query head, and each head's maximum.
+  // Built with -ffast-math (vectorised exp), which assumes no infinities: start the running
+  // maximum at the lowest finite value instead of -inf.
+  std::vector<float> row_max(rows, std::numeric_limits<float>::lowest());
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t position = context_start + t;
+    const int64_t slot = static_cast<int64_t>(block_table[position / block_size]) * block_size +
+                         position % block_size;
+    const scalar_t* k_token = k_cache + slot * token_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* __restrict__ k = k_token + (head_begin + r / group) * dim;
+      const float* __restrict__ qr = q + r * dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * static_cast<float>(k[d]);
+      dot *= scale;
+      scores[r * length + t] = dot;
+      row_max[r] = std::max(row_max[r], dot);
+    }
+  }
+  // Softmax weights in place.
+  std::vector<float> inverse_sum(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * length;
+    float sum = 0.f;
+    for (int64_t t = 0; t < length; ++t) {
+      s[t] = std::exp(s[t] - row_max[r]);
+      sum += s[t];
+    }
+    inverse_sum[r] = 1.f / sum;
+  }
+  // Pass 2: the weighted sum of V rows.
+  float* o = out + head_begin * group * dim;
+  std::fill(o, o + rows * dim, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t position = context_start + t;
+    const int64_t slot = static_cast<int64_t>(block_table[position / block_size]) * block_size +
+                         position % block_size;
+    const scalar_t* v_token = v_cache + slot * token_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* __restrict__ v = v_token + (head_begin + r / group) * dim;
+      const float p = scores[r * length + t];
+      float* __restrict__ orow = o + r * dim;
+      for (int64_t d = 0; d < dim; ++d) orow[d] += p * static_cast<float>(v[d]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* orow = o + r * dim;
+    for (int64_t d = 0; d < dim; ++d) orow[d] *= inverse_sum[r];
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& k_cache,
+    const torch::Tensor& v_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& seq_lens,
+    const std::optional<torch::Tensor>& context_starts,
+    double scale) {
+  TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  const int64_t batch = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "query and cache head_dim differ");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == query.size(0),
+              "block_tables must be [B, M] and seq_lens [B] for a query of B rows");
+  const bool has_starts = context_starts.has_value();
+  if (has_starts) {
+    TORCH_CHECK(context_starts->dim() == 1 && context_starts->size(0) == query.size(0),
+                "context_starts must be [B]");
+  }
+
+  const auto q32 = query.to(torch::kFloat32).contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const auto starts =
+      has_starts ? context_starts->to(torch::kInt32).contiguous() : torch::Tensor();
+  auto out = torch::empty({batch, num_heads, head_dim}, q32.options());
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = tables.size(1);
+  const int64_t num_blocks = k_cache.size(0);
+  const float* q_ptr = q32.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  const int32_t* start_ptr = has_starts ? starts.data_ptr<int32_t>() : nullptr;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::BFloat16, at::ScalarType::Half, k_cache.scalar_type(), "decode", [&] {
+        const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+        const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+        // One task per sequence keeps each block's reads sequential; a small batch is cut
+        // further by kv head so that every thread still gets work.
+        const int64_t splits =
+            batch >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
+        at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scores;
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / splits;
+            const int64_t part = task % splits;
+            const int64_t head_begin = part * num_kv_heads / splits;
+            const int64_t head_end = (part + 1) * num_kv_heads / splits;
+            const int64_t seq_len = len_ptr[b];
+            const int64_t start = has_starts ? start_ptr[b] : 0;
+            TORCH_CHECK(seq_len >= 1 && seq_len <= table_width * block_size && start >= 0 &&
+                            start < seq_len,
+                        "row ", b, ": seq_len ", seq_len, " / context_start ", start,
+                        " outside its block table");
+            const int32_t* table = table_ptr + b * table_width;
+            for (int64_t j = start / block_size; j * block_size < seq_len; ++j) {
+              TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "row ", b,
+                          ": block id ", table[j], " outside the cache");
+            }
+            const auto run = [&](auto head_dim_constant) {
+              decode_task<scalar_t, decltype(head_dim_constant)::value>(
+                  q_ptr + b * num_heads * head_dim, k_ptr, v_ptr, table,
+                  seq_len, start, head_begin, head_end, num_kv_heads, group, head_dim,
+                  block_size, static_cast<float>(scale), scores,
+                  out_ptr + b * num_heads * head_dim);
+            };
+            switch (head_dim) {
+              case 32: run(std::integral_constant<int, 32>{}); break;
+              case 64: run(std::integral_constant<int, 64>{}); break;
+              case 128: run(std::integral_constant<int, 128>{}); break;
+              default: run(std::integral_constant<int, 0>{}); break;
+            }
+          }
+        });
+      });
+  return out.to(query.scalar_type());
+}

@@ -1,0 +1,98 @@
+"""The C++ CPU kernels of the per-layer ops against their PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nori.kernels.argmax import argmax_rows
+from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.rms_norm import rms_norm, rms_norm_reference
+from nori.kernels.rotary import rotary, rotary_reference
+from nori.kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
+from nori.kernels.store_kv import store_kv_cache_cpu, store_kv_cache_reference
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or cpu_kernels() is None,
+    reason="the C++ CPU kernels run on CPU tensors and need a C++ compiler",
+)
+
+# float32 results of the same arithmetic summed or fused in another order.
+ATOL = RTOL = 1e-5
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("hidden", [7, 64, 4096])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm(rows: int, hidden: int) -> None:
+    x, weight = _randn(rows, hidden), _randn(hidden, seed=1)
+    out, residual = rms_norm(x, weight, 1e-5)
+    assert residual is x
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), atol=ATOL, rtol=RTOL)
+
+
+def test_fused_add_rms_norm_updates_both_in_place() -> None:
+    x, residual, weight = _randn(9, 256), _randn(9, 256, seed=1), _randn(256, seed=2)
+    expected_residual = x + residual
+    expected = rms_norm_reference(expected_residual, weight, 1e-6)
+    x_in, residual_in = x.clone(), residual.clone()
+    out, new_residual = rms_norm(x_in, weight, 1e-6, residual_in)
+    assert out is x_in and new_residual is residual_in
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_rms_norm_falls_back_off_the_fast_path() -> None:
+    """Non-contiguous rows take the reference (and give the same answer)."""
+    x, weight = _randn(8, 64)[:, ::2], _randn(32, seed=1)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5)[0], rms_norm_reference(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("width", [1, 37, 1376])
+def test_silu_and_mul(width: int) -> None:
+    x = _randn(11, 2 * width) * 4
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 128])
+def test_rotary_in_place_inside_a_fused_projection(head_dim: int) -> None:
+    """q and k heads sit inside a wider qkv row: the kernel rotates them and nothing else."""
+    tokens, heads, extra = 6, 5, 3
+    qkv = _randn(tokens, (heads + extra) * head_dim)
+    view = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    angles = _randn(tokens, head_dim // 2, seed=1) * 10
+    cos, sin = angles.cos(), angles.sin()
+    expected = rotary_reference(view, cos, sin)
+    untouched = qkv[:, heads * head_dim :].clone()
+    result = rotary(view, cos, sin)
+    assert result.data_ptr() == view.data_ptr()
+    torch.testing.assert_close(result, expected, atol=ATOL, rtol=RTOL)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+def test_store_kv_matches_reference_and_skips_minus_one() -> None:
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 8, 7
+    qkv = _randn(tokens, 3 * kv_heads * head_dim)
+    key = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 0, -1, 23, 9, 10, 17])
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
+    store_kv_cache_cpu(key, value, caches[0], caches[1], slots)
+    store_kv_cache_reference(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        store_kv_cache_cpu(key, value, caches[0], caches[1], slots.clone().fill_(24))
+
+
+def test_argmax_matches_torch_including_ties_infinities_and_nan() -> None:
+    logits = _randn(6, 1000)
+    logits[1, 10] = logits[1, 500] = 100.0  # a tie: the first index wins
+    logits[2] = float("-inf")
+    logits[2, 999] = 0.0
+    logits[3, 7] = float("inf")
+    logits[4, 321] = float("nan")
+    logits[5] = float("-inf")  # all equal: index 0
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

@@ -1,0 +1,87 @@
+"""The CPU prefill path (whole prompts batched, the rest per sequence) against the reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_helpers import dense_context, random_paged_context
+
+from nori.kernels.prefill_attention import paged_prefill_attention_reference
+from nori.kernels.prefill_attention_cpu import plan_cpu_prefill, run_cpu_prefill
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine's path")
+
+SCALE = 0.41
+ATOL = 1e-5
+
+
+def _case(
+    rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int, pads: list[int] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """rows: (cached prefix, new tokens) per sequence -> query, the new tokens' key/value (read
+    back from the cache, where the engine also stores them), caches, tables, starts, lengths."""
+    head_dim, block_size = 16, 8
+    seq_lens = [prefix + new for prefix, new in rows]
+    ctx = random_paged_context(seq_lens, num_kv_heads, head_dim, block_size)
+    starts = [0, *itertools.accumulate(new for _, new in rows)]
+    query = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    keys, values = [], []
+    for b, (prefix, new) in enumerate(rows):
+        keys.append(dense_context(ctx.k_cache, ctx.block_tables[b], prefix + new)[prefix:].float())
+        values.append(
+            dense_context(ctx.v_cache, ctx.block_tables[b], prefix + new)[prefix:].float()
+        )
+    context_starts = None if pads is None else torch.tensor(pads, dtype=torch.int32)
+    return (
+        query,
+        torch.cat(keys),
+        torch.cat(values),
+        ctx.k_cache,
+        ctx.v_cache,
+        ctx.block_tables,
+        torch.tensor(starts, dtype=torch.int32),
+        ctx.seq_lens,
+        context_starts,  # type: ignore[return-value]
+    )
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(0, 12)] * 4,  # one group of whole prompts, rows contiguous
+        [(0, 5), (0, 12), (0, 5), (0, 1)],  # groups by length, rows interleaved
+        [(0, 9), (16, 7), (0, 9), (3, 1), (5, 20)],  # whole prompts among chunks over prefixes
+        [(8, 8), (1, 30)],  # chunks only
+    ],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_matches_reference(rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int) -> None:
+    query, key, value, k_cache, v_cache, tables, starts, lens, _ = _case(
+        rows, num_heads, num_kv_heads
+    )
+    plan = plan_cpu_prefill(starts, lens, None)
+    assert len(plan.others) == sum(1 for prefix, _ in rows if prefix)
+    out = run_cpu_prefill(query, key, value, k_cache, v_cache, tables, starts, lens, SCALE, plan)
+    expected = paged_prefill_attention_reference(
+        query, k_cache, v_cache, tables, starts, lens, SCALE
+    )
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_left_padded_prompts_take_the_reference() -> None:
+    rows = [(0, 10), (0, 10), (0, 10)]
+    pads = [0, 4, 0]
+    query, key, value, k_cache, v_cache, tables, starts, lens, context_starts = _case(
+        rows, 4, 2, pads
+    )
+    plan = plan_cpu_prefill(starts, lens, context_starts)
+    assert plan.others == (1,) and [g.num_prompts for g in plan.fresh] == [2]
+    out = run_cpu_prefill(
+        query, key, value, k_cache, v_cache, tables, starts, lens, SCALE, plan, context_starts
+    )
+    expected = paged_prefill_attention_reference(
+        query, k_cache, v_cache, tables, starts, lens, SCALE, context_starts
+    )
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
