@@ -20,7 +20,7 @@ from nori.decode.lease import LeaseExpired
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread
 from nori.serving.grpc_calls import call_engine
-from nori.serving.output_streams import OutputStreams
+from nori.serving.output_streams import OutputStreams, next_output
 from nori.serving.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -113,7 +113,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     ),
                 )
             while not finished:
-                output = await queue.get()
+                output = await next_output(queue)
                 finished = output.finished
                 delta: common_pb2.TokenDelta = delta_from_output(output)
                 yield decode_pb2.GenerateResponse(delta=delta)
@@ -129,12 +129,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         assert self._sink is not None
         try:
             return await self._sink.wait(request_id)
-        except LeaseExpired as error:
+        except (LeaseExpired, TimeoutError) as error:
+            # Never arrived, or started and never finished: a timeout either way (504).
+            message = str(error) or "the KV transfer timed out"
+            self._record(request_id, "failed", error=message)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+        except TransferRejected as error:
             self._record(request_id, "failed", error=str(error))
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
-        except (TransferRejected, TimeoutError) as error:
-            self._record(request_id, "failed", error=str(error))
-            await context.abort(grpc.StatusCode.ABORTED, str(error) or "the KV transfer timed out")
+            await context.abort(grpc.StatusCode.ABORTED, str(error))
         raise AssertionError("unreachable")
 
     def _record(self, request_id: str, state: str, **fields: str) -> None:

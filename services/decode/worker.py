@@ -39,6 +39,7 @@ class DecodeWorker(Worker):
         lease_s: float = 10.0,
         colocated: bool = False,
         queue_timeout_s: float = 60.0,
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self.role = "colocated" if colocated else "decode"
         super().__init__(options)
@@ -47,6 +48,7 @@ class DecodeWorker(Worker):
         self.transfer_port = transfer_port
         self.lease_s = lease_s
         self.queue_timeout_s = queue_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
         self.colocated = colocated
         self._engine: EngineThread | None = None
         self._receiver: KVReceiver | None = None
@@ -67,6 +69,7 @@ class DecodeWorker(Worker):
                     request_id, "transferring", decode_worker=self.worker_id
                 ),
                 queue_timeout_s=self.queue_timeout_s,
+                transfer_timeout_s=self.transfer_timeout_s,
             )
             self._receiver = make_receiver(self.transport, self._sink)
             self.transfer_address = await self._receiver.start(

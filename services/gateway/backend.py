@@ -39,6 +39,22 @@ class GenerationChunk:
     # Prompt tokens served from a prefix cache (for usage.prompt_tokens_details).
     num_cached_tokens: int = 0
 
+    def followed_by(self, later: GenerationChunk) -> GenerationChunk:
+        """One chunk for two consecutive ones of the same request (deltas joined, the end
+        state of the later one): chunks that are ready together go out as one SSE event."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return GenerationChunk(
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            logprobs=logprobs,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+        )
+
 
 class BackendError(Exception):
     """A request the backend could not serve; the HTTP layer maps it to an OpenAI error."""

@@ -346,6 +346,16 @@ class ClusterBackend:
                 await asyncio.wait({prefill_task, read_task}, return_when=asyncio.FIRST_COMPLETED)
                 if read_task.done() and not prefill_task.done():
                     read_task.result()  # raises the decode side's error (an expired lease)
+                    # The KV arrived and decoding began, but token one (the prefill answer) has
+                    # not: a prefill worker that hangs right after sending would otherwise hold
+                    # this request until its channel closes.
+                    lease_s = reservation.reservation.lease_seconds
+                    await asyncio.wait({prefill_task}, timeout=lease_s)
+                    if not prefill_task.done():
+                        raise UpstreamTimeoutError(
+                            f"{chosen.worker_id} sent the KV blocks but did not answer within "
+                            f"{lease_s:g} s (hung or dead)"
+                        )
                 response = await prefill_task
             finally:
                 prefill_task.cancel()

@@ -64,6 +64,11 @@ class GenerationRun:
         tasks: set[asyncio.Task[None]],
     ) -> None:
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        # An event taken from the queue while merging chunks, not yet handed out.
+        self._held: _Event | None = None
+        # Prompts that have handed out their first chunk (never merged: it decides the HTTP
+        # status of a stream and marks the time to first token).
+        self._started: set[int] = set()
         self._remaining = len(requests)
         self._tasks = tasks
         self._producers = [
@@ -126,7 +131,8 @@ class GenerationRun:
         Raises the first error of any prompt (cancelling the others), or ClientDisconnected.
         """
         while self._remaining > 0:
-            event = await self._queue.get()
+            event = self._held if self._held is not None else await self._queue.get()
+            self._held = None
             if isinstance(event, _Disconnected):
                 self.cancel()
                 raise ClientDisconnected()
@@ -137,9 +143,29 @@ class GenerationRun:
             if isinstance(item, _Done):
                 self._remaining -= 1
                 continue
-            return index, item
+            return index, self._merge_ready(index, item)
         self.stop_watching()
         return None
+
+    def _merge_ready(self, index: int, chunk: GenerationChunk) -> GenerationChunk:
+        """`chunk` joined with the same prompt's chunks already queued behind it: when the
+        writer falls behind, one SSE event carries them all instead of one per token. A
+        prompt's first chunk goes out alone, and an abort is never folded into earlier text."""
+        if index not in self._started:
+            self._started.add(index)
+            return chunk
+        while not chunk.finished and not self._queue.empty():
+            event = self._queue.get_nowait()
+            if (
+                not isinstance(event, tuple)
+                or event[0] != index
+                or isinstance(event[1], _Done)
+                or event[1].finish_reason == "abort"
+            ):
+                self._held = event
+                break
+            chunk = chunk.followed_by(event[1])
+        return chunk
 
     def cancel(self) -> None:
         """Stops every stream still running; their backend requests are cancelled.

@@ -85,6 +85,25 @@ def make_workload(
     return Workload(prompts, output_lens)
 
 
+def check_fits(workload: Workload, max_model_len: int) -> None:
+    """Refuses a workload whose requests the engine would cut short: a request whose prompt plus
+    output exceeds max_model_len stops early ("length"), and its throughput would count
+    tokens nobody asked for less than the workload says."""
+    too_long = [
+        (len(prompt), output_len)
+        for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True)
+        if len(prompt) + output_len > max_model_len
+    ]
+    if too_long:
+        prompt_len, output_len = max(too_long, key=lambda pair: sum(pair))
+        raise ValueError(
+            f"{len(too_long)} of {len(workload.prompts)} requests need more than "
+            f"max_model_len={max_model_len} positions (prompt + output; the longest "
+            f"{prompt_len} + {output_len}) and would be cut short; shorten --input-len-range / "
+            "--output-len-range, or raise --max-model-len where the model allows it"
+        )
+
+
 def run_policy(
     config: EngineConfig,
     runner: ModelRunner,
@@ -116,6 +135,12 @@ def run_policy(
             finished.extend(o for o in outputs if o.finished)
     runner.synchronize()
     seconds = time.perf_counter() - start
+    produced = sum(len(o.token_ids) for o in finished)
+    if produced != total:
+        # check_fits rules this out; a figure built on fewer tokens than asked must never pass.
+        raise RuntimeError(
+            f"{policy}: the requests produced {produced} output tokens, {total} were asked for"
+        )
     return RunResult(
         policy=policy,
         seconds=seconds,
@@ -147,6 +172,7 @@ def run_offline_benchmark(
     workload = make_workload(
         num_prompts, input_range, output_range, runner.model_config.vocab_size, config.seed
     )
+    check_fits(workload, runner.max_model_len)
     # Warm-up (kernel compilation, allocator) outside the timed runs.
     warmup = make_workload(4, (8, 32), (4, 8), runner.model_config.vocab_size, config.seed + 1)
     run_policy(config, runner, warmup, "continuous", show_progress=False)

@@ -7,13 +7,32 @@ import argparse
 from nori.engine.config import EngineConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def prefill_budget(text: str) -> int | str | None:
+    """--prefill-budget-with-decodes: "auto", a number of tokens, or 0 for no cap."""
+    if text == "auto":
+        return "auto"
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a number of tokens, got {text!r}"
+        ) from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or >= 0 tokens, got {tokens}")
+    return tokens or None
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, prefill_budget_with_decodes: str | None = None
+) -> None:
+    """`prefill_budget_with_decodes` is the command's default for that flag: None (no cap) for
+    offline commands, "auto" for serving workers."""
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
         default="demo",
-        help="a local Hugging Face checkpoint folder, or 'demo' (a small random-weight model "
-        "created on first use; its text is meaningless)",
+        help="a local Hugging Face checkpoint folder, or a built-in random-weight model created "
+        "on first use: 'demo' (3.7M parameters) or 'small' (24M); their text is meaningless",
     )
     group.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
@@ -31,6 +50,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument(
+        "--prefill-budget-with-decodes",
+        type=prefill_budget,
+        default=prefill_budget_with_decodes,
+        metavar="auto|TOKENS",
+        help="prompt tokens a step may carry while streams decode in it (long prompts are cut "
+        "into chunks of this size), so a prefill never stalls the running streams for long; "
+        "auto = as many as cost about one decode step, learnt from the steps' timings; "
+        "0 = no cap beyond --max-num-batched-tokens (default: %(default)s)",
+    )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--seed", type=int, default=0)
@@ -54,6 +83,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefill_budget_with_decodes": args.prefill_budget_with_decodes,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,

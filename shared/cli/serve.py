@@ -13,14 +13,21 @@ if TYPE_CHECKING:
     from nori.serving.worker_runtime import WorkerOptions
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
+# as many as cost about one decode step, measured as the worker runs (step_cost.py), so a long
+# prompt never stalls the running streams for more than about a step; prefill-only steps (a
+# prefill worker's) still take the whole --max-num-batched-tokens.
+SERVING_PREFILL_BUDGET = "auto"
 
 
 def served_model_name(model: str, override: str | None) -> str:
     """The model id of the API: --served-model-name, else the model folder's name."""
+    from nori.models.demo import BUILTIN_MODELS
+
     if override:
         return override
-    if model == "demo":
-        return "demo"
+    if model in BUILTIN_MODELS:
+        return model
     return Path(model).expanduser().resolve().name
 
 
@@ -41,6 +48,31 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
     group.add_argument("--namespace", default="nori", help="prefix of every Redis key")
     group.add_argument("--served-model-name", default=None)
+    cpus = parser.add_argument_group("CPUs")
+    cpus.add_argument(
+        "--cpus",
+        default=None,
+        metavar="LIST",
+        help="run only on these CPUs (taskset syntax: 0-3,6), set first thing in the process, "
+        "before any thread starts (default: all this process may use)",
+    )
+    cpus.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads (torch, OpenMP, MKL); default with --cpus: one per CPU for a "
+        "worker, 1 for the gateway; without: the libraries' default",
+    )
+
+
+def _bind(args: argparse.Namespace, role: str, default_threads: int | None = None) -> None:
+    """Applies --cpus/--threads before anything else starts a thread (see
+    nori.serving.cpu_binding), then logs what the process got."""
+    from nori.serving.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
+
+    binding = CpuBinding.from_flags(args.cpus, args.threads, default_threads)
+    bind_process(binding)
+    log_binding(role, set_torch_threads(binding))
 
 
 def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -54,7 +86,7 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
         help="how KV blocks move: auto = UCX (ucxx) when importable, else plain TCP",
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
-    add_engine_args(parser)
+    add_engine_args(parser, prefill_budget_with_decodes=SERVING_PREFILL_BUDGET)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -99,6 +131,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prefill queue without being started (gateway admission keeps queues much shorter)",
     )
     decode.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=30.0,
+        help="blocks whose transfer has started are freed when it has not finished this long "
+        "after it started (a sender that died or hung mid-transfer)",
+    )
+    decode.add_argument(
         "--colocated",
         action="store_true",
         help="compute prompts here too (one worker doing prefill and decode, no transfers)",
@@ -122,6 +161,7 @@ def _worker_options(args: argparse.Namespace) -> WorkerOptions:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
+    _bind(args, "prefill")
     from nori.prefill.worker import PrefillWorker
     from nori.serving.worker_runtime import run_worker
 
@@ -131,6 +171,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 
 
 def run_decode(args: argparse.Namespace) -> int:
+    _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker
     from nori.serving.worker_runtime import run_worker
 
@@ -138,6 +179,10 @@ def run_decode(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-lease-s must be positive, got {args.kv_lease_s}")
     if args.kv_queue_timeout_s <= 0:
         raise ValueError(f"--kv-queue-timeout-s must be positive, got {args.kv_queue_timeout_s}")
+    if args.kv_transfer_timeout_s <= 0:
+        raise ValueError(
+            f"--kv-transfer-timeout-s must be positive, got {args.kv_transfer_timeout_s}"
+        )
     config = engine_config_from_args(args)
     worker = DecodeWorker(
         _worker_options(args),
@@ -147,12 +192,16 @@ def run_decode(args: argparse.Namespace) -> int:
         lease_s=args.kv_lease_s,
         colocated=args.colocated,
         queue_timeout_s=args.kv_queue_timeout_s,
+        transfer_timeout_s=args.kv_transfer_timeout_s,
     )
     run_worker(worker)
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    # One thread by default: the gateway does no tensor math, so an OpenMP pool would only be
+    # more threads to schedule.
+    _bind(args, "gateway", default_threads=1)
     import asyncio
 
     from nori.gateway.server import GatewayOptions, serve_gateway

@@ -9,6 +9,7 @@ export, import into another engine).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,11 +21,15 @@ from nori.engine.model_runner import ModelRunner, SampledToken
 from nori.engine.outputs import RequestOutput, TokenLogprobs
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nori.engine.step_cost import StepCostModel
 from nori.engine.transfer import KVExport, TransferState
 from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
+
+# The "auto" prompt cap before any step has been timed.
+AUTO_PREFILL_BUDGET_START = 256
 
 
 @dataclass
@@ -57,10 +62,14 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching and config.scheduling_policy == "continuous",
         )
+        budget = config.prefill_budget_with_decodes
+        # "auto": the cap follows what steps cost (step_cost.py), updated before every step.
+        self._step_costs = StepCostModel() if budget == "auto" else None
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
+            prefill_budget_with_decodes=AUTO_PREFILL_BUDGET_START if budget == "auto" else budget,  # type: ignore[arg-type]
         )
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self._live: dict[str, _LiveRequest] = {}
@@ -109,10 +118,23 @@ class LLMEngine:
     # ------------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
+        if self._step_costs is not None:
+            self.scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
+                ratio=1.0,
+                low=self.config.block_size,
+                high=self.config.max_num_batched_tokens,
+                default=AUTO_PREFILL_BUDGET_START,
+            )
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute(output, self._generators(output))
+        if self._step_costs is not None:
+            num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
+            self._step_costs.observe(
+                num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
+            )
         self.scheduler.update(output)
         outputs = []
         for token in sampled:

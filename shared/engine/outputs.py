@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nori.sampling.logprobs import TokenLogprobs
 
@@ -27,3 +27,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # A prefill-only request whose K/V now waits for export.
     prefilled: bool = False
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output for two consecutive steps of the same request: `later`, whose cumulative
+        fields already cover both, with both steps' deltas. Streams send outputs that are ready
+        together as one message instead of one per token."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge outputs of {self.request_id} and {later.request_id}")
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+        )

@@ -2,7 +2,10 @@
 
 Pure Python. Each step has a token budget shared by every scheduled request: running requests
 come first (a decode costs one token, an unfinished chunked prefill up to the rest of the budget),
-then waiting requests in arrival order. When the KV pool runs dry, the newest running request is
+then waiting requests in arrival order. When decodes run, prompt work in the step can be capped
+separately (`prefill_budget_with_decodes`): a step's time grows with its prompt tokens, and every
+running stream waits for the whole step, so a small cap keeps inter-token latency near the pure
+decode step while long prompts are cut into chunks that ride along, step after step. When the KV pool runs dry, the newest running request is
 preempted: it gives back its blocks and returns to the front of the waiting queue, to be recomputed
 (cheaply, when its prefix is still cached).
 """
@@ -36,6 +39,10 @@ class SchedulerConfig:
     # preemption (and a recompute) a few steps later. With 128 mixed-length requests on 2048
     # blocks, 3% cut preemptions from 63 to 5 at the same number of steps.
     admission_watermark: float = 0.03
+    # Prompt tokens (new prompts and chunks of unfinished ones) a step may carry while decodes
+    # run in it; None: only max_num_batched_tokens bounds them (offline throughput). Serving
+    # sets a small value so a long prompt never stalls the running streams for long.
+    prefill_budget_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +54,11 @@ class SchedulerConfig:
         if not 0 <= self.admission_watermark < 1:
             raise ValueError(
                 f"admission_watermark must be in [0, 1), got {self.admission_watermark}"
+            )
+        if self.prefill_budget_with_decodes is not None and self.prefill_budget_with_decodes < 1:
+            raise ValueError(
+                "prefill_budget_with_decodes must be >= 1 (or None), "
+                f"got {self.prefill_budget_with_decodes}"
             )
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
@@ -92,6 +104,12 @@ class Scheduler:
     held: dict[str, Request] = field(default_factory=dict, init=False)
     # Static policy: finished members that keep their row until the whole batch is done.
     padding_rows: set[str] = field(default_factory=set, init=False)
+    # The prompt-token cap of steps with decodes: the config's, unless the engine adjusts it
+    # step by step (prefill_budget_with_decodes="auto").
+    prefill_budget_with_decodes: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_budget_with_decodes = self.config.prefill_budget_with_decodes
 
     # ------------------------------------------------------------------------- requests
 
@@ -157,6 +175,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -164,6 +183,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_uncomputed_tokens, budget)
+            if num_new > 1:
+                # An unfinished prompt: its next chunk shares the prompt-token budget.
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    index += 1
+                    continue
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -173,17 +198,27 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
+                if num_new > 1:
+                    prefill_budget -= num_new
                 index += 1
 
         # Admitting new work while others were just preempted would only thrash the pool.
         if not preempted:
             if self.config.policy == "continuous":
-                self._admit_waiting(budget, scheduled)
+                self._admit_waiting(min(budget, prefill_budget), scheduled)
             elif not self.running:
                 self._admit_static_batch(budget, scheduled)
 
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may carry: capped when it will also run decodes."""
+        cap = self.prefill_budget_with_decodes
+        if cap is None or self.config.policy != "continuous":
+            return budget
+        decodes = any(request.num_uncomputed_tokens == 1 for request in self.running)
+        return min(cap, budget) if decodes else budget
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -224,7 +259,10 @@ class Scheduler:
             longest_prompt, longest_new, padded = prompt, new, length
         for request in batch:
             request.left_pad(longest_prompt - request.num_unpadded_tokens, STATIC_PAD_TOKEN_ID)
-            if not manager.allocate(request, padded - request.num_computed_tokens):
+            # A recomputed member may already hold more tokens than the capped rectangle: its
+            # blocks must cover them all (the engine's max_model_len keeps it within the pool).
+            needed = max(padded, request.num_tokens) - request.num_computed_tokens
+            if not manager.allocate(request, needed):
                 break
             self.waiting.popleft()
             num_new = min(request.num_uncomputed_tokens, budget)

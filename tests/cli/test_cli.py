@@ -131,6 +131,18 @@ def test_bench_rejects_a_bad_range(tiny_model: Path) -> None:
     assert result.returncode == 2 and "repeats" in result.stderr
 
 
+def test_bench_offline_refuses_requests_the_model_would_cut_short(tiny_model: Path) -> None:
+    """500-token prompts with 100 output tokens on a 512-position model: refused, not measured
+    on the 12 tokens the engine could produce."""
+    result = nori(
+        "bench", "offline", "--model", str(tiny_model), "--num-prompts", "3",
+        "--input-len-range", "500:500", "--output-len-range", "100:100", "--max-model-len", "512",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout
+    assert "3 of 3 requests need more than max_model_len=512" in result.stderr
+    assert "Traceback" not in result.stderr and "tok_s" not in result.stdout
+
+
 def test_demo_model_is_created_on_first_use(tmp_path: Path) -> None:
     result = nori("generate", "--prompt", "hello", "--max-tokens", "3", "--json", cache=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -55,6 +55,31 @@ def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
     scheduler.block_manager.check_invariants(scheduler.requests())
 
 
+def test_prompt_work_beside_decodes_is_capped_and_chunked() -> None:
+    """With decodes running, a step carries at most prefill_budget_with_decodes prompt tokens:
+    a long prompt is cut into chunks of that size that ride along with the decodes."""
+    scheduler = make_scheduler(num_blocks=32, budget=16, prefill_budget_with_decodes=3)
+    a = make_request("a", list(range(5)))
+    scheduler.add(a)
+    # Nothing decodes yet: the whole budget is open to prompts.
+    assert plan(run_step(scheduler)) == [("a", 5)]
+    b = make_request("b", list(range(100, 110)))
+    c = make_request("c", list(range(200, 202)))
+    scheduler.add(b)
+    scheduler.add(c)
+    # a decodes; b gets the 3 prompt tokens, c waits (the cap is spent).
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 3)]
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 3)]
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 3)]
+    # b's last prompt token is a one-token chunk: it leaves 2 of the cap to admit c.
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1), ("c", 2)]
+    assert b.num_output_tokens == 1 and c.num_output_tokens == 1
+    # a grew into block 5 in this step (its 9th computed token); c got the next one.
+    assert [r.block_ids for r in (a, b, c)] == [[0, 1, 5], [2, 3, 4], [6]]
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1), ("c", 1)]
+    scheduler.block_manager.check_invariants(scheduler.requests())
+
+
 def test_sequence_limit_keeps_others_waiting() -> None:
     scheduler = make_scheduler(max_seqs=2)
     for name in "abc":

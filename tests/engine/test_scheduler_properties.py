@@ -29,6 +29,7 @@ actions = st.lists(
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
     policy=st.sampled_from(["continuous", "static"]),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 8)),
 )
 def test_random_traffic_keeps_invariants(
     actions: list[tuple[str, object]],
@@ -38,8 +39,16 @@ def test_random_traffic_keeps_invariants(
     max_seqs: int,
     caching: bool,
     policy: str,
+    prefill_cap: int | None,
 ) -> None:
-    scheduler = make_scheduler(num_blocks, block_size, max_seqs, budget, policy=policy)
+    scheduler = make_scheduler(
+        num_blocks,
+        block_size,
+        max_seqs,
+        budget,
+        policy=policy,
+        prefill_budget_with_decodes=prefill_cap,
+    )
     manager = scheduler.block_manager
     manager.enable_prefix_caching = caching
     known = []
@@ -52,8 +61,13 @@ def test_random_traffic_keeps_invariants(
             scheduler.static_max_new_tokens[request.request_id] = len(tokens) % 7
             scheduler.add(request)
         elif kind == "step":
+            # The scheduler caps prompt work in steps that start with decodes to run.
+            decoding = any(r.num_uncomputed_tokens == 1 for r in scheduler.running)
             output = run_step(scheduler, sampled_token=int(value))  # type: ignore[call-overload]
             assert output.num_batched_tokens <= budget
+            prompt_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
+            if prefill_cap is not None and policy == "continuous" and decoding:
+                assert prompt_tokens <= prefill_cap
             assert len(scheduler.running) <= max_seqs
             for item in output.scheduled:
                 covered = len(item.request.block_ids) * block_size

@@ -256,7 +256,9 @@ async def test_logprobs_formats(tokenizer: Tokenizer) -> None:
         ],
     }
 
-    # Streaming: offsets continue across chunks; token ids on request (vLLM extension).
+    # Streaming: offsets continue across chunks; token ids on request (vLLM extension). The
+    # backend waits between chunks, else the two would go out as one event (see below).
+    app = make_app(tokenizer, FakeBackend(script, delay_s=0.05))
     response = await post(
         app,
         "/v1/completions",
@@ -268,8 +270,36 @@ async def test_logprobs_formats(tokenizer: Tokenizer) -> None:
     assert [s["tokens"] for s in streamed] == [[f"token_id:{ids[0]}"], [f"token_id:{ids[1]}"]]
 
 
+async def test_chunks_ready_together_go_out_as_one_event(tokenizer: Tokenizer) -> None:
+    """A writer that falls behind the backend sends what piled up as one SSE event: the same
+    text, tokens and logprobs, in fewer events."""
+    ids = tokenizer.encode(" the cat sat", add_special_tokens=False)[:3]
+    names = [tokenizer.decode([i]) for i in ids]
+    entries = [TokenLogprobs(i, -0.5, 1, ((i, -0.5),)) for i in ids]
+
+    def script(request: GenerationRequest) -> list[GenerationChunk]:
+        return [
+            chunk([ids[0]], names[0], logprobs=entries[:1]),
+            chunk([ids[1]], names[1], logprobs=entries[1:2]),
+            chunk([ids[2]], names[2], logprobs=entries[2:], finished=True, finish_reason="stop"),
+        ]
+
+    app = make_app(tokenizer, FakeBackend(script))
+    body = {"prompt": "x", "logprobs": 0, "stream": True}
+    chunks = sse_json((await post(app, "/v1/completions", body)).text)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "".join(names)
+    # The first chunk alone (it marks the first token), the other two together.
+    assert [t for t in texts if t] == [names[0], names[1] + names[2]]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert tokens == names and offsets == [0, len(names[0]), len(names[0]) + len(names[1])]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 async def test_streaming_chat_framing(tokenizer: Tokenizer) -> None:
-    app = make_app(tokenizer)
+    # Spaced out, so that each chunk is its own event (ready together, they would be merged).
+    app = make_app(tokenizer, FakeBackend(delay_s=0.02))
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "stream": True}
     response = await post(app, "/v1/chat/completions", body)
     assert response.status_code == 200

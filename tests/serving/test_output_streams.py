@@ -1,0 +1,59 @@
+"""Outputs that are ready together leave a worker as one delta."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nori.engine.outputs import RequestOutput
+from nori.serving.output_streams import OutputStreams, next_output
+
+
+def _output(step: int, finished: bool = False) -> RequestOutput:
+    """Step `step` of request r: one new token (10 + step) and its text."""
+    tokens = [10 + i for i in range(step + 1)]
+    return RequestOutput(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        token_ids=tokens,
+        text="".join(f"t{t}" for t in tokens),
+        new_token_ids=[tokens[-1]],
+        new_text=f"t{tokens[-1]}",
+        finished=finished,
+        finish_reason="length" if finished else None,
+    )
+
+
+async def test_waiting_outputs_are_merged_up_to_the_finished_one() -> None:
+    streams = OutputStreams()
+    queue = streams.open("r")
+    streams.dispatch([_output(0)])
+    first = await next_output(queue)
+    assert first.new_token_ids == [10]
+    # The consumer fell behind by three steps, the last of which finished the request.
+    streams.dispatch([_output(1)])
+    streams.dispatch([_output(2)])
+    streams.dispatch([_output(3, finished=True)])
+    merged = await next_output(queue)
+    assert merged.new_token_ids == [11, 12, 13] and merged.new_text == "t11t12t13"
+    assert merged.finished and merged.finish_reason == "length"
+    assert merged.token_ids == [10, 11, 12, 13] and queue.empty()
+
+
+async def test_nothing_waits_for_outputs_that_are_not_there_yet() -> None:
+    streams = OutputStreams()
+    queue = streams.open("r")
+    streams.dispatch([_output(0)])
+    assert (await next_output(queue)).new_token_ids == [10]
+    getter = asyncio.ensure_future(next_output(queue))
+    await asyncio.sleep(0.01)
+    assert not getter.done()
+    streams.dispatch([_output(1)])
+    assert (await getter).new_token_ids == [11]
+
+
+def test_outputs_of_different_requests_do_not_merge() -> None:
+    other = RequestOutput("s", [1], [5], "x", [5], "x", False)
+    with pytest.raises(ValueError, match="cannot merge"):
+        _output(0).followed_by(other)
