@@ -7,6 +7,18 @@ import asyncio
 from nori.engine.outputs import RequestOutput
 
 
+async def next_output(queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
+    """The request's next output, merged with every further one already waiting.
+
+    When the consumer falls behind (a busy event loop, a slow client), the steps it missed go
+    out as one delta: one message and one send instead of one per token.
+    """
+    output = await queue.get()
+    while not output.finished and not queue.empty():
+        output = output.followed_by(queue.get_nowait())
+    return output
+
+
 class OutputStreams:
     """One queue per open request, filled on the event loop from EngineThread.on_outputs.
 

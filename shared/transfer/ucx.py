@@ -200,6 +200,8 @@ class UcxSender:
         self._pool: ConnectionPool[_UcxChannel] = ConnectionPool(
             self._connect, self._config.max_connections_per_peer
         )
+        # Transfers whose caller went away, still running to their end (see `send`).
+        self._orphans: set[asyncio.Future[None]] = set()
 
     @property
     def bytes_sent(self) -> int:
@@ -234,13 +236,36 @@ class UcxSender:
         if parse_address(address).scheme != "ucx":
             raise ValueError(f"UcxSender cannot send to {address!r}")
         views = check_sources(header, buffers)
-        await self._pool.run(
-            address, lambda channel: send_transfer(channel, header, views, self._config)
+        transfer = asyncio.ensure_future(
+            self._pool.run(
+                address, lambda channel: send_transfer(channel, header, views, self._config)
+            )
         )
+        try:
+            # UCX reads the KV views, and writes the receiver's replies into buffers of ours,
+            # in place and after the call that posted them returned. A caller cancelled mid-way
+            # (its client left) must not free those buffers under posted requests: seen as
+            # corrupted Python memory and a segfault in the prefill worker. So the transfer
+            # runs to its end, or its timeout, whatever happens to the caller.
+            await asyncio.shield(transfer)
+        except asyncio.CancelledError:
+            if not transfer.done():
+                self._orphans.add(transfer)
+                transfer.add_done_callback(self._orphan_done)
+            raise
         self._counters.add(header.total_nbytes)
+
+    def _orphan_done(self, transfer: asyncio.Future[None]) -> None:
+        self._orphans.discard(transfer)
+        if not transfer.cancelled() and transfer.exception() is not None:
+            logger.debug("a transfer whose caller left failed: %s", transfer.exception())
 
     async def close(self) -> None:
         await self._pool.close()
+        # The pool's connections are aborted, so orphaned transfers end promptly; their
+        # buffers must outlive them (see `send`).
+        if self._orphans:
+            await asyncio.wait(list(self._orphans), timeout=self._config.timeout_s)
         if self._progress is not None:
             self._progress.close()
             self._progress = None
