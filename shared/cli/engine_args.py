@@ -66,8 +66,9 @@ def add_engine_args(
     group.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "triton", "reference"],
-        help="auto: Triton kernels on GPU, PyTorch references on CPU",
+        choices=["auto", "triton", "cpu", "reference"],
+        help="auto: Triton kernels on GPU, the C++ CPU kernels on CPU (NORI_CPU_KERNELS=0: "
+        "the PyTorch references)",
     )
 
 

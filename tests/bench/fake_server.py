@@ -1,20 +1,56 @@
-"""An OpenAI-style streaming server inside httpx (a MockTransport): fast, no sockets, and it
-counts what the load generator did to it."""
+"""An OpenAI-style streaming server on a local socket (aiohttp.web): fast, and it counts what the
+load generator did to it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def sse(*events: object) -> bytes:
     """`data: ...` events; a str is sent as is (e.g. "[DONE]"), anything else as JSON."""
     lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
     return "".join(lines).encode()
+
+
+@asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[str]:
+    """Serves every path with `handler` on 127.0.0.1 (a free port); yields the base URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    port = sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def stream_bytes(
+    request: web.Request, chunks: AsyncIterator[bytes] | list[bytes]
+) -> web.StreamResponse:
+    """A 200 text/event-stream response that writes each chunk as it comes."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    if isinstance(chunks, list):
+        for chunk in chunks:
+            await response.write(chunk)
+    else:
+        async for chunk in chunks:
+            await response.write(chunk)
+    await response.write_eof()
+    return response
 
 
 class FakeOpenAI:
@@ -29,21 +65,20 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    @property
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
+    def serving(self) -> Any:
+        return serving(self.handle)
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
-        body = json.loads(request.content)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+        body = await request.json()
         self.bodies.append(body)
         prompt = body.get("prompt")
         num_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
         if num_prompt + body["max_tokens"] > self.max_model_len:
             error = {"message": "too long for this model", "type": "invalid_request_error"}
-            return httpx.Response(400, json={"error": error})
-        return httpx.Response(200, content=self._stream(num_prompt, body["max_tokens"]))
+            return web.json_response({"error": error}, status=400)
+        return await stream_bytes(request, self._stream(num_prompt, body["max_tokens"]))
 
     async def _stream(self, num_prompt: int, max_tokens: int) -> AsyncIterator[bytes]:
         self.in_flight += 1
@@ -52,7 +87,7 @@ class FakeOpenAI:
             await asyncio.sleep(self.token_delay_s)
             finish = "length" if index == max_tokens - 1 else None
             yield sse({"choices": [{"index": 0, "text": f" t{index}", "finish_reason": finish}]})
-        # Before the last yield: a client that has read [DONE] never resumes the generator.
+        # Before the last chunk: a client that has read [DONE] may close the connection.
         self.in_flight -= 1
         usage = {"prompt_tokens": num_prompt, "completion_tokens": max_tokens}
         yield sse({"choices": [], "usage": usage}, "[DONE]")

@@ -3,34 +3,39 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
 
 from nori.bench.serve.client import RequestOptions, first_model, request_body, send_request
 from nori.bench.serve.records import RequestRecord
 from nori.bench.serve.specs import RequestSpec
-from tests.bench.fake_server import sse
+from tests.bench.fake_server import Handler, serving, sse, stream_bytes
 
 COMPLETIONS = RequestOptions("completions", "/v1/completions", "m", timeout_s=5.0)
 CHAT = RequestOptions("chat", "/v1/chat/completions", "m", temperature=0.5, timeout_s=5.0)
 TEXT = RequestSpec("hello there", prompt_len=3, max_tokens=4, request_class="random")
 
-Handler = Callable[[httpx.Request], Any]
-
 
 async def send(
     handler: Handler, spec: RequestSpec = TEXT, options: RequestOptions = COMPLETIONS
 ) -> RequestRecord:
-    transport = httpx.MockTransport(handler)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await send_request(client, spec, options, index=3, origin=0.0)
+    async with serving(handler) as url, aiohttp.ClientSession() as session:
+        options = replace(options, url=url + options.url)
+        return await send_request(session, spec, options, index=3, origin=0.0)
 
 
 def answer(body: bytes, status: int = 200) -> Handler:
-    return lambda request: httpx.Response(status, content=body)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if status != 200:
+            return web.Response(status=status, body=body)
+        return await stream_bytes(request, [body])
+
+    return handler
 
 
 async def test_completion_stream_with_usage() -> None:
@@ -60,17 +65,17 @@ async def test_chat_stream_without_usage_is_counted_locally() -> None:
         {"choices": [{"delta": {}, "finish_reason": "stop"}]},
         "[DONE]",
     )
-    seen: list[httpx.Request] = []
+    seen: list[str] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, content=body)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append(request.path)
+        return await stream_bytes(request, [body])
 
     record = await send(handler, options=CHAT)
     assert record.success and record.finish_reason == "stop"
     assert (record.prompt_tokens, record.output_tokens) == (3, 2)
     assert not record.usage_from_server
-    assert seen[0].url.path == "/v1/chat/completions"
+    assert seen == ["/v1/chat/completions"]
 
 
 def test_request_bodies() -> None:
@@ -139,11 +144,14 @@ async def test_a_malformed_event_fails() -> None:
 
 
 async def test_a_connection_failure_fails() -> None:
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
-
-    record = await send(refuse)
-    assert not record.success and record.error == "ConnectError: connection refused"
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    options = replace(COMPLETIONS, url=f"http://127.0.0.1:{port}/v1/completions")
+    async with aiohttp.ClientSession() as session:
+        record = await send_request(session, TEXT, options, index=0, origin=0.0)
+    assert not record.success and record.error is not None
+    assert record.error.startswith("ClientConnectorError")
 
 
 async def test_a_request_past_its_timeout_fails() -> None:
@@ -152,24 +160,30 @@ async def test_a_request_past_its_timeout_fails() -> None:
         await asyncio.sleep(5)
         yield sse("[DONE]")
 
+    async def slow(request: web.Request) -> web.StreamResponse:
+        return await stream_bytes(request, slow_stream())
+
     options = RequestOptions("completions", "/v1/completions", "m", timeout_s=0.1)
-    record = await send(lambda request: httpx.Response(200, content=slow_stream()), options=options)
+    record = await send(slow, options=options)
     assert not record.success and record.error == "timed out after 0.1 s"
     assert len(record.chunk_times) == 1
 
 
 async def test_first_model() -> None:
-    def models(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"data": [{"id": "llama"}, {"id": "other"}]})
+    async def models(request: web.Request) -> web.StreamResponse:
+        assert request.path == "/v1/models"
+        return web.json_response({"data": [{"id": "llama"}, {"id": "other"}]})
 
-    def none(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"data": []})
+    async def none(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"data": []})
 
-    for handler, expected in ((models, "llama"), (none, None)):
-        transport = httpx.MockTransport(handler)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            if expected is None:
-                with pytest.raises(ValueError, match="pass --model"):
-                    await first_model(client)
+    async def refused(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "no"}}, status=401)
+
+    for handler, expected in ((models, "llama"), (none, None), (refused, "401")):
+        async with serving(handler) as url, aiohttp.ClientSession() as session:
+            if expected == "llama":
+                assert await first_model(session, url) == expected
             else:
-                assert await first_model(client) == expected
+                with pytest.raises(ValueError, match="pass --model" if expected is None else "401"):
+                    await first_model(session, url)

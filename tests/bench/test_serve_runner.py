@@ -1,4 +1,4 @@
-"""Whole runs against the in-process fake server: concurrency, duration, warm-ups, the mixed
+"""Whole runs against the fake server (a local socket): concurrency, duration, warm-ups, the mixed
 dataset's two clocks, failures kept, and the JSON, table and plot of the result."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ BASE = ServeBenchSettings(
 async def test_max_concurrency_bounds_requests_in_flight(tokenizer: Tokenizer) -> None:
     fake = FakeOpenAI(token_delay_s=0.005)
     settings = replace(BASE, max_concurrency=2, num_warmups=3)
-    result = await run_benchmark(settings, tokenizer=tokenizer, transport=fake.transport)
+    async with fake.serving() as url:
+        result = await run_benchmark(replace(settings, base_url=url), tokenizer=tokenizer)
     assert fake.max_in_flight == 2
     assert len(fake.bodies) == 3 + 8  # the warm-ups were sent, but are not in the result
     assert result.num_sent == 8 and result.metrics.completed == 8
@@ -42,7 +43,8 @@ async def test_max_concurrency_bounds_requests_in_flight(tokenizer: Tokenizer) -
 async def test_duration_sends_until_the_deadline_then_drains(tokenizer: Tokenizer) -> None:
     fake = FakeOpenAI(token_delay_s=0.01)
     settings = replace(BASE, num_prompts=3, request_rate=60.0, duration_s=0.4, seed=2)
-    result = await run_benchmark(settings, tokenizer=tokenizer, transport=fake.transport)
+    async with fake.serving() as url:
+        result = await run_benchmark(replace(settings, base_url=url), tokenizer=tokenizer)
     due = sum(1 for _ in itertools.takewhile(lambda t: t < 0.4, main_clock(settings)))
     sent = result.num_sent
     # All that were due before the deadline (fewer only if this machine lagged behind), the 3
@@ -58,7 +60,8 @@ async def test_refused_requests_are_counted_as_failed(tokenizer: Tokenizer) -> N
     # Prompts of 4..20 tokens plus 1..7 output tokens; the server holds 16 in all.
     fake = FakeOpenAI(max_model_len=16)
     settings = replace(BASE, num_prompts=30, random_range_ratio=0.6)
-    result = await run_benchmark(settings, tokenizer=tokenizer, transport=fake.transport)
+    async with fake.serving() as url:
+        result = await run_benchmark(replace(settings, base_url=url), tokenizer=tokenizer)
     metrics = result.metrics
     refused = sum(len(b["prompt"]) + b["max_tokens"] > 16 for b in fake.bodies)
     assert 0 < refused < 30
@@ -80,7 +83,8 @@ async def test_mixed_sends_long_requests_on_their_own_clock(tokenizer: Tokenizer
         long_output_len=3,
         long_request_rate=10.0,
     )
-    result = await run_benchmark(settings, tokenizer=tokenizer, transport=fake.transport)
+    async with fake.serving() as url:
+        result = await run_benchmark(replace(settings, base_url=url), tokenizer=tokenizer)
     classes = [r.request_class for r in result.records]
     assert classes.count("short") == 10
     assert classes.count("long") >= 1
@@ -100,12 +104,13 @@ async def test_mixed_sends_long_requests_on_their_own_clock(tokenizer: Tokenizer
 async def test_result_json_table_and_plot(tokenizer: Tokenizer, tmp_path: Path) -> None:
     fake = FakeOpenAI(max_model_len=14)
     settings = replace(BASE, num_prompts=6, random_range_ratio=0.5, slo_ttft_ms=1000.0)
-    result = await run_benchmark(settings, tokenizer=tokenizer, transport=fake.transport)
+    async with fake.serving() as url:
+        result = await run_benchmark(replace(settings, base_url=url), tokenizer=tokenizer)
     data = json.loads(json.dumps(result.to_dict(detailed=True), allow_nan=False))
     assert data["request_rate"] == "inf"
     assert data["num_sent"] == 6 == data["completed"] + data["failed"]
     assert data["model"] == "fake-model" and data["dataset"] == "random"
-    assert data["slo_ttft_ms"] == 1000.0 and data["base_url"] == "http://fake"
+    assert data["slo_ttft_ms"] == 1000.0 and data["base_url"] == url
     assert len(data["requests"]) == 6
     table = format_report(result)
     for line in (

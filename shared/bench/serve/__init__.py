@@ -10,7 +10,7 @@ The Python API (what `nori bench compare` builds on):
     result.to_dict()                                # vLLM-style JSON figures
     plot_runs({"colocated": r1, "disaggregated": r2}, "compare.png")
 
-Nothing is imported here, so that `nori --help` does not pay for httpx, numpy or matplotlib.
+Nothing is imported here, so that `nori --help` does not pay for aiohttp, numpy or matplotlib.
 
 One module per job: settings (the frozen options), specs/prompts/datasets/sharegpt (what is
 sent), arrivals (when), sse/client (one streamed request into a record), records (what was

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import httpx
+import aiohttp
 
 from nori.bench.serve.arrivals import arrival_times
 from nori.bench.serve.client import RequestOptions, first_model, send_request
@@ -62,20 +62,17 @@ async def run_benchmark(
     *,
     tokenizer: Tokenizer | None = None,
     show_progress: bool = False,
-    transport: httpx.AsyncBaseTransport | None = None,
 ) -> ServeBenchResult:
-    """One run against `settings.base_url`. `tokenizer` overrides the one the settings name;
-    `transport` replaces the network (tests)."""
-    # No connection limit: --max-concurrency is the only one, as in vLLM (httpx's default pool
-    # of 100 would queue requests inside the client and count the wait as TTFT).
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=settings.base_url,
-        limits=limits,
-        timeout=httpx.Timeout(settings.request_timeout_s),
-        transport=transport,
+    """One run against `settings.base_url`. `tokenizer` overrides the one the settings name."""
+    # No connection limit: --max-concurrency is the only one, as in vLLM (aiohttp's default pool
+    # of 100 would queue requests inside the client and count the wait as TTFT). Each request
+    # bounds itself with --request-timeout-s. Lines of up to 1 MiB (a usage or logprobs chunk).
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None),
+        read_bufsize=1 << 20,
     ) as client:
-        model = settings.model or await first_model(client)
+        model = settings.model or await first_model(client, settings.base_url)
         if tokenizer is None:
             tokenizer = load_tokenizer(settings.tokenizer_for(model))
         workload = build_workload(settings, tokenizer)
@@ -114,7 +111,7 @@ def run_benchmark_sync(
 
 
 async def _warm_up(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     specs: tuple[RequestSpec, ...],
     options: RequestOptions,
     max_concurrency: int | None,
@@ -135,7 +132,7 @@ async def _warm_up(
 
 @dataclass(frozen=True)
 class _Run:
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     options: RequestOptions
     settings: ServeBenchSettings
     # perf_counter() at the start; records hold times relative to it.
