@@ -14,7 +14,7 @@ from nori.bench.serve.args import (
     settings_from_args,
     workload_settings_from_args,
 )
-from nori.cli.engine_args import add_engine_args, engine_config_from_args
+from nori.cli.engine_args import add_engine_args, engine_config_from_args, worker_args
 
 if TYPE_CHECKING:
     from nori.bench.compare import CompareOutcome
@@ -214,24 +214,6 @@ def run_compare(args: argparse.Namespace) -> int:
         return 1
     _report_compare(outcome, args)
     return 0
-
-
-def worker_args(text: str) -> tuple[str, ...]:
-    """--worker-args, checked against the engine options `nori serve` takes."""
-    import shlex
-
-    tokens = tuple(shlex.split(text))
-    if any(token == "--model" or token.startswith("--model=") for token in tokens):
-        raise ValueError("--worker-args: give the model with --model")
-    parser = argparse.ArgumentParser(prog="--worker-args", add_help=False, exit_on_error=False)
-    add_engine_args(parser)
-    try:
-        _, unknown = parser.parse_known_args(tokens)
-    except argparse.ArgumentError as error:
-        raise ValueError(f"--worker-args: {error}") from None
-    if unknown:
-        raise ValueError(f"--worker-args: not an engine option: {' '.join(unknown)}")
-    return tokens
 
 
 def _report_compare(outcome: CompareOutcome, args: argparse.Namespace) -> None:

@@ -92,3 +92,21 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     }
     options.update(overrides)
     return EngineConfig(**options)  # type: ignore[arg-type]
+
+
+def worker_args(text: str) -> tuple[str, ...]:
+    """--worker-args (`nori up`, `nori bench compare`): checked against the engine options."""
+    import shlex
+
+    tokens = tuple(shlex.split(text))
+    if any(token == "--model" or token.startswith("--model=") for token in tokens):
+        raise ValueError("--worker-args: give the model with --model")
+    parser = argparse.ArgumentParser(prog="--worker-args", add_help=False, exit_on_error=False)
+    add_engine_args(parser)
+    try:
+        _, unknown = parser.parse_known_args(tokens)
+    except argparse.ArgumentError as error:
+        raise ValueError(f"--worker-args: {error}") from None
+    if unknown:
+        raise ValueError(f"--worker-args: not an engine option: {' '.join(unknown)}")
+    return tokens

@@ -37,6 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=8192,
         help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
     )
+    parser.add_argument(
+        "--worker-args",
+        default="",
+        metavar="'ARGS'",
+        help="engine options for every worker, as one string "
+        "(e.g. '--no-prefix-caching --max-num-seqs 64'; see `nori serve decode --help`)",
+    )
     parser.add_argument("--namespace", default="nori", help="prefix of every Redis key")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
@@ -97,6 +104,7 @@ def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from nori.cli.engine_args import worker_args
     from nori.cli.serve import served_model_name
     from nori.models.demo import resolve_model
     from nori.serving.local_cluster import ClusterSpec, LocalCluster
@@ -105,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     cpu_plan = cpu_plan_from_args(args)
+    extra_worker_args = worker_args(args.worker_args)
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
     model = args.model
@@ -130,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         cpu_plan=cpu_plan,
+        worker_args=extra_worker_args,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -120,6 +120,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._step_costs is not None:
             self.scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
+                # The running requests are (about) the decode rows of the coming step.
+                num_decodes=len(self.scheduler.running),
                 ratio=1.0,
                 low=self.config.block_size,
                 high=self.config.max_num_batched_tokens,

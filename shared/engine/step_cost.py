@@ -1,55 +1,106 @@
 """What a step costs, learnt from the steps the engine times: sizes the prompt chunks that ride
 along with decodes (`prefill_budget_with_decodes="auto"`).
 
-A step's time is close to a fixed part for its decodes plus a part per prompt token. Keeping
-the prompt part of a step at most `ratio` times the decode part keeps a running stream's
-inter-token latency within (1 + ratio) decode steps, whatever the model and the hardware: a
-token cap right for a 3.7M-parameter model on a CPU would stall a 24M one for tens of
-milliseconds, and be far too small for a GPU. Pure Python; the clock is the caller's.
+A step's time is close to `fixed + per_row * decode_rows + per_token * prompt_tokens`. Keeping
+the prompt part of a step at most `ratio` times the decode part of the batch now running keeps a
+running stream's inter-token latency within (1 + ratio) decode steps, whatever the model and
+the hardware: a token cap right for a 3.7M-parameter model on a CPU would stall a 24M one for
+tens of milliseconds, and be far too small for a GPU.
+
+The three costs are fitted together, by least squares over every timed step with older steps
+weighing less, rather than each from steps of one kind: once prompts queue, every step carries
+some, so a decode-only estimate would stay frozen at the batch size of the last decode-only step.
+(Frozen at 1 row, it made a 24M model's budget 23 tokens where 16 rows allowed 53, and a burst
+of 15 prompts of 512 tokens waited 7 s instead of about 3.) Pure Python; the clock is the
+caller's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Steps with fewer prompt tokens than this say too little about the per-token cost (their time
-# is mostly the decode part and noise).
-MIN_PROMPT_TOKENS = 32
+# Features of a step: 1 (the fixed part), decode rows, prompt tokens.
+_NUM_FEATURES = 3
+# Keeps the fit defined while a feature has not varied yet; tiny beside any real step's weight.
+_RIDGE = 1e-9
 
 
-def _smoothed(previous: float | None, sample: float, weight: float) -> float:
-    return sample if previous is None else previous + weight * (sample - previous)
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None for a (numerically) singular system."""
+    n = len(vector)
+    rows = [[*matrix[i], vector[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) < 1e-18:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, n + 1):
+                rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * n
+    for r in reversed(range(n)):
+        rest = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
+        solution[r] = (rows[r][n] - rest) / rows[r][r]
+    return solution
 
 
 @dataclass
 class StepCostModel:
-    # How fast the estimates follow change (batch sizes and contexts drift during a run).
-    smoothing: float = 0.2
-    # Seconds of a step that runs decodes only.
-    decode_step_s: float | None = None
-    # Seconds each prompt token adds to a step.
-    prompt_token_s: float | None = None
+    # Each new step multiplies the weight of the earlier ones by this (about the last
+    # 1 / (1 - forgetting) steps count): batch sizes and contexts drift during a run.
+    forgetting: float = 0.99
+    # Σ w·x·xᵀ and Σ w·x·seconds over the timed steps, x = (1, decode rows, prompt tokens).
+    _gram: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
+    )
+    _moment: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
+    _seen_decodes: bool = False
+    _seen_prompts: bool = False
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One timed step: how many decode rows and prompt tokens it computed."""
-        if num_prompt_tokens == 0:
-            if num_decodes > 0:
-                self.decode_step_s = _smoothed(self.decode_step_s, seconds, self.smoothing)
+        if num_decodes == 0 and num_prompt_tokens == 0:
             return
-        if num_prompt_tokens < MIN_PROMPT_TOKENS:
-            return
-        decode_part = 0.0
-        if num_decodes > 0:
-            if self.decode_step_s is None:
-                return  # cannot split this step's time yet
-            decode_part = self.decode_step_s
-        per_token = max(seconds - decode_part, 0.0) / num_prompt_tokens
-        self.prompt_token_s = _smoothed(self.prompt_token_s, per_token, self.smoothing)
+        x = (1.0, float(num_decodes), float(num_prompt_tokens))
+        keep = self.forgetting
+        for i in range(_NUM_FEATURES):
+            self._moment[i] = keep * self._moment[i] + x[i] * seconds
+            for j in range(_NUM_FEATURES):
+                self._gram[i][j] = keep * self._gram[i][j] + x[i] * x[j]
+        self._seen_decodes |= num_decodes > 0
+        self._seen_prompts |= num_prompt_tokens > 0
 
-    def prompt_budget(self, ratio: float, low: int, high: int, default: int) -> int:
-        """Prompt tokens whose cost is `ratio` decode steps, within [low, high]; `default`
-        until both parts of a step have been measured."""
-        if self.decode_step_s is None or not self.prompt_token_s:
+    def costs(self) -> tuple[float, float, float] | None:
+        """(fixed, per decode row, per prompt token) seconds; None until steps of both kinds
+        have been timed or while the fit is degenerate."""
+        if not (self._seen_decodes and self._seen_prompts):
+            return None
+        gram = [
+            [value + (_RIDGE if i == j else 0.0) for j, value in enumerate(row)]
+            for i, row in enumerate(self._gram)
+        ]
+        solution = _solve(gram, self._moment)
+        if solution is None:
+            return None
+        fixed, per_row, per_token = (max(value, 0.0) for value in solution)
+        if per_token <= 0.0 or fixed + per_row <= 0.0:
+            return None
+        return fixed, per_row, per_token
+
+    def decode_step_s(self, num_decodes: int) -> float | None:
+        """The fitted time of a step of `num_decodes` decode rows and no prompt."""
+        costs = self.costs()
+        return None if costs is None else costs[0] + costs[1] * num_decodes
+
+    def prompt_budget(
+        self, num_decodes: int, ratio: float, low: int, high: int, default: int
+    ) -> int:
+        """Prompt tokens whose cost is `ratio` times a step of `num_decodes` decode rows,
+        within [low, high]; `default` until the fit is defined."""
+        costs = self.costs()
+        if costs is None:
             return max(low, min(default, high))
-        tokens = int(ratio * self.decode_step_s / self.prompt_token_s)
+        fixed, per_row, per_token = costs
+        tokens = int(ratio * (fixed + per_row * max(num_decodes, 1)) / per_token)
         return max(low, min(tokens, high))

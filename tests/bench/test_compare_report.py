@@ -16,7 +16,7 @@ from nori.bench.compare_report import (
     median_index,
     ratio,
 )
-from nori.cli.bench import worker_args
+from nori.cli.engine_args import worker_args
 
 
 def run(output: float, effective: float, p99_itl: float, short_p99_itl: float | None = None):

@@ -36,6 +36,12 @@ def test_bad_cpu_flags_are_one_clear_line(args: list[str], message: str) -> None
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
+def test_up_refuses_worker_args_that_are_not_engine_options() -> None:
+    result = nori("up", "--worker-args=--no-prefix-caching --bogus 3")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "nori: error: --worker-args: not an engine option: --bogus 3\n"
+
+
 PINNED_EVERY_THREAD = """
 import os, threading
 from nori.cli.main import build_parser

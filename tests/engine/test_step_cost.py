@@ -4,46 +4,73 @@ from __future__ import annotations
 
 import pytest
 
-from nori.engine.step_cost import MIN_PROMPT_TOKENS, StepCostModel
+from nori.engine.step_cost import StepCostModel
+
+FIXED, PER_ROW, PER_TOKEN = 0.005, 0.0005, 0.0003
 
 
-def test_default_until_both_parts_are_measured() -> None:
+def step_time(rows: int, tokens: int) -> float:
+    return FIXED + PER_ROW * rows + PER_TOKEN * tokens
+
+
+def test_default_until_steps_of_both_kinds_are_timed() -> None:
     model = StepCostModel()
-    assert model.prompt_budget(1.0, 16, 2048, 256) == 256
+    assert model.prompt_budget(8, 1.0, 16, 2048, 256) == 256
     model.observe(num_decodes=8, num_prompt_tokens=0, seconds=0.010)
-    assert model.prompt_budget(1.0, 16, 2048, 256) == 256
-    # A prefill-only step measures the per-token cost on its own.
-    model.observe(num_decodes=0, num_prompt_tokens=1000, seconds=0.100)
-    assert model.prompt_token_s == pytest.approx(1e-4)
-    # One decode step (10 ms) is worth 100 prompt tokens; ratio 2 allows 200.
-    assert model.prompt_budget(1.0, 16, 2048, 256) == 100
-    assert model.prompt_budget(2.0, 16, 2048, 256) == 200
+    assert model.costs() is None
+    assert model.prompt_budget(8, 1.0, 16, 2048, 256) == 256
+    model.observe(num_decodes=0, num_prompt_tokens=0, seconds=1.0)  # an empty step: ignored
+    assert model.costs() is None
 
 
-def test_mixed_steps_subtract_the_decode_part() -> None:
-    model = StepCostModel(smoothing=1.0)
-    model.observe(num_decodes=4, num_prompt_tokens=100, seconds=0.05)
-    assert model.prompt_token_s is None  # no decode estimate yet to split this step with
-    model.observe(num_decodes=4, num_prompt_tokens=0, seconds=0.02)
-    model.observe(num_decodes=4, num_prompt_tokens=100, seconds=0.05)
-    assert model.prompt_token_s == pytest.approx(0.03 / 100)
-
-
-def test_small_chunks_and_empty_steps_teach_nothing() -> None:
+def test_the_three_costs_are_recovered_from_mixed_steps() -> None:
     model = StepCostModel()
-    model.observe(num_decodes=0, num_prompt_tokens=MIN_PROMPT_TOKENS - 1, seconds=1.0)
-    model.observe(num_decodes=0, num_prompt_tokens=0, seconds=1.0)
-    assert model.prompt_token_s is None and model.decode_step_s is None
+    for rows, tokens in [(1, 0), (0, 512), (4, 64), (8, 0), (16, 32), (12, 200), (2, 100)]:
+        model.observe(rows, tokens, step_time(rows, tokens))
+    costs = model.costs()
+    assert costs is not None
+    assert costs == pytest.approx((FIXED, PER_ROW, PER_TOKEN), rel=1e-4)
+    # A 16-row decode step costs 13 ms = 43 prompt tokens; ratio 2 allows 86.
+    assert model.decode_step_s(16) == pytest.approx(0.013, rel=1e-4)
+    assert model.prompt_budget(16, 1.0, 16, 2048, 256) == 43
+    assert model.prompt_budget(16, 2.0, 16, 2048, 256) == 86
+    assert model.prompt_budget(1, 1.0, 16, 2048, 256) == 18
 
 
-def test_estimates_follow_change_smoothly_and_stay_in_bounds() -> None:
-    model = StepCostModel(smoothing=0.5)
-    model.observe(num_decodes=1, num_prompt_tokens=0, seconds=0.010)
-    model.observe(num_decodes=1, num_prompt_tokens=0, seconds=0.020)
-    assert model.decode_step_s == pytest.approx(0.015)
-    model.observe(num_decodes=0, num_prompt_tokens=100, seconds=1.0)  # 10 ms per token
-    assert model.prompt_budget(1.0, 16, 2048, 256) == 16  # 1.5 tokens, raised to the floor
-    cheap = StepCostModel(smoothing=1.0)
-    cheap.observe(num_decodes=1, num_prompt_tokens=0, seconds=0.010)
-    cheap.observe(num_decodes=0, num_prompt_tokens=10_000, seconds=0.001)
-    assert cheap.prompt_budget(1.0, 16, 2048, 256) == 2048  # 100k tokens: capped at the ceiling
+def test_the_budget_grows_with_the_batch_while_every_step_carries_prompt_tokens() -> None:
+    """The stall this model exists to avoid: after one decode-only step of 1 row, prompts queue
+    and every step carries a small chunk; the decode part must still follow the batch."""
+    model = StepCostModel()
+    model.observe(0, 512, step_time(0, 512))
+    model.observe(1, 0, step_time(1, 0))
+    budgets = []
+    for rows in range(1, 17):
+        budget = model.prompt_budget(rows, 1.0, 16, 2048, 256)
+        budgets.append(budget)
+        model.observe(rows, budget, step_time(rows, budget))
+    assert budgets[0] == 18  # 5.5 ms / 0.3 ms
+    assert budgets[-1] == 43  # 13 ms / 0.3 ms, not frozen at the 1-row figure
+    assert budgets == sorted(budgets)
+
+
+def test_estimates_follow_a_change_in_cost() -> None:
+    model = StepCostModel(forgetting=0.9)
+    shapes = [(1, 0), (0, 512), (4, 64), (8, 0), (16, 32)]
+    for rows, tokens in shapes:
+        model.observe(rows, tokens, step_time(rows, tokens))
+    for _ in range(40):  # the machine got 3x slower at prompt tokens
+        for rows, tokens in shapes:
+            model.observe(rows, tokens, FIXED + PER_ROW * rows + 3 * PER_TOKEN * tokens)
+    costs = model.costs()
+    assert costs is not None and costs[2] == pytest.approx(3 * PER_TOKEN, rel=1e-3)
+
+
+def test_the_budget_stays_within_bounds() -> None:
+    dear = StepCostModel()
+    dear.observe(1, 0, 0.010)
+    dear.observe(0, 100, 1.0)  # 10 ms per token
+    assert dear.prompt_budget(1, 1.0, 16, 2048, 256) == 16  # 1 token, raised to the floor
+    cheap = StepCostModel()
+    cheap.observe(1, 0, 0.010)
+    cheap.observe(0, 10_000, 0.011)
+    assert cheap.prompt_budget(1, 1.0, 16, 2048, 256) == 2048  # capped at the ceiling

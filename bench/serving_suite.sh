@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The README's serving benchmarks, one per name; each writes JSON (and plots) under OUT_DIR.
+#
+# Usage: bench/serving_suite.sh NAME OUT_DIR
+#   latency   small model, colocated, random 512/128 at concurrency 16: 3 runs on one cluster
+#   compare   nori bench compare on the mixed workload (small model), 3 alternating runs a side
+#   sweep     the same comparison over request rates of the short requests
+#   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
+#   prefix    the prefix dataset with and without prefix caching, 3 alternating runs
+#   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+name=$1 out=$2
+mkdir -p "$out"
+nori=("$root/.venv/bin/python" -m nori.cli.main)
+port=8123
+
+up() {  # up LOG up-options...: starts `nori up` in the background; waits until it serves
+  local log=$1
+  shift
+  setsid "${nori[@]}" up --port "$port" "$@" >"$log" 2>&1 &
+  for _ in $(seq 120); do
+    grep -q "serving '" "$log" && return 0
+    sleep 1
+  done
+  echo "the cluster did not start; see $log" >&2
+  return 1
+}
+
+down() {
+  pkill -INT -f "nori.cli.main up --port $port" || true
+  while pgrep -f "nori.cli.main up --port $port" >/dev/null; do sleep 0.5; done
+}
+trap down EXIT
+
+serve() {  # serve RESULT bench-serve-options...
+  local result=$1
+  shift
+  "${nori[@]}" bench serve --base-url "http://127.0.0.1:$port" --result-file "$result" "$@" \
+    >/dev/null 2>&1
+}
+
+mixed=(--dataset mixed --random-input-len 128 --random-output-len 128 --long-input-len 1500
+  --long-output-len 16 --long-request-rate 0.5 --prompt-format token-ids --ignore-eos
+  --slo-ttft-ms 2000 --slo-tpot-ms 50)
+
+case $name in
+latency)
+  up "$out/cluster.log" --model small --colocated
+  for run in 1 2 3; do
+    serve "$out/run-$run.json" --dataset random --random-input-len 512 --random-output-len 128 \
+      --random-range-ratio 0 --prompt-format token-ids --num-prompts 64 --max-concurrency 16 \
+      --ignore-eos --num-warmups 16 --plot "$out/run-$run.png"
+  done
+  ;;
+compare)
+  "${nori[@]}" bench compare --model small "${mixed[@]}" --max-concurrency 8 --duration 40 \
+    --num-warmups 8 --repeats 3 --json --plot "$out/compare.png" --log-dir "$out/logs" \
+    >"$out/compare.json"
+  ;;
+sweep)
+  "${nori[@]}" bench compare --model small "${mixed[@]}" --duration 20 --num-warmups 8 \
+    --repeats 3 --sweep 2,4,8,16 --json --plot "$out/sweep.png" --log-dir "$out/logs" \
+    >"$out/sweep.json"
+  ;;
+burst)
+  for run in 1 2 3; do
+    up "$out/cluster-$run.log" --model demo --prefill 1 --decode 2
+    serve "$out/run-$run.json" --dataset random --random-input-len 1250 \
+      --random-range-ratio 0.6 --random-output-len 32 --prompt-format token-ids \
+      --num-prompts 64 --ignore-eos --request-timeout-s 300
+    down
+  done
+  ;;
+prefix)
+  for run in 1 2 3; do
+    for side in cached uncached; do
+      flags=()
+      [ "$side" = uncached ] && flags=(--worker-args=--no-prefix-caching)
+      up "$out/cluster-$side-$run.log" --model small --prefill 1 --decode 1 "${flags[@]}"
+      serve "$out/$side-$run.json" --dataset prefix --prefix-num-groups 4 --prefix-len 1024 \
+        --suffix-len 32 --prefix-output-len 32 --prompt-format token-ids --num-prompts 48 \
+        --request-rate 2 --ignore-eos --num-warmups 0
+      down
+    done
+  done
+  ;;
+pinning)
+  for run in 1 2 3; do
+    for side in pinned unpinned; do
+      flags=()
+      [ "$side" = unpinned ] && flags=(--no-cpu-pinning)
+      up "$out/cluster-$side-$run.log" --model small "${flags[@]}"
+      serve "$out/$side-$run.json" "${mixed[@]}" --max-concurrency 8 --duration 40 \
+        --num-warmups 8
+      down
+    done
+  done
+  ;;
+*)
+  echo "unknown benchmark $name" >&2
+  exit 2
+  ;;
+esac
