@@ -59,17 +59,22 @@ compare)
     >"$out/compare.json"
   ;;
 sweep)
-  "${nori[@]}" bench compare --model small "${mixed[@]}" --duration 20 --num-warmups 8 \
-    --repeats 3 --sweep 2,4,8,16 --json --plot "$out/sweep.png" --log-dir "$out/logs" \
+  "${nori[@]}" bench compare --model small "${mixed[@]}" --duration 15 --num-warmups 8 \
+    --repeats 3 --sweep 1,2,4,8 --json --plot "$out/sweep.png" --log-dir "$out/logs" \
     >"$out/sweep.json"
   ;;
 burst)
+  # The gateway's default admission bound (429 up front), then none (every request queues).
   for run in 1 2 3; do
-    up "$out/cluster-$run.log" --model demo --prefill 1 --decode 2
-    serve "$out/run-$run.json" --dataset random --random-input-len 1250 \
-      --random-range-ratio 0.6 --random-output-len 32 --prompt-format token-ids \
-      --num-prompts 64 --ignore-eos --request-timeout-s 300
-    down
+    for side in bounded unbounded; do
+      flags=()
+      [ "$side" = unbounded ] && flags=(--max-queued-prompt-tokens 0)
+      up "$out/cluster-$side-$run.log" --model demo --prefill 1 --decode 2 "${flags[@]}"
+      serve "$out/$side-$run.json" --dataset random --random-input-len 1250 \
+        --random-range-ratio 0.6 --random-output-len 32 --prompt-format token-ids \
+        --num-prompts 64 --ignore-eos --request-timeout-s 300 --save-detailed
+      down
+    done
   done
   ;;
 prefix)

@@ -2,7 +2,7 @@
 
 Usage:
     python bench/step_profile.py record OUT.txt -- [nori bench offline options...]
-    python bench/step_profile.py summarize OUT.txt
+    python bench/step_profile.py summarize OUT.txt   (or OUT.txt.gz)
 
 `record` runs `nori bench offline` (continuous batching, one run) under `py-spy record --format raw`
 and then summarizes it; `summarize` reads such a file again. py-spy samples the Python stacks of the
@@ -14,6 +14,7 @@ bucket whose frame appears on its stack, read from the outermost frame inwards.
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def bucket_of(frames: list[str]) -> str:
 
 def summarize(path: Path) -> str:
     counts: Counter[str] = Counter()
-    for line in path.read_text().splitlines():
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue

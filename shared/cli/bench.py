@@ -17,7 +17,7 @@ from nori.bench.serve.args import (
 from nori.cli.engine_args import add_engine_args, engine_config_from_args, worker_args
 
 if TYPE_CHECKING:
-    from nori.bench.compare import CompareOutcome
+    from nori.bench.compare import CompareOutcome, CompareSettings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -183,13 +183,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    import signal
-
+def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     from nori.bench.compare import CompareSettings, parse_rates
-    from nori.bench.compare import run_compare as compare
 
-    settings = CompareSettings(
+    rates = parse_rates(args.sweep) if args.sweep is not None else ()
+    if rates:
+        # The sweep sets the rate of every run; the workload is checked at the first one (a
+        # --duration needs a finite rate).
+        args = argparse.Namespace(**{**vars(args), "request_rate": rates[0]})
+    return CompareSettings(
         workload=workload_settings_from_args(args),
         model=args.model,
         num_prefill=args.prefill,
@@ -199,10 +201,18 @@ def run_compare(args: argparse.Namespace) -> int:
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         cpus=args.cpus,
         repeats=args.repeats,
-        request_rates=parse_rates(args.sweep) if args.sweep is not None else (),
+        request_rates=rates,
         startup_timeout_s=args.startup_timeout_s,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import signal
+
+    from nori.bench.compare import run_compare as compare
+
+    settings = compare_settings_from_args(args)
     # SIGTERM unwinds like Ctrl-C, so that both clusters are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

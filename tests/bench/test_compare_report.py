@@ -158,3 +158,16 @@ def test_settings_and_options_are_checked() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             worker_args(bad)
+
+
+def test_a_sweep_with_a_duration_needs_no_request_rate_of_its_own() -> None:
+    from nori.cli.bench import compare_settings_from_args
+    from nori.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "compare", "--duration", "20", "--sweep", "2,4"])
+    settings = compare_settings_from_args(args)
+    assert settings.rates == (2.0, 4.0) and settings.workload.duration_s == 20.0
+    without = parser.parse_args(["bench", "compare", "--duration", "20"])
+    with pytest.raises(ValueError, match="--duration needs a finite --request-rate"):
+        compare_settings_from_args(without)
