@@ -46,9 +46,11 @@ mixed=(--dataset mixed --random-input-len 128 --random-output-len 128 --long-inp
 
 case $name in
 latency)
-  up "$out/cluster.log" --model small --colocated
+  # LATENCY_WORKER_ARGS: e.g. '--prefill-budget-with-decodes 0' for the uncapped trade-off.
+  up "$out/cluster.log" --model small --colocated --worker-args="${LATENCY_WORKER_ARGS:-}"
   for run in 1 2 3; do
-    serve "$out/run-$run.json" --dataset random --random-input-len 512 --random-output-len 128 \
+    # A seed per run: the same prompts again would hit the prefix cache of the run before.
+    serve "$out/run-$run.json" --seed "$run" --dataset random --random-input-len 512 --random-output-len 128 \
       --random-range-ratio 0 --prompt-format token-ids --num-prompts 64 --max-concurrency 16 \
       --ignore-eos --num-warmups 16 --plot "$out/run-$run.png"
   done
