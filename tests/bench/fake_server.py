@@ -29,8 +29,7 @@ async def serving(handler: Handler) -> AsyncIterator[str]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-    port = sockets[0].getsockname()[1]
+    port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
