@@ -62,12 +62,13 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 2000) for _ in range(length)] for _ in range(count)]
 
 
-def complete(cluster: LocalCluster, prompt: list[int], timeout_s: float = 300) -> httpx.Response:
-    return httpx.post(
-        f"{cluster.url}/v1/completions",
-        json={"model": model_name(cluster), "prompt": prompt, "max_tokens": 8},
-        timeout=timeout_s,
-    )
+def complete(
+    cluster: LocalCluster, prompt: list[int], timeout_s: float = 300, max_tokens: int = 8
+) -> httpx.Response:
+    body = {"model": model_name(cluster), "prompt": prompt, "max_tokens": max_tokens}
+    if max_tokens > 8:
+        body["ignore_eos"] = True
+    return httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=timeout_s)
 
 
 def timed(cluster: LocalCluster, prompt: list[int]) -> tuple[httpx.Response, float]:
@@ -77,9 +78,13 @@ def timed(cluster: LocalCluster, prompt: list[int]) -> tuple[httpx.Response, flo
 
 
 def until_gone(cluster: LocalCluster, prompt: list[int], timeout_s: float) -> str:
-    """A request whose client gives up (timeout_s) or whose gateway dies before the answer."""
+    """A request whose client gives up (timeout_s) or whose gateway dies before the answer.
+
+    1000 output tokens (ignore_eos) take seconds, so the answer cannot come within timeout_s
+    however fast the prompt was computed: the client always leaves while the request holds
+    blocks."""
     try:
-        complete(cluster, prompt, timeout_s=timeout_s)
+        complete(cluster, prompt, timeout_s=timeout_s, max_tokens=1000)
     except httpx.HTTPError:
         return "gone"
     return "answered"
@@ -91,7 +96,7 @@ def test_a_burst_longer_than_the_lease_completes_or_is_refused_up_front_never_50
     baseline = idle_free_blocks(busy_cluster)
     burst = prompts(BURST, PROMPT_TOKENS, seed=1)
     with concurrent.futures.ThreadPoolExecutor(BURST + 2) as pool:
-        # Two clients that leave while their prompts wait in the prefill queue (admitted first).
+        # Two clients that leave before their answers, while the burst queues (admitted first).
         leaving = [pool.submit(until_gone, busy_cluster, p, 1.0) for p in prompts(2, 1500, seed=2)]
         time.sleep(0.3)
         results = list(pool.map(lambda p: timed(busy_cluster, p), burst))
