@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.serving.kv_layout import destination_buffers
-from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.base import TransferRejected
+from nori.transfer.handoff import HandOff, TransferHeader
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 
@@ -60,8 +60,8 @@ class DecodeKVSink:
     def forget(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
 
-    async def wait(self, request_id: str) -> dict[str, Any]:
-        """The transfer's metadata once its blocks have all arrived.
+    async def wait(self, request_id: str) -> HandOff:
+        """The transfer's hand-off once its blocks have all arrived.
 
         Raises LeaseExpired when the lease ran out first (the lease is then gone, so a late sender
         is refused), TimeoutError when a transfer under way took too long, TransferRejected when
@@ -85,7 +85,8 @@ class DecodeKVSink:
             raise TransferRejected(
                 f"the KV transfer of request {request_id!r} failed: {lease.error}"
             )
-        return lease.metadata
+        assert lease.hand_off is not None
+        return lease.hand_off
 
     # ------------------------------------------------------------------ KVSink (transport)
 
@@ -124,7 +125,7 @@ class DecodeKVSink:
         lease = self._leases.get(header.request_id)
         if lease is not None:
             lease.state = LeaseState.ARRIVED
-            lease.metadata = dict(header.metadata)
+            lease.hand_off = header.hand_off
             lease.done.set()
 
     def failed(self, header: TransferHeader, error: str) -> None:

@@ -29,7 +29,8 @@ import asyncio
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from nori.transfer.handoff import HandOff
 
 
 class LeaseState(enum.Enum):
@@ -72,7 +73,8 @@ class Lease:
     num_renewals: int = 0
     state: LeaseState = LeaseState.QUEUED
     receiving_since: float = 0.0
-    metadata: dict[str, Any] = field(default_factory=dict)
+    # What decoding continues from, once the KV arrived.
+    hand_off: HandOff | None = None
     error: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -8,10 +8,8 @@ prompt waits in its queue and is computed (see `lease.py` for when a lease runs 
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 
@@ -23,6 +21,7 @@ from nori.serving.grpc_calls import call_engine
 from nori.serving.output_streams import OutputStreams, next_output
 from nori.serving.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
+from nori.transfer.handoff import HandOff, KVDestination
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -93,18 +92,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 assert self._sink is not None and block_ids is not None
                 self._sink.expect(request_id, block_ids, self._lease_s)
                 yield decode_pb2.GenerateResponse(
-                    reservation=decode_pb2.Reservation(
+                    reservation=KVDestination(
                         worker_id=self._worker_id,
                         transfer_address=self._transfer_address,
                         block_ids=block_ids,
                         lease_seconds=self._lease_s,
                     )
                 )
-                metadata = await self._receive(request_id, context)
+                hand_off = await self._receive(request_id, context)
                 self._record(request_id, "decoding")
-                first_tokens = [int(t) for t in metadata["output_token_ids"]]
-                state = metadata.get("generator_state")
-                generator_state = base64.b64decode(state) if isinstance(state, str) else None
+                first_tokens = list(hand_off.output_token_ids)
+                generator_state = (
+                    hand_off.generator_state if hand_off.HasField("generator_state") else None
+                )
                 await call_engine(
                     self._engine,
                     context,
@@ -125,7 +125,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 # Cancelled, expired or failed: free the blocks now, whatever state they are in.
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
 
-    async def _receive(self, request_id: str, context: grpc.aio.ServicerContext) -> dict[str, Any]:
+    async def _receive(self, request_id: str, context: grpc.aio.ServicerContext) -> HandOff:
         assert self._sink is not None
         try:
             return await self._sink.wait(request_id)

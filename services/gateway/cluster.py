@@ -45,6 +45,7 @@ from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, WorkerRegistry
 from nori.state.requests import RequestStateStore
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from nori.v1.handoff_pb2 import KVDestination
 
 logger = logging.getLogger(__name__)
 
@@ -321,20 +322,17 @@ class ClusterBackend:
                 prefill_worker=chosen.worker_id,
                 decode_worker=decode.worker_id,
             )
+            destination = KVDestination()
+            destination.CopyFrom(reservation.reservation)
+            # The prefill worker renews the lease here while it holds the prompt.
+            destination.grpc_address = decode.grpc_address
             prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(chosen.grpc_address))
             prefill_call = prefill_stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
                     params=params_to_proto(request.params),
-                    destination=prefill_pb2.KVDestination(
-                        worker_id=decode.worker_id,
-                        transfer_address=reservation.reservation.transfer_address,
-                        block_ids=reservation.reservation.block_ids,
-                        # The prefill worker renews the lease here while it holds the prompt.
-                        grpc_address=decode.grpc_address,
-                        lease_seconds=reservation.reservation.lease_seconds,
-                    ),
+                    destination=destination,
                 )
             )
             # Either side may speak first: the decode stream ends early when the lease runs out

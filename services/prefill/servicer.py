@@ -9,7 +9,6 @@ alive; the destination says where to renew it.
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,8 @@ from nori.serving.engine_thread import EngineThread
 from nori.serving.grpc_calls import call_engine
 from nori.serving.kv_layout import source_buffers
 from nori.serving.output_streams import OutputStreams
-from nori.transfer.base import KVSender, TransferError, TransferHeader, TransferRejected
+from nori.transfer.base import KVSender, TransferError, TransferRejected
+from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def _send(
         self,
         export: KVExport,
-        destination: prefill_pb2.KVDestination,
+        destination: KVDestination,
         context: grpc.aio.ServicerContext,
     ) -> int:
         block_ids = list(destination.block_ids)
@@ -121,16 +121,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {error}")
         state = export.state
-        header = TransferHeader(
+        header = TransferHeader.of(
             request_id=state.request_id,
             block_ids=block_ids,
             buffer_nbytes=[buffer.nbytes for buffer in buffers],
-            metadata={
-                "output_token_ids": list(state.output_token_ids),
-                "generator_state": base64.b64encode(state.generator_state).decode()
-                if state.generator_state is not None
-                else None,
-            },
+            output_token_ids=state.output_token_ids,
+            generator_state=state.generator_state,
+            destination=destination,
         )
         try:
             await self._sender.send(destination.transfer_address, header, buffers)

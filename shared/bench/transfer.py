@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from nori.transfer.base import TransferConfig, TransferHeader
+from nori.transfer.base import TransferConfig
+from nori.transfer.handoff import TransferHeader
 
 # One message = one block of one layer's K (or V) in Nori's cache layout
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: that is the largest piece a receiver can
@@ -180,7 +181,7 @@ async def _time_transport(
     from nori.transfer.factory import make_sender
 
     blocks = _blocks(source, settings.block_bytes)
-    header = TransferHeader(
+    header = TransferHeader.of(
         request_id="bench",
         block_ids=list(range(settings.num_blocks)),
         buffer_nbytes=[settings.block_bytes] * settings.num_blocks,

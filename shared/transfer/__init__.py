@@ -5,7 +5,7 @@ A decode worker implements `KVSink` and runs a receiver; a prefill worker sends 
     receiver = make_receiver("auto", sink)       # UCX where ucxx imports, TCP otherwise
     address = await receiver.start(advertise_host=my_ip)
     sender = make_sender("auto")                 # dispatches on the address scheme
-    await sender.send(address, TransferHeader(...), buffers)
+    await sender.send(address, TransferHeader.of(...), buffers)
 
 Importing this package does not import ucxx; `make_*("auto"|"ucx")` and `ucx_available()` do.
 """
@@ -16,10 +16,10 @@ from nori.transfer.base import (
     KVSink,
     TransferConfig,
     TransferError,
-    TransferHeader,
     TransferRejected,
 )
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.handoff import TransferHeader
 
 __all__ = [
     "KVReceiver",

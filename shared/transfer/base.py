@@ -1,4 +1,5 @@
-"""The transport-neutral interface: the transfer header, the errors, the sink and the endpoints.
+"""The transport-neutral interface: the errors, the sink and the endpoints (the header they carry
+is `handoff.py`'s).
 
 A prefill worker (`KVSender`) pushes one request's KV blocks into the paged KV cache of a decode
 worker (`KVReceiver`). The decode worker decides where the bytes land (`KVSink.destinations`),
@@ -7,14 +8,12 @@ so the receiver writes straight into the cache tensors, never into a staging buf
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-# Bumped when the JSON layout of `TransferHeader` changes, so a mixed deployment fails loudly.
-HEADER_VERSION = 1
+from nori.transfer.handoff import TransferHeader
 
 
 class TransferRejected(Exception):
@@ -50,75 +49,6 @@ class TransferConfig:
             raise ValueError("max_connections_per_peer must be >= 1")
         if self.max_header_bytes < 1024:
             raise ValueError("max_header_bytes must be >= 1024")
-
-
-def _int_list(value: object, name: str) -> list[int]:
-    # bool is an int subclass: `true` in a header is malformed, not 1.
-    if not isinstance(value, list) or not all(
-        isinstance(item, int) and not isinstance(item, bool) for item in value
-    ):
-        raise ValueError(f"header field {name!r} must be a list of integers")
-    return list(value)
-
-
-@dataclass(frozen=True)
-class TransferHeader:
-    """What precedes the KV bytes of one transfer; JSON on the wire."""
-
-    request_id: str
-    # Destination block ids on the receiver; the receiver's sink checks them.
-    block_ids: list[int]
-    # Byte size of each buffer that follows, in order.
-    buffer_nbytes: list[int]
-    # JSON-able extras: first token ids, a sampler's RNG state as base64, ...
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def total_nbytes(self) -> int:
-        return sum(self.buffer_nbytes)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "version": HEADER_VERSION,
-                "request_id": self.request_id,
-                "block_ids": self.block_ids,
-                "buffer_nbytes": self.buffer_nbytes,
-                "metadata": self.metadata,
-            },
-            separators=(",", ":"),
-            allow_nan=False,
-        ).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> TransferHeader:
-        """Parses and validates a header; raises ValueError on anything malformed."""
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-            raise ValueError(f"header is not JSON: {error}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("header must be a JSON object")
-        if raw.get("version") != HEADER_VERSION:
-            raise ValueError(
-                f"header version {raw.get('version')!r} is not supported "
-                f"(this receiver speaks {HEADER_VERSION})"
-            )
-        request_id = raw.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("header field 'request_id' must be a non-empty string")
-        buffer_nbytes = _int_list(raw.get("buffer_nbytes"), "buffer_nbytes")
-        if any(size < 0 for size in buffer_nbytes):
-            raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
-        metadata = raw.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise ValueError("header field 'metadata' must be a JSON object")
-        return cls(
-            request_id=request_id,
-            block_ids=_int_list(raw.get("block_ids"), "block_ids"),
-            buffer_nbytes=buffer_nbytes,
-            metadata=metadata,
-        )
 
 
 @runtime_checkable

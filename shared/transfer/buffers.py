@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.base import TransferRejected
+from nori.transfer.handoff import TransferHeader
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,9 @@ provides a `Channel`; this module holds the logic, so the two transports cannot 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -24,10 +23,10 @@ from nori.transfer.base import (
     KVSink,
     TransferConfig,
     TransferError,
-    TransferHeader,
     TransferRejected,
 )
 from nori.transfer.buffers import check_destinations
+from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 
 logger = logging.getLogger(__name__)
 
@@ -109,25 +108,19 @@ class ReceiverStats:
         return self._counters.transfers
 
 
-def _encode_reply(status: str, **fields: Any) -> bytes:
-    return json.dumps({"status": status, **fields}, separators=(",", ":")).encode()
-
-
-def _decode_reply(payload: bytes) -> dict[str, Any]:
+def _decode_reply(payload: bytes) -> KVTransferReply:
     try:
-        reply = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        reply = None
-    if not isinstance(reply, dict) or not isinstance(reply.get("status"), str):
-        raise TransferError("the receiver sent a malformed reply")
-    return reply
+        return decode_reply(payload)
+    except ValueError as error:
+        raise TransferError(f"the receiver sent a malformed reply: {error}") from None
 
 
-def _expect(reply: dict[str, Any], status: str) -> dict[str, Any]:
-    if reply["status"] == "reject":
-        raise TransferRejected(str(reply.get("error", "rejected")))
-    if reply["status"] != status:
-        raise TransferError(f"the receiver replied {reply['status']!r}, expected {status!r}")
+def _expect(reply: KVTransferReply, kind: str) -> KVTransferReply:
+    got = reply.WhichOneof("kind")
+    if got == "rejected":
+        raise TransferRejected(reply.rejected or "rejected")
+    if got != kind:
+        raise TransferError(f"the receiver replied {got!r}, expected {kind!r}")
     return reply
 
 
@@ -152,7 +145,7 @@ async def send_transfer(
         )
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
-    _expect(_decode_reply(reply), "accept")
+    _expect(_decode_reply(reply), "accepted")
     await _within(channel.send_buffers(views), config.timeout_s, "sending KV data")
     done = _expect(
         _decode_reply(
@@ -162,11 +155,11 @@ async def send_transfer(
                 "waiting for the acknowledgement",
             )
         ),
-        "done",
+        "done_nbytes",
     )
-    if done.get("nbytes") != header.total_nbytes:
+    if done.done_nbytes != header.total_nbytes:
         raise TransferError(
-            f"the receiver acknowledged {done.get('nbytes')} bytes of {header.total_nbytes}"
+            f"the receiver acknowledged {done.done_nbytes} bytes of {header.total_nbytes}"
         )
 
 
@@ -177,18 +170,18 @@ def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
         logger.exception("KV sink failed() raised for request %s", header.request_id)
 
 
-async def _reply(channel: Channel, status: str, **fields: Any) -> bool:
+async def _reply(channel: Channel, reply: KVTransferReply) -> bool:
     """Sends a reply; False when the connection is gone (the caller stops serving it)."""
     try:
-        await channel.send_message(_encode_reply(status, **fields))
+        await channel.send_message(encode_reply(reply))
     except (TransferError, OSError) as error:
-        logger.debug("could not reply %s: %s", status, error)
+        logger.debug("could not reply %s: %s", reply.WhichOneof("kind"), error)
         return False
     return True
 
 
 async def _reject(channel: Channel, error: str) -> bool:
-    return await _reply(channel, "reject", error=error[:MAX_ERROR_CHARS])
+    return await _reply(channel, KVTransferReply(rejected=error[:MAX_ERROR_CHARS]))
 
 
 async def serve_connection(
@@ -243,7 +236,7 @@ async def _serve_one(
         _notify_failed(sink, header, str(error))
         return await _reject(channel, str(error))
 
-    if not await _reply(channel, "accept"):
+    if not await _reply(channel, KVTransferReply(accepted=True)):
         _notify_failed(sink, header, "connection lost before the data")
         return False
     try:
@@ -265,4 +258,4 @@ async def _serve_one(
         logger.exception("KV sink completed() raised for request %s", header.request_id)
         return await _reject(channel, f"receiver error after the data: {error!r}")
     counters.add(nbytes)
-    return await _reply(channel, "done", nbytes=nbytes)
+    return await _reply(channel, KVTransferReply(done_nbytes=nbytes))

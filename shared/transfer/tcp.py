@@ -19,9 +19,9 @@ from nori.transfer.base import (
     KVSink,
     TransferConfig,
     TransferError,
-    TransferHeader,
 )
 from nori.transfer.buffers import check_sources
+from nori.transfer.handoff import TransferHeader
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.protocol import (
     ConnectionClosed,

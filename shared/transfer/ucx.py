@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from nori.transfer.address import parse_address
-from nori.transfer.base import KVSink, TransferConfig, TransferError, TransferHeader
+from nori.transfer.base import KVSink, TransferConfig, TransferError
 from nori.transfer.buffers import check_sources
+from nori.transfer.handoff import TransferHeader
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.protocol import (
     ConnectionClosed,

@@ -51,7 +51,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
         check=True,
     )
     generated = sorted((tmp_path / "proto/nori/v1").glob("*_pb2*"))
-    assert len(generated) == 9
+    assert len(generated) == 12
     for fresh in generated:
         checked_in = PROTO / "nori/v1" / fresh.name
         assert checked_in.is_file(), f"{checked_in} is missing; run: {GENERATE}"

@@ -10,7 +10,8 @@ import torch
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
 from nori.decode.lease import LeaseState
 from nori.serving.kv_layout import destination_buffers
-from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.base import TransferRejected
+from nori.transfer.handoff import TransferHeader
 
 
 def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:
@@ -21,7 +22,7 @@ def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.T
 
 def header(request_id: str, block_ids: list[int], cache: torch.Tensor) -> TransferHeader:
     sizes = [b.nbytes for b in destination_buffers(cache, block_ids)]
-    return TransferHeader(request_id, block_ids, sizes, {"output_token_ids": [7]})
+    return TransferHeader.of(request_id, block_ids, sizes, output_token_ids=[7])
 
 
 async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> None:
@@ -32,7 +33,7 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
         sink.destinations(header("other", [3, 4], cache))
     with pytest.raises(TransferRejected, match="differ from the reservation"):
         sink.destinations(header("r1", [3, 5], cache))
-    bad_sizes = TransferHeader("r1", [3, 4], [1, 2, 3], {})
+    bad_sizes = TransferHeader.of("r1", [3, 4], [1, 2, 3])
     with pytest.raises(TransferRejected, match="buffer sizes"):
         sink.destinations(bad_sizes)
 
@@ -45,7 +46,7 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
     for buffer in buffers:
         buffer.fill_(1.0)
     sink.completed(good, sum(good.buffer_nbytes))
-    assert await sink.wait("r1") == {"output_token_ids": [7]}
+    assert list((await sink.wait("r1")).output_token_ids) == [7]
     assert cache[:, :, 3:5].eq(1).all() and not cache[:, :, :3].any()
     assert sink.bytes_received == sum(good.buffer_nbytes) and sink.transfers_completed == 1
 
@@ -85,7 +86,7 @@ async def test_renewals_keep_the_blocks_past_the_lease_and_silence_frees_them() 
     started = header("r1", [2], cache)
     sink.destinations(started)
     sink.completed(started, sum(started.buffer_nbytes))
-    assert await waiter == {"output_token_ids": [7]}
+    assert list((await waiter).output_token_ids) == [7]
 
     # Another one whose prefill worker hangs after two renewals: freed one lease later.
     sink.expect("r2", [3], lease_s=0.4)

@@ -7,8 +7,8 @@ import socket
 import pytest
 import torch
 
-from nori.transfer.base import TransferHeader
 from nori.transfer.factory import ucx_available
+from nori.transfer.handoff import KVDestination, TransferHeader
 from tests.transfer.receiver_process import CACHE_SHAPE
 
 KINDS = [
@@ -20,7 +20,11 @@ KINDS = [
 
 
 def kv_blocks(
-    request_id: str, block_ids: list[int], dtype: torch.dtype, seed: int, **metadata: object
+    request_id: str,
+    block_ids: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    output_token_ids: tuple[int, ...] = (),
 ) -> tuple[TransferHeader, list[torch.Tensor], torch.Tensor]:
     """A header, its buffers (one contiguous slice per layer, K/V, block) and their source.
 
@@ -36,11 +40,13 @@ def kv_blocks(
         for k in range(kv)
         for i in range(len(block_ids))
     ]
-    header = TransferHeader(
+    header = TransferHeader.of(
         request_id=request_id,
         block_ids=block_ids,
         buffer_nbytes=[buffer.nbytes for buffer in buffers],
-        metadata={"cache": str(dtype).removeprefix("torch."), **metadata},
+        output_token_ids=output_token_ids,
+        # The test receiver keeps one cache per dtype; the destination's worker names it.
+        destination=KVDestination(worker_id=str(dtype).removeprefix("torch.")),
     )
     return header, buffers, source
 

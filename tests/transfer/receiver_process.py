@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.base import TransferRejected
+from nori.transfer.handoff import TransferHeader
 
 # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], like nori.engine.kv_cache.
 CACHE_SHAPE = (2, 2, 16, 4, 2, 8)
@@ -37,7 +38,8 @@ def block_slices(cache: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor
 
 
 class CacheSink:
-    """Receives into views of the named cache; refuses on request ("reject ..." ids)."""
+    """Receives into views of the cache its destination names; refuses on request ("reject ..."
+    ids), and hands out one block too few for "short-..." ids."""
 
     def __init__(self, caches: dict[str, torch.Tensor]) -> None:
         self.caches = caches
@@ -48,8 +50,8 @@ class CacheSink:
             raise TransferRejected(f"unknown request {header.request_id}")
         if header.request_id.startswith("crash"):
             raise RuntimeError("the sink itself failed")
-        cache = self.caches[header.metadata.get("cache", "float32")]
-        if header.metadata.get("bad_shape"):
+        cache = self.caches[header.hand_off.destination.worker_id or "float32"]
+        if header.request_id.startswith("short"):
             # A sink that hands out the wrong blocks: one too few.
             return block_slices(cache, header.block_ids)[1:]
         return block_slices(cache, header.block_ids)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from nori.transfer.address import Address, parse_address
-from nori.transfer.base import TransferHeader, TransferRejected
+from nori.transfer.base import TransferRejected
 from nori.transfer.buffers import check_destinations, check_sources
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.handoff import TransferHeader
 from nori.transfer.tcp import TcpReceiver
 from tests.transfer.receiver_process import CacheSink
 
@@ -25,7 +26,7 @@ _WITHOUT_UCXX = textwrap.dedent(
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
     import torch
-    from nori.transfer.base import TransferHeader
+    from nori.transfer.handoff import TransferHeader
     from nori.transfer.factory import make_receiver, make_sender, ucx_available
 
     class Sink:
@@ -44,9 +45,9 @@ _WITHOUT_UCXX = textwrap.dedent(
         address = await receiver.start(host="127.0.0.1")
         sender = make_sender("auto")
         data = torch.arange(16.0)
-        await sender.send(address, TransferHeader("r", [2], [data.nbytes]), [data])
+        await sender.send(address, TransferHeader.of("r", [2], [data.nbytes]), [data])
         try:
-            await sender.send("ucx://127.0.0.1:1", TransferHeader("r", [2], [data.nbytes]), [data])
+            await sender.send("ucx://127.0.0.1:1", TransferHeader.of("r", [2], [data.nbytes]), [data])
             ucx_address = "accepted"
         except ValueError as error:
             ucx_address = str(error)
@@ -105,7 +106,7 @@ async def test_a_tcp_sender_refuses_ucx_addresses() -> None:
     sender = make_sender("tcp")
     data = torch.zeros(4)
     with pytest.raises(ValueError, match="no UCX transport"):
-        await sender.send("ucx://127.0.0.1:9", TransferHeader("r", [0], [16]), [data])
+        await sender.send("ucx://127.0.0.1:9", TransferHeader.of("r", [0], [16]), [data])
     await sender.close()
 
 
@@ -119,22 +120,25 @@ def test_addresses() -> None:
 
 
 def test_header_validation() -> None:
-    header = TransferHeader("r", [1, 2], [8, 8], {"rng": "AAEC"})
+    header = TransferHeader.of("r", [1, 2], [8, 8], generator_state=b"\x00\x01")
     assert TransferHeader.from_bytes(header.to_bytes()) == header
-    for bad in (
-        b"{",
-        b"null",
-        b'{"version": 1}',
-        json.dumps({"version": 1, "request_id": "", "block_ids": [], "buffer_nbytes": []}),
-        json.dumps({"version": 1, "request_id": "r", "block_ids": [1.5], "buffer_nbytes": []}),
-        json.dumps({"version": 2, "request_id": "r", "block_ids": [], "buffer_nbytes": []}),
+    valid = header.to_bytes()
+    for bad, complaint in (
+        (b"{", "not a Nori"),
+        (b"null", "not a Nori"),
+        (b'{"version": 1}', "not a Nori"),
+        (b"NKV", "not a Nori"),
+        (valid[:3] + b"\x01" + valid[4:], "version 1 is not supported"),
+        (valid[:4] + b"\x0a\x05", "malformed"),
+        (TransferHeader.of("", [1], [8]).to_bytes(), "request_id"),
+        (TransferHeader.of("r", [1], [-8]).to_bytes(), "negative sizes"),
     ):
-        with pytest.raises(ValueError):
-            TransferHeader.from_bytes(bad if isinstance(bad, bytes) else bad.encode())
+        with pytest.raises(ValueError, match=complaint):
+            TransferHeader.from_bytes(bad)
 
 
 def test_buffer_checks() -> None:
-    header = TransferHeader("r", [0], [32])
+    header = TransferHeader.of("r", [0], [32])
     bf16 = torch.zeros(2, 8, dtype=torch.bfloat16)
     (view,) = check_sources(header, [bf16])
     assert view.dtype == torch.uint8 and view.numel() == 32

@@ -10,6 +10,7 @@ import torch
 
 from nori.transfer.base import TransferConfig, TransferError, TransferRejected
 from nori.transfer.factory import make_sender
+from nori.transfer.handoff import TransferHeader
 from tests.transfer.helpers import KINDS, free_port, kv_blocks
 from tests.transfer.receiver_process import UNTOUCHED, ReceiverProcess
 
@@ -28,7 +29,9 @@ async def test_blocks_land_in_the_destination_blocks_and_nowhere_else(
     cache = receiver.caches[str(dtype).removeprefix("torch.")]
     before = cache.clone()
     request_id = f"land-{dtype}"
-    header, buffers, source = kv_blocks(request_id, block_ids, dtype, seed=1, first_token=42)
+    header, buffers, source = kv_blocks(
+        request_id, block_ids, dtype, seed=1, output_token_ids=(42,)
+    )
     sender = make_sender(receiver.kind)
     try:
         await sender.send(receiver.address, header, buffers)
@@ -79,11 +82,12 @@ async def test_size_mismatches_are_rejected_and_leave_the_cache_alone(
     try:
         # Half-size blocks: the header is consistent with the sender's buffers, not the cache.
         header, buffers, _ = kv_blocks("half-size", [5], torch.bfloat16, seed=4)
-        header = type(header)(header.request_id, header.block_ids, header.buffer_nbytes, {})
+        # ... sent to the float32 cache (a destination that names no cache).
+        header = TransferHeader.of(header.request_id, header.block_ids, header.buffer_nbytes)
         with pytest.raises(TransferRejected, match="size mismatch"):
             await sender.send(receiver.address, header, buffers)
         # The sink hands out one destination too few.
-        header, buffers, _ = kv_blocks("short-sink", [6], torch.float32, seed=5, bad_shape=True)
+        header, buffers, _ = kv_blocks("short-sink", [6], torch.float32, seed=5)
         with pytest.raises(TransferRejected, match="size mismatch"):
             await sender.send(receiver.address, header, buffers)
     finally:

@@ -1,4 +1,5 @@
 from nori.v1 import common_pb2 as _common_pb2
+from nori.v1 import handoff_pb2 as _handoff_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -18,18 +19,6 @@ class GenerateRequest(_message.Message):
     params: _common_pb2.SamplingParams
     compute_prompt: bool
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compute_prompt: _Optional[bool] = ...) -> None: ...
-
-class Reservation(_message.Message):
-    __slots__ = ("worker_id", "transfer_address", "block_ids", "lease_seconds")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    transfer_address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    lease_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class LeaseRenewal(_message.Message):
     __slots__ = ("request_id", "started")
@@ -57,6 +46,6 @@ class GenerateResponse(_message.Message):
     __slots__ = ("reservation", "delta")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
-    reservation: Reservation
+    reservation: _handoff_pb2.KVDestination
     delta: _common_pb2.TokenDelta
-    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ...) -> None: ...
+    def __init__(self, reservation: _Optional[_Union[_handoff_pb2.KVDestination, _Mapping]] = ..., delta: _Optional[_Union[_common_pb2.TokenDelta, _Mapping]] = ...) -> None: ...

@@ -56,7 +56,8 @@ class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """The first message is a Reservation: block ids under a lease, and where to send their KV.
+        """The first message is a reservation (a KVDestination): block ids under a lease, and where to
+        send their KV.
         Once the KV has arrived the request joins the running batch and the following messages
         carry its tokens (from the second one on: the first comes from the prefill worker).
         With compute_prompt the worker computes the prompt itself (colocated mode): no reservation,

@@ -1,4 +1,5 @@
 from nori.v1 import common_pb2 as _common_pb2
+from nori.v1 import handoff_pb2 as _handoff_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -6,20 +7,6 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds")
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    worker_id: str
-    transfer_address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    grpc_address: str
-    lease_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "destination")
@@ -30,8 +17,8 @@ class PrefillRequest(_message.Message):
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    destination: KVDestination
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    destination: _handoff_pb2.KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[_handoff_pb2.KVDestination, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "kv_bytes_sent", "prefill_seconds", "transfer_seconds")

@@ -1,0 +1,51 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVDestination(_message.Message):
+    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    transfer_address: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    grpc_address: str
+    lease_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class HandOff(_message.Message):
+    __slots__ = ("request_id", "destination", "output_token_ids", "generator_state")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    destination: KVDestination
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    generator_state: bytes
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ...) -> None: ...
+
+class KVTransferHeader(_message.Message):
+    __slots__ = ("hand_off", "buffer_nbytes")
+    HAND_OFF_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    hand_off: HandOff
+    buffer_nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVTransferReply(_message.Message):
+    __slots__ = ("accepted", "rejected", "done_nbytes")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DONE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    rejected: str
+    done_nbytes: int
+    def __init__(self, accepted: _Optional[bool] = ..., rejected: _Optional[str] = ..., done_nbytes: _Optional[int] = ...) -> None: ...

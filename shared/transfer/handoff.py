@@ -1,0 +1,141 @@
+"""The prefill-to-decode hand-off on the wire: one typed message, one codec, both sides.
+
+The messages are protobuf (`proto/nori/v1/handoff.proto`): `KVDestination` (the decode worker's
+reserved blocks, passed decode -> gateway -> prefill), `HandOff` (the destination plus what
+decoding continues from: the first token and the sampler's RNG state) and the KV transfer's own
+framing, `KVTransferHeader` and `KVTransferReply`. This module is the only place that turns them
+into bytes and back, and the only place that checks what a peer sent.
+
+A header starts with a magic and a version, so a foreign or older peer is refused with a clear
+error instead of being misread: protobuf parses almost any bytes into some message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader, KVTransferReply
+
+__all__ = [
+    "HEADER_VERSION",
+    "HandOff",
+    "KVDestination",
+    "KVTransferReply",
+    "TransferHeader",
+    "decode_reply",
+    "encode_reply",
+]
+
+# Bumped when the header's layout changes incompatibly, so a mixed deployment fails loudly.
+# (Version 1 was a JSON object; it started with "{", which the magic check refuses.)
+HEADER_VERSION = 2
+_MAGIC = b"NKV"
+
+
+@dataclass(frozen=True, eq=False)
+class TransferHeader:
+    """What precedes the KV bytes of one transfer: the hand-off and the sizes of the buffers."""
+
+    hand_off: HandOff
+    # Byte size of each buffer that follows, in order.
+    buffer_nbytes: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        block_ids: Sequence[int],
+        buffer_nbytes: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+        generator_state: bytes | None = None,
+        destination: KVDestination | None = None,
+    ) -> TransferHeader:
+        """A header for `block_ids` of `destination` (a bare destination when None)."""
+        where = KVDestination()
+        if destination is not None:
+            where.CopyFrom(destination)
+        del where.block_ids[:]
+        where.block_ids.extend(block_ids)
+        hand_off = HandOff(
+            request_id=request_id, destination=where, output_token_ids=list(output_token_ids)
+        )
+        if generator_state is not None:
+            hand_off.generator_state = generator_state
+        return cls(hand_off, tuple(buffer_nbytes))
+
+    @property
+    def request_id(self) -> str:
+        return self.hand_off.request_id
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The destination block ids on the receiver; the receiver's sink checks them."""
+        return list(self.hand_off.destination.block_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self.hand_off.output_token_ids)
+
+    @property
+    def generator_state(self) -> bytes | None:
+        return self.hand_off.generator_state if self.hand_off.HasField("generator_state") else None
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(self.buffer_nbytes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferHeader):
+            return NotImplemented
+        return self.hand_off == other.hand_off and self.buffer_nbytes == other.buffer_nbytes
+
+    def to_bytes(self) -> bytes:
+        message = KVTransferHeader(hand_off=self.hand_off, buffer_nbytes=list(self.buffer_nbytes))
+        return _MAGIC + bytes([HEADER_VERSION]) + message.SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TransferHeader:
+        """Parses and checks a header; raises ValueError, saying what is wrong, on anything
+        foreign or malformed."""
+        if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 1:
+            raise ValueError(
+                "not a Nori KV transfer header (a different program, or a Nori older than "
+                f"header version {HEADER_VERSION}?)"
+            )
+        version = data[len(_MAGIC)]
+        if version != HEADER_VERSION:
+            raise ValueError(
+                f"header version {version} is not supported (this receiver speaks {HEADER_VERSION})"
+            )
+        message = KVTransferHeader()
+        try:
+            message.ParseFromString(data[len(_MAGIC) + 1 :])
+        except DecodeError as error:
+            raise ValueError(f"malformed transfer header: {error}") from None
+        hand_off = message.hand_off
+        if not hand_off.request_id:
+            raise ValueError("header field 'request_id' must be a non-empty string")
+        if any(block_id < 0 for block_id in hand_off.destination.block_ids):
+            raise ValueError("header field 'block_ids' must not hold negative block ids")
+        if any(size < 0 for size in message.buffer_nbytes):
+            raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
+        return cls(hand_off, tuple(message.buffer_nbytes))
+
+
+def encode_reply(reply: KVTransferReply) -> bytes:
+    return reply.SerializeToString()
+
+
+def decode_reply(payload: bytes) -> KVTransferReply:
+    """A receiver's reply; ValueError when it is not one (the peer does not speak this protocol)."""
+    reply = KVTransferReply()
+    try:
+        reply.ParseFromString(payload)
+    except DecodeError as error:
+        raise ValueError(f"malformed reply: {error}") from None
+    if reply.WhichOneof("kind") is None:
+        raise ValueError("the reply says neither accepted, rejected nor done")
+    return reply
