@@ -65,14 +65,21 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
 
 
-def _bind(args: argparse.Namespace, role: str, default_threads: int | None = None) -> None:
+def _bind(
+    args: argparse.Namespace,
+    role: str,
+    default_threads: int | None = None,
+    uses_torch: bool = True,
+) -> None:
     """Applies --cpus/--threads before anything else starts a thread (see
-    nori.serving.cpu_binding), then logs what the process got."""
+    nori.serving.cpu_binding), then logs what the process got. A role that does no tensor math
+    (`uses_torch=False`, the gateway) never loads torch: its thread count only goes into the
+    environment, for whatever it starts."""
     from nori.serving.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
 
     binding = CpuBinding.from_flags(args.cpus, args.threads, default_threads)
     bind_process(binding)
-    log_binding(role, set_torch_threads(binding))
+    log_binding(role, set_torch_threads(binding) if uses_torch else binding.threads)
 
 
 def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -201,7 +208,7 @@ def run_decode(args: argparse.Namespace) -> int:
 def run_gateway(args: argparse.Namespace) -> int:
     # One thread by default: the gateway does no tensor math, so an OpenMP pool would only be
     # more threads to schedule.
-    _bind(args, "gateway", default_threads=1)
+    _bind(args, "gateway", default_threads=1, uses_torch=False)
     import asyncio
 
     from nori.gateway.server import GatewayOptions, serve_gateway

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from nori.models.config import ModelConfig
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from nori.models.dtypes import DTYPES, checkpoint_dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,15 +19,16 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:
     if name != "auto":
-        dtype = _DTYPES[name]
+        dtype = DTYPES[name]
         if device.type == "cpu" and dtype is not torch.float32:
             raise ValueError(f"dtype {name} is not supported on CPU; use float32")
         return dtype
     if device.type == "cpu":
         # CPU kernels for half types are slow and inexact; float32 is the CPU's native type.
         return torch.float32
-    if model.dtype in (torch.float16, torch.bfloat16):
-        return model.dtype
+    stored = checkpoint_dtype(model)
+    if stored in (torch.float16, torch.bfloat16):
+        return stored
     # A float32 checkpoint is served in bfloat16 on GPU, as vLLM does by default.
     return torch.bfloat16
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nori.models.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -27,12 +25,6 @@ _MODEL_TYPES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-}
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
 }
 
 
@@ -88,11 +80,6 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return _MODEL_TYPES[self.architecture]
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        """The checkpoint's dtype as a torch dtype, or None when the config does not say."""
-        return _DTYPES.get(self.torch_dtype) if self.torch_dtype else None
 
     @property
     def q_size(self) -> int:

@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
-from nori.models.init_checkpoint import init_checkpoint
 
 DEMO_NAME = "demo"
 BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small")
@@ -56,6 +55,9 @@ def ensure_builtin_checkpoint(cache_dir: Path, name: str) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=cache_dir))
     try:
+        # Writing weights needs torch; finding an existing checkpoint (the gateway) must not.
+        from nori.models.init_checkpoint import init_checkpoint
+
         init_checkpoint(staging, name, seed=0)
         try:
             staging.rename(target)

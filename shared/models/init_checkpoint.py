@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from nori.models.config import ModelConfig
+from nori.models.dtypes import checkpoint_dtype
 from nori.models.llama import CausalLM
 from nori.models.presets import get_preset
 from nori.models.tokenizer_builder import build_tokenizer_json, tokenizer_config
@@ -62,7 +63,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _write_weights(folder: Path, config: ModelConfig, seed: int, max_shard_bytes: int) -> None:
-    dtype = config.dtype or torch.float32
+    dtype = checkpoint_dtype(config) or torch.float32
     shards = _plan_shards(checkpoint_shapes(config), dtype.itemsize, max_shard_bytes)
     generator = torch.Generator().manual_seed(seed)
     if len(shards) == 1:

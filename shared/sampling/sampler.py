@@ -18,7 +18,8 @@ import torch
 
 from nori.kernels.argmax import argmax_rows
 from nori.sampling.batch import SamplingBatch
-from nori.sampling.logprobs import TokenLogprobs, compute_logprobs
+from nori.sampling.logprob_math import compute_logprobs
+from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.penalties import apply_penalties, ban_stop_tokens
 from nori.sampling.truncation import apply_min_p, apply_top_k_top_p
 

@@ -296,3 +296,28 @@ def test_a_decode_worker_joins_at_run_time_and_one_drains_on_sigterm(
     assert '"finish_reason":"length"' in "".join(rest).replace(" ", "")
     assert worker.wait(timeout=60) == 0
     assert complete("after the drain") == 200
+
+
+def test_the_gateway_process_never_loads_torch(cluster: LocalCluster) -> None:
+    # After serving a completion, a chat (streamed) and its logprobs: every gateway code path a
+    # request takes has run, and none of it mapped PyTorch's libraries into the process.
+    chat = client(cluster).chat.completions.create(
+        model=model_name(cluster),
+        messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    assert any(chunk.choices for chunk in chat)
+    completion = client(cluster).completions.create(
+        model=model_name(cluster), prompt="Lily", max_tokens=4, logprobs=1
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    gateway = cluster.worker("gateway").process
+    maps = Path(f"/proc/{gateway.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    # ... while a worker does map it, so the check looks at the right thing.
+    # (An earlier test may have stopped decode-0: look at a live one.)
+    worker = cluster.worker(live_workers(cluster)[0]).process
+    assert "libtorch" in Path(f"/proc/{worker.pid}/maps").read_text()
