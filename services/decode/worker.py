@@ -42,8 +42,7 @@ class DecodeWorker(Worker):
         transfer_timeout_s: float = 30.0,
     ) -> None:
         self.role = "colocated" if colocated else "decode"
-        super().__init__(options)
-        self.engine_config = engine_config
+        super().__init__(options, engine_config)
         self.transport = transport
         self.transfer_port = transfer_port
         self.lease_s = lease_s

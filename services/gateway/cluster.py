@@ -15,7 +15,6 @@ already queued for the pool would make its first token too late.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -37,9 +36,9 @@ from nori.gateway.backend import (
     SaturatedError,
 )
 from nori.gateway.router import Router
+from nori.gateway.worker_pool import WorkerPool
 from nori.rpc.convert import logprobs_from_proto, params_to_proto, stop_reason_from_proto
 from nori.serving.state_recorder import StateRecorder
-from nori.serving.worker_runtime import GRPC_OPTIONS
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, WorkerRegistry
@@ -50,10 +49,6 @@ from nori.v1.handoff_pb2 import KVDestination
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-# How long a channel to a worker that left the registry stays open for calls still on it.
-CHANNEL_LINGER_S = 120.0
 
 
 class DecodeFullError(SaturatedError):
@@ -69,8 +64,9 @@ class UpstreamTimeoutError(BackendError):
 class ClusterOptions:
     redis_url: str
     namespace: str = "nori"
-    # Must match the workers' block size: the gateway hashes prompts into blocks to look them up.
-    block_size: int = 16
+    # The workers' KV block size (the gateway hashes prompts in blocks of it to look them up);
+    # None: the size the workers state in the registry.
+    block_size: int | None = None
     refresh_s: float = 0.5
     max_in_flight: int = 4096
     # Decode workers to try when one answers that its pool is full.
@@ -108,15 +104,11 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
 class ClusterBackend:
     def __init__(self, options: ClusterOptions) -> None:
         self.options = options
-        self.router = Router(block_size=options.block_size)
-        self.workers: list[WorkerInfo] = []
+        self.router = Router()
         self._redis: Redis | None = None
-        self._registry: WorkerRegistry | None = None
+        self._pool: WorkerPool | None = None
         self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._absent_since: dict[str, float] = {}
-        self._refresher: asyncio.Task[None] | None = None
         self._num_in_flight = 0
         self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
 
@@ -125,7 +117,9 @@ class ClusterBackend:
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
         self._redis = Redis.from_url(self.options.redis_url)
-        self._registry = WorkerRegistry(self._redis, keys)
+        self._pool = WorkerPool(
+            WorkerRegistry(self._redis, keys), self.options.block_size, self.options.refresh_s
+        )
         self._directory = BlockDirectory(self._redis, keys)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         try:
@@ -135,84 +129,27 @@ class ClusterBackend:
                 f"cannot reach Redis at {self.options.redis_url} ({error}); start one, or pass "
                 "--redis-url / set REDIS_URL"
             ) from None
-        await self.refresh()
-        self._refresher = asyncio.create_task(self._refresh_forever())
+        await self._pool.start()
+
+    @property
+    def pool(self) -> WorkerPool:
+        assert self._pool is not None, "the backend is not started"
+        return self._pool
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        if self._pool is not None:
+            await self._pool.close()
         if self._states is not None:
             await self._states.flush()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
         if self._redis is not None:
             await self._redis.aclose()
 
-    async def refresh(self) -> None:
-        """Reads the registry: workers join and leave while the gateway runs."""
-        assert self._registry is not None
-        self.workers = await self._registry.list_workers()
-        live = {worker.grpc_address for worker in self.workers}
-        now = time.monotonic()
-        for address in list(self._channels):
-            if address in live:
-                self._absent_since.pop(address, None)
-                continue
-            # A worker that missed its heartbeats may still be finishing calls on this channel
-            # (or be hung, which the decode lease handles): close it only once long gone.
-            since = self._absent_since.setdefault(address, now)
-            if now - since > CHANNEL_LINGER_S:
-                del self._absent_since[address]
-                await self._channels.pop(address).close()
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.refresh_s)
-            try:
-                await self.refresh()
-            except Exception:
-                logger.warning("could not read the worker registry", exc_info=True)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = channel
-        return channel
-
     async def health(self) -> BackendHealth:
-        counts: dict[str, int] = {}
-        for worker in self.workers:
-            if not worker.draining:
-                counts[worker.role] = counts.get(worker.role, 0) + 1
-        disaggregated = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
-        healthy = disaggregated or counts.get("colocated", 0) > 0
-        detail = "" if healthy else "waiting for prefill and decode workers to register"
-        return BackendHealth(healthy=healthy, workers=counts, detail=detail)
+        return self.pool.health()
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
         """Live figures from every registered worker (for /metrics)."""
-
-        async def one(worker: WorkerInfo) -> common_pb2.WorkerStats | None:
-            channel = self._channel(worker.grpc_address)
-            stub: prefill_pb2_grpc.PrefillServiceStub | decode_pb2_grpc.DecodeServiceStub
-            if worker.role == "prefill":
-                stub = prefill_pb2_grpc.PrefillServiceStub(channel)
-            else:
-                stub = decode_pb2_grpc.DecodeServiceStub(channel)
-            try:
-                stats: common_pb2.WorkerStats = await stub.GetStats(
-                    common_pb2.StatsRequest(), timeout=timeout_s
-                )
-                return stats
-            except grpc.aio.AioRpcError:
-                return None
-
-        results = await asyncio.gather(*(one(worker) for worker in self.workers))
-        return [stats for stats in results if stats is not None]
+        return await self.pool.stats(timeout_s)
 
     # ------------------------------------------------------------------ requests
 
@@ -222,7 +159,7 @@ class ClusterBackend:
                 f"the gateway has {self._num_in_flight} requests in flight (the limit)"
             )
         num_prompt_workers = sum(
-            1 for w in self.workers if w.role in ("prefill", "colocated") and not w.draining
+            1 for w in self.pool.workers if w.role in ("prefill", "colocated") and not w.draining
         )
         queued = self.prompt_queue.admit(
             len(request.prompt_token_ids), num_prompt_workers, time.monotonic()
@@ -255,7 +192,7 @@ class ClusterBackend:
         tried: list[str] = []
         while True:
             num_yielded = 0
-            decode = self.router.pick_decode(self.workers, exclude=tried)
+            decode = self.router.pick_decode(self.pool.workers, exclude=tried)
             if decode is None:
                 if tried:
                     raise SaturatedError(
@@ -284,7 +221,7 @@ class ClusterBackend:
     async def _colocated(
         self, request: GenerationRequest, worker: WorkerInfo, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
+        stub = decode_pb2_grpc.DecodeServiceStub(self.pool.channel(worker.grpc_address))
         call = stub.Generate(self._generate_request(request, compute_prompt=True))
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
         try:
@@ -307,7 +244,7 @@ class ClusterBackend:
         prefill: WorkerInfo | None = chosen
         prefill_call: grpc.aio.UnaryUnaryCall | None = None
         read_task: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
-        stub = decode_pb2_grpc.DecodeServiceStub(self._channel(decode.grpc_address))
+        stub = decode_pb2_grpc.DecodeServiceStub(self.pool.channel(decode.grpc_address))
         decode_call = stub.Generate(self._generate_request(request, compute_prompt=False))
         try:
             try:
@@ -326,7 +263,9 @@ class ClusterBackend:
             destination.CopyFrom(reservation.reservation)
             # The prefill worker renews the lease here while it holds the prompt.
             destination.grpc_address = decode.grpc_address
-            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self._channel(chosen.grpc_address))
+            prefill_stub = prefill_pb2_grpc.PrefillServiceStub(
+                self.pool.channel(chosen.grpc_address)
+            )
             prefill_call = prefill_stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request_id=request.request_id,
@@ -382,10 +321,11 @@ class ClusterBackend:
 
     async def _pick_prefill(self, request: GenerationRequest) -> WorkerInfo:
         assert self._directory is not None
-        candidates = [w for w in self.workers if w.role == "prefill" and not w.draining]
-        if not candidates:
+        candidates = self.pool.available("prefill")
+        block_size = self.pool.block_size
+        if not candidates or block_size is None:
             raise SaturatedError("no prefill worker is available")
-        hashes = prompt_block_hashes(request.prompt_token_ids, self.options.block_size)
+        hashes = prompt_block_hashes(request.prompt_token_ids, block_size)
         try:
             cached = await self._directory.longest_prefixes(
                 hashes, [w.worker_id for w in candidates]
@@ -393,7 +333,8 @@ class ClusterBackend:
         except Exception:
             logger.warning("block directory lookup failed; routing by load", exc_info=True)
             cached = {}
-        chosen = self.router.pick_prefill(candidates, cached, len(request.prompt_token_ids))
+        cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
+        chosen = self.router.pick_prefill(candidates, cached_tokens, len(request.prompt_token_ids))
         assert chosen is not None
         return chosen
 

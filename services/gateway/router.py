@@ -16,7 +16,6 @@ from nori.state.registry import WorkerInfo
 
 @dataclass
 class Router:
-    block_size: int = 16
     # Requests this gateway has routed to each worker and not yet seen finish.
     in_flight: Counter[str] = field(default_factory=Counter)
     # Prompt tokens this gateway has sent to each prefill worker and not yet seen prefilled.
@@ -56,19 +55,18 @@ class Router:
     def pick_prefill(
         self,
         workers: Iterable[WorkerInfo],
-        cached_blocks: Mapping[str, int],
+        cached_tokens: Mapping[str, int],
         num_prompt_tokens: int,
     ) -> WorkerInfo | None:
         """The prefill worker that would compute the fewest tokens before this prompt is done:
-        the prompt minus its cached prefix there, plus what is already queued on it."""
+        the prompt minus its cached prefix there (`cached_tokens`, per worker), plus what is
+        already queued on it."""
         candidates = [w for w in workers if w.role == "prefill" and not w.draining]
         if not candidates:
             return None
 
         def cost(worker: WorkerInfo) -> tuple[int, int]:
-            cached = min(
-                cached_blocks.get(worker.worker_id, 0) * self.block_size, num_prompt_tokens
-            )
+            cached = min(cached_tokens.get(worker.worker_id, 0), num_prompt_tokens)
             queued = self.pending_prompt_tokens[worker.worker_id]
             return (num_prompt_tokens - cached + queued, self.in_flight[worker.worker_id])
 

@@ -26,7 +26,8 @@ class GatewayOptions:
     port: int = 8000
     namespace: str = "nori"
     max_model_len: int | None = None
-    block_size: int = 16
+    # None: the block size the workers state in the registry.
+    block_size: int | None = None
     max_in_flight: int = 4096
     # Admission bound per worker computing prompts; 0 = none (see nori.gateway.admission).
     max_queued_prompt_tokens: int = 8192

@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from nori.serving.worker_runtime import GRPC_OPTIONS
+from nori.rpc.options import GRPC_OPTIONS
 from nori.v1 import decode_pb2, decode_pb2_grpc
 
 # A decode worker unused this long loses its channel (a later renewal opens a new one).

@@ -48,8 +48,7 @@ class PrefillWorker(Worker):
     def __init__(
         self, options: WorkerOptions, engine_config: EngineConfig, transport: str = "auto"
     ) -> None:
-        super().__init__(options)
-        self.engine_config = engine_config
+        super().__init__(options, engine_config)
         self.transport = transport
         self._engine: EngineThread | None = None
         self._sender: KVSender | None = None

@@ -104,7 +104,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_cluster_args(gateway, default_port=8000)
     gateway.add_argument("--model", default="demo", help="model folder (for its tokenizer)")
     gateway.add_argument("--max-model-len", type=int, default=None)
-    gateway.add_argument("--block-size", type=int, default=16, help="the workers' block size")
+    gateway.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="the workers' KV block size (default: what the workers state in the registry; "
+        "a worker with another one is refused)",
+    )
     gateway.add_argument("--max-in-flight", type=int, default=4096)
     gateway.add_argument(
         "--max-queued-prompt-tokens",

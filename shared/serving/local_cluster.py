@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,8 +129,9 @@ class LocalCluster:
         self.wait_healthy(expected, timeout_s)
         return self
 
-    def add_worker(self, role: str, worker_id: str) -> RoleProcess:
-        """Starts one more worker; it joins the running cluster through the registry."""
+    def add_worker(self, role: str, worker_id: str, extra_args: Sequence[str] = ()) -> RoleProcess:
+        """Starts one more worker; it joins the running cluster through the registry.
+        `extra_args` come last, so they override the cluster's worker flags."""
         serve_role = "decode" if role == "colocated" else role
         port = free_port()
         args = [
@@ -154,7 +156,7 @@ class LocalCluster:
             args += ["--kv-lease-s", str(self.spec.kv_lease_s)]
             args += ["--kv-queue-timeout-s", str(self.spec.kv_queue_timeout_s)]
             args += ["--kv-transfer-timeout-s", str(self.spec.kv_transfer_timeout_s)]
-        worker = self._spawn(worker_id, role, args)
+        worker = self._spawn(worker_id, role, [*args, *extra_args])
         worker.grpc_address = f"127.0.0.1:{port}"
         return worker
 

@@ -16,6 +16,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,16 +24,14 @@ from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from nori.rpc.options import GRPC_OPTIONS
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from nori.engine.config import EngineConfig
 
-# gRPC messages carry token ids and deltas, never KV blocks; 64 MiB covers the longest prompt.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,9 @@ class Worker(ABC):
     role: str
     service_names: tuple[str, ...]
 
-    def __init__(self, options: WorkerOptions) -> None:
+    def __init__(self, options: WorkerOptions, engine_config: EngineConfig) -> None:
         self.options = options
+        self.engine_config = engine_config
         self.worker_id = options.resolved_worker_id(self.role)
         self.draining = False
         self.grpc_address = ""
@@ -103,6 +103,7 @@ class Worker(ABC):
             model=self.options.served_model_name,
             draining=self.draining,
             started_at=self._started_at,
+            block_size=self.engine_config.block_size,
             **self.load_info(),
         )
 

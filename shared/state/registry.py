@@ -45,6 +45,8 @@ class WorkerInfo:
     kv_bytes_received: int = 0
     kv_bytes_sent: int = 0
     draining: bool = False  # finishing its requests before leaving: route nothing new to it
+    # KV block size in tokens: the gateway hashes prompts in blocks of it. 0: not stated.
+    block_size: int = 0
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
 

@@ -321,3 +321,36 @@ def test_the_gateway_process_never_loads_torch(cluster: LocalCluster) -> None:
     # (An earlier test may have stopped decode-0: look at a live one.)
     worker = cluster.worker(live_workers(cluster)[0]).process
     assert "libtorch" in Path(f"/proc/{worker.pid}/maps").read_text()
+
+
+def test_a_worker_with_another_block_size_is_refused(cluster: LocalCluster) -> None:
+    # The gateway learns the block size from the registry; a prefill worker that joins with
+    # another one would compute KV the decode workers cannot take, so it gets no request.
+    odd = cluster.add_worker("prefill", "prefill-odd", extra_args=["--block-size", "32"])
+    gateway_log = cluster.worker("gateway").log_path
+    try:
+        deadline = time.monotonic() + 120
+        while "refusing worker prefill-odd" not in gateway_log.read_text(errors="replace"):
+            assert odd.process.poll() is None, odd.log_tail()
+            assert time.monotonic() < deadline, "the gateway never refused prefill-odd"
+            time.sleep(0.2)
+        line = next(
+            line
+            for line in gateway_log.read_text(errors="replace").splitlines()
+            if "refusing worker prefill-odd" in line
+        )
+        assert "block size is 32 tokens, the cluster's is 16" in line
+        assert httpx.get(f"{cluster.url}/health").json()["workers"]["prefill"] == 1
+        for prompt in PROMPTS[:4]:
+            completion = client(cluster).completions.create(
+                model=model_name(cluster), prompt=prompt, max_tokens=4
+            )
+            assert completion.choices[0].finish_reason in ("stop", "length")
+        assert stats(cluster, "prefill-odd").num_requests == 0
+        # One line per refused worker, not one per registry read.
+        text = gateway_log.read_text(errors="replace")
+        assert text.count("refusing worker prefill-odd") == 1
+    finally:
+        odd.process.terminate()
+        odd.process.wait(30)
+        cluster.processes.remove(odd)

@@ -44,9 +44,9 @@ def test_decode_skips_draining_excluded_and_prefill_workers() -> None:
 
 
 def test_prefill_prefers_the_longest_cached_prefix_unless_it_is_busier() -> None:
-    router = Router(block_size=16)
+    router = Router()
     workers = [prefill("p0"), prefill("p1"), decode("d0", free=1)]
-    cached = {"p1": 4}  # 64 of the prompt's 100 tokens are cached on p1
+    cached = {"p1": 4 * 16}  # 64 of the prompt's 100 tokens are cached on p1
     assert router.pick_prefill(workers, cached, 100).worker_id == "p1"  # type: ignore[union-attr]
     router.started("p1", prompt_tokens=70)  # p1 now has 70 queued tokens: 36 + 70 > 100
     assert router.pick_prefill(workers, cached, 100).worker_id == "p0"  # type: ignore[union-attr]

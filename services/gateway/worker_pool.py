@@ -1,0 +1,171 @@
+"""The workers the gateway can route to: read from the registry, with a gRPC channel each.
+
+Workers join and leave while the gateway runs; the pool rereads the registry every `refresh_s`.
+It also settles the cluster's KV block size, which the gateway needs to hash prompts for the
+block directory: the size the workers state in the registry (or `--block-size`, when given). A
+worker that states another size would be told prompts it cannot look up, and its transfers would
+be refused, so it is left out, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from nori.gateway.backend import BackendHealth
+from nori.rpc.options import GRPC_OPTIONS
+from nori.state.registry import WorkerInfo, WorkerRegistry
+from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# How long a channel to a worker that left the registry stays open for calls still on it.
+CHANNEL_LINGER_S = 120.0
+
+
+@dataclass(frozen=True)
+class BlockSizeAgreement:
+    """The block size the cluster runs with, the workers that use it and those that do not."""
+
+    block_size: int | None
+    members: list[WorkerInfo]
+    refused: list[WorkerInfo]
+
+
+def agree_on_block_size(workers: Sequence[WorkerInfo], expected: int | None) -> BlockSizeAgreement:
+    """`expected` when given; else the size the longest-running worker states (so a newcomer
+    with another size cannot take over a running cluster). A worker that states no size (0, an
+    older version) is taken at its word that it matches."""
+    stated = sorted((w for w in workers if w.block_size > 0), key=lambda w: w.started_at)
+    block_size = expected if expected is not None else (stated[0].block_size if stated else None)
+    members = [w for w in workers if w.block_size in (0, block_size)]
+    refused = [w for w in workers if w.block_size not in (0, block_size)]
+    return BlockSizeAgreement(block_size, members, refused)
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        block_size: int | None = None,
+        refresh_s: float = 0.5,
+        on_refresh: Callable[[WorkerPool], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._expected_block_size = block_size
+        self._refresh_s = refresh_s
+        self._on_refresh = on_refresh
+        self.workers: list[WorkerInfo] = []
+        # None until a worker states one (or --block-size gives it).
+        self.block_size: int | None = block_size
+        self._refused: set[tuple[str, int]] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._absent_since: dict[str, float] = {}
+        self._refresher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    def available(self, role: str) -> list[WorkerInfo]:
+        """The workers of `role` that take new requests (not draining)."""
+        return [w for w in self.workers if w.role == role and not w.draining]
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def refresh(self) -> None:
+        """Reads the registry: workers join and leave while the gateway runs."""
+        agreement = agree_on_block_size(
+            await self._registry.list_workers(), self._expected_block_size
+        )
+        self.workers = agreement.members
+        self.block_size = agreement.block_size
+        self._log_refusals(agreement)
+        if self._on_refresh is not None:
+            self._on_refresh(self)
+        await self._close_channels_of_departed()
+
+    def _log_refusals(self, agreement: BlockSizeAgreement) -> None:
+        refused = {(w.worker_id, w.block_size) for w in agreement.refused}
+        for worker_id, size in sorted(refused - self._refused):
+            logger.error(
+                "refusing worker %s: its KV block size is %d tokens, the cluster's is %s "
+                "(every worker must run with the same --block-size)",
+                worker_id,
+                size,
+                agreement.block_size,
+            )
+        self._refused = refused
+
+    async def _close_channels_of_departed(self) -> None:
+        live = {worker.grpc_address for worker in self.workers}
+        now = time.monotonic()
+        for address in list(self._channels):
+            if address in live:
+                self._absent_since.pop(address, None)
+                continue
+            # A worker that missed its heartbeats may still be finishing calls on this channel
+            # (or be hung, which the decode lease handles): close it only once long gone.
+            since = self._absent_since.setdefault(address, now)
+            if now - since > CHANNEL_LINGER_S:
+                del self._absent_since[address]
+                await self._channels.pop(address).close()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.warning("could not read the worker registry", exc_info=True)
+
+    def health(self) -> BackendHealth:
+        counts: dict[str, int] = {}
+        for worker in self.workers:
+            if not worker.draining:
+                counts[worker.role] = counts.get(worker.role, 0) + 1
+        disaggregated = counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0
+        healthy = disaggregated or counts.get("colocated", 0) > 0
+        detail = "" if healthy else "waiting for prefill and decode workers to register"
+        return BackendHealth(healthy=healthy, workers=counts, detail=detail)
+
+    async def stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
+        """Live figures from every worker in the pool (for /metrics)."""
+
+        async def one(worker: WorkerInfo) -> common_pb2.WorkerStats | None:
+            channel = self.channel(worker.grpc_address)
+            stub: prefill_pb2_grpc.PrefillServiceStub | decode_pb2_grpc.DecodeServiceStub
+            if worker.role == "prefill":
+                stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            else:
+                stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            try:
+                stats: common_pb2.WorkerStats = await stub.GetStats(
+                    common_pb2.StatsRequest(), timeout=timeout_s
+                )
+                return stats
+            except grpc.aio.AioRpcError:
+                return None
+
+        results = await asyncio.gather(*(one(worker) for worker in self.workers))
+        return [stats for stats in results if stats is not None]
