@@ -30,6 +30,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from nori.settings import DEFAULT_KV_LEASE_S
 from nori.transfer.handoff import HandOff
 
 
@@ -47,7 +48,7 @@ _WAITING_FOR_KV = frozenset({LeaseState.QUEUED, LeaseState.COMPUTING})
 @dataclass(frozen=True)
 class LeasePolicy:
     # Longest silence of the prefill worker holding the prompt (`--kv-lease-s`).
-    lease_s: float = 10.0
+    lease_s: float = DEFAULT_KV_LEASE_S
     # Longest wait from the reservation until a prefill engine starts the prompt
     # (`--kv-queue-timeout-s`).
     queue_timeout_s: float = 60.0

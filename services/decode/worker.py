@@ -19,6 +19,7 @@ from nori.serving.engine_thread import EngineThread
 from nori.serving.output_streams import OutputStreams
 from nori.serving.state_recorder import StateRecorder
 from nori.serving.worker_runtime import Worker, WorkerOptions
+from nori.settings import DEFAULT_KV_LEASE_S
 from nori.state.requests import RequestStateStore
 from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
@@ -36,7 +37,7 @@ class DecodeWorker(Worker):
         engine_config: EngineConfig,
         transport: str = "auto",
         transfer_port: int = 0,
-        lease_s: float = 10.0,
+        lease_s: float = DEFAULT_KV_LEASE_S,
         colocated: bool = False,
         queue_timeout_s: float = 60.0,
         transfer_timeout_s: float = 30.0,

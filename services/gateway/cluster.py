@@ -39,6 +39,7 @@ from nori.gateway.router import Router
 from nori.gateway.worker_pool import WorkerPool
 from nori.rpc.convert import logprobs_from_proto, params_to_proto, stop_reason_from_proto
 from nori.serving.state_recorder import StateRecorder
+from nori.settings import RoleSettings
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, WorkerRegistry
@@ -61,9 +62,7 @@ class UpstreamTimeoutError(BackendError):
 
 
 @dataclass(frozen=True)
-class ClusterOptions:
-    redis_url: str
-    namespace: str = "nori"
+class ClusterOptions(RoleSettings):
     # The workers' KV block size (the gateway hashes prompts in blocks of it to look them up);
     # None: the size the workers state in the registry.
     block_size: int | None = None

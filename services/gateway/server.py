@@ -12,19 +12,18 @@ from nori.gateway.cluster import ClusterBackend, ClusterOptions
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.tokenizer import Tokenizer
+from nori.settings import RoleSettings
 from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GatewayOptions:
+class GatewayOptions(RoleSettings):
     model: str
     served_model_name: str
-    redis_url: str
     host: str = "0.0.0.0"
     port: int = 8000
-    namespace: str = "nori"
     max_model_len: int | None = None
     # None: the block size the workers state in the registry.
     block_size: int | None = None

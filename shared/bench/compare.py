@@ -39,6 +39,7 @@ from nori.serving.cpu_plan import (
     plan_cpus,
 )
 from nori.serving.local_cluster import ClusterSpec, LocalCluster, free_port
+from nori.settings import Environment
 from nori.state.redis_server import RedisUnavailable, resolve_redis_url
 
 
@@ -161,7 +162,7 @@ def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> Compar
     tokenizer = Tokenizer.from_dir(model_dir)
     with ExitStack() as stack:
         try:
-            redis_url, redis_server = resolve_redis_url(os.environ.get("REDIS_URL") or None)
+            redis_url, redis_server = resolve_redis_url(Environment.read().redis_url)
         except RedisUnavailable as error:
             raise ValueError(
                 f"{error}\nInstall Redis (e.g. `apt-get install redis-server`) or point "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from nori.engine.config import EngineConfig
+from nori.settings import DEFAULT_BLOCK_SIZE
 
 
 def prefill_budget(text: str) -> int | str | None:
@@ -44,7 +45,7 @@ def add_engine_args(
         choices=["auto", "dummy"],
         help="dummy: random weights made on the device (benchmarks of big shapes)",
     )
-    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
+from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, Environment
 
 if TYPE_CHECKING:
     from nori.serving.worker_runtime import WorkerOptions
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
 # as many as cost about one decode step, measured as the worker runs (step_cost.py), so a long
 # prompt never stalls the running streams for more than about a step; prefill-only steps (a
@@ -37,16 +36,16 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
     group.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     group.add_argument(
         "--advertise-host",
-        default=os.environ.get("NORI_ADVERTISE_HOST", "127.0.0.1"),
+        default=Environment.read().advertise_host or "127.0.0.1",
         help="the host name other processes reach this one at (a container's service name)",
     )
     group.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+        default=Environment.read().redis_url or DEFAULT_REDIS_URL,
         help="Redis for the worker registry, request states and the block directory "
         "(default: $REDIS_URL or %(default)s)",
     )
-    group.add_argument("--namespace", default="nori", help="prefix of every Redis key")
+    group.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
     group.add_argument("--served-model-name", default=None)
     cpus = parser.add_argument_group("CPUs")
     cpus.add_argument(
@@ -132,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument(
         "--kv-lease-s",
         type=float,
-        default=10.0,
+        default=DEFAULT_KV_LEASE_S,
         help="reserved blocks are freed when the prefill worker holding their prompt has not "
         "renewed them for this many seconds (it renews while the prompt is queued or computed)",
     )

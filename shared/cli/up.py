@@ -8,6 +8,8 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
+from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment
+
 if TYPE_CHECKING:
     from nori.serving.cpu_plan import CpuPlan
 
@@ -29,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
-    parser.add_argument("--kv-lease-s", type=float, default=10.0)
+    parser.add_argument("--kv-lease-s", type=float, default=DEFAULT_KV_LEASE_S)
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
     parser.add_argument(
         "--max-queued-prompt-tokens",
@@ -44,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="engine options for every worker, as one string "
         "(e.g. '--no-prefix-caching --max-num-seqs 64'; see `nori serve decode --help`)",
     )
-    parser.add_argument("--namespace", default="nori", help="prefix of every Redis key")
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
     _add_cpu_args(parser)
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     resolve_model(args.model)
     model = args.model
     try:
-        redis_url, redis_server = resolve_redis_url(os.environ.get("REDIS_URL") or None)
+        redis_url, redis_server = resolve_redis_url(Environment.read().redis_url)
     except RedisUnavailable as error:
         raise ValueError(
             f"{error}\nInstall Redis (e.g. `apt-get install redis-server`) or point REDIS_URL "

@@ -184,12 +184,6 @@ class BlockManager:
         request.block_ids = []
         request.num_published_blocks = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block nobody uses (in-use blocks keep their hash)."""
-        for block_id in list(self._cached.values()):
-            if self.blocks[block_id].ref_count == 0:
-                self._uncache(self.blocks[block_id])
-
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         return events

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nori.settings import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -14,7 +16,7 @@ class EngineConfig:
     device: str = "auto"
     # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: str = "auto"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # KV pool size: an explicit block count wins; else a memory budget.
     num_kv_blocks: int | None = None
     # Bytes of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE plays this role).

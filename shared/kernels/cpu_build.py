@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nori.settings import Environment
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def _cpu_tag() -> str:
 def cpu_kernels() -> Any | None:
     """The compiled module, or None where it cannot be built (logged once) or where
     NORI_CPU_KERNELS=0 turns the C++ kernels off (the PyTorch references then run)."""
-    if os.environ.get("NORI_CPU_KERNELS", "1") == "0":
+    if not Environment.read().cpu_kernels:
         return None
     try:
         from torch.utils.cpp_extension import load

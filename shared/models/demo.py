@@ -6,12 +6,12 @@ use: `demo` (the default everywhere) and `small` (a 24M-parameter shape for serv
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
+from nori.settings import Environment
 
 DEMO_NAME = "demo"
 BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small")
@@ -19,8 +19,7 @@ BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small")
 
 def default_cache_dir() -> Path:
     """`$NORI_CACHE_DIR` when set, else ~/.cache/nori/models."""
-    configured = os.environ.get("NORI_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "nori" / "models"
+    return Environment.read().cache_dir or Path.home() / ".cache" / "nori" / "models"
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nori.serving.cpu_plan import CpuPlan
+from nori.settings import DEFAULT_KV_LEASE_S, RoleSettings
 
 
 def _terminate_with_parent() -> None:
@@ -43,17 +44,15 @@ def free_port() -> int:
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
-    redis_url: str
+class ClusterSpec(RoleSettings):
     model: str = "demo"
     num_prefill: int = 1
     num_decode: int = 1
     colocated: bool = False
     port: int = 8000
-    namespace: str = "nori"
     served_model_name: str | None = None
     transport: str = "auto"
-    kv_lease_s: float = 10.0
+    kv_lease_s: float = DEFAULT_KV_LEASE_S
     kv_queue_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
     # Gateway admission, per worker computing prompts; 0 = no bound.

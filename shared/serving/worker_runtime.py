@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from nori.rpc.options import GRPC_OPTIONS
+from nori.settings import RoleSettings
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
@@ -35,13 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class WorkerOptions:
+class WorkerOptions(RoleSettings):
     host: str = "0.0.0.0"
     port: int = 0
     # The host other processes reach this worker at (gRPC and KV transfers).
     advertise_host: str = "127.0.0.1"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "nori"
     worker_id: str = ""
     served_model_name: str = ""
     heartbeat_ttl_s: float = 3.0

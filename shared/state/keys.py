@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nori.settings import DEFAULT_NAMESPACE
+
 # ':' separates key parts, and the rest are glob metacharacters in SCAN MATCH: a namespace holding
 # one could match another cluster's keys, so they are refused rather than escaped.
 _FORBIDDEN_IN_NAMESPACE = frozenset(":*?[]\\ \t\r\n")
@@ -15,7 +17,7 @@ _FORBIDDEN_IN_NAMESPACE = frozenset(":*?[]\\ \t\r\n")
 
 @dataclass(frozen=True)
 class Keys:
-    namespace: str = "nori"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         if not self.namespace:

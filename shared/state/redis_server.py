@@ -7,7 +7,6 @@ exists for the life of one `nori up` or one test session and holds nothing worth
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -205,8 +204,3 @@ def resolve_redis_url(
             f"{unreachable}no private Redis could be started: {error}"
         ) from error
     return server.url, server
-
-
-def redis_url_from_env() -> tuple[str, RedisServer | None]:
-    """resolve_redis_url for the REDIS_URL environment variable."""
-    return resolve_redis_url(os.environ.get("REDIS_URL") or None)

@@ -1,0 +1,55 @@
+"""What every role shares: each default in one place, the settings base, and the environment.
+
+Environment variables Nori reads, all here (`Environment.read`):
+
+- `REDIS_URL`: the Redis the cluster meets in (`nori serve`'s default `--redis-url`; `nori up`
+  and `nori bench compare` use it when reachable, else start a private redis-server);
+- `NORI_ADVERTISE_HOST`: the host other processes reach a worker at (`auto`: this host's own
+  address, as a scaled container needs);
+- `NORI_CACHE_DIR`: where the built-in models are written (default ~/.cache/nori/models);
+- `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# Redis keys of one cluster start with it: clusters can share a Redis.
+DEFAULT_NAMESPACE = "nori"
+# Tokens per KV block; every worker of a cluster must use the same.
+DEFAULT_BLOCK_SIZE = 16
+# How long a decode worker holds blocks reserved for a prompt without word from its prefill
+# worker (renewals extend it while the prompt waits and is computed).
+DEFAULT_KV_LEASE_S = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSettings:
+    """The base of each role's settings: where the cluster meets."""
+
+    redis_url: str = DEFAULT_REDIS_URL
+    namespace: str = DEFAULT_NAMESPACE
+
+
+@dataclass(frozen=True)
+class Environment:
+    redis_url: str | None = None
+    advertise_host: str | None = None
+    cache_dir: Path | None = None
+    cpu_kernels: bool = True
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        """The variables as set now (empty counts as unset)."""
+        env = os.environ if environ is None else environ
+        cache_dir = env.get("NORI_CACHE_DIR")
+        return cls(
+            redis_url=env.get("REDIS_URL") or None,
+            advertise_host=env.get("NORI_ADVERTISE_HOST") or None,
+            cache_dir=Path(cache_dir) if cache_dir else None,
+            cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
+        )
