@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nori.gateway.backend import Backend
+from nori.gateway.context import ServingContext
+from nori.gateway.endpoints import create_chat_completion, create_completion
 from nori.gateway.errors import APIError, as_api_error, install_error_handlers
 from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
 from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from nori.gateway.serving import ServingContext, create_chat_completion, create_completion
 from nori.sampling.tokenizer import Tokenizer
 
 logger = logging.getLogger("nori.gateway")

@@ -25,7 +25,7 @@ import nori.cli.serve
 import nori.gateway.app
 import nori.gateway.cluster
 import nori.gateway.server
-import nori.gateway.serving
+import nori.gateway.endpoints
 assert "torch" not in sys.modules
 print("torch-free")
 """

@@ -1,0 +1,209 @@
+"""`/v1/completions` and `/v1/chat/completions`: a body becomes prompts, sampling parameters and a
+`Session`; the format classes say how each API spells its response, and `respond` sends it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from nori.gateway.backend import GenerationChunk
+from nori.gateway.context import ServingContext
+from nori.gateway.openai_logprobs import TokenNames, chat_logprobs, completion_logprobs
+from nori.gateway.prompts import chat_prompt, check_model, completion_prompts
+from nori.gateway.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    StreamOptions,
+    Usage,
+)
+from nori.gateway.request_params import (
+    chat_max_tokens_field,
+    chat_sampling_params,
+    check_chat,
+    check_completion,
+    completion_sampling_params,
+    resolve_max_tokens,
+)
+from nori.gateway.responder import chunk_event, new_id, respond
+from nori.gateway.session import Session
+from nori.sampling.logprobs import TokenLogprobs
+
+
+def _include_usage(options: StreamOptions | None) -> bool:
+    return options is not None and options.include_usage
+
+
+async def create_completion(
+    ctx: ServingContext, body: CompletionRequest, request: Request
+) -> Response:
+    check_model(ctx, body.model)
+    check_completion(body)
+    prompts = completion_prompts(ctx, body.prompt)
+    params = [
+        completion_sampling_params(
+            body, resolve_max_tokens(body.max_tokens, "max_tokens", len(p), ctx.max_model_len)
+        )
+        for p in prompts
+    ]
+    completion_id = new_id("cmpl")
+    request_ids = [f"{completion_id}-{index}" for index in range(len(prompts))]
+    session = Session(ctx, request_ids, prompts, params)
+    form = CompletionFormat(ctx, body, completion_id, session)
+    return await respond(session, request, form, body.stream)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request
+) -> Response:
+    check_model(ctx, body.model)
+    check_chat(body)
+    prompt = chat_prompt(ctx, body)
+    requested, param = chat_max_tokens_field(body)
+    max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
+    completion_id = new_id("chatcmpl")
+    session = Session(ctx, [completion_id], [prompt], [chat_sampling_params(body, max_tokens)])
+    form = ChatFormat(ctx, body, completion_id)
+    return await respond(session, request, form, body.stream)
+
+
+class CompletionFormat:
+    def __init__(
+        self, ctx: ServingContext, body: CompletionRequest, completion_id: str, session: Session
+    ) -> None:
+        self._model = ctx.model_name
+        self._id = completion_id
+        self._created = int(time.time())
+        self._want_logprobs = body.logprobs is not None
+        self._names = TokenNames(ctx, body.return_tokens_as_token_ids)
+        self._include_usage = _include_usage(body.stream_options)
+        # Logprobs' text offsets run on across a choice's chunks.
+        self._session = session
+
+    def _logprobs(
+        self, index: int, entries: Sequence[TokenLogprobs] | None
+    ) -> CompletionLogprobs | None:
+        if not self._want_logprobs:
+            return None
+        return completion_logprobs(entries or (), self._names, self._session.choices[index])
+
+    def response(self, session: Session) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=index,
+                text="".join(choice.text),
+                logprobs=self._logprobs(index, choice.logprobs),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+            for index, choice in enumerate(session.choices)
+        ]
+        return CompletionResponse(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=choices,
+            usage=session.usage(),
+        )
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        model = CompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+        )
+        return chunk_event(model, self._include_usage)
+
+    def opening(self) -> list[str]:
+        return []
+
+    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
+        logprobs = self._logprobs(index, chunk.logprobs)
+        if not chunk.new_text and logprobs is None and not chunk.finished:
+            return []  # text held back (a possible stop string or a split character)
+        choice = CompletionChoice(
+            index=index,
+            text=chunk.new_text,
+            logprobs=logprobs,
+            finish_reason=chunk.finish_reason if chunk.finished else None,
+            stop_reason=chunk.stop_reason if chunk.finished else None,
+        )
+        return [self._chunk([choice])]
+
+    def closing(self, session: Session) -> list[str]:
+        return [self._chunk([], session.usage())] if self._include_usage else []
+
+
+class ChatFormat:
+    def __init__(
+        self, ctx: ServingContext, body: ChatCompletionRequest, completion_id: str
+    ) -> None:
+        self._model = ctx.model_name
+        self._id = completion_id
+        self._created = int(time.time())
+        self._want_logprobs = bool(body.logprobs)
+        self._names = TokenNames(ctx, body.return_tokens_as_token_ids)
+        self._include_usage = _include_usage(body.stream_options)
+
+    def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
+        return chat_logprobs(entries or (), self._names) if self._want_logprobs else None
+
+    def response(self, session: Session) -> ChatCompletionResponse:
+        choice = session.choices[0]
+        return ChatCompletionResponse(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=ChatResponseMessage(content="".join(choice.text)),
+                    logprobs=self._logprobs(choice.logprobs),
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            ],
+            usage=session.usage(),
+        )
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        model = ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+        )
+        return chunk_event(model, self._include_usage)
+
+    def opening(self) -> list[str]:
+        return [
+            self._chunk([ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+        ]
+
+    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
+        events = []
+        logprobs = self._logprobs(chunk.logprobs) if chunk.new_token_ids else None
+        if chunk.new_text or logprobs is not None:
+            delta = ChatDelta(content=chunk.new_text)
+            events.append(self._chunk([ChatStreamChoice(index=0, delta=delta, logprobs=logprobs)]))
+        if chunk.finished:
+            # As OpenAI does: the finish reason comes on a chunk of its own with an empty delta.
+            final = ChatStreamChoice(
+                index=0,
+                delta=ChatDelta(),
+                finish_reason=chunk.finish_reason,
+                stop_reason=chunk.stop_reason,
+            )
+            events.append(self._chunk([final]))
+        return events
+
+    def closing(self, session: Session) -> list[str]:
+        return [self._chunk([], session.usage())] if self._include_usage else []

@@ -1,0 +1,101 @@
+"""The prompt of a request as token ids: completions prompts, chat messages through the template,
+and the model name; bad input is a 400 (404 for an unknown model)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from nori.gateway.context import ServingContext
+from nori.gateway.errors import APIError, bad_request
+from nori.gateway.protocol import ChatCompletionRequest, ChatMessage, TextContentPart
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(
+            HTTPStatus.NOT_FOUND,
+            f"The model `{model}` does not exist. This server serves `{ctx.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise bad_request(
+            f"{param} has token ids out of the vocabulary range [0, {ctx.vocab_size}): {bad[:5]}",
+            param,
+        )
+    return list(ids)
+
+
+def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
+    """The completions `prompt` field as token ids, one list per prompt of the batch."""
+    items: list[Any]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]  # a single tokenized prompt
+    elif isinstance(prompt, list):
+        items = prompt
+    else:
+        raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
+    if not items:
+        raise bad_request("prompt must not be empty", "prompt")
+    result = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            # Completions prompts get the tokenizer's special tokens (BOS), as in vLLM.
+            result.append(_check_token_ids(ctx, ctx.tokenizer.encode(item), "prompt"))
+        else:
+            result.append(_check_token_ids(ctx, item, "prompt"))
+    return result
+
+
+def _message_for_template(message: ChatMessage) -> dict[str, Any]:
+    rendered = message.model_dump(exclude_none=True)
+    content = message.content
+    if content is None:
+        # Templates concatenate content as a string; an assistant turn may have none.
+        rendered["content"] = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, TextContentPart):
+                kind = part.get("type", "unknown")
+                if kind == "text":
+                    raise bad_request("a text content part needs a string `text`", "messages")
+                raise bad_request(
+                    f"message content of type {kind!r} is not supported; only text parts are",
+                    "messages",
+                )
+            texts.append(part.text)
+        # vLLM joins text parts with newlines.
+        rendered["content"] = "\n".join(texts)
+    return rendered
+
+
+def chat_prompt(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
+    messages = [_message_for_template(m) for m in request.messages]
+    extra = {
+        key: value
+        for key, value in (request.chat_template_kwargs or {}).items()
+        if key not in ("messages", "add_generation_prompt")
+    }
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt, **extra
+        )
+    except (ValueError, TypeError) as error:
+        # ChatTemplateError (no template, raise_exception, render failure) is a ValueError;
+        # a TypeError comes from template code meeting content of an unexpected shape.
+        raise bad_request(str(error), "messages") from error
+    # The template writes BOS itself; adding special tokens again would double it.
+    return _check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")

@@ -1,0 +1,119 @@
+"""One HTTP request's backend streams: the output of each of its prompts so far, and its metrics.
+
+A completions request may carry several prompts (a batch); each is one backend stream, run
+concurrently. The endpoints read the session chunk by chunk (streaming) or drain it (not).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from starlette.types import Receive
+
+from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest
+from nori.gateway.context import ServingContext
+from nori.gateway.protocol import PromptTokensDetails, Usage
+from nori.gateway.streams import GenerationRun
+from nori.sampling.logprobs import TokenLogprobs
+from nori.sampling.params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """What one prompt has produced so far."""
+
+    num_prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    # Characters of token strings already reported (the next completions text_offset).
+    text_offset: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text.append(chunk.new_text)
+        self.num_tokens += len(chunk.new_token_ids)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason
+
+
+class Session:
+    """The backend streams of one HTTP request, their accumulated output, and its metrics."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request_ids: Sequence[str],
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+    ) -> None:
+        self.ctx = ctx
+        self.started = time.monotonic()
+        self.choices = [Choice(len(p)) for p in prompts]
+        self._request_ids = list(request_ids)
+        self._seen = [False] * len(prompts)
+        self._first_token_seen = False
+        requests = [
+            GenerationRequest(request_id, prompt, p)
+            for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
+        ]
+        self.run = GenerationRun(ctx.backend, requests, ctx.tasks)
+
+    async def next(self) -> tuple[int, GenerationChunk] | None:
+        item = await self.run.next()
+        metrics = self.ctx.metrics
+        if item is None:
+            metrics.e2e_latency.observe(time.monotonic() - self.started)
+            return None
+        index, chunk = item
+        if not self._seen[index]:
+            # Counted once the backend has taken the prompt, so refused requests do not count.
+            self._seen[index] = True
+            metrics.prompt_tokens.inc(self.choices[index].num_prompt_tokens)
+        if chunk.new_token_ids:
+            metrics.generation_tokens.inc(len(chunk.new_token_ids))
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                metrics.time_to_first_token.observe(time.monotonic() - self.started)
+        if chunk.finished and chunk.finish_reason == "abort":
+            raise BackendError(f"request {self._request_ids[index]} was aborted before it finished")
+        self.choices[index].add(chunk)
+        return item
+
+    async def first(self, receive: Receive) -> tuple[int, GenerationChunk] | None:
+        """The first chunk, or ClientDisconnected if the client leaves before it arrives."""
+        self.run.watch_disconnect(receive)
+        try:
+            return await self.next()
+        finally:
+            self.run.stop_watching()
+
+    async def drain(self, receive: Receive) -> None:
+        self.run.watch_disconnect(receive)
+        try:
+            while await self.next() is not None:
+                pass
+        finally:
+            self.run.stop_watching()
+
+    def cancel(self) -> None:
+        self.run.cancel()
+
+    def usage(self) -> Usage:
+        prompt = sum(c.num_prompt_tokens for c in self.choices)
+        completion = sum(c.num_tokens for c in self.choices)
+        cached = sum(c.num_cached_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
