@@ -1,0 +1,223 @@
+"""The path of one request through the workers, once it is admitted and has a decode worker.
+
+Disaggregated, in three steps:
+
+1. **reserve**: open the decode worker's Generate stream; its first message is a reservation
+   (block ids under a lease, and the address to send their KV to);
+2. **prefill**: call the prefill worker with that destination and where to renew the lease while
+   it holds the prompt; it sends the KV blocks straight to the decode worker and answers with
+   token one. Meanwhile the decode stream is watched: it ends early when the lease runs out (the
+   prefill worker hung or died, or the prompt never left its queue);
+3. **stream**: token one, then the rest from the decode stream.
+
+Colocated, the worker computes the prompt itself and its stream carries every token. Closing the
+iterator cancels the calls, and cancelling a call frees the request's blocks on that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nori.gateway.admission import QueuedPrompt
+from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest, SaturatedError
+from nori.gateway.router import Router
+from nori.gateway.worker_calls import (
+    DecodeFullError,
+    UpstreamTimeoutError,
+    await_call,
+    chunk_from_delta,
+    messages,
+    read,
+)
+from nori.gateway.worker_pool import WorkerPool
+from nori.rpc.convert import params_to_proto
+from nori.serving.state_recorder import StateRecorder
+from nori.state.block_directory import BlockDirectory, prompt_block_hashes
+from nori.state.registry import WorkerInfo
+from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from nori.v1.handoff_pb2 import KVDestination
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptSlot:
+    """A prompt counted on its prefill worker by the router, from the pick to its first token
+    (so that a burst spreads over the prefill pool); released exactly once, on any path."""
+
+    router: Router
+    worker: WorkerInfo
+    num_tokens: int
+    _held: bool = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.router.ended(self.worker.worker_id, self.num_tokens)
+
+
+class RequestFlow:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        router: Router,
+        directory: BlockDirectory,
+        states: StateRecorder | None,
+    ) -> None:
+        self._pool = pool
+        self._router = router
+        self._directory = directory
+        self._states = states
+
+    async def colocated(
+        self, request: GenerationRequest, worker: WorkerInfo, queued: QueuedPrompt
+    ) -> AsyncIterator[GenerationChunk]:
+        call = self._generate(worker, request, compute_prompt=True)
+        self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
+        try:
+            async for message in messages(call, worker.worker_id):
+                queued.prefilled(time.monotonic())
+                yield chunk_from_delta(message.delta)
+        finally:
+            call.cancel()
+
+    async def disaggregated(
+        self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
+    ) -> AsyncIterator[GenerationChunk]:
+        # The prefill worker is chosen before the reservation is taken: the lease starts with
+        # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
+        slot = await self._take_prefill_slot(request)
+        decode_call = self._generate(decode, request, compute_prompt=False)
+        decode_next: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
+        try:
+            # 1. reserve
+            destination = await self._reservation(decode_call, decode)
+            self._record(
+                request.request_id,
+                "prefilling",
+                prefill_worker=slot.worker.worker_id,
+                decode_worker=decode.worker_id,
+            )
+            # 2. prefill, watching the decode stream
+            decode_next = asyncio.ensure_future(read(decode_call, decode.worker_id))
+            response = await self._prefill(request, slot.worker, destination, decode_next)
+            slot.release()
+            queued.prefilled(time.monotonic())
+            # 3. stream
+            first = chunk_from_delta(response.first)
+            yield first
+            if first.finished:
+                return
+            message = await decode_next
+            while message is not None:
+                yield chunk_from_delta(message.delta)
+                if message.delta.finished:
+                    return
+                message = await read(decode_call, decode.worker_id)
+            raise BackendError(f"{decode.worker_id} ended the stream before the request finished")
+        finally:
+            if decode_next is not None:
+                decode_next.cancel()
+            decode_call.cancel()
+            slot.release()
+
+    async def _reservation(
+        self, decode_call: grpc.aio.UnaryStreamCall, decode: WorkerInfo
+    ) -> KVDestination:
+        """The decode worker's reserved blocks, as the destination the prefill worker needs."""
+        try:
+            message = await read(decode_call, decode.worker_id)
+        except SaturatedError as error:
+            raise DecodeFullError(str(error), error.retry_after_s) from None
+        if message is None or not message.HasField("reservation"):
+            raise BackendError(f"{decode.worker_id} did not answer with a reservation")
+        destination = KVDestination()
+        destination.CopyFrom(message.reservation)
+        # The prefill worker renews the lease here while it holds the prompt.
+        destination.grpc_address = decode.grpc_address
+        return destination
+
+    async def _prefill(
+        self,
+        request: GenerationRequest,
+        prefill: WorkerInfo,
+        destination: KVDestination,
+        decode_next: asyncio.Future[decode_pb2.GenerateResponse | None],
+    ) -> prefill_pb2.PrefillResponse:
+        """Token one from the prefill worker. Either side may speak first: the decode stream may
+        end (an expired lease: its error is raised), or already carry token two before the
+        prefill answer with token one reaches us."""
+        stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.channel(prefill.grpc_address))
+        call = stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=params_to_proto(request.params),
+                destination=destination,
+            )
+        )
+        answer = asyncio.ensure_future(await_call(call, prefill.worker_id))
+        try:
+            either: set[asyncio.Future[Any]] = {answer, decode_next}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if decode_next.done() and not answer.done():
+                decode_next.result()  # raises the decode side's error (an expired lease)
+                # The KV arrived and decoding began, but token one has not: a prefill worker
+                # that hangs right after sending would otherwise hold this request until its
+                # channel closes.
+                await asyncio.wait({answer}, timeout=destination.lease_seconds)
+                if not answer.done():
+                    raise UpstreamTimeoutError(
+                        f"{prefill.worker_id} sent the KV blocks but did not answer within "
+                        f"{destination.lease_seconds:g} s (hung or dead)"
+                    )
+            return await answer
+        finally:
+            answer.cancel()
+            call.cancel()  # a no-op once answered
+
+    async def _take_prefill_slot(self, request: GenerationRequest) -> PromptSlot:
+        """The prefill worker that would finish this prompt first (its cached prefix there,
+        from the block directory, and what is queued on it), counted at once."""
+        candidates = self._pool.available("prefill")
+        block_size = self._pool.block_size
+        if not candidates or block_size is None:
+            raise SaturatedError("no prefill worker is available")
+        hashes = prompt_block_hashes(request.prompt_token_ids, block_size)
+        try:
+            cached = await self._directory.longest_prefixes(
+                hashes, [w.worker_id for w in candidates]
+            )
+        except Exception:
+            logger.warning("block directory lookup failed; routing by load", exc_info=True)
+            cached = {}
+        cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
+        num_tokens = len(request.prompt_token_ids)
+        chosen = self._router.pick_prefill(candidates, cached_tokens, num_tokens)
+        assert chosen is not None
+        self._router.started(chosen.worker_id, num_tokens)
+        return PromptSlot(self._router, chosen, num_tokens)
+
+    def _generate(
+        self, worker: WorkerInfo, request: GenerationRequest, compute_prompt: bool
+    ) -> grpc.aio.UnaryStreamCall:
+        stub = decode_pb2_grpc.DecodeServiceStub(self._pool.channel(worker.grpc_address))
+        return stub.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=params_to_proto(request.params),
+                compute_prompt=compute_prompt,
+            )
+        )
+
+    def _record(self, request_id: str, state: str, **fields: str) -> None:
+        if self._states is not None:
+            self._states.record(request_id, state, **fields)

@@ -1,0 +1,96 @@
+"""gRPC calls to workers as the request flow sees them: a failed call is a BackendError with the
+HTTP status it deserves, and a worker's token delta is a GenerationChunk."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import grpc
+
+from nori.gateway.backend import (
+    BackendError,
+    GenerationChunk,
+    InvalidRequestError,
+    SaturatedError,
+)
+from nori.rpc.convert import logprobs_from_proto, stop_reason_from_proto
+from nori.v1 import common_pb2, decode_pb2, prefill_pb2
+
+T = TypeVar("T")
+
+
+class DecodeFullError(SaturatedError):
+    """A decode worker had no free KV blocks for the request: another one may have."""
+
+
+class UpstreamTimeoutError(BackendError):
+    status_code = 504
+    error_type = "timeout"
+
+
+def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
+    return GenerationChunk(
+        new_token_ids=list(delta.token_ids),
+        new_text=delta.text,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason or None,
+        stop_reason=stop_reason_from_proto(delta),
+        logprobs=[logprobs_from_proto(entry) for entry in delta.logprobs] or None,
+        num_cached_tokens=delta.num_cached_tokens,
+    )
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return SaturatedError(f"{worker}: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError(f"{worker}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return SaturatedError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+    return BackendError(f"{worker} failed ({code.name}): {details}")
+
+
+async def rpc(call: Awaitable[T], worker: str) -> T:
+    """Awaits a gRPC call; its failure becomes a BackendError.
+
+    A call cancelled under us (its channel closed) is a failure too, not a cancellation of the
+    request: only when this task itself is being cancelled (the client went away) does
+    CancelledError pass through.
+    """
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error, worker) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise BackendError(f"the call to {worker} was cancelled") from None
+
+
+async def await_call(call: grpc.aio.UnaryUnaryCall, worker: str) -> prefill_pb2.PrefillResponse:
+    response: prefill_pb2.PrefillResponse = await rpc(call, worker)
+    return response
+
+
+async def read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end."""
+    message = await rpc(call.read(), worker)
+    if message is grpc.aio.EOF:
+        return None
+    return message
+
+
+async def messages(
+    call: grpc.aio.UnaryStreamCall, worker: str
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    while (message := await read(call, worker)) is not None:
+        yield message
+        if message.delta.finished:
+            return
+    raise BackendError(f"{worker} ended the stream before the request finished")
