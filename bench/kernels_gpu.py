@@ -81,10 +81,8 @@ def bench_store_kv(num_tokens: int, device: torch.device) -> None:
 
 
 def bench_decode(batch: int, context: int, device: torch.device) -> None:
-    from nori.kernels.decode_attention import (
-        paged_decode_attention,
-        paged_decode_attention_reference,
-    )
+    from nori.kernels.decode_attention import paged_decode_attention
+    from nori.kernels.decode_attention_reference import paged_decode_attention_reference
 
     k_cache, v_cache, tables, lens = _paged_context([context] * batch, device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=DTYPE)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from nori.engine.engine import LLMEngine
-from nori.engine.transfer import KVExport
+from nori.engine.kv_export import KVExport
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output, params_from_proto
 from nori.serving.engine_thread import EngineThread

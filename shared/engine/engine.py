@@ -17,12 +17,12 @@ import torch
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import EngineConfig
+from nori.engine.kv_export import KVExport, TransferState
 from nori.engine.model_runner import ModelRunner, SampledToken
 from nori.engine.outputs import RequestOutput, TokenLogprobs
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nori.engine.step_cost import StepCostModel
-from nori.engine.transfer import KVExport, TransferState
 from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams

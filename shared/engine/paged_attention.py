@@ -13,7 +13,7 @@ import torch
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.kv_cache import KVCache
 from nori.kernels import paged_decode_attention, paged_prefill_attention, store_kv_cache
-from nori.kernels.decode_attention import (
+from nori.kernels.decode_attention_reference import (
     ReferenceDecodePlan,
     paged_decode_attention_cpu,
     plan_reference_decode,

@@ -4,8 +4,8 @@ Importing this package never imports Triton nor builds the C++ kernels, so the C
 where Triton is absent (and, on the references, where no C++ compiler is).
 """
 
-from nori.kernels.decode_attention import (
-    paged_decode_attention,
+from nori.kernels.decode_attention import paged_decode_attention
+from nori.kernels.decode_attention_reference import (
     paged_decode_attention_cpu,
     paged_decode_attention_reference,
 )

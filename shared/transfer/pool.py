@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
 from nori.transfer.base import TransferError, TransferRejected
-from nori.transfer.protocol import HeaderPhaseError
+from nori.transfer.conversation import HeaderPhaseError
 
 logger = logging.getLogger(__name__)
 

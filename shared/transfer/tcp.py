@@ -21,9 +21,7 @@ from nori.transfer.base import (
     TransferError,
 )
 from nori.transfer.buffers import check_sources
-from nori.transfer.handoff import TransferHeader
-from nori.transfer.pool import ConnectionPool
-from nori.transfer.protocol import (
+from nori.transfer.conversation import (
     ConnectionClosed,
     MessageTooLarge,
     ReceiverStats,
@@ -31,6 +29,8 @@ from nori.transfer.protocol import (
     send_transfer,
     serve_connection,
 )
+from nori.transfer.handoff import TransferHeader
+from nori.transfer.pool import ConnectionPool
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,7 @@ import torch
 from nori.transfer.address import parse_address
 from nori.transfer.base import KVSink, TransferConfig, TransferError
 from nori.transfer.buffers import check_sources
-from nori.transfer.handoff import TransferHeader
-from nori.transfer.pool import ConnectionPool
-from nori.transfer.protocol import (
+from nori.transfer.conversation import (
     ConnectionClosed,
     MessageTooLarge,
     ReceiverStats,
@@ -30,6 +28,8 @@ from nori.transfer.protocol import (
     send_transfer,
     serve_connection,
 )
+from nori.transfer.handoff import TransferHeader
+from nori.transfer.pool import ConnectionPool
 from nori.transfer.ucx_worker import (
     Poster,
     Request,

@@ -18,8 +18,8 @@ from nori.gateway.backend import (
     InvalidRequestError,
     QueueFullError,
 )
-from nori.gateway.local_backend import LocalEngineBackend
 from nori.sampling.params import SamplingParams
+from tests.gateway.local_backend import LocalEngineBackend
 
 pytestmark = pytest.mark.asyncio
 

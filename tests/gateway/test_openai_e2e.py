@@ -20,9 +20,9 @@ import pytest
 from nori.engine.llm import LLM
 from nori.engine.outputs import RequestOutput
 from nori.gateway.app import create_app
-from nori.gateway.local_backend import LocalEngineBackend
 from nori.sampling.params import SamplingParams
 from tests.gateway.helpers import parse_sse, serve, sse_json
+from tests.gateway.local_backend import LocalEngineBackend
 
 MODEL = "nori-tiny"
 ENGINE_OPTIONS: dict[str, Any] = {

@@ -20,9 +20,9 @@ import torch
 
 from nori.transfer.base import KVReceiver, TransferConfig, TransferError
 from nori.transfer.buffers import check_sources
+from nori.transfer.conversation import Channel
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import HEADER_VERSION, TransferHeader, decode_reply
-from nori.transfer.protocol import Channel
 from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader
 from tests.transfer.helpers import KINDS, kv_blocks
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink

@@ -1,0 +1,187 @@
+"""Decode attention without Triton: the PyTorch reference (the ground truth the Triton kernel and
+the C++ CPU kernel are tested against, and the CPU engine's fallback) and the C++ CPU entry point.
+
+The reference groups sequences by context length (`plan_reference_decode`) so a step runs one
+batched matmul per group instead of one per sequence; the plan is built once per step and reused
+by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nori.kernels._common import (
+    cdiv,
+)
+from nori.kernels.cpu_build import cpu_kernels
+
+# The CPU reference pads the contexts of a group of rows to the group's longest and gathers them
+# with one index_select per layer. Rows join a group while that padding stays small: a row
+# whose context is at least this share of the group's padded length, or that misses fewer
+# than _REFERENCE_SLACK_TOKENS of it. A separate group costs a few extra ops per layer
+# (gather, attention, scatter: tens of microseconds on a CPU), about what copying and attending
+# over a few hundred padded tokens costs.
+_REFERENCE_FILL = 0.75
+_REFERENCE_SLACK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class ReferenceDecodeGroup:
+    # Rows of the batch in this group; None when the group is the whole batch, in order.
+    rows: torch.Tensor | None
+    # Each row's first num_blocks block ids, flattened: [len(rows) * num_blocks].
+    block_ids: torch.Tensor
+    num_rows: int
+    num_blocks: int
+    # [rows, 1, 1, num_blocks * block_size], True where a row may attend; None when every row
+    # fills the padded length and nothing is left-padded.
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ReferenceDecodePlan:
+    """How the CPU reference gathers one decode step's contexts.
+
+    It depends only on the block tables and lengths, which every layer of a step shares, so the
+    engine builds it once per step instead of once per layer.
+    """
+
+    groups: tuple[ReferenceDecodeGroup, ...]
+    num_rows: int
+
+
+def plan_reference_decode(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    context_starts: torch.Tensor | None = None,
+) -> ReferenceDecodePlan:
+    lengths: list[int] = seq_lens.tolist()
+    batch = len(lengths)
+    order = sorted(range(batch), key=lambda row: -lengths[row])
+    members: list[list[int]] = []
+    padded = 0
+    for row in order:
+        length = lengths[row]
+        if members and (
+            length >= _REFERENCE_FILL * padded or padded - length < _REFERENCE_SLACK_TOKENS
+        ):
+            members[-1].append(row)
+        else:
+            members.append([row])
+            padded = cdiv(length, block_size) * block_size
+    device = block_tables.device
+    groups = []
+    for rows in members:
+        num_blocks = cdiv(lengths[rows[0]], block_size)
+        if len(members) == 1:
+            rows = list(range(batch))  # one group: keep the batch's order, no scatter
+            row_index = None
+            tables = block_tables
+            group_lens = seq_lens
+            group_starts = context_starts
+        else:
+            row_index = torch.tensor(rows, dtype=torch.long, device=device)
+            tables = block_tables.index_select(0, row_index)
+            group_lens = seq_lens.index_select(0, row_index)
+            group_starts = None if context_starts is None else context_starts[row_index]
+        mask = None
+        padded_len = num_blocks * block_size
+        if group_starts is not None or any(lengths[row] != padded_len for row in rows):
+            positions = torch.arange(padded_len, device=device)
+            mask = positions[None, :] < group_lens[:, None].to(positions.dtype)
+            if group_starts is not None:
+                mask &= positions[None, :] >= group_starts[:, None].to(positions.dtype)
+            mask = mask[:, None, None, :]
+        groups.append(
+            ReferenceDecodeGroup(
+                rows=row_index,
+                block_ids=tables[:, :num_blocks].reshape(-1),
+                num_rows=len(rows),
+                num_blocks=num_blocks,
+                mask=mask,
+            )
+        )
+    return ReferenceDecodePlan(groups=tuple(groups), num_rows=batch)
+
+
+def run_reference_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ReferenceDecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D]."""
+    batch, num_heads, head_dim = query.shape
+    if batch == 0:
+        return torch.empty_like(query)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    output = None if len(plan.groups) == 1 else torch.empty_like(query)
+    for part in plan.groups:
+        rows = part.num_rows
+        shape = (rows, part.num_blocks * block_size, num_kv_heads, head_dim)
+        # index_select copies whole blocks; advanced indexing (cache[tables]) was 5x slower.
+        keys = k_cache.index_select(0, part.block_ids).view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, part.block_ids).view(shape).transpose(1, 2)
+        q = query if part.rows is None else query.index_select(0, part.rows)
+        # PyTorch's fused attention is the reference: faster on CPU than spelled-out softmax,
+        # and independent of the Triton kernel it checks. The query heads sharing a kv head go
+        # in as that head's "query positions" (one mask for all), so K/V are never expanded.
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.float().reshape(rows, num_kv_heads, group, head_dim),
+            keys.float(),
+            values.float(),
+            attn_mask=part.mask,
+            scale=scale,
+        )
+        result = attended.reshape(rows, num_heads, head_dim).to(query.dtype)
+        if output is None:
+            return result
+        assert part.rows is not None
+        output.index_copy_(0, part.rows, result)
+    assert output is not None
+    return output
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    context_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding.
+
+    Sequences are processed in groups of similar length, so padding stays small.
+    """
+    plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1], context_starts)
+    return run_reference_decode(query, k_cache, v_cache, plan, scale)
+
+
+def paged_decode_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    context_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The C++ CPU kernel (decode_attention_cpu.cpp): reads each context in place, no copy.
+
+    Same arguments and result as `paged_decode_attention_reference`, for CPU tensors; the kernel
+    checks shapes, dtypes and block ids itself. Raises RuntimeError where it cannot be built.
+    """
+    module = cpu_kernels()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
+    output: torch.Tensor = module.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale
+    )
+    return output
