@@ -34,30 +34,31 @@ def main() -> None:
         prompt = [100 + (index * 7 + i) % 1000 for i in range(args.prompt_len)]
         engine.add_request(f"r{index}", prompt, params)
     while (
-        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+        any(r.num_output_tokens == 0 for r in engine._scheduler.running)
+        or engine._scheduler.waiting
     ):
         engine.step()
     for _ in range(5):
         engine.step()
 
-    sync = engine.runner.synchronize
+    sync = engine._runner.synchronize
     phases = {"schedule": 0.0, "execute": 0.0, "update+postprocess": 0.0}
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()
-        output = engine.scheduler.schedule()
+        output = engine._scheduler.schedule()
         t1 = time.perf_counter()
-        sampled = engine.runner.execute(output, engine._generators(output))
+        sampled = engine._runner.execute(output, engine._generators(output))
         sync()
         t2 = time.perf_counter()
-        engine.scheduler.update(output)
+        engine._scheduler.update(output)
         for token in sampled:
             engine._postprocess(token)
         t3 = time.perf_counter()
         phases["schedule"] += t1 - t0
         phases["execute"] += t2 - t1
         phases["update+postprocess"] += t3 - t2
-    batch = len(engine.scheduler.running)
+    batch = len(engine._scheduler.running)
     print({k: round(v / args.steps * 1000, 2) for k, v in phases.items()}, "ms/step, batch", batch)
 
     activities = [torch.profiler.ProfilerActivity.CPU]

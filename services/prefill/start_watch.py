@@ -25,7 +25,7 @@ class StartWatch:
         self._previous: set[str] = set()
 
     def on_step(self, engine: LLMEngine) -> None:
-        running = {request.request_id for request in engine.scheduler.running}
+        running = engine.running_request_ids()
         started = running - self._previous
         self._previous = running
         if started:

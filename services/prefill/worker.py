@@ -65,7 +65,7 @@ class PrefillWorker(Worker):
 
     async def start_role(self) -> None:
         engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        engine.block_manager.record_events = True
+        engine.record_block_events()
         streams = OutputStreams()
         loop = asyncio.get_running_loop()
         self._start_watch = StartWatch(loop, self._leases.started)
@@ -96,7 +96,7 @@ class PrefillWorker(Worker):
             self._start_watch.on_step(engine)
 
     def _collect_events(self, engine: LLMEngine) -> None:
-        events = engine.block_manager.drain_events()
+        events = engine.drain_block_events()
         if events:
             with self._events_lock:
                 self._events.extend(events)
@@ -111,7 +111,7 @@ class PrefillWorker(Worker):
                 # long-lived prefixes do not fall out of the directory.
                 last_refresh = time.monotonic()
                 assert self._engine is not None
-                held = await self._engine.call(lambda e: e.block_manager.cached_block_hashes())
+                held = await self._engine.call(lambda e: e.cached_block_hashes())
                 try:
                     await directory.touch(self.worker_id, held)
                 except Exception:

@@ -120,7 +120,6 @@ def run_policy(
         # Greedy and ignore_eos: every request produces exactly its target number of tokens.
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.add_request(f"{policy}-{index}", prompt, params)
-    requests = list(engine.scheduler.waiting)
     finished: list[RequestOutput] = []
     steps = 0
     total = sum(workload.output_lens)
@@ -147,7 +146,7 @@ def run_policy(
         num_output_tokens=sum(len(o.token_ids) for o in finished),
         num_input_tokens=workload.num_input_tokens,
         num_steps=steps,
-        num_preemptions=sum(r.num_preemptions for r in requests),
+        num_preemptions=engine.num_preemptions,
     )
 
 

@@ -4,6 +4,16 @@ One step is schedule -> run the model -> postprocess. Everything about memory an
 the scheduler's; everything about tensors is the model runner's; this file owns the per-request
 text state (detokenizer, stop conditions) and the operations the services need (prefill-only
 export, import into another engine).
+
+The surface, all of it (nobody outside reaches the scheduler, block manager or runner):
+
+- requests: `add_request`, `step`, `abort_request`, `abort_all`, `has_unfinished_requests`;
+- the hand-off: `export_request` + `release_request` (prefill side); `reserve_prompt` +
+  `complete_transfer` (decode side, the KV written in between into `kv_cache_tensor`);
+  `import_request` (both engines in one process);
+- what a worker reports: `load()`, `running_request_ids()`, and the prefix-cache events
+  (`record_block_events`, `drain_block_events`, `cached_block_hashes`);
+- `check_invariants()` for tests.
 """
 
 from __future__ import annotations
@@ -15,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nori.engine.block_manager import BlockManager
+from nori.engine.block_manager import BlockEvent, BlockManager
 from nori.engine.config import EngineConfig
 from nori.engine.kv_export import KVExport, TransferState
 from nori.engine.model_runner import ModelRunner, SampledToken
-from nori.engine.outputs import RequestOutput, TokenLogprobs
+from nori.engine.outputs import EngineLoad, RequestOutput, TokenLogprobs
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nori.engine.step_cost import StepCostModel
@@ -52,13 +62,13 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model(config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.runner = runner or ModelRunner(config, model_dir, self.tokenizer.eos_token_ids)
-        self.model_config = self.runner.model_config
-        self.max_model_len = self.runner.max_model_len
+        self._runner = runner or ModelRunner(config, model_dir, self.tokenizer.eos_token_ids)
+        self.model_config = self._runner.model_config
+        self.max_model_len = self._runner.max_model_len
         # Static batching (a benchmark baseline) has no prefix cache: a dense padded batch has
         # none, and its identical pad blocks would otherwise be served from the cache.
-        self.block_manager = BlockManager(
-            self.runner.kv_cache.num_blocks,
+        self._block_manager = BlockManager(
+            self._runner.kv_cache.num_blocks,
             config.block_size,
             config.enable_prefix_caching and config.scheduling_policy == "continuous",
         )
@@ -71,7 +81,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             prefill_budget_with_decodes=AUTO_PREFILL_BUDGET_START if budget == "auto" else budget,  # type: ignore[arg-type]
         )
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self._scheduler = Scheduler(scheduler_config, self._block_manager)
         self._live: dict[str, _LiveRequest] = {}
         self._arrivals = itertools.count()
 
@@ -99,45 +109,45 @@ class LLMEngine:
         self._track(request)
         if self.config.scheduling_policy == "static":
             max_new = min(params.max_tokens, self.max_model_len - request.num_tokens)
-            self.scheduler.static_max_new_tokens[request_id] = max_new
-        self.scheduler.add(request)
+            self._scheduler.static_max_new_tokens[request_id] = max_new
+        self._scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request wherever it is; its blocks are free when this returns."""
         live = self._live.pop(request_id, None)
         if live is not None and not live.request.status.is_finished:
-            self.scheduler.finish(live.request, RequestStatus.FINISHED_ABORTED)
+            self._scheduler.finish(live.request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self._scheduler.num_unfinished > 0
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
+        return self._block_manager.num_free_blocks
 
     # ------------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
         if self._step_costs is not None:
-            self.scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
+            self._scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
                 # The running requests are (about) the decode rows of the coming step.
-                num_decodes=len(self.scheduler.running),
+                num_decodes=len(self._scheduler.running),
                 ratio=1.0,
                 low=self.config.block_size,
                 high=self.config.max_num_batched_tokens,
                 default=AUTO_PREFILL_BUDGET_START,
             )
-        output = self.scheduler.schedule()
+        output = self._scheduler.schedule()
         if output.is_empty:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(output, self._generators(output))
+        sampled = self._runner.execute(output, self._generators(output))
         if self._step_costs is not None:
             num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
             self._step_costs.observe(
                 num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
             )
-        self.scheduler.update(output)
+        self._scheduler.update(output)
         outputs = []
         for token in sampled:
             if token.request.status.is_finished:
@@ -165,9 +175,9 @@ class LLMEngine:
             live.logprobs.append(sample.logprobs)
         finish = self._check_stop(live, sample.token_id)
         if finish is not None:
-            self.scheduler.finish(request, finish)
+            self._scheduler.finish(request, finish)
         elif request.prefill_only:
-            self.scheduler.hold(request, RequestStatus.PREFILLED)
+            self._scheduler.hold(request, RequestStatus.PREFILLED)
         return self._output(live)
 
     def _check_stop(self, live: _LiveRequest, token_id: int) -> RequestStatus | None:
@@ -235,14 +245,14 @@ class LLMEngine:
             block_size=self.config.block_size,
             generator_state=_generator_state(live.generator),
         )
-        blocks = self.runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
+        blocks = self._runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
         return KVExport(state=state, blocks=blocks)
 
     def release_request(self, request_id: str) -> None:
         """Frees a prefilled request's blocks once its K/V has been sent."""
         live = self._live.pop(request_id, None)
         if live is not None:
-            self.scheduler.finish(live.request, RequestStatus.FINISHED_STOPPED)
+            self._scheduler.finish(live.request, RequestStatus.FINISHED_STOPPED)
 
     def reserve_request(self, state: TransferState) -> list[int] | None:
         """Allocates blocks for a request whose K/V another engine computed.
@@ -266,13 +276,13 @@ class LLMEngine:
         for token_id in state.output_token_ids:
             request.append_token(token_id)
         # The blocks also cover the next token, which is computed right after activation.
-        if not self.block_manager.allocate(request, request.num_tokens):
+        if not self._block_manager.allocate(request, request.num_tokens):
             return None
         request.num_computed_tokens = state.num_computed_tokens
         live = self._track(request, state.generator_state)
         for token_id in state.output_token_ids:
             live.text += live.detokenizer.add_token(token_id).new_text
-        self.scheduler.hold(request, RequestStatus.RESERVED)
+        self._scheduler.hold(request, RequestStatus.RESERVED)
         return list(request.block_ids[: state.num_blocks])
 
     def reserve_prompt(
@@ -296,7 +306,7 @@ class LLMEngine:
             return None
         request = self._live[request_id].request
         # reserve_request sized for the known tokens; leave room for the first sampled one too.
-        if not self.block_manager.allocate(request, 1):
+        if not self._block_manager.allocate(request, 1):
             self.abort_request(request_id)
             return None
         return list(request.block_ids[: state.num_blocks])
@@ -329,11 +339,11 @@ class LLMEngine:
         request = self._live[request_id].request
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        self.runner.kv_cache.write_blocks(request.block_ids[: blocks.shape[2]], blocks)
+        self._runner.kv_cache.write_blocks(request.block_ids[: blocks.shape[2]], blocks)
 
     def activate_request(self, request_id: str) -> None:
         """Starts decoding a reserved request whose K/V is in place."""
-        self.scheduler.activate(request_id)
+        self._scheduler.activate(request_id)
 
     def import_request(self, export: KVExport) -> bool:
         """Reserve, write and activate in one call (the in-process path)."""
@@ -349,7 +359,7 @@ class LLMEngine:
         params = request.sampling_params
         generator = None
         if params.seed is not None:
-            generator = self.runner.make_generator(params.seed)
+            generator = self._runner.make_generator(params.seed)
             if generator_state is not None:
                 generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         live = _LiveRequest(
@@ -374,7 +384,67 @@ class LLMEngine:
             )
 
     def requests_holding_blocks(self) -> Iterable[Request]:
-        return self.scheduler.requests()
+        return self._scheduler.requests()
+
+    # ------------------------------------------------------------------ for workers and tests
+
+    def load(self) -> EngineLoad:
+        scheduler = self._scheduler
+        return EngineLoad(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_held=len(scheduler.held),
+            num_free_blocks=self._block_manager.num_free_blocks,
+            num_total_blocks=self._block_manager.num_blocks,
+        )
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted (their blocks taken back, to be recomputed) since the start."""
+        return self._scheduler.num_preemptions
+
+    def running_request_ids(self) -> set[str]:
+        """Requests in the running batch (computing their prompt or decoding)."""
+        return {request.request_id for request in self._scheduler.running}
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Ends every running and waiting request; one finished (aborted) output each."""
+        outputs = []
+        for request in list(self._scheduler.running) + list(self._scheduler.waiting):
+            self.abort_request(request.request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    token_ids=request.output_token_ids,
+                    text="",
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason=RequestStatus.FINISHED_ABORTED.value,
+                )
+            )
+        return outputs
+
+    @property
+    def kv_cache_tensor(self) -> torch.Tensor:
+        """The paged KV cache, [layers, 2, blocks, block_size, kv_heads, head_dim]: a decode
+        worker receives transferred blocks straight into it."""
+        return self._runner.kv_cache.data
+
+    def record_block_events(self) -> None:
+        """From now on, keep a log of blocks entering and leaving the prefix cache."""
+        self._block_manager.record_events = True
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        return self._block_manager.drain_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self._block_manager.cached_block_hashes()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the block bookkeeping is inconsistent."""
+        self._block_manager.check_invariants(self._scheduler.requests())
 
 
 def _generator_state(generator: torch.Generator | None) -> bytes | None:

@@ -39,3 +39,33 @@ class RequestOutput:
             new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text,
         )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is: taken after every step, read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_held: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    # time.monotonic() when it was taken (by the engine thread): its last sign of life.
+    taken_at: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.num_running + self.num_waiting > 0
+
+    @property
+    def num_requests_holding_blocks(self) -> int:
+        return self.num_running + self.num_held
+
+    def registry_fields(self) -> dict[str, int]:
+        """The load figures a worker publishes in the registry for routing."""
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_free_blocks": self.num_free_blocks,
+            "num_total_blocks": self.num_total_blocks,
+        }

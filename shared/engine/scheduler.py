@@ -107,6 +107,8 @@ class Scheduler:
     # The prompt-token cap of steps with decodes: the config's, unless the engine adjusts it
     # step by step (prefill_budget_with_decodes="auto").
     prefill_budget_with_decodes: int | None = field(init=False)
+    # Preemptions since the scheduler was made (a request preempted twice counts twice).
+    num_preemptions: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.prefill_budget_with_decodes = self.config.prefill_budget_with_decodes
@@ -284,6 +286,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

@@ -16,46 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import TypeVar
 
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import RequestOutput
-from nori.engine.request import RequestStatus
+from nori.engine.outputs import EngineLoad, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot taken on the engine thread after every step, read from any thread."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_held: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    # time.monotonic() when it was taken: the engine thread's last sign of life.
-    taken_at: float = 0.0
-
-    @property
-    def busy(self) -> bool:
-        return self.num_running + self.num_waiting > 0
-
-    @property
-    def num_requests_holding_blocks(self) -> int:
-        return self.num_running + self.num_held
-
-    def registry_fields(self) -> dict[str, int]:
-        """The load figures a worker publishes in the registry for routing."""
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "num_free_blocks": self.num_free_blocks,
-            "num_total_blocks": self.num_total_blocks,
-        }
 
 
 class EngineThread:
@@ -126,7 +95,7 @@ class EngineThread:
             except Exception:
                 # A bug, not bad input (that is rejected when added): fail the batch, keep serving.
                 logger.exception("engine step failed; aborting the running requests")
-                outputs = self._abort_running()
+                outputs = self.engine.abort_all()
             self.load = self._snapshot()
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)
@@ -151,32 +120,5 @@ class EngineThread:
                 break
         self.load = self._snapshot()
 
-    def _abort_running(self) -> list[RequestOutput]:
-        outputs = []
-        for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            request_id = request.request_id
-            self.engine.abort_request(request_id)
-            outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    token_ids=request.output_token_ids,
-                    text="",
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason=RequestStatus.FINISHED_ABORTED.value,
-                )
-            )
-        return outputs
-
     def _snapshot(self) -> EngineLoad:
-        scheduler = self.engine.scheduler
-        return EngineLoad(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_held=len(scheduler.held),
-            num_free_blocks=self.engine.num_free_blocks,
-            num_total_blocks=self.engine.block_manager.num_blocks,
-            taken_at=time.monotonic(),
-        )
+        return replace(self.engine.load(), taken_at=time.monotonic())

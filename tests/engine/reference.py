@@ -64,7 +64,7 @@ class EngineTrace:
 def trace_engine(engine: LLMEngine) -> Iterator[EngineTrace]:
     """Records the logits rows the engine samples from, without changing the engine."""
     trace = EngineTrace()
-    scheduler, model = engine.scheduler, engine.runner.model
+    scheduler, model = engine._scheduler, engine._runner.model
     original_schedule, original_logits = scheduler.schedule, model.compute_logits
     last: list[SchedulerOutput] = []
 

@@ -48,7 +48,7 @@ actions = st.lists(
 
 
 def check(engine: LLMEngine) -> None:
-    engine.block_manager.check_invariants(engine.requests_holding_blocks())
+    engine.check_invariants()
 
 
 @settings(

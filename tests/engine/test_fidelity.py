@@ -74,7 +74,7 @@ def assert_matches(llm: LLM, prompts: list[list[int]], reference: list[HFGreedy]
         logits = trace.stacked(output.request_id)
         assert logits.shape == expected.logits.shape
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
-    llm.engine.block_manager.check_invariants([])
+    llm.engine.check_invariants()
     return [outputs, trace]
 
 
@@ -164,8 +164,8 @@ def assert_static_matches(llm: LLM, prompts: list[list[int]], reference: list[HF
         logits = trace.stacked(output.request_id)[:NEW_TOKENS]
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
     assert trace.num_chunked_steps > 0
-    llm.engine.block_manager.check_invariants([])
-    assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_blocks == llm.engine.load().num_total_blocks
 
 
 def static_llm(checkpoint: Path, backend: str) -> LLM:

@@ -82,13 +82,13 @@ def test_prefill_export_import_decode_is_token_identical(
         assert target.status is RequestStatus.RUNNING
         assert target.block_ids[: len(source_blocks)] != source_blocks
     assert prefill_engine.num_free_blocks == free_before
-    prefill_engine.block_manager.check_invariants([])
+    prefill_engine.check_invariants()
 
     finished = run_to_completion(decode_engine)
     for request_id, reference in zip(ids, expected, strict=True):
         assert finished[request_id].token_ids == reference.token_ids
         assert finished[request_id].text == reference.text
-    decode_engine.block_manager.check_invariants([])
+    decode_engine.check_invariants()
 
 
 def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
@@ -103,7 +103,7 @@ def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
     # The lease expires (or the sender dies): abort gives every reserved block back.
     decode_engine.abort_request("req-0")
     assert decode_engine.num_free_blocks == free_before
-    decode_engine.block_manager.check_invariants([])
+    decode_engine.check_invariants()
 
 
 def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
@@ -115,7 +115,7 @@ def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
     small.step()  # holds 5 of the 8 blocks; the import needs 6
     assert small.reserve_request(export.state) is None
     assert "req-0" not in small._live
-    small.block_manager.check_invariants(small.requests_holding_blocks())
+    small.check_invariants()
     other_block_size = LLM(
         str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=16
     ).engine
@@ -154,7 +154,7 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
         export = prefill_engine.export_request(request_id)
         prefill_engine.release_request(request_id)
         # What a transport does: write each block straight into the reserved cache blocks.
-        cache = decode_engine.runner.kv_cache.data
+        cache = decode_engine.kv_cache_tensor
         for position, block_id in enumerate(reserved[request_id]):
             cache[:, :, block_id].copy_(export.blocks[:, :, position])
         first_tokens[request_id] = export.state.output_token_ids
@@ -170,6 +170,6 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
         # The first token was reported by the prefill side; decode reports the rest.
         assert got.token_ids[:1] == first_tokens[request_id]
     assert decode_engine.num_free_blocks == free_before
-    decode_engine.block_manager.check_invariants([])
+    decode_engine.check_invariants()
     with pytest.raises(ValueError, match="no reserved blocks"):
         decode_engine.complete_transfer("req-0", [1], None)

@@ -352,7 +352,7 @@ def test_disconnect_aborts_the_engine_request(
     time.sleep(0.1)
     assert aborted == []
 
-    total_blocks = engine.block_manager.num_blocks
+    total_blocks = engine.load().num_total_blocks
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()

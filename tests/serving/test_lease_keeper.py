@@ -99,8 +99,7 @@ async def test_start_watch_reports_each_newcomer_to_the_running_batch_once() -> 
     watch = StartWatch(loop, seen.append)
 
     def engine(*running: str) -> object:
-        requests = [SimpleNamespace(request_id=request_id) for request_id in running]
-        return SimpleNamespace(scheduler=SimpleNamespace(running=requests))
+        return SimpleNamespace(running_request_ids=lambda: set(running))
 
     for batch in [(), ("a",), ("a", "b"), ("b",), ("b", "a")]:
         watch.on_step(engine(*batch))  # type: ignore[arg-type]
