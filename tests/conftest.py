@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real Redis: REDIS_URL when reachable, else a private redis-server on a free port."""
-    from nori.state.redis_server import RedisUnavailable, resolve_redis_url
+    from nori.launch.redis_server import RedisUnavailable, resolve_redis_url
 
     try:
         url, server = resolve_redis_url(os.environ.get("REDIS_URL") or None)

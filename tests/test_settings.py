@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from nori.gateway.server import GatewayOptions
-from nori.serving.worker_runtime import WorkerOptions
 from nori.settings import DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, Environment, RoleSettings
+from nori.worker.runtime import WorkerOptions
 
 
 def test_environment_reads_each_variable_and_treats_empty_as_unset() -> None:

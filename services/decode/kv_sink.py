@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
-from nori.serving.kv_layout import destination_buffers
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
+from nori.worker.kv_layout import destination_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 

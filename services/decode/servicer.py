@@ -16,13 +16,13 @@ import grpc
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
 from nori.rpc.convert import delta_from_output, params_from_proto
-from nori.serving.engine_thread import EngineThread
-from nori.serving.grpc_calls import call_engine
-from nori.serving.output_streams import OutputStreams, next_output
-from nori.serving.state_recorder import StateRecorder
+from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, KVDestination
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from nori.worker.engine_thread import EngineThread
+from nori.worker.grpc_calls import call_engine
+from nori.worker.output_streams import OutputStreams, next_output
 
 logger = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.servicer import DecodeServicer
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.serving.engine_thread import EngineThread
-from nori.serving.output_streams import OutputStreams
-from nori.serving.state_recorder import StateRecorder
-from nori.serving.worker_runtime import Worker, WorkerOptions
 from nori.settings import DEFAULT_KV_LEASE_S
 from nori.state.requests import RequestStateStore
+from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
 from nori.v1 import decode_pb2_grpc
+from nori.worker.engine_thread import EngineThread
+from nori.worker.output_streams import OutputStreams
+from nori.worker.runtime import Worker, WorkerOptions
 
 logger = logging.getLogger(__name__)
 

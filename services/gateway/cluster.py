@@ -31,12 +31,12 @@ from nori.gateway.request_flow import RequestFlow
 from nori.gateway.router import Router
 from nori.gateway.worker_calls import DecodeFullError
 from nori.gateway.worker_pool import WorkerPool
-from nori.serving.state_recorder import StateRecorder
 from nori.settings import RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore
+from nori.state.state_recorder import StateRecorder
 from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)

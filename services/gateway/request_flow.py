@@ -38,9 +38,9 @@ from nori.gateway.worker_calls import (
 )
 from nori.gateway.worker_pool import WorkerPool
 from nori.rpc.convert import params_to_proto
-from nori.serving.state_recorder import StateRecorder
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.registry import WorkerInfo
+from nori.state.state_recorder import StateRecorder
 from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 

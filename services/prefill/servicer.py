@@ -19,13 +19,13 @@ from nori.engine.engine import LLMEngine
 from nori.engine.kv_export import KVExport
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output, params_from_proto
-from nori.serving.engine_thread import EngineThread
-from nori.serving.grpc_calls import call_engine
-from nori.serving.kv_layout import source_buffers
-from nori.serving.output_streams import OutputStreams
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from nori.worker.engine_thread import EngineThread
+from nori.worker.grpc_calls import call_engine
+from nori.worker.kv_layout import source_buffers
+from nori.worker.output_streams import OutputStreams
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from nori.prefill.lease_client import LeaseRenewalClient
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.servicer import PrefillServicer
 from nori.prefill.start_watch import StartWatch
-from nori.serving.engine_thread import EngineThread
-from nori.serving.output_streams import OutputStreams
-from nori.serving.worker_runtime import Worker, WorkerOptions
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
 from nori.v1 import prefill_pb2_grpc
+from nori.worker.engine_thread import EngineThread
+from nori.worker.output_streams import OutputStreams
+from nori.worker.runtime import Worker, WorkerOptions
 
 logger = logging.getLogger(__name__)
 

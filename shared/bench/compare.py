@@ -2,7 +2,7 @@
 cluster, on the same CPUs, in turn.
 
 - Both clusters run on the same CPUs (this process's, or --cpus): the colocated worker on all of
-  them, the disaggregated workers with the default CPU plan (`nori.serving.cpu_plan`).
+  them, the disaggregated workers with the default CPU plan (`nori.launch.cpu_plan`).
 - Both are started once and stay up for the whole comparison, and the runs alternate between
   them (c, d, c, d, ...), so that a slow spell of a shared machine hits both sides. An idle
   cluster sleeps (its engine thread blocks, heartbeats once a second), and each side's runs
@@ -29,18 +29,18 @@ from nori.bench.compare_report import MEDIAN_BY, SHORT_CLASS, SIDES, compare_run
 from nori.bench.serve.result import ServeBenchResult
 from nori.bench.serve.runner import run_benchmark_sync
 from nori.bench.serve.settings import ServeBenchSettings, json_number
-from nori.models.demo import resolve_model
-from nori.sampling.tokenizer import Tokenizer
-from nori.serving.cpu_plan import (
+from nori.launch.cpu_plan import (
     CpuPlan,
     CpuRequest,
     format_cpu_list,
     parse_usable_cpus,
     plan_cpus,
 )
-from nori.serving.local_cluster import ClusterSpec, LocalCluster, free_port
+from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
+from nori.launch.redis_server import RedisUnavailable, resolve_redis_url
+from nori.models.demo import resolve_model
+from nori.sampling.tokenizer import Tokenizer
 from nori.settings import Environment
-from nori.state.redis_server import RedisUnavailable, resolve_redis_url
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import faulthandler
 import logging
 import sys
 
-from nori.cli import bench, generate, model, serve, up
+from nori.cli import bench, generate, model, serve
+from nori.launch import up
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from nori.cli.engine_args import add_engine_args, engine_config_from_args
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, Environment
 
 if TYPE_CHECKING:
-    from nori.serving.worker_runtime import WorkerOptions
+    from nori.worker.runtime import WorkerOptions
 
 # Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
 # as many as cost about one decode step, measured as the worker runs (step_cost.py), so a long
@@ -71,10 +71,10 @@ def _bind(
     uses_torch: bool = True,
 ) -> None:
     """Applies --cpus/--threads before anything else starts a thread (see
-    nori.serving.cpu_binding), then logs what the process got. A role that does no tensor math
+    nori.worker.cpu_binding), then logs what the process got. A role that does no tensor math
     (`uses_torch=False`, the gateway) never loads torch: its thread count only goes into the
     environment, for whatever it starts."""
-    from nori.serving.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
+    from nori.worker.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
 
     binding = CpuBinding.from_flags(args.cpus, args.threads, default_threads)
     bind_process(binding)
@@ -158,7 +158,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _worker_options(args: argparse.Namespace) -> WorkerOptions:
-    from nori.serving.worker_runtime import WorkerOptions
+    from nori.worker.runtime import WorkerOptions
 
     return WorkerOptions(
         host=args.host,
@@ -175,7 +175,7 @@ def _worker_options(args: argparse.Namespace) -> WorkerOptions:
 def run_prefill(args: argparse.Namespace) -> int:
     _bind(args, "prefill")
     from nori.prefill.worker import PrefillWorker
-    from nori.serving.worker_runtime import run_worker
+    from nori.worker.runtime import run_worker
 
     config = engine_config_from_args(args)
     run_worker(PrefillWorker(_worker_options(args), config, transport=args.transport))
@@ -185,7 +185,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 def run_decode(args: argparse.Namespace) -> int:
     _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker
-    from nori.serving.worker_runtime import run_worker
+    from nori.worker.runtime import run_worker
 
     if args.kv_lease_s <= 0:
         raise ValueError(f"--kv-lease-s must be positive, got {args.kv_lease_s}")

@@ -16,8 +16,8 @@ import pytest
 
 from nori.bench.serve.runner import run_benchmark_sync
 from nori.bench.serve.settings import ServeBenchSettings
+from nori.launch.local_cluster import LocalCluster
 from nori.models.init_checkpoint import init_checkpoint
-from nori.serving.local_cluster import LocalCluster
 from tests.cluster.conftest import start_cluster
 
 pytestmark = pytest.mark.slow

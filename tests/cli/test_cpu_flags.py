@@ -45,7 +45,7 @@ def test_up_refuses_worker_args_that_are_not_engine_options() -> None:
 PINNED_EVERY_THREAD = """
 import os, threading
 from nori.cli.main import build_parser
-from nori.serving.cpu_binding import CpuBinding, bind_process
+from nori.worker.cpu_binding import CpuBinding, bind_process
 
 args = build_parser().parse_args(["serve", "prefill", "--cpus", "{cpu}", "--threads", "1"])
 import torch  # starts a thread of its own before the binding

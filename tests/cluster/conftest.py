@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
 from nori.models.init_checkpoint import init_checkpoint
-from nori.serving.local_cluster import ClusterSpec, LocalCluster, free_port
 from nori.transfer.factory import ucx_available
 
 # Small pools so that blocks are easy to account for, float32 so the offline reference matches.

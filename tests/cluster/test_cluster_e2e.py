@@ -20,8 +20,8 @@ import pytest
 import redis
 
 from nori.engine.llm import LLM
+from nori.launch.local_cluster import LocalCluster
 from nori.sampling.params import SamplingParams
-from nori.serving.local_cluster import LocalCluster
 from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.cluster.conftest import LEASE_S
 

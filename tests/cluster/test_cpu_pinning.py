@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nori.launch.cpu_plan import CpuRequest, format_cpu_list, parse_cpu_list, plan_cpus
 from nori.models.init_checkpoint import init_checkpoint
-from nori.serving.cpu_plan import CpuRequest, format_cpu_list, parse_cpu_list, plan_cpus
 from tests.cluster.conftest import start_cluster
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nori.serving.local_cluster import LocalCluster
+from nori.launch.local_cluster import LocalCluster
 from tests.cluster.conftest import start_cluster
 from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name, stats, wait_for_free_blocks
 

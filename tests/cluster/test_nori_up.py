@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nori.serving.local_cluster import free_port
+from nori.launch.local_cluster import free_port
 
 pytestmark = pytest.mark.slow
 

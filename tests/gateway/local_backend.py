@@ -23,8 +23,8 @@ from nori.gateway.backend import (
     QueueFullError,
 )
 from nori.sampling.tokenizer import Tokenizer
-from nori.serving.engine_thread import EngineThread
-from nori.serving.output_streams import OutputStreams
+from nori.worker.engine_thread import EngineThread
+from nori.worker.output_streams import OutputStreams
 
 _SHUTDOWN = "the local engine is shutting down"
 

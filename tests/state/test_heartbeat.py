@@ -9,8 +9,8 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from nori.launch.redis_server import RedisServer
 from nori.state.keys import Keys
-from nori.state.redis_server import RedisServer
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from tests.state.helpers import eventually
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nori.engine.outputs import RequestOutput
-from nori.serving.output_streams import OutputStreams, next_output
+from nori.worker.output_streams import OutputStreams, next_output
 
 
 def _output(step: int, finished: bool = False) -> RequestOutput:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nori.serving.kv_layout import (
+from nori.worker.kv_layout import (
     BlockRun,
     contiguous_runs,
     destination_buffers,

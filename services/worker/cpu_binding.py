@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from nori.serving.cpu_plan import format_cpu_list, parse_usable_cpus
+from nori.launch.cpu_plan import format_cpu_list, parse_usable_cpus
 
 logger = logging.getLogger(__name__)
 

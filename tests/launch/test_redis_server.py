@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from nori.state.redis_server import (
+from nori.launch.redis_server import (
     RedisServer,
     RedisUnavailable,
     redis_reachable,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment
 
 if TYPE_CHECKING:
-    from nori.serving.cpu_plan import CpuPlan
+    from nori.launch.cpu_plan import CpuPlan
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -84,7 +84,7 @@ def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
 
 def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
     """The plan for this machine and these flags; None with --no-cpu-pinning."""
-    from nori.serving.cpu_plan import CpuRequest, plan_cpus
+    from nori.launch.cpu_plan import CpuRequest, plan_cpus
 
     if args.no_cpu_pinning:
         return None
@@ -108,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
 
     from nori.cli.engine_args import worker_args
     from nori.cli.serve import served_model_name
+    from nori.launch.local_cluster import ClusterSpec, LocalCluster
+    from nori.launch.redis_server import RedisUnavailable, resolve_redis_url
     from nori.models.demo import resolve_model
-    from nori.serving.local_cluster import ClusterSpec, LocalCluster
-    from nori.state.redis_server import RedisUnavailable, resolve_redis_url
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
 def _describe_plan(plan: CpuPlan | None) -> str:
     if plan is None:
         return "nori: CPUs: not pinned (--no-cpu-pinning)"
-    from nori.serving.cpu_plan import format_cpu_list
+    from nori.launch.cpu_plan import format_cpu_list
 
     header = f"nori: CPUs {format_cpu_list(plan.usable)}, per process:"
     return "\n".join([header, *(f"  {line}" for line in plan.describe())])

@@ -6,8 +6,7 @@ import os
 
 import pytest
 
-from nori.serving.cpu_binding import CpuBinding
-from nori.serving.cpu_plan import (
+from nori.launch.cpu_plan import (
     CpuPlan,
     CpuRequest,
     format_cpu_list,
@@ -15,6 +14,7 @@ from nori.serving.cpu_plan import (
     plan_cpus,
     spread,
 )
+from nori.worker.cpu_binding import CpuBinding
 
 
 def layout(plan: CpuPlan) -> dict[str, tuple[str, int]]:

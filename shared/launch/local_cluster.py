@@ -3,7 +3,7 @@
 The processes are exactly what containers run (`nori serve ROLE ...`); this only picks ports,
 passes the same Redis and namespace to all of them, waits until the gateway reports every role
 healthy, and stops them in order: the gateway first (no new requests), then the workers, each of
-which drains on SIGTERM. With a CPU plan (`nori.serving.cpu_plan`), each process gets its CPUs
+which drains on SIGTERM. With a CPU plan (`nori.launch.cpu_plan`), each process gets its CPUs
 and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/MKL_NUM_THREADS.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nori.serving.cpu_plan import CpuPlan
+from nori.launch.cpu_plan import CpuPlan
 from nori.settings import DEFAULT_KV_LEASE_S, RoleSettings
 
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 import grpc
 
 from nori.engine.engine import LLMEngine
-from nori.serving.engine_thread import EngineThread
+from nori.worker.engine_thread import EngineThread
 
 T = TypeVar("T")
 

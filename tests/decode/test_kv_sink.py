@@ -9,9 +9,9 @@ import torch
 
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
 from nori.decode.lease import LeaseState
-from nori.serving.kv_layout import destination_buffers
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import TransferHeader
+from nori.worker.kv_layout import destination_buffers
 
 
 def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:
