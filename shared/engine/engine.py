@@ -21,15 +21,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from nori.engine.block_manager import BlockEvent, BlockManager
 from nori.engine.config import EngineConfig
 from nori.engine.kv_export import KVExport, TransferState
+from nori.engine.live_request import LiveRequest
 from nori.engine.model_runner import ModelRunner, SampledToken
-from nori.engine.outputs import EngineLoad, RequestOutput, TokenLogprobs
+from nori.engine.outputs import EngineLoad, RequestOutput
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nori.engine.step_cost import StepCostModel
@@ -40,20 +40,6 @@ from nori.sampling.tokenizer import Tokenizer
 
 # The "auto" prompt cap before any step has been timed.
 AUTO_PREFILL_BUDGET_START = 256
-
-
-@dataclass
-class _LiveRequest:
-    """Engine-side state of a request beyond the scheduler's bookkeeping."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    text: str = ""
-    num_emitted_tokens: int = 0
-    num_emitted_chars: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-    stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -82,7 +68,7 @@ class LLMEngine:
             prefill_budget_with_decodes=AUTO_PREFILL_BUDGET_START if budget == "auto" else budget,  # type: ignore[arg-type]
         )
         self._scheduler = Scheduler(scheduler_config, self._block_manager)
-        self._live: dict[str, _LiveRequest] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------------ requests
@@ -173,60 +159,15 @@ class LLMEngine:
         if sample.logprobs is not None:
             live.logprobs = live.logprobs or []
             live.logprobs.append(sample.logprobs)
-        finish = self._check_stop(live, sample.token_id)
+        finish = live.check_stop(sample.token_id, self.tokenizer.eos_token_ids, self.max_model_len)
         if finish is not None:
             self._scheduler.finish(request, finish)
         elif request.prefill_only:
             self._scheduler.hold(request, RequestStatus.PREFILLED)
-        return self._output(live)
-
-    def _check_stop(self, live: _LiveRequest, token_id: int) -> RequestStatus | None:
-        request = live.request
-        params = request.sampling_params
-        result = live.detokenizer.add_token(token_id)
-        live.text += result.new_text
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                live.stop_reason = token_id
-                return self._flush(live, RequestStatus.FINISHED_STOPPED)
-            if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
-                return self._flush(live, RequestStatus.FINISHED_STOPPED)
-            if result.stop_string is not None:
-                live.stop_reason = result.stop_string
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_unpadded_tokens >= self.max_model_len:
-            return self._flush(live, RequestStatus.FINISHED_LENGTH)
-        return None
-
-    def _flush(self, live: _LiveRequest, status: RequestStatus) -> RequestStatus:
-        live.text += live.detokenizer.flush().new_text
-        return status
-
-    def _output(self, live: _LiveRequest) -> RequestOutput:
-        request = live.request
-        status = request.status
-        output_ids = request.output_token_ids
-        finished = status.is_finished
-        result = RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=output_ids,
-            text=live.text,
-            new_token_ids=output_ids[live.num_emitted_tokens :],
-            new_text=live.text[live.num_emitted_chars :],
-            finished=finished,
-            finish_reason=status.value if finished else None,
-            stop_reason=live.stop_reason,
-            logprobs=list(live.logprobs) if live.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens,
-            prefilled=status is RequestStatus.PREFILLED,
-        )
-        live.num_emitted_tokens = len(output_ids)
-        live.num_emitted_chars = len(live.text)
-        if finished:
+        output = live.output()
+        if output.finished:
             del self._live[request.request_id]
-        return result
+        return output
 
     # ------------------------------------------------------------- prefill/decode split
 
@@ -355,14 +296,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------ internals
 
-    def _track(self, request: Request, generator_state: bytes | None = None) -> _LiveRequest:
+    def _track(self, request: Request, generator_state: bytes | None = None) -> LiveRequest:
         params = request.sampling_params
         generator = None
         if params.seed is not None:
             generator = self._runner.make_generator(params.seed)
             if generator_state is not None:
                 generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        live = _LiveRequest(
+        live = LiveRequest(
             request=request,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids),
             generator=generator,
