@@ -23,11 +23,12 @@ from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
 from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
         self,
         worker_id: str,
@@ -39,20 +40,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         lease_s: float,
         is_draining: Callable[[], bool],
     ) -> None:
-        self._worker_id = worker_id
-        self._engine = engine
-        self._streams = streams
+        super().__init__(worker_id, engine, streams, is_draining)
         self._sink = sink
         self._states = states
         self._transfer_address = transfer_address
         self._lease_s = lease_s
-        self._is_draining = is_draining
-        self.num_requests = 0
-
-    @property
-    def num_active_requests(self) -> int:
-        """Calls still being served: each holds one open output stream (what draining waits for)."""
-        return len(self._streams)
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -157,18 +149,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def GetStats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
-        load = self._engine.load
         sink = self._sink
-        return common_pb2.WorkerStats(
-            worker_id=self._worker_id,
-            role="decode" if sink is not None else "colocated",
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            kv_bytes_received=sink.bytes_received if sink is not None else 0,
-            num_transfers=sink.transfers_completed if sink is not None else 0,
-            num_requests=self.num_requests,
-            draining=bool(self._is_draining()),
-            num_requests_holding_blocks=load.num_requests_holding_blocks,
+        if sink is None:
+            return self.stats("colocated")
+        return self.stats(
+            "decode", kv_bytes_received=sink.bytes_received, num_transfers=sink.transfers_completed
         )

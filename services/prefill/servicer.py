@@ -26,6 +26,7 @@ from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
 from nori.worker.kv_layout import source_buffers
 from nori.worker.output_streams import OutputStreams
+from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
     return export
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
         self,
         worker_id: str,
@@ -46,20 +47,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         is_draining: Callable[[], bool],
         leases: LeaseKeeper,
     ) -> None:
-        self._worker_id = worker_id
-        self._engine = engine
-        self._streams = streams
+        super().__init__(worker_id, engine, streams, is_draining)
         self._sender = sender
         self._leases = leases
-        self._is_draining = is_draining
-        self.num_requests = 0
         self.kv_bytes_sent = 0
         self.num_transfers = 0
-
-    @property
-    def num_active_requests(self) -> int:
-        """Calls still being served: each holds one open output stream (what draining waits for)."""
-        return len(self._streams)
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -143,17 +135,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def GetStats(
         self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
-        load = self._engine.load
-        return common_pb2.WorkerStats(
-            worker_id=self._worker_id,
-            role="prefill",
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            kv_bytes_sent=self.kv_bytes_sent,
-            num_transfers=self.num_transfers,
-            num_requests=self.num_requests,
-            draining=self._is_draining(),
-            num_requests_holding_blocks=load.num_requests_holding_blocks,
+        return self.stats(
+            "prefill", kv_bytes_sent=self.kv_bytes_sent, num_transfers=self.num_transfers
         )

@@ -37,10 +37,9 @@ from nori.launch.cpu_plan import (
     plan_cpus,
 )
 from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
-from nori.launch.redis_server import RedisUnavailable, resolve_redis_url
+from nori.launch.redis_server import redis_for_cluster
 from nori.models.demo import resolve_model
 from nori.sampling.tokenizer import Tokenizer
-from nori.settings import Environment
 
 
 @dataclass(frozen=True)
@@ -161,13 +160,7 @@ def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> Compar
     model_dir = resolve_model(settings.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     with ExitStack() as stack:
-        try:
-            redis_url, redis_server = resolve_redis_url(Environment.read().redis_url)
-        except RedisUnavailable as error:
-            raise ValueError(
-                f"{error}\nInstall Redis (e.g. `apt-get install redis-server`) or point "
-                "REDIS_URL at a running server."
-            ) from None
+        redis_url, redis_server = redis_for_cluster()
         if redis_server is not None:
             stack.callback(redis_server.stop)
         clusters = {}

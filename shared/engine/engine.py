@@ -27,10 +27,10 @@ import torch
 from nori.engine.block_manager import BlockEvent, BlockManager
 from nori.engine.config import EngineConfig
 from nori.engine.kv_export import KVExport, TransferState
-from nori.engine.live_request import LiveRequest
 from nori.engine.model_runner import ModelRunner, SampledToken
 from nori.engine.outputs import EngineLoad, RequestOutput
 from nori.engine.request import Request, RequestStatus
+from nori.engine.request_text import add_known_tokens, check_stop, make_output
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nori.engine.step_cost import StepCostModel
 from nori.models.demo import resolve_model
@@ -68,7 +68,8 @@ class LLMEngine:
             prefill_budget_with_decodes=AUTO_PREFILL_BUDGET_START if budget == "auto" else budget,  # type: ignore[arg-type]
         )
         self._scheduler = Scheduler(scheduler_config, self._block_manager)
-        self._live: dict[str, LiveRequest] = {}
+        # The requests this engine knows, from add (or reserve) until they finish or leave.
+        self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------------ requests
@@ -81,7 +82,7 @@ class LLMEngine:
         prefill_only: bool = False,
     ) -> None:
         """Queues a request. Raises ValueError for input the engine can never serve."""
-        if request_id in self._live:
+        if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
@@ -100,9 +101,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request wherever it is; its blocks are free when this returns."""
-        live = self._live.pop(request_id, None)
-        if live is not None and not live.request.status.is_finished:
-            self._scheduler.finish(live.request, RequestStatus.FINISHED_ABORTED)
+        request = self._requests.pop(request_id, None)
+        if request is not None and not request.status.is_finished:
+            self._scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_unfinished > 0
@@ -146,37 +147,37 @@ class LLMEngine:
     def _generators(self, output: SchedulerOutput) -> dict[str, torch.Generator]:
         generators = {}
         for item in output.scheduled:
-            live = self._live.get(item.request.request_id)
-            generator = live.generator if live is not None else None
-            if generator is not None:
-                generators[item.request.request_id] = generator
+            request = self._requests.get(item.request.request_id)
+            # A finished static padding row is no longer tracked: it samples for nobody.
+            if request is not None and request.generator is not None:
+                generators[request.request_id] = request.generator
         return generators
 
     def _postprocess(self, sample: SampledToken) -> RequestOutput:
         request = sample.request
-        live = self._live[request.request_id]
         request.append_token(sample.token_id)
         if sample.logprobs is not None:
-            live.logprobs = live.logprobs or []
-            live.logprobs.append(sample.logprobs)
-        finish = live.check_stop(sample.token_id, self.tokenizer.eos_token_ids, self.max_model_len)
+            request.logprobs = request.logprobs or []
+            request.logprobs.append(sample.logprobs)
+        finish = check_stop(
+            request, sample.token_id, self.tokenizer.eos_token_ids, self.max_model_len
+        )
         if finish is not None:
             self._scheduler.finish(request, finish)
         elif request.prefill_only:
             self._scheduler.hold(request, RequestStatus.PREFILLED)
-        output = live.output()
+        output = make_output(request)
         if output.finished:
-            del self._live[request.request_id]
+            del self._requests[request.request_id]
         return output
 
     # ------------------------------------------------------------- prefill/decode split
 
     def export_request(self, request_id: str) -> KVExport:
         """The state and K/V blocks of a prefill-only request that has sampled its first token."""
-        live = self._live.get(request_id)
-        if live is None or live.request.status is not RequestStatus.PREFILLED:
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} is not a prefilled request")
-        request = live.request
         state = TransferState(
             request_id=request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -184,16 +185,16 @@ class LLMEngine:
             sampling_params=request.sampling_params,
             num_computed_tokens=request.num_computed_tokens,
             block_size=self.config.block_size,
-            generator_state=_generator_state(live.generator),
+            generator_state=_generator_state(request.generator),
         )
         blocks = self._runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
         return KVExport(state=state, blocks=blocks)
 
     def release_request(self, request_id: str) -> None:
         """Frees a prefilled request's blocks once its K/V has been sent."""
-        live = self._live.pop(request_id, None)
-        if live is not None:
-            self._scheduler.finish(live.request, RequestStatus.FINISHED_STOPPED)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def reserve_request(self, state: TransferState) -> list[int] | None:
         """Allocates blocks for a request whose K/V another engine computed.
@@ -204,7 +205,7 @@ class LLMEngine:
             raise ValueError(
                 f"block size {state.block_size} of the sender differs from {self.config.block_size}"
             )
-        if state.request_id in self._live:
+        if state.request_id in self._requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         params = state.sampling_params
         self._validate_prompt(state.prompt_token_ids)
@@ -220,9 +221,8 @@ class LLMEngine:
         if not self._block_manager.allocate(request, request.num_tokens):
             return None
         request.num_computed_tokens = state.num_computed_tokens
-        live = self._track(request, state.generator_state)
-        for token_id in state.output_token_ids:
-            live.text += live.detokenizer.add_token(token_id).new_text
+        self._track(request, state.generator_state)
+        add_known_tokens(request, state.output_token_ids)
         self._scheduler.hold(request, RequestStatus.RESERVED)
         return list(request.block_ids[: state.num_blocks])
 
@@ -245,7 +245,7 @@ class LLMEngine:
         )
         if self.reserve_request(state) is None:
             return None
-        request = self._live[request_id].request
+        request = self._requests[request_id]
         # reserve_request sized for the known tokens; leave room for the first sampled one too.
         if not self._block_manager.allocate(request, 1):
             self.abort_request(request_id)
@@ -260,24 +260,23 @@ class LLMEngine:
         The first token was already reported by the prefill side, so it counts as emitted here;
         the detokenizer still sees it, so the text of later tokens continues it exactly.
         """
-        live = self._live.get(request_id)
-        if live is None or live.request.status is not RequestStatus.RESERVED:
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        request = live.request
         if request.output_token_ids:
             raise ValueError(f"request {request_id!r} already has its first token")
         for token_id in output_token_ids:
             request.append_token(token_id)
-            live.text += live.detokenizer.add_token(token_id).new_text
-        live.num_emitted_tokens = len(request.output_token_ids)
-        live.num_emitted_chars = len(live.text)
-        if live.generator is not None and generator_state is not None:
+        add_known_tokens(request, output_token_ids)
+        request.num_emitted_tokens = len(request.output_token_ids)
+        request.num_emitted_chars = len(request.text)
+        if request.generator is not None and generator_state is not None:
             state = torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
-            live.generator.set_state(state)
+            request.generator.set_state(state)
         self.activate_request(request_id)
 
     def write_request_kv(self, request_id: str, blocks: torch.Tensor) -> None:
-        request = self._live[request_id].request
+        request = self._requests[request_id]
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
         self._runner.kv_cache.write_blocks(request.block_ids[: blocks.shape[2]], blocks)
@@ -296,20 +295,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------ internals
 
-    def _track(self, request: Request, generator_state: bytes | None = None) -> LiveRequest:
+    def _track(self, request: Request, generator_state: bytes | None = None) -> None:
+        """Gives the request its text side and sampler, and keeps it until it ends."""
         params = request.sampling_params
-        generator = None
         if params.seed is not None:
             generator = self._runner.make_generator(params.seed)
             if generator_state is not None:
                 generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        live = LiveRequest(
-            request=request,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params, request.prompt_token_ids),
-            generator=generator,
+            request.generator = generator
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params, request.prompt_token_ids
         )
-        self._live[request.request_id] = live
-        return live
+        self._requests[request.request_id] = request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nori.sampling.detokenizer import IncrementalDetokenizer
+    from nori.sampling.logprobs import TokenLogprobs
     from nori.sampling.params import SamplingParams
 
 
@@ -62,6 +64,16 @@ class Request:
     # Leading blocks of block_ids already offered to the prefix cache (skipped next time).
     num_published_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
+
+    # The engine's side (`request_text.py`; the scheduler never reads these): the text so far,
+    # what has been reported, why it stopped, and the seeded sampler's torch.Generator.
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
+    generator: Any = field(default=None, repr=False)
+    text: str = ""
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

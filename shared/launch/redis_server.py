@@ -18,6 +18,8 @@ from types import TracebackType
 
 import redis
 
+from nori.settings import Environment
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
@@ -204,3 +206,14 @@ def resolve_redis_url(
             f"{unreachable}no private Redis could be started: {error}"
         ) from error
     return server.url, server
+
+
+def redis_for_cluster() -> tuple[str, RedisServer | None]:
+    """`resolve_redis_url` for $REDIS_URL, as `nori up` and `nori bench compare` need it: a
+    ValueError (a one-line CLI error) saying what to do when there is no Redis to use."""
+    try:
+        return resolve_redis_url(Environment.read().redis_url)
+    except RedisUnavailable as error:
+        message = str(error)
+        hint = "" if INSTALL_HINT in message else f"; {INSTALL_HINT}"
+        raise ValueError(f"{message}{hint}") from None

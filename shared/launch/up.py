@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment
+from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE
 
 if TYPE_CHECKING:
     from nori.launch.cpu_plan import CpuPlan
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from nori.cli.engine_args import worker_args
     from nori.cli.serve import served_model_name
     from nori.launch.local_cluster import ClusterSpec, LocalCluster
-    from nori.launch.redis_server import RedisUnavailable, resolve_redis_url
+    from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
 
     if args.prefill < 1 or args.decode < 1:
@@ -119,13 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
     model = args.model
-    try:
-        redis_url, redis_server = resolve_redis_url(Environment.read().redis_url)
-    except RedisUnavailable as error:
-        raise ValueError(
-            f"{error}\nInstall Redis (e.g. `apt-get install redis-server`) or point REDIS_URL "
-            "at a running server."
-        ) from None
+    redis_url, redis_server = redis_for_cluster()
     spec = ClusterSpec(
         redis_url=redis_url,
         model=model,

@@ -79,8 +79,8 @@ def test_random_traffic_never_leaks_blocks(
                 prefill.abort_request(name)
                 decode.abort_request(name)
             else:
-                live = prefill._live.get(name)
-                if live is not None and live.request.status is RequestStatus.PREFILLED:
+                request = prefill._requests.get(name)
+                if request is not None and request.status is RequestStatus.PREFILLED:
                     export = prefill.export_request(name)
                     prefill.release_request(name)
                     decode.import_request(export)  # False (pool full) simply drops it
@@ -94,4 +94,4 @@ def test_random_traffic_never_leaks_blocks(
         check(engine)
         assert engine.num_free_blocks == NUM_BLOCKS
         assert not engine.has_unfinished_requests()
-        assert not engine._live
+        assert not engine._requests

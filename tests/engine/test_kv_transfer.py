@@ -75,10 +75,10 @@ def test_prefill_export_import_decode_is_token_identical(
     ids = prefill(prefill_engine, prompts, params)
     for request_id in ids:
         export = prefill_engine.export_request(request_id)
-        source_blocks = list(prefill_engine._live[request_id].request.block_ids)
+        source_blocks = list(prefill_engine._requests[request_id].block_ids)
         prefill_engine.release_request(request_id)
         assert decode_engine.import_request(export)
-        target = decode_engine._live[request_id].request
+        target = decode_engine._requests[request_id]
         assert target.status is RequestStatus.RUNNING
         assert target.block_ids[: len(source_blocks)] != source_blocks
     assert prefill_engine.num_free_blocks == free_before
@@ -114,7 +114,7 @@ def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
     small.add_request("resident", [7] * 39, SamplingParams(max_tokens=8))
     small.step()  # holds 5 of the 8 blocks; the import needs 6
     assert small.reserve_request(export.state) is None
-    assert "req-0" not in small._live
+    assert "req-0" not in small._requests
     small.check_invariants()
     other_block_size = LLM(
         str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=16

@@ -11,6 +11,7 @@ import redis
 from nori.launch.redis_server import (
     RedisServer,
     RedisUnavailable,
+    redis_for_cluster,
     redis_reachable,
     resolve_redis_url,
 )
@@ -104,3 +105,10 @@ def test_resolve_without_redis_explains_both_ways_out() -> None:
         resolve_redis_url(closed_port_url(), binary="/nonexistent/redis-server")
     with pytest.raises(RedisUnavailable, match="apt-get install"):
         resolve_redis_url(None, binary="/nonexistent/redis-server")
+
+
+def test_redis_for_cluster_uses_a_reachable_redis_url(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    assert redis_for_cluster() == (redis_url, None)

@@ -1,0 +1,46 @@
+"""What the prefill and decode servicers share: the engine thread, the output streams, draining,
+and the figures every worker reports in GetStats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nori.v1 import common_pb2
+from nori.worker.engine_thread import EngineThread
+from nori.worker.output_streams import OutputStreams
+
+
+class EngineServicer:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: EngineThread,
+        streams: OutputStreams,
+        is_draining: Callable[[], bool],
+    ) -> None:
+        self._worker_id = worker_id
+        self._engine = engine
+        self._streams = streams
+        self._is_draining = is_draining
+        self.num_requests = 0
+
+    @property
+    def num_active_requests(self) -> int:
+        """Calls still being served: each holds one open output stream (what draining waits for)."""
+        return len(self._streams)
+
+    def stats(self, role: str, **transfer_counts: int) -> common_pb2.WorkerStats:
+        """This worker's WorkerStats; `transfer_counts`: the role's KV transfer fields."""
+        load = self._engine.load
+        return common_pb2.WorkerStats(
+            worker_id=self._worker_id,
+            role=role,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            num_requests=self.num_requests,
+            draining=bool(self._is_draining()),
+            num_requests_holding_blocks=load.num_requests_holding_blocks,
+            **transfer_counts,
+        )
