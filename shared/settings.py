@@ -13,9 +13,10 @@ Environment variables Nori reads, all here (`Environment.read`):
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.
@@ -53,3 +54,25 @@ class Environment:
             cache_dir=Path(cache_dir) if cache_dir else None,
             cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
         )
+
+
+SettingsT = TypeVar("SettingsT")
+
+
+def settings_from(
+    cls: type[SettingsT], source: object, *, exclude: Collection[str] = (), **overrides: Any
+) -> SettingsT:
+    """A settings dataclass from the attributes of `source` named like its fields.
+
+    `source` is an argparse namespace (or other settings). Options and fields share their names,
+    so the mapping is written once here rather than field by field at every command; `overrides`
+    give the fields whose option is named or shaped differently, and fields that `source` lacks,
+    or that are in `exclude`, keep their defaults.
+    """
+    values = {
+        field.name: getattr(source, field.name)
+        for field in fields(cls)  # type: ignore[arg-type]
+        if field.init and field.name not in exclude and hasattr(source, field.name)
+    }
+    values.update(overrides)
+    return cls(**values)

@@ -15,7 +15,7 @@ import grpc
 
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
-from nori.rpc.convert import delta_from_output, params_from_proto
+from nori.rpc.convert import delta_from_output
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, KVDestination
@@ -56,13 +56,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no KV transfers"
             )
-        try:
-            params = params_from_proto(request.params)
-            queue = self._streams.open(request_id)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        prompt = list(request.prompt_token_ids)
-        self.num_requests += 1
+        params, prompt, queue = await self._open(request, context)
         finished = False
         try:
             if request.compute_prompt:

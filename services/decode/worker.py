@@ -50,7 +50,6 @@ class DecodeWorker(Worker):
         self.queue_timeout_s = queue_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.colocated = colocated
-        self._engine: EngineThread | None = None
         self._receiver: KVReceiver | None = None
         self._sink: DecodeKVSink | None = None
         self._servicer: DecodeServicer | None = None
@@ -92,16 +91,8 @@ class DecodeWorker(Worker):
         assert self._servicer is not None
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self._servicer, server)
 
-    def num_active_requests(self) -> int:
-        return self._servicer.num_active_requests if self._servicer is not None else 0
-
-    def load_info(self) -> dict[str, int]:
-        if self._engine is None:
-            return {}
-        return {
-            **self._engine.load.registry_fields(),
-            "kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0,
-        }
+    def transfer_counts(self) -> dict[str, int]:
+        return {"kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0}
 
     async def stop_role(self) -> None:
         if self._receiver is not None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from functools import lru_cache
 from http import HTTPStatus
 
@@ -98,19 +98,11 @@ def create_app(
 
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            return await create_completion(ctx, body, request)
-        except Exception as error:
-            # Converted here rather than by an exception handler: Starlette re-raises what
-            # reaches its catch-all handler, and an expected 429 should not log a traceback.
-            return as_api_error(error).response()
+        return await _answer(create_completion(ctx, body, request))
 
     @app.post(CHAT_COMPLETIONS_PATH, response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        try:
-            return await create_chat_completion(ctx, body, request)
-        except Exception as error:
-            return as_api_error(error).response()
+        return await _answer(create_chat_completion(ctx, body, request))
 
     def model_card() -> ModelCard:
         return ModelCard(
@@ -157,3 +149,12 @@ def create_app(
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _answer(response: Awaitable[Response]) -> Response:
+    try:
+        return await response
+    except Exception as error:
+        # Converted here rather than by an exception handler: Starlette re-raises what reaches
+        # its catch-all handler, and an expected 429 should not log a traceback.
+        return as_api_error(error).response()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import ClassVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -43,10 +44,6 @@ from nori.gateway.session import Session
 from nori.sampling.logprobs import TokenLogprobs
 
 
-def _include_usage(options: StreamOptions | None) -> bool:
-    return options is not None and options.include_usage
-
-
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
@@ -80,16 +77,39 @@ async def create_chat_completion(
     return await respond(session, request, form, body.stream)
 
 
-class CompletionFormat:
+class _Format:
+    """What both APIs' formats share: the response's id, time and model, and the usage chunk."""
+
+    # The chunk model of the API, which the streamed choices are wrapped in.
+    _chunk_type: ClassVar[type[CompletionChunk] | type[ChatCompletionChunk]]
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        completion_id: str,
+        return_tokens_as_token_ids: bool | None,
+        stream_options: StreamOptions | None,
+    ) -> None:
+        self._envelope = {"id": completion_id, "created": int(time.time()), "model": ctx.model_name}
+        self._names = TokenNames(ctx, bool(return_tokens_as_token_ids))
+        self._include_usage = stream_options is not None and stream_options.include_usage
+
+    def _chunk(self, choices: Sequence[object], usage: Usage | None = None) -> str:
+        model = self._chunk_type(**self._envelope, choices=choices, usage=usage)  # type: ignore[arg-type]
+        return chunk_event(model, self._include_usage)
+
+    def closing(self, session: Session) -> list[str]:
+        return [self._chunk([], session.usage())] if self._include_usage else []
+
+
+class CompletionFormat(_Format):
+    _chunk_type = CompletionChunk
+
     def __init__(
         self, ctx: ServingContext, body: CompletionRequest, completion_id: str, session: Session
     ) -> None:
-        self._model = ctx.model_name
-        self._id = completion_id
-        self._created = int(time.time())
+        super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
         self._want_logprobs = body.logprobs is not None
-        self._names = TokenNames(ctx, body.return_tokens_as_token_ids)
-        self._include_usage = _include_usage(body.stream_options)
         # Logprobs' text offsets run on across a choice's chunks.
         self._session = session
 
@@ -111,19 +131,7 @@ class CompletionFormat:
             )
             for index, choice in enumerate(session.choices)
         ]
-        return CompletionResponse(
-            id=self._id,
-            created=self._created,
-            model=self._model,
-            choices=choices,
-            usage=session.usage(),
-        )
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        model = CompletionChunk(
-            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
-        )
-        return chunk_event(model, self._include_usage)
+        return CompletionResponse(**self._envelope, choices=choices, usage=session.usage())  # type: ignore[arg-type]
 
     def opening(self) -> list[str]:
         return []
@@ -141,20 +149,15 @@ class CompletionFormat:
         )
         return [self._chunk([choice])]
 
-    def closing(self, session: Session) -> list[str]:
-        return [self._chunk([], session.usage())] if self._include_usage else []
 
+class ChatFormat(_Format):
+    _chunk_type = ChatCompletionChunk
 
-class ChatFormat:
     def __init__(
         self, ctx: ServingContext, body: ChatCompletionRequest, completion_id: str
     ) -> None:
-        self._model = ctx.model_name
-        self._id = completion_id
-        self._created = int(time.time())
+        super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
         self._want_logprobs = bool(body.logprobs)
-        self._names = TokenNames(ctx, body.return_tokens_as_token_ids)
-        self._include_usage = _include_usage(body.stream_options)
 
     def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
         return chat_logprobs(entries or (), self._names) if self._want_logprobs else None
@@ -162,9 +165,7 @@ class ChatFormat:
     def response(self, session: Session) -> ChatCompletionResponse:
         choice = session.choices[0]
         return ChatCompletionResponse(
-            id=self._id,
-            created=self._created,
-            model=self._model,
+            **self._envelope,  # type: ignore[arg-type]
             choices=[
                 ChatChoice(
                     index=0,
@@ -176,12 +177,6 @@ class ChatFormat:
             ],
             usage=session.usage(),
         )
-
-    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-        model = ChatCompletionChunk(
-            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
-        )
-        return chunk_event(model, self._include_usage)
 
     def opening(self) -> list[str]:
         return [
@@ -204,6 +199,3 @@ class ChatFormat:
             )
             events.append(self._chunk([final]))
         return events
-
-    def closing(self, session: Session) -> list[str]:
-        return [self._chunk([], session.usage())] if self._include_usage else []

@@ -127,13 +127,22 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """What every response and streamed chunk starts with."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+# OpenAI streams a completion as chunks of the response's own shape.
+CompletionChunk = CompletionResponse
 
 
 class TopLogprob(BaseModel):
@@ -155,19 +164,21 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceEnd(BaseModel):
+    """A chat choice's fields besides its message (whole) or delta (streamed)."""
+
     index: int
-    message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatChoice(_ChatChoiceEnd):
+    message: ChatResponseMessage
+
+
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -184,29 +195,13 @@ class ChatDelta(BaseModel):
         return {key: value for key, value in fields.items() if value is not None}
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(_ChatChoiceEnd):
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from nori.gateway.backend import BackendHealth
-from nori.rpc.options import GRPC_OPTIONS
+from nori.rpc.channels import ChannelCache
 from nori.state.registry import WorkerInfo, WorkerRegistry
 from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -65,7 +65,7 @@ class WorkerPool:
         # None until a worker states one (or --block-size gives it).
         self.block_size: int | None = block_size
         self._refused: set[tuple[str, int]] = set()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._refresher: asyncio.Task[None] | None = None
 
@@ -78,20 +78,14 @@ class WorkerPool:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close_all()
 
     def available(self, role: str) -> list[WorkerInfo]:
         """The workers of `role` that take new requests (not draining)."""
         return [w for w in self.workers if w.role == role and not w.draining]
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = channel
-        return channel
+        return self._channels.get(address)
 
     async def refresh(self) -> None:
         """Reads the registry: workers join and leave while the gateway runs."""
@@ -120,7 +114,7 @@ class WorkerPool:
     async def _close_channels_of_departed(self) -> None:
         live = {worker.grpc_address for worker in self.workers}
         now = time.monotonic()
-        for address in list(self._channels):
+        for address in self._channels.addresses():
             if address in live:
                 self._absent_since.pop(address, None)
                 continue
@@ -129,7 +123,7 @@ class WorkerPool:
             since = self._absent_since.setdefault(address, now)
             if now - since > CHANNEL_LINGER_S:
                 del self._absent_since[address]
-                await self._channels.pop(address).close()
+                await self._channels.close(address)
 
     async def _refresh_forever(self) -> None:
         while True:

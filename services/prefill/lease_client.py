@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from nori.rpc.options import GRPC_OPTIONS
+from nori.rpc.channels import ChannelCache
 from nori.v1 import decode_pb2, decode_pb2_grpc
 
 # A decode worker unused this long loses its channel (a later renewal opens a new one).
@@ -20,7 +20,7 @@ CHANNEL_IDLE_S = 300.0
 class LeaseRenewalClient:
     def __init__(self, worker_id: str) -> None:
         self._worker_id = worker_id
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelCache()
         self._last_used: dict[str, float] = {}
 
     async def renew(
@@ -43,21 +43,15 @@ class LeaseRenewalClient:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         self._last_used[address] = time.monotonic()
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = channel
-        return channel
+        return self._channels.get(address)
 
     async def _close_idle(self) -> None:
         now = time.monotonic()
         for address, used in list(self._last_used.items()):
             if now - used > CHANNEL_IDLE_S:
                 del self._last_used[address]
-                await self._channels.pop(address).close()
+                await self._channels.close(address)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close_all()
         self._last_used.clear()

@@ -18,7 +18,7 @@ import grpc
 from nori.engine.engine import LLMEngine
 from nori.engine.kv_export import KVExport
 from nori.prefill.lease_keeper import LeaseKeeper
-from nori.rpc.convert import delta_from_output, params_from_proto
+from nori.rpc.convert import delta_from_output
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -60,13 +60,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         if self._is_draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
         destination = request.destination
-        try:
-            params = params_from_proto(request.params)
-            queue = self._streams.open(request_id)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        prompt = list(request.prompt_token_ids)
-        self.num_requests += 1
+        params, prompt, queue = await self._open(request, context)
         done = False
         # Before the prompt is queued: its wait in our queue must not use up the decode lease.
         self._leases.hold(request_id, destination.grpc_address, destination.lease_seconds)

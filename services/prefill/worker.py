@@ -50,7 +50,6 @@ class PrefillWorker(Worker):
     ) -> None:
         super().__init__(options, engine_config)
         self.transport = transport
-        self._engine: EngineThread | None = None
         self._sender: KVSender | None = None
         self._servicer: PrefillServicer | None = None
         self._events: collections.deque[BlockEvent] = collections.deque(
@@ -130,16 +129,8 @@ class PrefillWorker(Worker):
         assert self._servicer is not None
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
 
-    def num_active_requests(self) -> int:
-        return self._servicer.num_active_requests if self._servicer is not None else 0
-
-    def load_info(self) -> dict[str, int]:
-        if self._engine is None or self._servicer is None:
-            return {}
-        return {
-            **self._engine.load.registry_fields(),
-            "kv_bytes_sent": self._servicer.kv_bytes_sent,
-        }
+    def transfer_counts(self) -> dict[str, int]:
+        return {"kv_bytes_sent": self._servicer.kv_bytes_sent if self._servicer is not None else 0}
 
     async def stop_role(self) -> None:
         if self._publisher is not None:

@@ -41,12 +41,7 @@ def source_buffers(exported: torch.Tensor, destination_block_ids: list[int]) -> 
             f"{exported.shape[2]} exported blocks for {len(destination_block_ids)} destinations"
         )
     runs = contiguous_runs(destination_block_ids)
-    return [
-        exported[layer, half, run.position : run.position + run.length]
-        for layer in range(exported.shape[0])
-        for half in range(2)
-        for run in runs
-    ]
+    return _run_views(exported, [(run.position, run.length) for run in runs])
 
 
 def destination_buffers(cache: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
@@ -55,9 +50,15 @@ def destination_buffers(cache: torch.Tensor, block_ids: list[int]) -> list[torch
     if any(not 0 <= block_id < num_blocks for block_id in block_ids):
         raise ValueError(f"block ids out of range [0, {num_blocks})")
     runs = contiguous_runs(block_ids)
+    return _run_views(cache, [(run.first_block_id, run.length) for run in runs])
+
+
+def _run_views(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """tensor [layers, 2, blocks, ...]: each (start, length) span of blocks, layer by layer,
+    K before V, the order both ends of a transfer list their buffers in."""
     return [
-        cache[layer, half, run.first_block_id : run.first_block_id + run.length]
-        for layer in range(cache.shape[0])
+        tensor[layer, half, start : start + length]
+        for layer in range(tensor.shape[0])
         for half in range(2)
-        for run in runs
+        for start, length in spans
     ]

@@ -31,6 +31,8 @@ from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
 if TYPE_CHECKING:
     from nori.engine.config import EngineConfig
+    from nori.worker.engine_thread import EngineThread
+    from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ class Worker(ABC):
         self._stop = asyncio.Event()
         self.redis: Redis | None = None
         self.keys = Keys(options.namespace)
+        # Set by start_role: the engine's thread and the role's gRPC servicer.
+        self._engine: EngineThread | None = None
+        self._servicer: EngineServicer | None = None
 
     # ------------------------------------------------------------------ for the roles
 
@@ -83,12 +88,18 @@ class Worker(ABC):
     def add_servicers(self, server: grpc.aio.Server) -> None: ...
 
     @abstractmethod
+    def transfer_counts(self) -> dict[str, int]:
+        """The role's KV transfer figures for its WorkerInfo (bytes sent or received)."""
+
     def num_active_requests(self) -> int:
         """Requests this worker still owes an answer (what draining waits for)."""
+        return self._servicer.num_active_requests if self._servicer is not None else 0
 
-    @abstractmethod
     def load_info(self) -> dict[str, int]:
         """WorkerInfo load fields: num_running, num_free_blocks, kv_bytes_received, ..."""
+        if self._engine is None or self._servicer is None:
+            return {}
+        return {**self._engine.load.registry_fields(), **self.transfer_counts()}
 
     @abstractmethod
     async def stop_role(self) -> None: ...

@@ -3,11 +3,34 @@ and the figures every worker reports in GetStats."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
 
+import grpc
+
+from nori.engine.outputs import RequestOutput
+from nori.rpc.convert import params_from_proto
+from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
 from nori.worker.engine_thread import EngineThread
 from nori.worker.output_streams import OutputStreams
+
+
+class _PromptRequest(Protocol):
+    """What GenerateRequest and PrefillRequest share."""
+
+    request_id: str
+    prompt_token_ids: Iterable[int]
+    params: common_pb2.SamplingParams
+
+
+class OpenedRequest(NamedTuple):
+    """A request's checked parameters, prompt and output queue, once its call is accepted."""
+
+    params: SamplingParams
+    prompt: list[int]
+    queue: asyncio.Queue[RequestOutput]
 
 
 class EngineServicer:
@@ -44,3 +67,18 @@ class EngineServicer:
             num_requests_holding_blocks=load.num_requests_holding_blocks,
             **transfer_counts,
         )
+
+    async def _open(
+        self, request: _PromptRequest, context: grpc.aio.ServicerContext
+    ) -> OpenedRequest:
+        """Checks the call's parameters and opens its output stream; the caller closes it.
+
+        Bad parameters or a request id already in use end the call with INVALID_ARGUMENT.
+        """
+        try:
+            params = params_from_proto(request.params)
+            queue = self._streams.open(request.request_id)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self.num_requests += 1
+        return OpenedRequest(params, list(request.prompt_token_ids), queue)

@@ -15,6 +15,7 @@ from nori.bench.serve.args import (
     workload_settings_from_args,
 )
 from nori.cli.engine_args import add_engine_args, engine_config_from_args, worker_args
+from nori.launch.up import add_cluster_args
 
 if TYPE_CHECKING:
     from nori.bench.compare import CompareOutcome, CompareSettings
@@ -77,25 +78,7 @@ def _register_compare(commands: argparse._SubParsersAction) -> None:
         "on the same CPUs",
     )
     cluster = compare.add_argument_group("clusters")
-    cluster.add_argument(
-        "--model", default="demo", help="model folder, or a built-in model: demo, small"
-    )
-    cluster.add_argument("--prefill", type=int, default=1, help="disaggregated prefill workers")
-    cluster.add_argument("--decode", type=int, default=1, help="disaggregated decode workers")
-    cluster.add_argument(
-        "--worker-args",
-        default="",
-        metavar="'ARGS'",
-        help="engine options for every worker of both sides, as one string "
-        "(e.g. '--num-kv-blocks 2048 --max-num-seqs 64')",
-    )
-    cluster.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
-    cluster.add_argument(
-        "--max-queued-prompt-tokens",
-        type=int,
-        default=8192,
-        help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
-    )
+    add_cluster_args(cluster)
     cluster.add_argument(
         "--cpus",
         default=None,

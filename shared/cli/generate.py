@@ -6,6 +6,7 @@ import argparse
 import json
 
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
+from nori.settings import settings_from
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,17 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from nori.engine.llm import LLM
     from nori.sampling.params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
+    params = settings_from(
+        SamplingParams,
+        args,
+        seed=args.sampling_seed,  # --seed is the engine's
         stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_id),
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
     )
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))

@@ -14,12 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init = commands.add_parser("init", help="write a random-weight checkpoint for a preset")
     init.add_argument("directory", type=Path)
     init.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    init.add_argument("--seed", type=int, default=0)
     init.add_argument(
         "--no-weights",
         action="store_true",
         help="write config and tokenizer only (for --load-format dummy)",
     )
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.set_defaults(handler=run_init)
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
-from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, DEFAULT_REDIS_URL, Environment
+from nori.settings import (
+    DEFAULT_KV_LEASE_S,
+    DEFAULT_NAMESPACE,
+    DEFAULT_REDIS_URL,
+    Environment,
+    settings_from,
+)
 
 if TYPE_CHECKING:
     from nori.worker.runtime import WorkerOptions
@@ -160,15 +166,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _worker_options(args: argparse.Namespace) -> WorkerOptions:
     from nori.worker.runtime import WorkerOptions
 
-    return WorkerOptions(
-        host=args.host,
-        port=args.port,
-        advertise_host=args.advertise_host,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        worker_id=args.worker_id,
-        served_model_name=served_model_name(args.model, args.served_model_name),
-        drain_timeout_s=args.drain_timeout_s,
+    return settings_from(
+        WorkerOptions, args, served_model_name=served_model_name(args.model, args.served_model_name)
     )
 
 
@@ -218,17 +217,10 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from nori.gateway.server import GatewayOptions, serve_gateway
 
-    options = GatewayOptions(
-        model=args.model,
+    options = settings_from(
+        GatewayOptions,
+        args,
         served_model_name=served_model_name(args.model, args.served_model_name),
-        host=args.host,
-        port=args.port,
-        redis_url=args.redis_url,
-        namespace=args.namespace,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_in_flight=args.max_in_flight,
-        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
     )
     asyncio.run(serve_gateway(options))
     return 0

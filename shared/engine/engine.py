@@ -92,11 +92,9 @@ class LLMEngine:
             params,
             arrival_index=next(self._arrivals),
             prefill_only=prefill_only,
+            max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
         )
         self._track(request)
-        if self.config.scheduling_policy == "static":
-            max_new = min(params.max_tokens, self.max_model_len - request.num_tokens)
-            self._scheduler.static_max_new_tokens[request_id] = max_new
         self._scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:

@@ -87,13 +87,14 @@ class PagedAttention:
         meta = self.metadata
         rows = slice(query.shape[0])
         context_starts = None if meta.context_starts is None else meta.context_starts[rows]
+        tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
         if self.use_triton:
             return paged_decode_attention(
                 query,
                 k_cache,
                 v_cache,
-                meta.block_tables[rows],
-                meta.seq_lens[rows],
+                tables,
+                seq_lens,
                 scale,
                 max_seq_len=meta.max_seq_len,
                 context_starts=context_starts,
@@ -101,20 +102,11 @@ class PagedAttention:
             )
         if self.backend == "cpu":
             return paged_decode_attention_cpu(
-                query,
-                k_cache,
-                v_cache,
-                meta.block_tables[rows],
-                meta.seq_lens[rows],
-                scale,
-                context_starts,
+                query, k_cache, v_cache, tables, seq_lens, scale, context_starts
             )
         if self._decode_plan is None:
             self._decode_plan = plan_reference_decode(
-                meta.block_tables[rows],
-                meta.seq_lens[rows],
-                self.kv_cache.block_size,
-                context_starts,
+                tables, seq_lens, self.kv_cache.block_size, context_starts
             )
         return run_reference_decode(query, k_cache, v_cache, self._decode_plan, scale)
 
@@ -134,43 +126,18 @@ class PagedAttention:
         if first:
             query_start_loc = query_start_loc - first
         context_starts = None if meta.context_starts is None else meta.context_starts[first:]
+        tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
         if self.backend == "cpu":
             if self._prefill_plan is None:
-                self._prefill_plan = plan_cpu_prefill(
-                    query_start_loc, meta.seq_lens[first:], context_starts
-                )
+                self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, context_starts)
             return run_cpu_prefill(
-                query,
-                key,
-                value,
-                k_cache,
-                v_cache,
-                meta.block_tables[first:],
-                query_start_loc,
-                meta.seq_lens[first:],
-                scale,
+                *(query, key, value, k_cache, v_cache, tables, query_start_loc, seq_lens, scale),
                 self._prefill_plan,
                 context_starts,
             )
+        attention_args = (query, k_cache, v_cache, tables, query_start_loc, seq_lens, scale)
         if not self.use_triton:
-            return paged_prefill_attention_reference(
-                query,
-                k_cache,
-                v_cache,
-                meta.block_tables[first:],
-                query_start_loc,
-                meta.seq_lens[first:],
-                scale,
-                context_starts,
-            )
+            return paged_prefill_attention_reference(*attention_args, context_starts)
         return paged_prefill_attention(
-            query,
-            k_cache,
-            v_cache,
-            meta.block_tables[first:],
-            query_start_loc,
-            meta.seq_lens[first:],
-            scale,
-            context_starts=context_starts,
-            use_triton=True,
+            *attention_args, context_starts=context_starts, use_triton=True
         )

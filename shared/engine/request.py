@@ -50,6 +50,9 @@ class Request:
     arrival_index: int = 0
     # Stop after the first sampled token and keep the blocks for export to a decode engine.
     prefill_only: bool = False
+    # The most tokens it may generate (max_tokens, capped by the model's length): the static
+    # policy reserves room for them up front. 0: not known (the policies that do not need it).
+    max_new_tokens: int = 0
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

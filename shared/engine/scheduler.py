@@ -95,9 +95,6 @@ class SchedulerOutput:
 class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
-    # Static policy only: the most tokens each waiting request may still generate.
-    static_max_new_tokens: dict[str, int] = field(default_factory=dict)
-
     waiting: deque[Request] = field(default_factory=deque, init=False)
     running: list[Request] = field(default_factory=list, init=False)
     # Requests whose blocks are reserved or held outside the running batch (RESERVED, PREFILLED).
@@ -160,7 +157,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.held.pop(request.request_id, None)
         self.block_manager.free(request)
-        self.static_max_new_tokens.pop(request.request_id, None)
 
     def requests(self) -> Iterator[Request]:
         """Every request the scheduler knows, in no particular order."""
@@ -253,7 +249,7 @@ class Scheduler:
             if len(batch) == self.config.max_num_seqs:
                 break
             prompt = max(longest_prompt, request.num_unpadded_tokens)
-            new = max(longest_new, self.static_max_new_tokens.get(request.request_id, 0))
+            new = max(longest_new, request.max_new_tokens)
             length = min(prompt + new, pool_tokens)
             if batch and (len(batch) + 1) * manager.blocks_needed(length) > manager.num_free_blocks:
                 break

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
+import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,12 +43,40 @@ def jit(fn: Callable[..., Any]) -> Any:
     return _jit_for_mode(fn, os.environ.get("TRITON_INTERPRET", ""))
 
 
+def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a helper that kernels call; `jit` compiles it with each kernel that calls it."""
+    fn.__nori_device_function__ = True  # type: ignore[attr-defined]
+    return fn
+
+
 @functools.cache
 def _jit_for_mode(fn: Callable[..., Any], interpret: str) -> Any:
     # `interpret` is only part of the cache key: triton.jit reads the variable itself.
     import triton
 
-    return triton.jit(fn)
+    return triton.jit(_with_jitted_helpers(fn, interpret))
+
+
+def _with_jitted_helpers(fn: Callable[..., Any], interpret: str) -> Callable[..., Any]:
+    """`fn`, seeing its device functions as Triton functions of the same mode.
+
+    A kernel may only call Triton functions (compiled, or interpreted under TRITON_INTERPRET),
+    and which of the two is decided when triton.jit runs; so each kernel gets its own globals in
+    which the helpers it names are jitted for the mode it is being jitted for.
+    """
+    helpers = {
+        name: _jit_for_mode(value, interpret)
+        for name in fn.__code__.co_names
+        if getattr(value := fn.__globals__.get(name), "__nori_device_function__", False)
+    }
+    if not helpers:
+        return fn
+    clone = types.FunctionType(
+        fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    clone.__module__, clone.__qualname__ = fn.__module__, fn.__qualname__
+    clone.__annotations__ = fn.__annotations__
+    return clone
 
 
 def cdiv(a: int, b: int) -> int:
@@ -170,6 +200,62 @@ def check_seq_lens(seq_lens: object, batch: int, name: str = "seq_lens") -> torc
     if not lens.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return lens
+
+
+class PagedAttentionArgs(NamedTuple):
+    """The checked arguments of a paged attention call (decode or prefill)."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    context_starts: torch.Tensor | None
+    query_start_loc: torch.Tensor | None
+    batch: int
+
+
+def check_paged_attention_args(
+    query: object,
+    k_cache: object,
+    v_cache: object,
+    block_tables: object,
+    seq_lens: object,
+    scale: float,
+    context_starts: object | None,
+    query_start_loc: object | None = None,
+) -> PagedAttentionArgs:
+    """Checks what decode and prefill attention share; raises ValueError naming the argument.
+
+    Decode passes one query row per sequence (query [B, Hq, D]); prefill passes query_start_loc
+    (int32 [B + 1]) that splits query [T, Hq, D] into sequences.
+    """
+    q = check_tensor("query", query, 3, FLOAT_DTYPES)
+    k, v = check_kv_caches(k_cache, v_cache)
+    check_query_heads(q, k)
+    tensors = {"query": q, "k_cache": k, "v_cache": v}
+    starts = None
+    if query_start_loc is None:
+        batch = q.shape[0]
+    else:
+        starts = check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+        batch = starts.shape[0] - 1
+        if batch < 0:
+            raise ValueError("query_start_loc must have B + 1 entries, got none")
+        if not starts.is_contiguous():
+            raise ValueError("query_start_loc must be contiguous")
+    tensors["block_tables"] = tables = check_block_tables(block_tables, batch)
+    if starts is not None:
+        tensors["query_start_loc"] = starts
+    tensors["seq_lens"] = lens = check_seq_lens(seq_lens, batch)
+    hidden = None
+    if context_starts is not None:
+        tensors["context_starts"] = hidden = check_seq_lens(context_starts, batch, "context_starts")
+    check_same_device(tensors)
+    check_last_dim_contiguous("query", q)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return PagedAttentionArgs(q, k, v, tables, lens, hidden, starts, batch)
 
 
 def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:

@@ -8,20 +8,18 @@ merges the splits. Splitting keeps the GPU busy when the batch is small and cont
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
+from nori.kernels._attention_tiles import (
+    kv_tile,
+    load_dot_operand,
+    online_softmax_start,
+    online_softmax_step,
+)
 from nori.kernels._common import (
-    FLOAT_DTYPES,
     cdiv,
-    check_block_tables,
-    check_kv_caches,
-    check_last_dim_contiguous,
-    check_query_heads,
-    check_same_device,
-    check_seq_lens,
-    check_tensor,
+    check_paged_attention_args,
     dot_precision,
     jit,
     next_power_of_2,
@@ -90,55 +88,34 @@ def _decode_split_kernel(
     head_mask = heads < GROUP
     dim_mask = dims < HEAD_DIM
     q_heads = kv_head * GROUP + heads
-    q = tl.load(
-        q_ptr + seq * stride_q_b + q_heads[:, None] * stride_q_h + dims[None, :],
-        mask=head_mask[:, None] & dim_mask[None, :],
-        other=0.0,
+    q = load_dot_operand(
+        q_ptr,
+        seq * stride_q_b + q_heads[:, None] * stride_q_h + dims[None, :],
+        head_mask[:, None] & dim_mask[None, :],
+        UPCAST_DOT,
     )
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_H, BLOCK_D)
+    table_row = block_tables_ptr + seq * stride_bt_b
+    head_columns = kv_head * HEAD_DIM + dims[None, :]
+    TOKEN_STRIDE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
-        tok_mask = pos < end
-        # Looking the block up per token handles block sizes both smaller and larger than
-        # BLOCK_N; repeated entries hit in L1.
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bt_b + pos // BLOCK_SIZE, mask=tok_mask, other=0
-        ).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
-        offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
+        offsets, kv_mask = kv_tile(
+            table_row, pos, end, head_columns, dim_mask, BLOCK_SIZE, TOKEN_STRIDE
+        )
+        k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = pos < end
         if MASK_LEFT:
             # Left padding is read and computed (as a dense padded batch would) but not seen.
-            visible = tok_mask & (pos >= context_start)
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # A tile of padding only leaves m at -inf; exp2(-inf - -inf) would be NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            scores = tl.where(tok_mask[None, :], scores, float("-inf"))
-            # Every tile holds at least one real token, so m_new is finite from the first on.
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = m_new
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
-        p_dot = p.to(v_cache_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-            p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+            visible = visible & (pos >= context_start)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        # Without padding every tile holds a real token, so m is finite from the first on.
+        v_ptrs = v_cache_ptr + offsets
+        m_i, l_i, acc = online_softmax_step(
+            scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+        )
 
     # An empty split (past the end of a short sequence, or all left padding) stores m = -inf,
     # l = 0, acc = 0, which the merge weighs by zero.
@@ -223,25 +200,11 @@ def paged_decode_attention(
     which needs no device synchronisation but may leave splits empty when tables are wide.
     context_starts [B] int32 (< seq_lens[b]), if given, hides positions before it: left padding.
     """
-    query = check_tensor("query", query, 3, FLOAT_DTYPES)
-    k_cache, v_cache = check_kv_caches(k_cache, v_cache)
-    check_query_heads(query, k_cache)
-    batch, num_heads, head_dim = query.shape
-    block_tables = check_block_tables(block_tables, batch)
-    seq_lens = check_seq_lens(seq_lens, batch)
-    tensors = {
-        "query": query,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "block_tables": block_tables,
-        "seq_lens": seq_lens,
-    }
-    if context_starts is not None:
-        tensors["context_starts"] = check_seq_lens(context_starts, batch, "context_starts")
-    check_same_device(tensors)
-    check_last_dim_contiguous("query", query)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    args = check_paged_attention_args(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
+    )
+    query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, batch = args
+    num_heads, head_dim = query.shape[1], query.shape[2]
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if max_seq_len is not None and max_seq_len < 1:

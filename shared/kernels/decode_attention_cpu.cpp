@@ -21,6 +21,12 @@
 
 namespace {
 
+// The cache slot (block * block_size + offset) holding a sequence's token at `position`.
+inline int64_t slot_of(const int32_t* block_table, int64_t position, int64_t block_size) {
+  return static_cast<int64_t>(block_table[position / block_size]) * block_size +
+         position % block_size;
+}
+
 // One task: sequence `b`, kv heads [head_begin, head_end) and the query heads that share them.
 // Tokens are visited in cache order and each token's K (then V) row is read front to back, so a
 // block's memory streams sequentially whatever the number of heads in the task.
@@ -55,9 +61,7 @@ void decode_task(
   // maximum at the lowest finite value instead of -inf.
   std::vector<float> row_max(rows, std::numeric_limits<float>::lowest());
   for (int64_t t = 0; t < length; ++t) {
-    const int64_t position = context_start + t;
-    const int64_t slot = static_cast<int64_t>(block_table[position / block_size]) * block_size +
-                         position % block_size;
+    const int64_t slot = slot_of(block_table, context_start + t, block_size);
     const scalar_t* k_token = k_cache + slot * token_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* __restrict__ k = k_token + (head_begin + r / group) * dim;
@@ -84,9 +88,7 @@ void decode_task(
   float* o = out + head_begin * group * dim;
   std::fill(o, o + rows * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
-    const int64_t position = context_start + t;
-    const int64_t slot = static_cast<int64_t>(block_table[position / block_size]) * block_size +
-                         position % block_size;
+    const int64_t slot = slot_of(block_table, context_start + t, block_size);
     const scalar_t* v_token = v_cache + slot * token_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* __restrict__ v = v_token + (head_begin + r / group) * dim;

@@ -8,19 +8,17 @@ are already in the paged cache. The Triton path is flash attention: one program 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
+from nori.kernels._attention_tiles import (
+    kv_tile,
+    load_dot_operand,
+    online_softmax_start,
+    online_softmax_step,
+)
 from nori.kernels._common import (
-    FLOAT_DTYPES,
-    check_block_tables,
-    check_kv_caches,
-    check_last_dim_contiguous,
-    check_query_heads,
-    check_same_device,
-    check_seq_lens,
-    check_tensor,
+    check_paged_attention_args,
     dot_precision,
     gather_context,
     jit,
@@ -105,31 +103,25 @@ def _prefill_kernel(
     dim_mask = dims < HEAD_DIM
     q_tokens = (q_start + q_in_seq).to(tl.int64)
     q_heads = kv_head * GROUP + group_head
-    q = tl.load(
-        q_ptr + q_tokens[:, None] * stride_q_t + q_heads[:, None] * stride_q_h + dims[None, :],
-        mask=row_valid[:, None] & dim_mask[None, :],
-        other=0.0,
+    q = load_dot_operand(
+        q_ptr,
+        q_tokens[:, None] * stride_q_t + q_heads[:, None] * stride_q_h + dims[None, :],
+        row_valid[:, None] & dim_mask[None, :],
+        UPCAST_DOT,
     )
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_Q * BLOCK_G, BLOCK_D)
+    table_row = block_tables_ptr + seq * stride_bt_b
+    head_columns = kv_head * HEAD_DIM + dims[None, :]
+    TOKEN_STRIDE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     # Causality: nothing past this tile's last query position is needed.
     kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
-        tok_mask = pos < kv_end
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_bt_b + pos // BLOCK_SIZE, mask=tok_mask, other=0
-        ).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
-        offsets = slots[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
+        offsets, kv_mask = kv_tile(
+            table_row, pos, kv_end, head_columns, dim_mask, BLOCK_SIZE, TOKEN_STRIDE
+        )
+        k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos[None, :] <= q_pos[:, None]
         if MASK_LEFT:
@@ -137,22 +129,11 @@ def _prefill_kernel(
             # a dense padded batch); pad tokens see what precedes them, so no row is empty.
             visible = visible & ((pos[None, :] >= context_start) | (q_pos[:, None] < context_start))
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = m_new
-        if MASK_LEFT:
-            # A tile of padding only leaves a real row's m at -inf; exp2(-inf - -inf) is NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
-        p_dot = p.to(v_cache_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-            p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # With left padding, a tile of padding only leaves a real row's m at -inf.
+        v_ptrs = v_cache_ptr + offsets
+        m_i, l_i, acc = online_softmax_step(
+            scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+        )
 
     out = acc / l_i[:, None]
     tl.store(
@@ -223,31 +204,12 @@ def paged_prefill_attention(
     seq_lens[b] - q_len_b + i and attends to positions 0 .. that one. context_starts [B] int32,
     if given, marks positions before it as left padding: tokens at or after it do not see them.
     """
-    query = check_tensor("query", query, 3, FLOAT_DTYPES)
-    k_cache, v_cache = check_kv_caches(k_cache, v_cache)
-    check_query_heads(query, k_cache)
-    query_start_loc = check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
-    batch = query_start_loc.shape[0] - 1
-    if batch < 0:
-        raise ValueError("query_start_loc must have B + 1 entries, got none")
-    if not query_start_loc.is_contiguous():
-        raise ValueError("query_start_loc must be contiguous")
-    block_tables = check_block_tables(block_tables, batch)
-    seq_lens = check_seq_lens(seq_lens, batch)
-    tensors = {
-        "query": query,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "block_tables": block_tables,
-        "query_start_loc": query_start_loc,
-        "seq_lens": seq_lens,
-    }
-    if context_starts is not None:
-        tensors["context_starts"] = check_seq_lens(context_starts, batch, "context_starts")
-    check_same_device(tensors)
-    check_last_dim_contiguous("query", query)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    args = check_paged_attention_args(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, query_start_loc
+    )
+    query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, batch = args
+    assert starts is not None  # given query_start_loc, the check returns it checked
+    query_start_loc = starts
 
     if not should_use_triton(use_triton, [query]):
         return paged_prefill_attention_reference(

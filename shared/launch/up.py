@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE
+from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, settings_from
 
 if TYPE_CHECKING:
     from nori.launch.cpu_plan import CpuPlan
@@ -18,11 +18,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="run a local cluster: gateway, prefill and decode workers as processes"
     )
-    parser.add_argument(
-        "--model", default="demo", help="model folder, or a built-in model: demo, small"
-    )
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     parser.add_argument(
         "--colocated",
@@ -30,27 +25,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="one worker doing prefill and decode (the baseline for disaggregation)",
     )
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
     parser.add_argument("--kv-lease-s", type=float, default=DEFAULT_KV_LEASE_S)
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
-    parser.add_argument(
+    add_cluster_args(parser)
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument("--log-dir", default=None, help="where each process writes its log")
+    _add_cpu_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """What `nori up` and both sides of `nori bench compare` share: model, workers, admission."""
+    group.add_argument(
+        "--model", default="demo", help="model folder, or a built-in model: demo, small"
+    )
+    group.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    group.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    group.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
+    group.add_argument(
         "--max-queued-prompt-tokens",
         type=int,
         default=8192,
         help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
     )
-    parser.add_argument(
+    group.add_argument(
         "--worker-args",
         default="",
         metavar="'ARGS'",
         help="engine options for every worker, as one string "
         "(e.g. '--no-prefix-caching --max-num-seqs 64'; see `nori serve decode --help`)",
     )
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
-    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
-    parser.add_argument("--log-dir", default=None, help="where each process writes its log")
-    _add_cpu_args(parser)
-    parser.set_defaults(handler=run)
 
 
 def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
@@ -88,18 +93,7 @@ def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
 
     if args.no_cpu_pinning:
         return None
-    request = CpuRequest(
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        colocated=args.colocated,
-        cpus_prefill=args.cpus_prefill,
-        cpus_decode=args.cpus_decode,
-        cpus_gateway=args.cpus_gateway,
-        threads_prefill=args.threads_prefill,
-        threads_decode=args.threads_decode,
-        threads_colocated=args.threads_colocated,
-        threads_gateway=args.threads_gateway,
-    )
+    request = settings_from(CpuRequest, args, num_prefill=args.prefill, num_decode=args.decode)
     return plan_cpus(os.sched_getaffinity(0), request)
 
 
@@ -118,21 +112,14 @@ def run(args: argparse.Namespace) -> int:
     extra_worker_args = worker_args(args.worker_args)
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
-    model = args.model
     redis_url, redis_server = redis_for_cluster()
-    spec = ClusterSpec(
+    spec = settings_from(
+        ClusterSpec,
+        args,
         redis_url=redis_url,
-        model=model,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        colocated=args.colocated,
-        port=args.port,
-        namespace=args.namespace,
         served_model_name=served_model_name(args.model, args.served_model_name),
-        transport=args.transport,
-        kv_lease_s=args.kv_lease_s,
-        kv_queue_timeout_s=args.kv_queue_timeout_s,
-        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         log_dir=Path(args.log_dir) if args.log_dir else None,
         cpu_plan=cpu_plan,
         worker_args=extra_worker_args,

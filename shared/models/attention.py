@@ -7,44 +7,11 @@ code never sees blocks, slots or sequences, so the same module runs in the engin
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 import torch
 
-
-class Attention(Protocol):
-    def __call__(
-        self,
-        layer_index: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] for the T new tokens -> output [T, Hq, D]."""
-        ...
-
-
-class SingleSequenceCausalAttention:
-    """Dense causal attention over one sequence, all tokens at once, no cache.
-
-    For tests of model code in isolation; the engine never uses it.
-    """
-
-    def __call__(
-        self,
-        layer_index: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        num_heads, num_kv_heads = query.shape[1], key.shape[1]
-        group = num_heads // num_kv_heads
-        q = query.transpose(0, 1)  # [Hq, T, D]
-        k = key.transpose(0, 1).repeat_interleave(group, dim=0)
-        v = value.transpose(0, 1).repeat_interleave(group, dim=0)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=scale
-        )
-        return out.squeeze(0).transpose(0, 1).contiguous()
+# (layer_index, query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, D], scale) -> output [T, Hq, D],
+# for the T new tokens of a step. The engine's implementation is `nori.engine.paged_attention.PagedAttention`;
+# model tests use a dense one over a single sequence.
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]

@@ -25,26 +25,17 @@ _INIT_STD = 0.02  # transformers' default initializer_range
 
 def init_checkpoint(
     directory: str | Path,
-    preset: str,
+    preset: str | ModelConfig,
     seed: int = 0,
     write_weights: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Writes the named preset into `directory` (created if needed) and returns its path.
+    """Writes a preset (its name, or a shape of its own) into `directory`, created if needed.
 
-    With `write_weights=False` only config and tokenizer are written, enough for
-    `load_model(..., load_format="dummy")` on shapes too big to be worth writing out.
+    Returns the folder's path. With `write_weights=False` only config and tokenizer are written,
+    enough for `load_model(..., load_format="dummy")` on shapes too big to be worth writing out.
     """
-    return write_checkpoint(directory, get_preset(preset), seed, write_weights, max_shard_bytes)
-
-
-def write_checkpoint(
-    directory: str | Path,
-    config: ModelConfig,
-    seed: int = 0,
-    write_weights: bool = True,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
+    config = get_preset(preset) if isinstance(preset, str) else preset
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     _write_json(folder / "config.json", config.to_dict())

@@ -7,51 +7,33 @@ from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
 
+# The wire message mirrors SamplingParams field for field (a test holds them equal), so both
+# directions walk the message's fields: a new parameter needs no code here.
+_SAMPLING_FIELDS = common_pb2.SamplingParams.DESCRIPTOR.fields
+
 
 def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        skip_special_tokens=params.skip_special_tokens,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.logprobs is not None:
-        message.logprobs = params.logprobs
+    message = common_pb2.SamplingParams()
+    for field in _SAMPLING_FIELDS:
+        value = getattr(params, field.name)
+        if field.is_repeated:
+            getattr(message, field.name).extend(value)
+        elif value is not None:  # an unset optional (seed, logprobs) stays unset
+            setattr(message, field.name, value)
     return message
 
 
 def params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError (from SamplingParams) for values no engine accepts."""
-    return SamplingParams(
-        max_tokens=message.max_tokens,
-        temperature=message.temperature,
-        top_p=message.top_p,
-        top_k=message.top_k,
-        min_p=message.min_p,
-        seed=message.seed if message.HasField("seed") else None,
-        repetition_penalty=message.repetition_penalty,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        stop=tuple(message.stop),
-        stop_token_ids=tuple(message.stop_token_ids),
-        include_stop_str_in_output=message.include_stop_str_in_output,
-        ignore_eos=message.ignore_eos,
-        min_tokens=message.min_tokens,
-        logprobs=message.logprobs if message.HasField("logprobs") else None,
-        skip_special_tokens=message.skip_special_tokens,
-    )
+    values: dict[str, object] = {}
+    for field in _SAMPLING_FIELDS:
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            value = tuple(value)
+        elif field.has_presence and not message.HasField(field.name):
+            value = None
+        values[field.name] = value
+    return SamplingParams(**values)  # type: ignore[arg-type]
 
 
 def logprobs_to_proto(entry: TokenLogprobs) -> common_pb2.TokenLogprob:

@@ -14,6 +14,7 @@ import struct
 
 import torch
 
+from nori.transfer import conversation
 from nori.transfer.address import parse_address
 from nori.transfer.base import (
     KVSink,
@@ -21,14 +22,6 @@ from nori.transfer.base import (
     TransferError,
 )
 from nori.transfer.buffers import check_sources
-from nori.transfer.conversation import (
-    ConnectionClosed,
-    MessageTooLarge,
-    ReceiverStats,
-    TransferCounters,
-    send_transfer,
-    serve_connection,
-)
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.pool import ConnectionPool
 
@@ -114,7 +107,7 @@ class _TcpChannel:
             received = await self._loop.sock_recv_into(self._sock, view)
             if received == 0:
                 if first and message_start:
-                    raise ConnectionClosed("the peer closed the connection")
+                    raise conversation.ConnectionClosed("the peer closed the connection")
                 raise TransferError("the peer closed the connection mid-message")
             first = False
             view = view[received:]
@@ -165,7 +158,9 @@ class _TcpChannel:
         await self._read_into(memoryview(prefix), message_start=True)
         (length,) = _LENGTH.unpack(prefix)
         if length > max_bytes:
-            raise MessageTooLarge(f"a message of {length} bytes exceeds the {max_bytes}-byte limit")
+            raise conversation.MessageTooLarge(
+                f"a message of {length} bytes exceeds the {max_bytes}-byte limit"
+            )
         payload = bytearray(length)
         await self._read_into(memoryview(payload))
         return bytes(payload)
@@ -197,7 +192,7 @@ class _TcpChannel:
             self._sock.close()
 
 
-class TcpReceiver(ReceiverStats):
+class TcpReceiver(conversation.ReceiverStats):
     """Accepts connections from senders and receives their transfers into the sink's tensors."""
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
@@ -239,7 +234,7 @@ class TcpReceiver(ReceiverStats):
 
     async def _serve(self, sock: socket.socket) -> None:
         channel = _TcpChannel(sock, self._staging)
-        await serve_connection(channel, self._sink, self._counters, self._config)
+        await conversation.serve_connection(channel, self._sink, self._counters, self._config)
 
     async def close(self) -> None:
         """Stops accepting and drops every connection; transfers in flight fail on both ends."""
@@ -260,7 +255,7 @@ class TcpSender:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
-        self._counters = TransferCounters()
+        self._counters = conversation.TransferCounters()
         self._staging = _HostStaging("TcpSender")
         self._pool: ConnectionPool[_TcpChannel] = ConnectionPool(
             self._connect, self._config.max_connections_per_peer
@@ -294,7 +289,8 @@ class TcpSender:
             raise ValueError(f"TcpSender cannot send to {address!r}")
         views = check_sources(header, buffers)
         await self._pool.run(
-            address, lambda channel: send_transfer(channel, header, views, self._config)
+            address,
+            lambda channel: conversation.send_transfer(channel, header, views, self._config),
         )
         self._counters.add(header.total_nbytes)
 

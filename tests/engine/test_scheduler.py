@@ -160,9 +160,11 @@ def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle
     scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=3, budget=64, policy="static")
     prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7], "c": [8, 9, 10], "d": [11]}
     max_new = {"a": 2, "b": 6, "c": 1, "d": 1}
-    requests = {name: make_request(name, tokens) for name, tokens in prompts.items()}
-    for name, request in requests.items():
-        scheduler.static_max_new_tokens[name] = max_new[name]
+    requests = {
+        name: make_request(name, tokens, max_new_tokens=max_new[name])
+        for name, tokens in prompts.items()
+    }
+    for request in requests.values():
         scheduler.add(request)
     # Every member is left-padded to the longest prompt (5) and reserves the rectangle:
     # 5 + 6 (largest max_tokens) = 11 tokens = 3 blocks each.
@@ -191,17 +193,16 @@ def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle
 def test_static_batch_is_limited_by_the_padded_reservation() -> None:
     scheduler = make_scheduler(num_blocks=8, block_size=4, max_seqs=8, budget=64, policy="static")
     for name in "abcd":
-        scheduler.static_max_new_tokens[name] = 8
-        scheduler.add(make_request(name, [1] * 8))
+        scheduler.add(make_request(name, [1] * 8, max_new_tokens=8))
     # Each member needs 16 tokens = 4 blocks: only two fit in 8 blocks.
     assert [r for r, _ in plan(run_step(scheduler))] == ["a", "b"]
 
 
 def test_static_abort_frees_at_once_and_ends_a_batch_of_padding() -> None:
     scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=4, budget=64, policy="static")
-    a, b = make_request("a", [1, 2, 3]), make_request("b", [4, 5, 6])
+    a = make_request("a", [1, 2, 3], max_new_tokens=4)
+    b = make_request("b", [4, 5, 6], max_new_tokens=4)
     for request in (a, b):
-        scheduler.static_max_new_tokens[request.request_id] = 4
         scheduler.add(request)
     run_step(scheduler)
     scheduler.finish(a, RequestStatus.FINISHED_STOPPED)

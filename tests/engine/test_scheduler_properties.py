@@ -56,9 +56,10 @@ def test_random_traffic_keeps_invariants(
         if kind == "add":
             # Never larger than the pool, else it could never run (the engine rejects those).
             tokens = list(value)[: max(1, (num_blocks - 1) * block_size)]  # type: ignore[call-overload]
-            request = make_request(f"r{len(known)}", tokens, arrival_index=len(known))
+            request = make_request(
+                f"r{len(known)}", tokens, arrival_index=len(known), max_new_tokens=len(tokens) % 7
+            )
             known.append(request)
-            scheduler.static_max_new_tokens[request.request_id] = len(tokens) % 7
             scheduler.add(request)
         elif kind == "step":
             # The scheduler caps prompt work in steps that start with decodes to run.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nori.models.config import ModelConfig
-from nori.models.init_checkpoint import write_checkpoint
+from nori.models.init_checkpoint import init_checkpoint
 from tests.models.model_helpers import perturb_checkpoint
 
 
@@ -17,7 +17,7 @@ def make_checkpoint(tmp_path: Path) -> Callable[[ModelConfig], Path]:
     counter = iter(range(1000))
 
     def make(config: ModelConfig) -> Path:
-        folder = write_checkpoint(tmp_path / f"ckpt{next(counter)}", config, seed=0)
+        folder = init_checkpoint(tmp_path / f"ckpt{next(counter)}", config, seed=0)
         perturb_checkpoint(folder)
         return folder
 

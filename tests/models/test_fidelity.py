@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nori.models.attention import SingleSequenceCausalAttention
 from nori.models.config import ModelConfig, RopeScaling
 from nori.models.llama import CausalLM
 from nori.models.loader import load_model
 from nori.models.presets import PRESETS
+from tests.models.dense_attention import SingleSequenceCausalAttention
 from tests.models.model_helpers import STORIES_260K, sample_ids
 
 TOLERANCE = 1e-4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import shutil
 import subprocess
@@ -87,6 +88,11 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
 def test_sampling_params_round_trip_exactly(params: SamplingParams) -> None:
     wire = common_pb2.SamplingParams.FromString(params_to_proto(params).SerializeToString())
     assert params_from_proto(wire) == params
+
+
+def test_the_wire_message_has_exactly_the_sampling_parameters() -> None:
+    wire_fields = {field.name for field in common_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert wire_fields == {field.name for field in dataclasses.fields(SamplingParams)}
 
 
 def test_invalid_params_on_the_wire_raise_value_error() -> None:

@@ -22,6 +22,10 @@ DEMO_TOKENIZER = "demo"
 MIN_LONG_INPUT_LEN = 1000
 
 
+# The fields that name the server rather than the workload (`nori bench compare` sets them).
+SERVER_FIELDS = ("base_url", "endpoint_type", "model", "tokenizer")
+
+
 @dataclass(frozen=True)
 class ServeBenchSettings:
     # The server.

@@ -96,15 +96,10 @@ def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Worklo
     rng = np.random.default_rng((settings.seed, _DATASET_STREAM))
     count = settings.num_prompts + settings.num_warmups
     background = None
+    # The mixed dataset's short requests are the random dataset's, under another class name.
+    random_lengths = (settings.random_input_len, settings.random_output_len)
     if settings.dataset == "random":
-        specs = random_requests(
-            maker,
-            rng,
-            count,
-            settings.random_input_len,
-            settings.random_output_len,
-            settings.random_range_ratio,
-        )
+        specs = random_requests(maker, rng, count, *random_lengths, settings.random_range_ratio)
     elif settings.dataset == "sharegpt":
         assert settings.dataset_path is not None  # checked by the settings
         specs = sharegpt_requests(settings.dataset_path, maker, rng, count, settings.max_model_len)
@@ -120,13 +115,7 @@ def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Worklo
         )
     else:
         specs = random_requests(
-            maker,
-            rng,
-            count,
-            settings.random_input_len,
-            settings.random_output_len,
-            settings.random_range_ratio,
-            request_class="short",
+            maker, rng, count, *random_lengths, settings.random_range_ratio, request_class="short"
         )
         background = functools.partial(
             long_request,

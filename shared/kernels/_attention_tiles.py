@@ -1,0 +1,90 @@
+"""Device functions the decode and prefill attention kernels share: where a tile of K/V tokens
+lies in the paged cache, and one step of the online softmax over such a tile."""
+
+from __future__ import annotations
+
+import contextlib
+
+from nori.kernels._common import device_function
+
+# The CPU engine runs without Triton and only needs the references.
+with contextlib.suppress(ImportError):
+    import triton.language as tl
+
+
+@device_function
+def online_softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The running row maxima, sums and weighted V sums before the first tile: (m, l, acc)."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    return m_i, l_i, acc
+
+
+@device_function
+def kv_tile(
+    table_row_ptr,
+    pos,
+    end,
+    head_columns,
+    dim_mask,
+    BLOCK_SIZE: tl.constexpr,
+    TOKEN_STRIDE: tl.constexpr,
+):
+    """Where a sequence's tokens `pos` (those before `end`) lie in the paged cache.
+
+    table_row_ptr: the sequence's block table row; head_columns [1, BLOCK_D]: the kv head's
+    element offsets within a token. Returns element offsets and mask, both [tokens, BLOCK_D].
+    """
+    tok_mask = pos < end
+    # Looking the block up per token handles block sizes both smaller and larger than the
+    # tile; repeated entries hit in L1.
+    block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
+    return slots[:, None] * TOKEN_STRIDE + head_columns, tok_mask[:, None] & dim_mask[None, :]
+
+
+@device_function
+def load_dot_operand(ptr, offsets, mask, UPCAST_DOT: tl.constexpr):
+    """A tile for tl.dot, zero where masked, in float32 where the dtype needs it (see
+    `upcast_dot_operands`)."""
+    tile = tl.load(ptr + offsets, mask=mask, other=0.0)
+    if UPCAST_DOT:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@device_function
+def online_softmax_step(
+    scores,
+    m_i,
+    l_i,
+    acc,
+    v_ptrs,
+    kv_mask,
+    MAY_BE_EMPTY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """Folds one tile into the running row maxima m_i, sums l_i and acc = sum(p * V).
+
+    scores [rows, tokens] are in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D] point
+    at the tile's V rows. MAY_BE_EMPTY: a row may have
+    seen only hidden tokens so far (left padding). Returns the new (m_i, l_i, acc).
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = m_new
+    if MAY_BE_EMPTY:
+        # Such a row keeps m at -inf, and exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    # P is rounded to the cache dtype so that P @ V runs on the tensor cores.
+    p_dot = p.to(v_ptrs.dtype.element_ty)
+    if UPCAST_DOT:
+        v = v.to(tl.float32)
+        p_dot = p_dot.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
