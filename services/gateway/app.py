@@ -24,7 +24,16 @@ from nori.gateway.context import ServingContext
 from nori.gateway.endpoints import create_chat_completion, create_completion
 from nori.gateway.errors import APIError, as_api_error, install_error_handlers
 from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
-from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from nori.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from nori.gateway.request_id import EchoRequestIdMiddleware
+from nori.gateway.tokenize import detokenize, tokenize
 from nori.sampling.tokenizer import Tokenizer
 
 logger = logging.getLogger("nori.gateway")
@@ -32,6 +41,8 @@ logger = logging.getLogger("nori.gateway")
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 
@@ -95,6 +106,7 @@ def create_app(
     app = FastAPI(title="Nori gateway", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(EchoRequestIdMiddleware)
 
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -111,6 +123,14 @@ def create_app(
             root=served_model_name,
             max_model_len=max_model_len,
         )
+
+    @app.post(TOKENIZE_PATH)
+    async def tokenize_prompt(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(tokenize(ctx, body).model_dump())
+
+    @app.post(DETOKENIZE_PATH)
+    async def detokenize_tokens(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(detokenize(ctx, body).model_dump())
 
     @app.get(MODELS_PATH)
     async def list_models() -> JSONResponse:

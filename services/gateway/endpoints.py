@@ -31,6 +31,7 @@ from nori.gateway.protocol import (
     StreamOptions,
     Usage,
 )
+from nori.gateway.request_id import client_request_id, response_id, worker_request_id_base
 from nori.gateway.request_params import (
     chat_max_tokens_field,
     chat_sampling_params,
@@ -39,7 +40,7 @@ from nori.gateway.request_params import (
     completion_sampling_params,
     resolve_max_tokens,
 )
-from nori.gateway.responder import chunk_event, new_id, respond
+from nori.gateway.responder import chunk_event, respond
 from nori.gateway.session import Session
 from nori.sampling.logprobs import TokenLogprobs
 
@@ -56,8 +57,10 @@ async def create_completion(
         )
         for p in prompts
     ]
-    completion_id = new_id("cmpl")
-    request_ids = [f"{completion_id}-{index}" for index in range(len(prompts))]
+    client_id = client_request_id(request.scope)
+    completion_id = response_id("cmpl", client_id)
+    base = worker_request_id_base(completion_id, client_id)
+    request_ids = [f"{base}-{index}" for index in range(len(prompts))]
     session = Session(ctx, request_ids, prompts, params)
     form = CompletionFormat(ctx, body, completion_id, session)
     return await respond(session, request, form, body.stream)
@@ -68,11 +71,13 @@ async def create_chat_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
-    prompt = chat_prompt(ctx, body)
+    prompt = chat_prompt(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     requested, param = chat_max_tokens_field(body)
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
-    completion_id = new_id("chatcmpl")
-    session = Session(ctx, [completion_id], [prompt], [chat_sampling_params(body, max_tokens)])
+    client_id = client_request_id(request.scope)
+    completion_id = response_id("chatcmpl", client_id)
+    request_ids = [worker_request_id_base(completion_id, client_id)]
+    session = Session(ctx, request_ids, [prompt], [chat_sampling_params(body, max_tokens)])
     form = ChatFormat(ctx, body, completion_id)
     return await respond(session, request, form, body.stream)
 

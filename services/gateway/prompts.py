@@ -9,7 +9,7 @@ from typing import Any
 
 from nori.gateway.context import ServingContext
 from nori.gateway.errors import APIError, bad_request
-from nori.gateway.protocol import ChatCompletionRequest, ChatMessage, TextContentPart
+from nori.gateway.protocol import ChatMessage, TextContentPart
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
@@ -22,7 +22,7 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
         )
 
 
-def _check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list[int]:
+def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list[int]:
     if not ids:
         raise bad_request(f"{param} must not be empty", param)
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
@@ -53,9 +53,9 @@ def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
             # Completions prompts get the tokenizer's special tokens (BOS), as in vLLM.
-            result.append(_check_token_ids(ctx, ctx.tokenizer.encode(item), "prompt"))
+            result.append(check_token_ids(ctx, ctx.tokenizer.encode(item), "prompt"))
         else:
-            result.append(_check_token_ids(ctx, item, "prompt"))
+            result.append(check_token_ids(ctx, item, "prompt"))
     return result
 
 
@@ -82,20 +82,26 @@ def _message_for_template(message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
-def chat_prompt(ctx: ServingContext, request: ChatCompletionRequest) -> list[int]:
-    messages = [_message_for_template(m) for m in request.messages]
+def chat_prompt(
+    ctx: ServingContext,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    """Chat messages through the model's template, as token ids (chat completions, /tokenize)."""
+    rendered = [_message_for_template(m) for m in messages]
     extra = {
         key: value
-        for key, value in (request.chat_template_kwargs or {}).items()
+        for key, value in (chat_template_kwargs or {}).items()
         if key not in ("messages", "add_generation_prompt")
     }
     try:
         text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, **extra
+            rendered, add_generation_prompt=add_generation_prompt, **extra
         )
     except (ValueError, TypeError) as error:
         # ChatTemplateError (no template, raise_exception, render failure) is a ValueError;
         # a TypeError comes from template code meeting content of an unexpected shape.
         raise bad_request(str(error), "messages") from error
     # The template writes BOS itself; adding special tokens again would double it.
-    return _check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")
+    return check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")

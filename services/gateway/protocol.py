@@ -3,7 +3,7 @@
 Requests accept what the OpenAI API and vLLM accept, including vLLM's sampling extensions
 (`top_k`, `min_p`, `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI does, so
 clients that send newer fields keep working; fields we know but cannot honour (`n > 1`,
-`echo`, tools, ...) are rejected in `sampling.py` with a clear message rather than ignored.
+`echo`, tools, ...) are rejected in `request_params.py` with a clear message rather than ignored.
 
 Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
 naming the field helps more than a silent coercion.
@@ -95,6 +95,27 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM extensions.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: either a prompt, or chat messages rendered by the template."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # ----------------------------------------------------------------------------- responses
@@ -229,3 +250,14 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -9,7 +9,6 @@ not an error inside a 200 stream) and then hands the rest to an SSE generator.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -43,10 +42,6 @@ class ResponseFormat(Protocol):
     def closing(self, session: Session) -> list[str]:
         """SSE events after the last chunk (before [DONE])."""
         ...
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def chunk_event(model: BaseModel, include_usage: bool) -> str:

@@ -20,12 +20,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write config and tokenizer only (for --load-format dummy)",
     )
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.add_argument(
+        "--force", action="store_true", help="replace a checkpoint already in the directory"
+    )
     init.set_defaults(handler=run_init)
 
 
 def run_init(args: argparse.Namespace) -> int:
     from nori.models.init_checkpoint import init_checkpoint
 
+    if (args.directory / "config.json").exists() and not args.force:
+        raise ValueError(f"{args.directory} already holds a checkpoint; pass --force to replace it")
     init_checkpoint(args.directory, args.preset, seed=args.seed, write_weights=not args.no_weights)
     print(f"wrote preset {args.preset!r} (seed {args.seed}) to {args.directory}")
     return 0

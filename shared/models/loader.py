@@ -68,7 +68,10 @@ def safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in model folder {folder}")
+        raise ModelLoadError(
+            f"no *.safetensors weights in model folder {folder} (a folder written with "
+            "`nori model init --no-weights` needs --load-format dummy)"
+        )
     return files
 
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from redis.asyncio import Redis
-
 from nori.engine.block_hash import extend_block_hashes
 from nori.engine.block_manager import BlockEvent, BlockEventKind
 from nori.state.codec import as_str
-from nori.state.keys import Keys
+from nori.state.store import RedisStore
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -30,14 +28,8 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     return extend_block_hashes([], token_ids, block_size)
 
 
-class BlockDirectory:
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 600.0) -> None:
-        if ttl_s <= 0:
-            raise ValueError("ttl_s must be positive")
-        self.ttl_s = ttl_s
-        self._redis = redis
-        self._keys = keys
-        self._ttl_ms = max(1, round(ttl_s * 1000))
+class BlockDirectory(RedisStore):
+    default_ttl_s = 600.0
 
     async def publish(self, worker_id: str, events: Iterable[BlockEvent]) -> int:
         """Mirrors a worker's block events; returns how many were sent.

@@ -14,11 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
-from redis.asyncio import Redis
 from redis.typing import EncodableT
 
 from nori.state.codec import RawMapping, as_str, as_str_mapping
-from nori.state.keys import Keys
+from nori.state.store import RedisStore
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +110,8 @@ def _fields(mapping: dict[str, str]) -> dict[EncodableT, EncodableT]:
     return dict(mapping.items())
 
 
-class WorkerRegistry:
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 5.0) -> None:
-        if ttl_s <= 0:
-            raise ValueError("ttl_s must be positive")
-        self._redis = redis
-        self._keys = keys
-        self._ttl_ms = max(1, round(ttl_s * 1000))
-        self.ttl_s = ttl_s
+class WorkerRegistry(RedisStore):
+    default_ttl_s = 5.0
 
     async def register(self, info: WorkerInfo) -> WorkerInfo:
         """Writes a fresh record (dropping fields a previous run of this id left behind)."""

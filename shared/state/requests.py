@@ -10,11 +10,10 @@ from __future__ import annotations
 import enum
 import time
 
-from redis.asyncio import Redis
 from redis.typing import EncodableT
 
 from nori.state.codec import as_str_mapping
-from nori.state.keys import Keys
+from nori.state.store import RedisStore
 
 
 class RequestState(enum.StrEnum):
@@ -31,13 +30,8 @@ class RequestState(enum.StrEnum):
         return self in (RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED)
 
 
-class RequestStateStore:
-    def __init__(self, redis: Redis, keys: Keys, ttl_s: float = 3600.0) -> None:
-        if ttl_s <= 0:
-            raise ValueError("ttl_s must be positive")
-        self._redis = redis
-        self._keys = keys
-        self._ttl_ms = max(1, round(ttl_s * 1000))
+class RequestStateStore(RedisStore):
+    default_ttl_s = 3600.0
 
     async def set_state(
         self, request_id: str, state: RequestState | str, /, **fields: str | int | float

@@ -148,3 +148,38 @@ def test_demo_model_is_created_on_first_use(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["token_ids"]) <= 3
     assert any(tmp_path.rglob("config.json"))
+
+
+def test_model_init_keeps_an_existing_checkpoint_unless_forced(tiny_model: Path) -> None:
+    before = (tiny_model / "model.safetensors").read_bytes()
+    result = nori("model", "init", str(tiny_model), "--preset", "tiny", "--seed", "6")
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == f"nori: error: {tiny_model} already holds a checkpoint; pass --force to replace it\n"
+    )
+    assert (tiny_model / "model.safetensors").read_bytes() == before
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model: Path) -> None:
+    result = nori(
+        "generate", "--model", str(tiny_model), "--prompt", "hi", "--max-model-len", "100000"
+    )
+    assert result.returncode == 2, result.stderr
+    assert "max_model_len 100000 exceeds the model's max_position_embeddings (1024)" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_folder_without_weights_says_how_to_load_it(tmp_path: Path) -> None:
+    folder = tmp_path / "shape-only"
+    assert nori("model", "init", str(folder), "--preset", "tiny", "--no-weights").returncode == 0
+    result = nori("generate", "--model", str(folder), "--prompt", "hi", "--max-tokens", "2")
+    assert result.returncode == 2, result.stderr
+    assert "--load-format dummy" in result.stderr and "Traceback" not in result.stderr
+    dummy = nori(
+        "generate", "--model", str(folder), "--prompt", "hi", "--max-tokens", "2",
+        "--load-format", "dummy",
+    )  # fmt: skip
+    assert dummy.returncode == 0, dummy.stderr

@@ -1,10 +1,12 @@
-"""The CPU flags of `nori serve` and `nori up` as a user types them: bad lists are one line."""
+"""The CPU and port flags of `nori serve` and `nori up` as a user types them: bad values are one line."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,3 +79,17 @@ def test_binding_pins_the_threads_that_exist_and_those_started_later() -> None:
     before, total, allowed, omp = result.stdout.split(maxsplit=3)
     assert int(before) >= 1 and int(total) >= int(before)
     assert allowed == f"['{cpu}']" and omp.strip() == "1"
+
+
+def test_up_on_a_busy_port_says_so_before_starting_anything() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        result = nori("up", "--port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"nori: error: --port {port}: port in use"), result.stderr
+    assert "Traceback" not in result.stderr
+    # Refused up front: no Redis, no worker was started and waited for.
+    assert time.monotonic() - started < 30

