@@ -1,7 +1,7 @@
 """Nori: throughput-first LLM serving with disaggregated prefill and decode.
 
-`from nori import LLM, SamplingParams` is the offline API; the names load lazily so that the
-pure-Python parts (scheduler, block manager) import without torch.
+`from nori import LLM, SamplingParams, EngineConfig` is the offline API, as vLLM's; the names load
+lazily so that the pure-Python parts (scheduler, block manager) import without torch.
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams"]
 
 if TYPE_CHECKING:
+    from nori.engine.config import EngineConfig
     from nori.engine.llm import LLM
     from nori.sampling.params import SamplingParams
 
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from nori.engine.llm import LLM
 
         return LLM
+    if name == "EngineConfig":
+        from nori.engine.config import EngineConfig
+
+        return EngineConfig
     if name == "SamplingParams":
         from nori.sampling.params import SamplingParams
 

@@ -71,7 +71,7 @@ async def create_chat_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
-    prompt = chat_prompt(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    prompt = chat_prompt(ctx, body)
     requested, param = chat_max_tokens_field(body)
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
     client_id = client_request_id(request.scope)

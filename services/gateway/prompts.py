@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 from nori.gateway.context import ServingContext
 from nori.gateway.errors import APIError, bad_request
@@ -82,22 +82,34 @@ def _message_for_template(message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
-def chat_prompt(
-    ctx: ServingContext,
-    messages: Sequence[ChatMessage],
-    add_generation_prompt: bool,
-    chat_template_kwargs: dict[str, Any] | None,
-) -> list[int]:
-    """Chat messages through the model's template, as token ids (chat completions, /tokenize)."""
+class ChatInput(Protocol):
+    """What a chat completion and a /tokenize body share for the template."""
+
+    @property
+    def messages(self) -> Sequence[ChatMessage] | None: ...
+    @property
+    def add_generation_prompt(self) -> bool: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+
+
+def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
+    """Chat messages through the template (the request's, else the model's), as token ids."""
+    messages = request.messages or ()
     rendered = [_message_for_template(m) for m in messages]
     extra = {
         key: value
-        for key, value in (chat_template_kwargs or {}).items()
-        if key not in ("messages", "add_generation_prompt")
+        for key, value in (request.chat_template_kwargs or {}).items()
+        if key not in ("messages", "add_generation_prompt", "chat_template")
     }
     try:
         text = ctx.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, **extra
+            rendered,
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template=request.chat_template,
+            **extra,
         )
     except (ValueError, TypeError) as error:
         # ChatTemplateError (no template, raise_exception, render failure) is a ValueError;

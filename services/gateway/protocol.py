@@ -94,6 +94,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     # vLLM extensions.
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -107,6 +108,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -11,6 +13,7 @@ from nori.gateway.app import create_app
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
+from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
 from nori.settings import RoleSettings
 from nori.v1 import common_pb2
@@ -30,6 +33,8 @@ class GatewayOptions(RoleSettings):
     max_in_flight: int = 4096
     # Admission bound per worker computing prompts; 0 = none (see nori.gateway.admission).
     max_queued_prompt_tokens: int = 8192
+    # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
+    chat_template: str | None = None
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -53,9 +58,17 @@ def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gateway_tokenizer(model_dir: Path, chat_template: str | None) -> Tokenizer:
+    """The model's tokenizer, with --chat-template (a file or a template) in place of its own."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if chat_template is None:
+        return tokenizer
+    return dataclasses.replace(tokenizer, chat_template=load_chat_template(chat_template))
+
+
 async def serve_gateway(options: GatewayOptions) -> None:
     model_dir = resolve_model(options.model)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = gateway_tokenizer(model_dir, options.chat_template)
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = options.max_model_len or model_config.max_position_embeddings
     backend = ClusterBackend(

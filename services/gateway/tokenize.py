@@ -19,9 +19,7 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give either `prompt` or `messages`", "prompt")
     if body.messages is not None:
-        tokens = chat_prompt(
-            ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs
-        )
+        tokens = chat_prompt(ctx, body)
     else:
         assert body.prompt is not None
         tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -24,19 +24,27 @@ def prefill_budget(text: str) -> int | str | None:
 
 
 def add_engine_args(
-    parser: argparse.ArgumentParser, prefill_budget_with_decodes: str | None = None
-) -> None:
+    parser: argparse.ArgumentParser,
+    prefill_budget_with_decodes: str | None = None,
+    *,
+    with_model: bool = True,
+) -> list[argparse.Action]:
     """`prefill_budget_with_decodes` is the command's default for that flag: None (no cap) for
-    offline commands, "auto" for serving workers."""
+    offline commands, "auto" for serving workers. Returns the options added."""
     group = parser.add_argument_group("engine")
+    if with_model:
+        group.add_argument(
+            "--model",
+            default="demo",
+            help="a local Hugging Face checkpoint folder, or a built-in random-weight model "
+            "created on first use: 'demo' (3.7M parameters) or 'small' (24M); their text is "
+            "meaningless",
+        )
     group.add_argument(
-        "--model",
-        default="demo",
-        help="a local Hugging Face checkpoint folder, or a built-in random-weight model created "
-        "on first use: 'demo' (3.7M parameters) or 'small' (24M); their text is meaningless",
-    )
-    group.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="auto: float32 on CPU, the checkpoint's half type on GPU",
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument(
@@ -45,12 +53,25 @@ def add_engine_args(
         choices=["auto", "dummy"],
         help="dummy: random weights made on the device (benchmarks of big shapes)",
     )
-    group.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--cpu-kv-cache-gib", type=float, default=1.0)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block"
+    )
+    group.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV pool size (default: from memory)"
+    )
+    group.add_argument(
+        "--cpu-kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="most KV pool memory on CPU (less when max-num-seqs full sequences need less)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use"
+    )
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most running sequences")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step"
+    )
     group.add_argument(
         "--prefill-budget-with-decodes",
         type=prefill_budget,
@@ -61,9 +82,18 @@ def add_engine_args(
         "auto = as many as cost about one decode step, learnt from the steps' timings; "
         "0 = no cap beyond --max-num-batched-tokens (default: %(default)s)",
     )
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's max_position_embeddings)",
+    )
+    group.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks"
+    )
+    group.add_argument(
+        "--seed", type=int, default=0, help="seed of dummy weights and of unseeded sampling"
+    )
     group.add_argument(
         "--attention-backend",
         default="auto",
@@ -71,6 +101,26 @@ def add_engine_args(
         help="auto: Triton kernels on GPU, the C++ CPU kernels on CPU (NORI_CPU_KERNELS=0: "
         "the PyTorch references)",
     )
+    return list(group._group_actions)
+
+
+def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The engine options given on a launcher's command line, as flags for its workers.
+
+    Only what differs from the default is passed on: the workers' defaults are the same.
+    """
+    flags: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # a switch such as --no-prefix-caching
+            flags.append(flag)
+        else:
+            # Only --prefill-budget-with-decodes turns a value (0: no cap) into None.
+            flags += [flag, "0" if value is None else str(value)]
+    return flags
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:

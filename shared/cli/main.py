@@ -6,15 +6,32 @@ import argparse
 import faulthandler
 import logging
 import sys
+from typing import Any
 
 from nori.cli import bench, generate, model, serve
 from nori.launch import up
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: it shows defaults in --help and takes -v after its name too
+    (`nori up -v` as well as `nori -v up`); its own subcommands get the same."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: absent here, it leaves the top level's value alone.
+        self.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+        )
+
+
+VERBOSE_HELP = "log at INFO: lifecycle, engine details"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nori", description="Nori: throughput-first LLM serving")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     generate.register(subparsers)
     model.register(subparsers)
     bench.register(subparsers)

@@ -118,6 +118,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--max-in-flight", type=int, default=4096)
     gateway.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) replacing the model's own, "
+        "for models with none",
+    )
+    gateway.add_argument(
         "--max-queued-prompt-tokens",
         type=int,
         default=8192,

@@ -140,6 +140,12 @@ class ModelRunner:
                 "no memory left for the KV cache; lower the model size or raise "
                 "gpu_memory_utilization / cpu_kv_cache_gib"
             )
+        if self.device.type != "cuda":
+            # Host memory is every process's: a small model takes no more than max_num_seqs
+            # full-length sequences can fill, rather than the whole --cpu-kv-cache-gib.
+            context = self.config.max_model_len or self.model_config.max_position_embeddings
+            blocks_per_seq = -(-context // self.config.block_size)
+            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq + 1)
         return num_blocks
 
     def _activation_reserve_bytes(self) -> int:

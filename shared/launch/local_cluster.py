@@ -59,6 +59,8 @@ class ClusterSpec(RoleSettings):
     num_decode: int = 1
     colocated: bool = False
     port: int = 8000
+    # Where the gateway listens (0.0.0.0: on every interface); workers stay on 127.0.0.1.
+    host: str = "127.0.0.1"
     served_model_name: str | None = None
     transport: str = "auto"
     kv_lease_s: float = DEFAULT_KV_LEASE_S
@@ -66,6 +68,12 @@ class ClusterSpec(RoleSettings):
     kv_transfer_timeout_s: float = 30.0
     # Gateway admission, per worker computing prompts; 0 = no bound.
     max_queued_prompt_tokens: int = 8192
+    # The workers' --max-model-len, which the gateway must check requests against too.
+    max_model_len: int | None = None
+    # Every process logs at INFO (`nori up -v`).
+    verbose: bool = False
+    # The gateway's --chat-template (a file or a Jinja template), if any.
+    chat_template: str | None = None
     # Extra flags for every worker (engine options such as --num-kv-blocks).
     worker_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -98,7 +106,17 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        wildcard = self.spec.host in ("0.0.0.0", "::", "")
+        host = "127.0.0.1" if wildcard else self.spec.host
+        return f"http://{host}:{self.spec.port}"
+
+    def _gateway_options(self) -> list[str]:
+        options = []
+        if self.spec.max_model_len is not None:
+            options += ["--max-model-len", str(self.spec.max_model_len)]
+        if self.spec.chat_template is not None:
+            options += ["--chat-template", self.spec.chat_template]
+        return options
 
     # ------------------------------------------------------------------ start
 
@@ -119,13 +137,14 @@ class LocalCluster:
                 "serve",
                 "gateway",
                 "--host",
-                "127.0.0.1",
+                self.spec.host,
                 "--port",
                 str(self.spec.port),
                 "--model",
                 self.spec.model,
                 "--max-queued-prompt-tokens",
                 str(self.spec.max_queued_prompt_tokens),
+                *self._gateway_options(),
                 *self._common_args(),
             ],
         )
@@ -189,7 +208,13 @@ class LocalCluster:
             env.update(placement.env())
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "nori.cli.main", *args],
+                [
+                    sys.executable,
+                    "-m",
+                    "nori.cli.main",
+                    *(["-v"] if self.spec.verbose else []),
+                    *args,
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import threading
 from typing import TYPE_CHECKING
 
+from nori.cli.engine_args import add_engine_args
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, settings_from
 
 if TYPE_CHECKING:
@@ -18,6 +20,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="run a local cluster: gateway, prefill and decode workers as processes"
     )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (the same as --model)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
     parser.add_argument(
         "--colocated",
@@ -25,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="one worker doing prefill and decode (the baseline for disaggregation)",
     )
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the gateway's chat template (a file, or the template itself), for models with none",
+    )
     parser.add_argument("--kv-lease-s", type=float, default=DEFAULT_KV_LEASE_S)
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
     add_cluster_args(parser)
@@ -32,7 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
     _add_cpu_args(parser)
-    parser.set_defaults(handler=run)
+    # The engine options of `nori serve`, passed to every worker (before --worker-args).
+    engine_actions = add_engine_args(parser, "auto", with_model=False)
+    parser.set_defaults(handler=run, engine_actions=engine_actions)
 
 
 def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -100,18 +117,23 @@ def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nori.cli.engine_args import worker_args
+    from nori.cli.engine_args import changed_engine_flags, worker_args
     from nori.cli.serve import served_model_name
     from nori.launch.local_cluster import ClusterSpec, LocalCluster, check_port_free
     from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
 
+    if args.model_tag is not None:
+        if args.model not in ("demo", args.model_tag):
+            raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     # Before anything starts: a busy port would otherwise show only once the workers are up.
-    check_port_free(args.port)
+    check_port_free(args.port, args.host)
     cpu_plan = cpu_plan_from_args(args)
-    extra_worker_args = worker_args(args.worker_args)
+    engine_flags = changed_engine_flags(args, args.engine_actions)
+    extra_worker_args = worker_args(shlex.join(engine_flags) + " " + args.worker_args)
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
     redis_url, redis_server = redis_for_cluster()

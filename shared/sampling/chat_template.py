@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
@@ -99,3 +100,21 @@ def render_chat_template(
         return compile_template(source).render(**variables)
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"chat template failed to render: {error}") from error
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM).
+
+    A value that names no file and has no template syntax is taken for a mistyped path.
+    """
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except OSError:  # a template is no file name (too long, say)
+        is_file = False
+    if is_file:
+        return Path(value).expanduser().read_text()
+    if any(mark in value for mark in ("{{", "{%", "\n")):
+        return value
+    raise ChatTemplateError(
+        f"--chat-template {value!r}: no such file, and not a Jinja template either"
+    )

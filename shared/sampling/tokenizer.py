@@ -172,17 +172,21 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
         **extra: Any,
     ) -> str:
         """Renders a conversation to prompt text (tokenize it with `add_special_tokens=False`,
-        since templates normally write the BOS token themselves)."""
-        if self.chat_template is None:
+        since templates normally write the BOS token themselves). `chat_template`, if given,
+        replaces the tokenizer's own (a request's, or the server's --chat-template)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
             raise ChatTemplateError(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
-                "and no chat_template.jinja); send a plain completion prompt instead"
+                "and no chat_template.jinja); give one with --chat-template or the request's "
+                "chat_template, or send a plain completion prompt instead"
             )
         return render_chat_template(
-            self.chat_template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt,
             special_tokens=self.special_tokens,

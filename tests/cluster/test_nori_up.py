@@ -126,3 +126,40 @@ def test_up_without_a_system_redis_uses_the_bundled_one(checkpoint: Path, tmp_pa
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_up_takes_the_model_first_and_the_engine_options_of_serve(
+    redis_url: str, checkpoint: Path, tmp_path: Path
+) -> None:
+    port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    args = [
+        str(checkpoint), "--port", str(port), "--namespace", namespace, "--colocated",
+        "--no-cpu-pinning", "--max-model-len", "48", "--chat-template", template, "-v",
+    ]  # fmt: skip
+    process = start_up(args, redis_url, tmp_path)
+    try:
+        wait_for_line(process, "curl", timeout_s=180)
+        base = f"http://127.0.0.1:{port}"
+        (card,) = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+        assert card["id"] == checkpoint.name and card["max_model_len"] == 48
+        too_long = {"model": checkpoint.name, "prompt": list(range(3, 60)), "max_tokens": 2}
+        refused = httpx.post(f"{base}/v1/completions", json=too_long, timeout=30)
+        assert refused.status_code == 400, refused.text
+        messages = [{"role": "user", "content": "hi"}]
+        tokens = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=30).json()
+        detokenized = httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}).json()
+        assert detokenized["prompt"] == "[hi]"  # the flag's template, not the model's
+        chat = {"model": checkpoint.name, "messages": messages, "max_tokens": 3}
+        answered = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
+        assert answered.status_code == 200, answered.text
+        # The worker got the engine option too (and -v): its log reports the capped length.
+        logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("colocated*"))
+        assert "max_model_len 48" in logs
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=90)
+        assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

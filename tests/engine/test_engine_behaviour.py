@@ -175,3 +175,24 @@ def test_static_policy_gives_the_same_tokens_and_frees_everything(tmp_path: Path
     assert [len(o.token_ids) for o in got] == [p.max_tokens for p in params]
     static.engine.check_invariants()
     assert static.engine.num_free_blocks == 64
+
+
+def test_a_small_model_on_cpu_takes_no_more_kv_than_its_sequences_can_fill(
+    tmp_path: Path,
+) -> None:
+    init_checkpoint(tmp_path, "tiny", seed=1)  # 1024 positions
+    small = LLM(str(tmp_path), dtype="float32", block_size=16, max_num_seqs=4, max_model_len=256)
+    # 4 sequences of 256 tokens = 64 blocks (and one spare), not the 1 GiB default's ~131000.
+    assert small.engine.load().num_total_blocks == 4 * 256 // 16 + 1
+    given = LLM(str(tmp_path), dtype="float32", block_size=16, max_num_seqs=4, num_kv_blocks=500)
+    assert given.engine.load().num_total_blocks == 500  # an explicit size is kept
+
+
+def test_the_top_level_names_are_vllms() -> None:
+    import nori
+    from nori.engine.config import EngineConfig
+    from nori.engine.llm import LLM as EngineLLM
+    from nori.sampling.params import SamplingParams as Params
+
+    assert (nori.LLM, nori.EngineConfig, nori.SamplingParams) == (EngineLLM, EngineConfig, Params)
+    assert set(nori.__all__) == {"LLM", "EngineConfig", "SamplingParams"}

@@ -1,0 +1,61 @@
+"""`nori up` takes what `vllm serve` takes: the model as a positional, the engine options (passed
+to every worker), -v after the subcommand, and --help with defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nori.cli.engine_args import changed_engine_flags, worker_args
+from nori.cli.main import build_parser
+
+
+def test_engine_options_given_to_up_reach_every_worker() -> None:
+    args = build_parser().parse_args(
+        ["up", "stories", "--max-model-len", "256", "--no-prefix-caching", "--dtype", "float32"]
+    )
+    assert args.model_tag == "stories"
+    flags = changed_engine_flags(args, args.engine_actions)
+    assert flags == ["--dtype", "float32", "--max-model-len", "256", "--no-prefix-caching"]
+    assert worker_args(" ".join(flags)) == tuple(flags)  # what a worker's parser accepts
+    untouched = build_parser().parse_args(["up"])
+    assert changed_engine_flags(untouched, untouched.engine_actions) == []
+
+
+def test_no_prefill_budget_cap_is_passed_as_zero() -> None:
+    args = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "0"])
+    assert changed_engine_flags(args, args.engine_actions) == ["--prefill-budget-with-decodes", "0"]
+
+
+@pytest.mark.parametrize("argv", [["-v", "up"], ["up", "-v"], ["serve", "decode", "--verbose"]])
+def test_verbose_goes_before_or_after_the_subcommand(argv: list[str]) -> None:
+    assert build_parser().parse_args(argv).verbose is True
+    quiet = [arg for arg in argv if arg not in ("-v", "--verbose")]
+    assert build_parser().parse_args(quiet).verbose is False
+
+
+def test_help_shows_the_defaults() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.cli.main", "up", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--port PORT the gateway's HTTP port (default: 8000)" in text
+    assert "--max-num-seqs MAX_NUM_SEQS most running sequences (default: 256)" in text
+    assert "MODEL the model, as `vllm serve MODEL` takes it" in text
+
+
+def test_the_model_given_two_ways_is_refused() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.cli.main", "up", "small", "--model", "demo2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "nori: error: the model is given twice: small and --model demo2\n"
