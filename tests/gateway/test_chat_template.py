@@ -12,8 +12,8 @@ from nori.gateway.app import create_app
 from nori.gateway.server import gateway_tokenizer
 from nori.sampling.chat_template import ChatTemplateError, load_chat_template
 from nori.sampling.tokenizer import Tokenizer
+from tests.gateway.app_helpers import MAX_MODEL_LEN, MODEL, assert_error, client
 from tests.gateway.helpers import FakeBackend
-from tests.gateway.test_protocol import MAX_MODEL_LEN, MODEL, assert_error, client
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

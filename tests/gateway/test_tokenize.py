@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nori.sampling.tokenizer import Tokenizer
+from tests.gateway.app_helpers import MAX_MODEL_LEN, MODEL, assert_error, client, make_app
 from tests.gateway.helpers import FakeBackend
-from tests.gateway.test_protocol import MAX_MODEL_LEN, MODEL, assert_error, client, make_app
 
 pytestmark = pytest.mark.asyncio
 
