@@ -39,6 +39,7 @@ from nori.gateway.request_params import (
     check_completion,
     completion_sampling_params,
     resolve_max_tokens,
+    sample_params,
 )
 from nori.gateway.responder import chunk_event, respond
 from nori.gateway.session import Session
@@ -50,18 +51,25 @@ async def create_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
-    prompts = completion_prompts(ctx, body.prompt)
+    distinct = completion_prompts(ctx, body.prompt)
+    n = body.n
+    # Choice k is sample k % n of prompt k // n: OpenAI's order of a batch's choices.
+    prompts = [prompt for prompt in distinct for _ in range(n)]
     params = [
-        completion_sampling_params(
-            body, resolve_max_tokens(body.max_tokens, "max_tokens", len(p), ctx.max_model_len)
+        sample
+        for p in distinct
+        for sample in sample_params(
+            completion_sampling_params(
+                body, resolve_max_tokens(body.max_tokens, "max_tokens", len(p), ctx.max_model_len)
+            ),
+            n,
         )
-        for p in prompts
     ]
     client_id = client_request_id(request.scope)
     completion_id = response_id("cmpl", client_id)
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [f"{base}-{index}" for index in range(len(prompts))]
-    session = Session(ctx, request_ids, prompts, params)
+    session = Session(ctx, request_ids, prompts, params, samples_per_prompt=n)
     form = CompletionFormat(ctx, body, completion_id, session)
     return await respond(session, request, form, body.stream)
 
@@ -76,8 +84,10 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
     client_id = client_request_id(request.scope)
     completion_id = response_id("chatcmpl", client_id)
-    request_ids = [worker_request_id_base(completion_id, client_id)]
-    session = Session(ctx, request_ids, [prompt], [chat_sampling_params(body, max_tokens)])
+    base = worker_request_id_base(completion_id, client_id)
+    request_ids = [base] if body.n == 1 else [f"{base}-{index}" for index in range(body.n)]
+    params = sample_params(chat_sampling_params(body, max_tokens), body.n)
+    session = Session(ctx, request_ids, [prompt] * body.n, params, samples_per_prompt=body.n)
     form = ChatFormat(ctx, body, completion_id)
     return await respond(session, request, form, body.stream)
 
@@ -163,41 +173,43 @@ class ChatFormat(_Format):
     ) -> None:
         super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
         self._want_logprobs = bool(body.logprobs)
+        self._n = body.n
 
     def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
         return chat_logprobs(entries or (), self._names) if self._want_logprobs else None
 
     def response(self, session: Session) -> ChatCompletionResponse:
-        choice = session.choices[0]
         return ChatCompletionResponse(
             **self._envelope,  # type: ignore[arg-type]
             choices=[
                 ChatChoice(
-                    index=0,
+                    index=index,
                     message=ChatResponseMessage(content="".join(choice.text)),
                     logprobs=self._logprobs(choice.logprobs),
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                 )
+                for index, choice in enumerate(session.choices)
             ],
             usage=session.usage(),
         )
 
     def opening(self) -> list[str]:
-        return [
-            self._chunk([ChatStreamChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-        ]
+        # Each choice's stream starts with the role, as OpenAI's does.
+        role = ChatDelta(role="assistant", content="")
+        return [self._chunk([ChatStreamChoice(index=i, delta=role)]) for i in range(self._n)]
 
     def render(self, index: int, chunk: GenerationChunk) -> list[str]:
         events = []
         logprobs = self._logprobs(chunk.logprobs) if chunk.new_token_ids else None
         if chunk.new_text or logprobs is not None:
             delta = ChatDelta(content=chunk.new_text)
-            events.append(self._chunk([ChatStreamChoice(index=0, delta=delta, logprobs=logprobs)]))
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)
+            events.append(self._chunk([choice]))
         if chunk.finished:
             # As OpenAI does: the finish reason comes on a chunk of its own with an empty delta.
             final = ChatStreamChoice(
-                index=0,
+                index=index,
                 delta=ChatDelta(),
                 finish_reason=chunk.finish_reason,
                 stop_reason=chunk.stop_reason,

@@ -2,12 +2,13 @@
 
 `SamplingParams` already validates ranges with messages that name the field; a ValueError from it
 becomes a 400 carrying that message. Features the protocol has but Nori does not implement are
-refused here by name instead of being silently ignored, since ignoring `n=4` or `echo=true`
+refused here by name instead of being silently ignored, since ignoring `echo=true` or `suffix`
 would hand the client an answer to a different question.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from nori.gateway.errors import bad_request
@@ -15,15 +16,25 @@ from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, Samp
 from nori.sampling.params import SamplingParams
 
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+# Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.
+MAX_N = 64
+
+
+def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of a prompt's n independent choices. With a seed, choice i samples with
+    seed + i: reproducible, and the choices differ; without one, each draws its own."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    return [
+        # Wrapped into the int64 range that seeds have on the wire.
+        dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+        for i in range(n)
+    ]
 
 
 def check_common(request: SamplingFields) -> None:
-    if request.n != 1:
-        raise bad_request(
-            f"n must be 1 (got {request.n}): this server returns one choice per prompt; "
-            "send several requests (with different seeds) for more samples",
-            "n",
-        )
+    if not 1 <= request.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {request.n}", "n")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if request.logit_bias:

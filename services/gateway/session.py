@@ -54,8 +54,12 @@ class Session:
         request_ids: Sequence[str],
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
+        samples_per_prompt: int = 1,
     ) -> None:
+        """`prompts[i]` is choice i's prompt; with n > 1 each prompt stands n times in a row
+        (`samples_per_prompt`), and its tokens count once in the usage."""
         self.ctx = ctx
+        self._samples_per_prompt = samples_per_prompt
         self.started = time.monotonic()
         self.choices = [Choice(len(p)) for p in prompts]
         self._request_ids = list(request_ids)
@@ -77,7 +81,8 @@ class Session:
         if not self._seen[index]:
             # Counted once the backend has taken the prompt, so refused requests do not count.
             self._seen[index] = True
-            metrics.prompt_tokens.inc(self.choices[index].num_prompt_tokens)
+            if index % self._samples_per_prompt == 0:
+                metrics.prompt_tokens.inc(self.choices[index].num_prompt_tokens)
         if chunk.new_token_ids:
             metrics.generation_tokens.inc(len(chunk.new_token_ids))
             if not self._first_token_seen:
@@ -108,9 +113,10 @@ class Session:
         self.run.cancel()
 
     def usage(self) -> Usage:
-        prompt = sum(c.num_prompt_tokens for c in self.choices)
+        firsts = self.choices[:: self._samples_per_prompt]  # one choice per distinct prompt
+        prompt = sum(c.num_prompt_tokens for c in firsts)
         completion = sum(c.num_tokens for c in self.choices)
-        cached = sum(c.num_cached_tokens for c in self.choices)
+        cached = sum(c.num_cached_tokens for c in firsts)
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,

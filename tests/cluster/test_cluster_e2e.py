@@ -193,6 +193,23 @@ def test_openai_client_streaming_and_not_completions_and_chat(
         api.completions.create(model=name, prompt="hi", max_tokens=10**6)
 
 
+def test_n_seeded_choices_each_match_the_offline_engine(
+    cluster: LocalCluster, offline: LLM
+) -> None:
+    # Each choice crosses the hand-off with its own seeded sampler (seed, seed + 1, ...).
+    prompt = PROMPTS[1]
+    answer = client(cluster).completions.create(
+        model=model_name(cluster), prompt=prompt, n=3, seed=99, temperature=1.0, max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for choice in answer.choices:
+        seed = 99 + choice.index
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+        [reference] = offline.generate([prompt], params)
+        assert choice.text == reference.text, choice.index
+    assert answer.usage is not None and answer.usage.completion_tokens == 36
+
+
 def test_streaming_client_that_disconnects_frees_blocks_everywhere(cluster: LocalCluster) -> None:
     baseline = idle_free_blocks(cluster)
     body = {

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.asyncio
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
         ({"prompt": "hi", "stop": [""]}, "stop must contain", "stop"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be", "max_tokens"),
-        ({"prompt": "hi", "n": 2}, "n must be 1", "n"),
+        ({"prompt": "hi", "n": 65}, "n must be between 1 and 64", "n"),
         ({"prompt": "hi", "echo": True}, "echo is not supported", "echo"),
         ({"prompt": "hi", "best_of": 3}, "best_of", "best_of"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream", None),
