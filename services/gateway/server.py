@@ -35,6 +35,7 @@ class GatewayOptions(RoleSettings):
     max_queued_prompt_tokens: int = 8192
     # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
+    access_log: bool = True
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -102,12 +103,13 @@ async def serve_gateway(options: GatewayOptions) -> None:
         app,
         host=options.host,
         port=options.port,
-        log_level="warning",
-        access_log=False,
+        # An access line per request, as vLLM's server logs (--no-access-log turns it off).
+        log_level="info" if options.access_log else "warning",
+        access_log=options.access_log,
         # Open streams end with the workers; do not hold the shutdown for them.
         timeout_graceful_shutdown=5,
     )
-    logger.warning(
+    logger.info(
         "gateway serving %r on http://%s:%d", options.served_model_name, options.host, options.port
     )
     await uvicorn.Server(config).serve()

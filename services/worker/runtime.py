@@ -31,6 +31,7 @@ from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 
 if TYPE_CHECKING:
     from nori.engine.config import EngineConfig
+    from nori.engine.outputs import EngineLoad
     from nori.worker.engine_thread import EngineThread
     from nori.worker.servicer_base import EngineServicer
 
@@ -57,6 +58,21 @@ class WorkerOptions(RoleSettings):
         if self.advertise_host != "auto":
             return self.advertise_host
         return socket.gethostbyname(socket.gethostname())
+
+
+# How often a busy worker logs its load (vLLM logs its throughput line as often).
+LOAD_LOG_INTERVAL_S = 10.0
+
+
+def load_line(load: EngineLoad, new_requests: int, interval_s: float) -> str:
+    """One worker's load in a line: what vLLM's periodic stats line says that a worker knows."""
+    used = load.num_total_blocks - load.num_free_blocks
+    share = used / load.num_total_blocks if load.num_total_blocks else 0.0
+    return (
+        f"{load.num_running} running, {load.num_waiting} waiting, {load.num_held} held; "
+        f"KV blocks {used}/{load.num_total_blocks} used ({share:.1%}); "
+        f"{new_requests} new requests in {interval_s:.0f} s"
+    )
 
 
 class Worker(ABC):
@@ -154,7 +170,8 @@ class Worker(ABC):
         heartbeat = Heartbeat(registry, self.info)
         await registry.register(self.info())
         heartbeat.start()
-        logger.warning(
+        load_logger = asyncio.create_task(self._log_load_forever())
+        logger.info(
             "%s worker %s serving gRPC on %s (KV transfers: %s)",
             self.role,
             self.worker_id,
@@ -165,11 +182,24 @@ class Worker(ABC):
             await self._stop.wait()
             await self._drain(registry, health)
         finally:
+            load_logger.cancel()
             await heartbeat.stop(deregister=True)
             await server.stop(grace=2.0)
             await self.stop_role()
             await redis.aclose()
-            logger.warning("%s worker %s stopped", self.role, self.worker_id)
+            logger.info("%s worker %s stopped", self.role, self.worker_id)
+
+    async def _log_load_forever(self) -> None:
+        """Every LOAD_LOG_INTERVAL_S while there is work: requests, queue and KV use."""
+        served = 0
+        while True:
+            await asyncio.sleep(LOAD_LOG_INTERVAL_S)
+            if self._engine is None or self._servicer is None:
+                continue
+            load, total = self._engine.load, self._servicer.num_requests
+            if load.busy or total != served:
+                logger.info("%s", load_line(load, total - served, LOAD_LOG_INTERVAL_S))
+            served = total
 
     async def _drain(self, registry: WorkerRegistry, health: health_aio.HealthServicer) -> None:
         """Stops taking new requests (the gateway sees `draining`) and lets running ones finish."""
@@ -181,7 +211,7 @@ class Worker(ABC):
         except Exception:
             logger.warning("could not announce draining in Redis", exc_info=True)
         deadline = time.monotonic() + self.options.drain_timeout_s
-        logger.warning(
+        logger.info(
             "%s worker %s draining %d request(s)",
             self.role,
             self.worker_id,

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     # log, as the last thing the process writes.
     faulthandler.enable()
     args = build_parser().parse_args(argv)
+    # Servers log their lifecycle, an access line per request and a periodic load line at INFO,
+    # as vLLM does; one-shot commands keep the terminal to their results unless -v.
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

