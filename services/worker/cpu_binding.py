@@ -85,4 +85,4 @@ def set_torch_threads(binding: CpuBinding) -> int:
 def log_binding(role: str, threads: int | None) -> None:
     """The CPUs this process may run on, read back from the kernel, and its thread count."""
     where = format_cpu_list(os.sched_getaffinity(0))
-    logger.warning("%s: CPUs %s, intra-op threads %s", role, where, threads or "default")
+    logger.info("%s: CPUs %s, intra-op threads %s", role, where, threads or "default")
