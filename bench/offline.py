@@ -124,14 +124,20 @@ def run_policy(
     steps = 0
     total = sum(workload.output_lens)
     start = time.perf_counter()
+    # Output tokens (the bar's rate is output tok/s), and the requests done in the postfix.
     with tqdm(
         total=total, disable=not show_progress, unit="tok", desc=f"{policy:>10}", leave=True
     ) as progress:
         while engine.has_unfinished_requests():
             outputs = engine.step()
             steps += 1
+            done = [o for o in outputs if o.finished]
+            if done:
+                finished.extend(done)
+                progress.set_postfix_str(
+                    f"{len(finished)}/{len(workload.prompts)} requests", refresh=False
+                )
             progress.update(len(outputs))
-            finished.extend(o for o in outputs if o.finished)
     runner.synchronize()
     seconds = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in finished)

@@ -48,7 +48,7 @@ def main() -> None:
         t0 = time.perf_counter()
         output = engine._scheduler.schedule()
         t1 = time.perf_counter()
-        sampled = engine._runner.execute(output, engine._generators(output))
+        sampled = engine._runner.execute(output, engine._generators(output)).sampled
         sync()
         t2 = time.perf_counter()
         engine._scheduler.update(output)

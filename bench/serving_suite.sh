@@ -8,6 +8,8 @@
 #   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
 #   prefix    the prefix dataset with and without prefix caching, 3 alternating runs
 #   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating
+#   tracing   demo, disaggregated, random 128/128 at concurrency 16, tracing off and on (spans
+#             to a local OTLP/gRPC receiver, bench/otlp_sink.py), 3 alternating runs a side
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 name=$1 out=$2
@@ -101,6 +103,28 @@ pinning)
       serve "$out/$side-$run.json" "${mixed[@]}" --max-concurrency 8 --duration 40 \
         --num-warmups 8
       down
+    done
+  done
+  ;;
+tracing)
+  sink_port=4319
+  for run in 1 2 3; do
+    for side in off on; do
+      flags=()
+      if [ "$side" = on ]; then
+        "$root/.venv/bin/python" -m nori.bench.otlp_sink --port "$sink_port" \
+          --out "$out/spans-$run.json" &
+        sink=$!
+        flags=(--otlp-traces-endpoint "http://127.0.0.1:$sink_port")
+      fi
+      up "$out/cluster-$side-$run.log" --model demo "${flags[@]}"
+      serve "$out/$side-$run.json" --seed "$run" --dataset random --random-input-len 128 \
+        --random-output-len 128 --random-range-ratio 0 --prompt-format token-ids \
+        --num-prompts 64 --max-concurrency 16 --ignore-eos --num-warmups 16
+      down
+      if [ "$side" = on ]; then
+        kill -INT "$sink" && wait "$sink" || true
+      fi
     done
   done
   ;;

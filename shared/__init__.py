@@ -1,7 +1,8 @@
 """Nori: throughput-first LLM serving with disaggregated prefill and decode.
 
-`from nori import LLM, SamplingParams, EngineConfig` is the offline API, as vLLM's; the names load
-lazily so that the pure-Python parts (scheduler, block manager) import without torch.
+`from nori import LLM, SamplingParams, RequestOutput, CompletionOutput, EngineConfig` is the
+offline API, as vLLM's; the names load lazily so that the pure-Python parts (scheduler, block
+manager) import without torch.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
+    from nori.engine.completion_outputs import CompletionOutput, RequestOutput
     from nori.engine.config import EngineConfig
     from nori.engine.llm import LLM
     from nori.sampling.params import SamplingParams
@@ -26,6 +28,10 @@ def __getattr__(name: str) -> Any:
         from nori.engine.config import EngineConfig
 
         return EngineConfig
+    if name in ("RequestOutput", "CompletionOutput"):
+        from nori.engine import completion_outputs
+
+        return getattr(completion_outputs, name)
     if name == "SamplingParams":
         from nori.sampling.params import SamplingParams
 

@@ -57,6 +57,16 @@ class DecodeKVSink:
         lease = self._leases.get(request_id)
         return lease.state if lease is not None else None
 
+    def lease(self, request_id: str) -> Lease | None:
+        """The request's lease (its times and sizes), while this worker holds it."""
+        return self._leases.get(request_id)
+
+    def num_receiving(self) -> int:
+        """Transfers under way now (read from the metrics thread: a copy, not a live view)."""
+        return sum(
+            1 for lease in list(self._leases.values()) if lease.state is LeaseState.RECEIVING
+        )
+
     def forget(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
 
@@ -125,6 +135,8 @@ class DecodeKVSink:
         lease = self._leases.get(header.request_id)
         if lease is not None:
             lease.state = LeaseState.ARRIVED
+            lease.arrived_at = time.monotonic()
+            lease.nbytes = nbytes
             lease.hand_off = header.hand_off
             lease.done.set()
 

@@ -74,6 +74,9 @@ class Lease:
     num_renewals: int = 0
     state: LeaseState = LeaseState.QUEUED
     receiving_since: float = 0.0
+    # When the last byte arrived (time.monotonic()) and how many came.
+    arrived_at: float = 0.0
+    nbytes: int = 0
     # What decoding continues from, once the KV arrived.
     hand_off: HandOff | None = None
     error: str = ""

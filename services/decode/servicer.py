@@ -8,6 +8,7 @@ prompt waits in its queue and is computed (see `lease.py` for when a lease runs 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -23,6 +24,7 @@ from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
 from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,9 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         transfer_address: str,
         lease_s: float,
         is_draining: Callable[[], bool],
+        telemetry: WorkerTelemetry,
     ) -> None:
-        super().__init__(worker_id, engine, streams, is_draining)
+        super().__init__(worker_id, engine, streams, is_draining, telemetry)
         self._sink = sink
         self._states = states
         self._transfer_address = transfer_address
@@ -56,8 +59,10 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no KV transfers"
             )
-        params, prompt, queue = await self._open(request, context)
+        role = "generate" if request.compute_prompt or self._sink is None else "decode"
+        params, prompt, queue, record = await self._open(request, context, role)
         finished = False
+        outcome, finish_reason, error = "error", None, ""
         try:
             if request.compute_prompt:
                 await call_engine(
@@ -85,7 +90,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                         lease_seconds=self._lease_s,
                     )
                 )
-                hand_off = await self._receive(request_id, context)
+                hand_off = await self._receive(request_id, context, record)
                 self._record(request_id, "decoding")
                 first_tokens = list(hand_off.output_token_ids)
                 generator_state = (
@@ -100,10 +105,22 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 )
             while not finished:
                 output = await next_output(queue)
+                record.output(output, computed_prompt=request.compute_prompt)
                 finished = output.finished
+                if finished:
+                    # Set before the last yield: the caller may close the stream right after it.
+                    outcome = finish_reason = output.finish_reason or "stop"
                 delta: common_pb2.TokenDelta = delta_from_output(output)
                 yield decode_pb2.GenerateResponse(delta=delta)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                outcome = "abort"  # the gateway cancelled the call (its client left)
+            raise
+        except Exception as exception:
+            error = str(exception) or type(exception).__name__
+            raise
         finally:
+            record.finish(outcome, finish_reason, error)
             self._streams.close(request_id)
             if self._sink is not None:
                 self._sink.forget(request_id)
@@ -111,19 +128,34 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 # Cancelled, expired or failed: free the blocks now, whatever state they are in.
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
 
-    async def _receive(self, request_id: str, context: grpc.aio.ServicerContext) -> HandOff:
-        assert self._sink is not None
+    async def _receive(
+        self, request_id: str, context: grpc.aio.ServicerContext, record: CallRecord
+    ) -> HandOff:
+        sink = self._sink
+        assert sink is not None
         try:
-            return await self._sink.wait(request_id)
+            hand_off = await sink.wait(request_id)
         except (LeaseExpired, TimeoutError) as error:
             # Never arrived, or started and never finished: a timeout either way (504).
+            record.lease_expired()
             message = str(error) or "the KV transfer timed out"
             self._record(request_id, "failed", error=message)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
         except TransferRejected as error:
             self._record(request_id, "failed", error=str(error))
             await context.abort(grpc.StatusCode.ABORTED, str(error))
-        raise AssertionError("unreachable")
+        lease = sink.lease(request_id)
+        if lease is not None:
+            record.kv_received(
+                hand_off.trace_context,
+                reserved_at=lease.reserved_at,
+                receiving_since=lease.receiving_since,
+                arrived_at=lease.arrived_at,
+                nbytes=lease.nbytes,
+                num_blocks=len(lease.block_ids),
+                lease_s=lease.policy.lease_s,
+            )
+        return hand_off
 
     def _record(self, request_id: str, state: str, **fields: str) -> None:
         if self._states is not None:

@@ -85,11 +85,15 @@ class DecodeWorker(Worker):
             transfer_address=self.transfer_address,
             lease_s=self.lease_s,
             is_draining=lambda: self.draining,
+            telemetry=self.telemetry,
         )
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         assert self._servicer is not None
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self._servicer, server)
+
+    def transfers_in_flight(self) -> int:
+        return self._sink.num_receiving() if self._sink is not None else 0
 
     def transfer_counts(self) -> dict[str, int]:
         return {"kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0}

@@ -38,6 +38,9 @@ class GenerationChunk:
     logprobs: list[TokenLogprobs] | None = None
     # Prompt tokens served from a prefix cache (for usage.prompt_tokens_details).
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs, on the request's first chunk: one entry per prompt token,
+    # the first None (it has no context to be scored in).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def followed_by(self, later: GenerationChunk) -> GenerationChunk:
         """One chunk for two consecutive ones of the same request (deltas joined, the end
@@ -53,6 +56,7 @@ class GenerationChunk:
             stop_reason=later.stop_reason,
             logprobs=logprobs,
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 

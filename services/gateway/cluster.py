@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from opentelemetry import trace
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -59,8 +60,9 @@ class ClusterOptions(RoleSettings):
 
 
 class ClusterBackend:
-    def __init__(self, options: ClusterOptions) -> None:
+    def __init__(self, options: ClusterOptions, tracer: trace.Tracer | None = None) -> None:
         self.options = options
+        self._tracer = tracer
         self.router = Router()
         self._redis: Redis | None = None
         self._pool: WorkerPool | None = None
@@ -80,7 +82,9 @@ class ClusterBackend:
         )
         self._directory = BlockDirectory(self._redis, keys)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
-        self._flow = RequestFlow(self._pool, self.router, self._directory, self._states)
+        self._flow = RequestFlow(
+            self._pool, self.router, self._directory, self._states, self._tracer
+        )
         try:
             await self._redis.ping()
         except (RedisError, OSError) as error:

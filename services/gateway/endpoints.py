@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from nori.gateway.backend import GenerationChunk
 from nori.gateway.context import ServingContext
-from nori.gateway.openai_logprobs import TokenNames, chat_logprobs, completion_logprobs
-from nori.gateway.prompts import chat_prompt, check_model, completion_prompts
+from nori.gateway.openai_logprobs import (
+    TokenNames,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_entries,
+)
+from nori.gateway.prompts import chat_prompt, check_model, completion_prompts, echoed_prompts
 from nori.gateway.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -37,12 +42,14 @@ from nori.gateway.request_params import (
     chat_sampling_params,
     check_chat,
     check_completion,
+    completion_max_tokens,
     completion_sampling_params,
     resolve_max_tokens,
     sample_params,
 )
 from nori.gateway.responder import chunk_event, respond
 from nori.gateway.session import Session
+from nori.gateway.tracing import describe_request
 from nori.sampling.logprobs import TokenLogprobs
 
 
@@ -60,17 +67,22 @@ async def create_completion(
         for p in distinct
         for sample in sample_params(
             completion_sampling_params(
-                body, resolve_max_tokens(body.max_tokens, "max_tokens", len(p), ctx.max_model_len)
+                body, completion_max_tokens(body, len(p), ctx.max_model_len)
             ),
             n,
         )
     ]
+    echo = []
+    if body.echo:
+        texts = echoed_prompts(ctx, body.prompt)
+        echo = [EchoedPrompt(t, p) for t, p in zip(texts, distinct, strict=True) for _ in range(n)]
     client_id = client_request_id(request.scope)
     completion_id = response_id("cmpl", client_id)
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [f"{base}-{index}" for index in range(len(prompts))]
-    session = Session(ctx, request_ids, prompts, params, samples_per_prompt=n)
-    form = CompletionFormat(ctx, body, completion_id, session)
+    span = describe_request("text_completion", ctx.model_name, params[0], completion_id)
+    session = Session(ctx, request_ids, prompts, params, samples_per_prompt=n, span=span)
+    form = CompletionFormat(ctx, body, completion_id, session, echo)
     return await respond(session, request, form, body.stream)
 
 
@@ -87,7 +99,10 @@ async def create_chat_completion(
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [base] if body.n == 1 else [f"{base}-{index}" for index in range(body.n)]
     params = sample_params(chat_sampling_params(body, max_tokens), body.n)
-    session = Session(ctx, request_ids, [prompt] * body.n, params, samples_per_prompt=body.n)
+    span = describe_request("chat", ctx.model_name, params[0], completion_id)
+    session = Session(
+        ctx, request_ids, [prompt] * body.n, params, samples_per_prompt=body.n, span=span
+    )
     form = ChatFormat(ctx, body, completion_id)
     return await respond(session, request, form, body.stream)
 
@@ -117,47 +132,86 @@ class _Format:
         return [self._chunk([], session.usage())] if self._include_usage else []
 
 
+class EchoedPrompt(NamedTuple):
+    """A choice's prompt as `echo` reports it before the completion."""
+
+    text: str
+    token_ids: list[int]
+
+
 class CompletionFormat(_Format):
     _chunk_type = CompletionChunk
 
     def __init__(
-        self, ctx: ServingContext, body: CompletionRequest, completion_id: str, session: Session
+        self,
+        ctx: ServingContext,
+        body: CompletionRequest,
+        completion_id: str,
+        session: Session,
+        echo: Sequence[EchoedPrompt] = (),
     ) -> None:
+        """`echo`: each choice's prompt when the request echoes, else empty."""
         super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
         self._want_logprobs = body.logprobs is not None
         # Logprobs' text offsets run on across a choice's chunks.
         self._session = session
+        self._echo = list(echo)
+        # max_tokens 0: the prompt alone (the token the engine computed to score it is left out).
+        self._prompt_only = body.echo and body.max_tokens == 0
+        self._echoed: set[int] = set()
+
+    def _content(
+        self,
+        index: int,
+        text: str,
+        entries: Sequence[TokenLogprobs] | None,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None,
+    ) -> tuple[str, list[TokenLogprobs | int]]:
+        """A choice's text and logprob entries: when echoing, its prompt's come first (once per
+        choice), as vLLM reports them."""
+        generated: list[TokenLogprobs | int] = [] if self._prompt_only else list(entries or ())
+        text = "" if self._prompt_only else text
+        if not self._echo or index in self._echoed:
+            return text, generated
+        self._echoed.add(index)
+        prompt = self._echo[index]
+        return prompt.text + text, prompt_entries(prompt.token_ids, prompt_logprobs) + generated
 
     def _logprobs(
-        self, index: int, entries: Sequence[TokenLogprobs] | None
+        self, index: int, entries: Sequence[TokenLogprobs | int]
     ) -> CompletionLogprobs | None:
         if not self._want_logprobs:
             return None
-        return completion_logprobs(entries or (), self._names, self._session.choices[index])
+        return completion_logprobs(entries, self._names, self._session.choices[index])
 
     def response(self, session: Session) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
-                index=index,
-                text="".join(choice.text),
-                logprobs=self._logprobs(index, choice.logprobs),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
+        choices = []
+        for index, choice in enumerate(session.choices):
+            text, entries = self._content(
+                index, "".join(choice.text), choice.logprobs, choice.prompt_logprobs
             )
-            for index, choice in enumerate(session.choices)
-        ]
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=self._logprobs(index, entries),
+                    finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
+                )
+            )
         return CompletionResponse(**self._envelope, choices=choices, usage=session.usage())  # type: ignore[arg-type]
 
     def opening(self) -> list[str]:
         return []
 
     def render(self, index: int, chunk: GenerationChunk) -> list[str]:
-        logprobs = self._logprobs(index, chunk.logprobs)
-        if not chunk.new_text and logprobs is None and not chunk.finished:
+        text, entries = self._content(index, chunk.new_text, chunk.logprobs, chunk.prompt_logprobs)
+        logprobs = self._logprobs(index, entries)
+        if not text and logprobs is None and not chunk.finished:
             return []  # text held back (a possible stop string or a split character)
         choice = CompletionChoice(
             index=index,
-            text=chunk.new_text,
+            text=text,
             logprobs=logprobs,
             finish_reason=chunk.finish_reason if chunk.finished else None,
             stop_reason=chunk.stop_reason if chunk.finished else None,

@@ -26,12 +26,34 @@ class TokenNames:
         return f"token_id:{token_id}" if self._as_ids else self._text(token_id)
 
 
+def prompt_entries(
+    token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobs | None] | None
+) -> list[TokenLogprobs | int]:
+    """An echoed prompt's tokens for `completion_logprobs`: each one's logprobs, or its bare id
+    where it has none (the first token)."""
+    scored = prompt_logprobs or ()
+    entries: list[TokenLogprobs | int] = []
+    for index, token_id in enumerate(token_ids):
+        entry = scored[index] if index < len(scored) else None
+        entries.append(token_id if entry is None else entry)
+    return entries
+
+
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], names: TokenNames, choice: Choice
+    entries: Sequence[TokenLogprobs | int], names: TokenNames, choice: Choice
 ) -> CompletionLogprobs:
-    """vLLM's layout: the sampled token is always among top_logprobs, as vLLM reports it."""
+    """vLLM's layout: the sampled token is always among top_logprobs, as vLLM reports it. A bare
+    token id (an echoed prompt's first token) has null logprobs, as in vLLM."""
     result = CompletionLogprobs()
     for entry in entries:
+        if isinstance(entry, int):
+            token = names(entry)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(choice.text_offset)
+            choice.text_offset += len(token)
+            continue
         token = names(entry.token_id)
         result.tokens.append(token)
         result.token_logprobs.append(_clamp(entry.logprob))

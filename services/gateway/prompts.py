@@ -34,17 +34,20 @@ def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list
     return list(ids)
 
 
+def _prompt_items(prompt: object) -> list[Any]:
+    """The completions `prompt` field as the list of its prompts (strings or token id lists)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]  # a single tokenized prompt
+    if isinstance(prompt, list):
+        return prompt
+    raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
+
+
 def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
     """The completions `prompt` field as token ids, one list per prompt of the batch."""
-    items: list[Any]
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        items = [prompt]  # a single tokenized prompt
-    elif isinstance(prompt, list):
-        items = prompt
-    else:
-        raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
+    items = _prompt_items(prompt)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     result = []
@@ -57,6 +60,15 @@ def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
         else:
             result.append(check_token_ids(ctx, item, "prompt"))
     return result
+
+
+def echoed_prompts(ctx: ServingContext, prompt: object) -> list[str]:
+    """The text `echo` returns for each prompt of the batch (a checked `prompt`): a string as
+    sent, token ids decoded."""
+    return [
+        item if isinstance(item, str) else ctx.tokenizer.decode(item)
+        for item in _prompt_items(prompt)
+    ]
 
 
 def _message_for_template(message: ChatMessage) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Requests accept what the OpenAI API and vLLM accept, including vLLM's sampling extensions
 (`top_k`, `min_p`, `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI does, so
-clients that send newer fields keep working; fields we know but cannot honour (`n > 1`,
-`echo`, tools, ...) are rejected in `request_params.py` with a clear message rather than ignored.
+clients that send newer fields keep working; fields we know but cannot honour (`suffix`,
+`best_of`, tools, ...) are rejected in `request_params.py` with a clear message rather than
+ignored.
 
 Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
 naming the field helps more than a silent coercion.
@@ -63,6 +64,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # The prompt before the completion (its token logprobs too, with `logprobs`); with
+    # max_tokens 0, the prompt alone: how evaluation harnesses score a text (vLLM's semantics).
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -136,9 +139,10 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    # None for an echoed prompt's first token, which nothing before it scores (as vLLM).
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from nori.gateway.admission import QueuedPrompt
 from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest, SaturatedError
@@ -41,6 +42,7 @@ from nori.rpc.convert import params_to_proto
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.registry import WorkerInfo
 from nori.state.state_recorder import StateRecorder
+from nori.telemetry.propagation import grpc_metadata
 from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 
@@ -70,7 +72,9 @@ class RequestFlow:
         router: Router,
         directory: BlockDirectory,
         states: StateRecorder | None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
+        self._tracer = tracer or trace.NoOpTracer()
         self._pool = pool
         self._router = router
         self._directory = directory
@@ -79,7 +83,8 @@ class RequestFlow:
     async def colocated(
         self, request: GenerationRequest, worker: WorkerInfo, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
-        call = self._generate(worker, request, compute_prompt=True)
+        trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
+        call = self._generate(worker, request, compute_prompt=True, metadata=grpc_metadata())
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
         try:
             async for message in messages(call, worker.worker_id):
@@ -93,12 +98,19 @@ class RequestFlow:
     ) -> AsyncIterator[GenerationChunk]:
         # The prefill worker is chosen before the reservation is taken: the lease starts with
         # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
-        slot = await self._take_prefill_slot(request)
-        decode_call = self._generate(decode, request, compute_prompt=False)
+        # Both workers' spans are children of the request's (the current) span.
+        metadata = grpc_metadata()
+        with self._tracer.start_as_current_span("route") as span:
+            slot = await self._take_prefill_slot(request, span)
+            span.set_attribute("nori.decode.worker", decode.worker_id)
+        decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
         try:
             # 1. reserve
-            destination = await self._reservation(decode_call, decode)
+            with self._tracer.start_as_current_span("reserve") as span:
+                destination = await self._reservation(decode_call, decode)
+                span.set_attribute("nori.kv.blocks", len(destination.block_ids))
+                span.set_attribute("nori.kv.lease_s", destination.lease_seconds)
             self._record(
                 request.request_id,
                 "prefilling",
@@ -107,7 +119,7 @@ class RequestFlow:
             )
             # 2. prefill, watching the decode stream
             decode_next = asyncio.ensure_future(read(decode_call, decode.worker_id))
-            response = await self._prefill(request, slot.worker, destination, decode_next)
+            response = await self._prefill(request, slot.worker, destination, decode_next, metadata)
             slot.release()
             queued.prefilled(time.monotonic())
             # 3. stream
@@ -150,6 +162,7 @@ class RequestFlow:
         prefill: WorkerInfo,
         destination: KVDestination,
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None],
+        metadata: tuple[tuple[str, str], ...],
     ) -> prefill_pb2.PrefillResponse:
         """Token one from the prefill worker. Either side may speak first: the decode stream may
         end (an expired lease: its error is raised), or already carry token two before the
@@ -161,7 +174,8 @@ class RequestFlow:
                 prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(request.params),
                 destination=destination,
-            )
+            ),
+            metadata=metadata,
         )
         answer = asyncio.ensure_future(await_call(call, prefill.worker_id))
         try:
@@ -183,7 +197,7 @@ class RequestFlow:
             answer.cancel()
             call.cancel()  # a no-op once answered
 
-    async def _take_prefill_slot(self, request: GenerationRequest) -> PromptSlot:
+    async def _take_prefill_slot(self, request: GenerationRequest, span: trace.Span) -> PromptSlot:
         """The prefill worker that would finish this prompt first (its cached prefix there,
         from the block directory, and what is queued on it), counted at once."""
         candidates = self._pool.available("prefill")
@@ -203,10 +217,16 @@ class RequestFlow:
         chosen = self._router.pick_prefill(candidates, cached_tokens, num_tokens)
         assert chosen is not None
         self._router.started(chosen.worker_id, num_tokens)
+        span.set_attribute("nori.prefill.worker", chosen.worker_id)
+        span.set_attribute("nori.prefix_hit_blocks", cached.get(chosen.worker_id, 0))
         return PromptSlot(self._router, chosen, num_tokens)
 
     def _generate(
-        self, worker: WorkerInfo, request: GenerationRequest, compute_prompt: bool
+        self,
+        worker: WorkerInfo,
+        request: GenerationRequest,
+        compute_prompt: bool,
+        metadata: tuple[tuple[str, str], ...],
     ) -> grpc.aio.UnaryStreamCall:
         stub = decode_pb2_grpc.DecodeServiceStub(self._pool.channel(worker.grpc_address))
         return stub.Generate(
@@ -215,7 +235,8 @@ class RequestFlow:
                 prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(request.params),
                 compute_prompt=compute_prompt,
-            )
+            ),
+            metadata=metadata,
         )
 
     def _record(self, request_id: str, state: str, **fields: str) -> None:

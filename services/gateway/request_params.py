@@ -2,18 +2,17 @@
 
 `SamplingParams` already validates ranges with messages that name the field; a ValueError from it
 becomes a 400 carrying that message. Features the protocol has but Nori does not implement are
-refused here by name instead of being silently ignored, since ignoring `echo=true` or `suffix`
+refused here by name instead of being silently ignored, since ignoring `suffix` or `best_of`
 would hand the client an answer to a different question.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from nori.gateway.errors import bad_request
 from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from nori.sampling.params import SamplingParams
+from nori.sampling.params import SamplingParams, choice_params
 
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.
@@ -21,15 +20,9 @@ MAX_N = 64
 
 
 def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The parameters of a prompt's n independent choices. With a seed, choice i samples with
-    seed + i: reproducible, and the choices differ; without one, each draws its own."""
-    if params.seed is None or n == 1:
-        return [params] * n
-    return [
-        # Wrapped into the int64 range that seeds have on the wire.
-        dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
-        for i in range(n)
-    ]
+    """The parameters of a prompt's n independent choices (as `LLM.generate` samples them):
+    with a seed, choice i samples with seed + i; without one, each draws its own."""
+    return choice_params(params, n)
 
 
 def check_common(request: SamplingFields) -> None:
@@ -43,8 +36,6 @@ def check_common(request: SamplingFields) -> None:
 
 def check_completion(request: CompletionRequest) -> None:
     check_common(request)
-    if request.echo:
-        raise bad_request("echo is not supported by this server", "echo")
     if request.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     if request.best_of is not None and request.best_of != 1:
@@ -92,8 +83,27 @@ def resolve_max_tokens(
     return requested
 
 
+def completion_max_tokens(
+    request: CompletionRequest, num_prompt_tokens: int, max_model_len: int
+) -> int:
+    """The engine's output budget. An echo with max_tokens 0 (how vLLM scores a prompt) answers
+    with the prompt alone: as in vLLM, the engine computes it with one token, left out of the
+    response."""
+    requested = request.max_tokens
+    if requested == 0:
+        if not request.echo:
+            raise bad_request(
+                "max_tokens must be an int >= 1 (0 only with echo, for the prompt alone), got 0",
+                "max_tokens",
+            )
+        requested = 1
+    return resolve_max_tokens(requested, "max_tokens", num_prompt_tokens, max_model_len)
+
+
 def completion_sampling_params(request: CompletionRequest, max_tokens: int) -> SamplingParams:
-    return _build(request, max_tokens, request.logprobs)
+    # An echo with logprobs reports the prompt's tokens too (vLLM's prompt_logprobs).
+    prompt_logprobs = request.logprobs if request.echo else None
+    return _build(request, max_tokens, request.logprobs, prompt_logprobs)
 
 
 def chat_sampling_params(request: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
@@ -107,7 +117,12 @@ def chat_max_tokens_field(request: ChatCompletionRequest) -> tuple[int | None, s
     return request.max_tokens, "max_tokens"
 
 
-def _build(request: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _build(
+    request: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": request.temperature,
@@ -125,6 +140,7 @@ def _build(request: SamplingFields, max_tokens: int, logprobs: int | None) -> Sa
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
     # An omitted (or null) field keeps SamplingParams' default, which is OpenAI's default.
     present = {name: value for name, value in fields.items() if value is not None}

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import uvicorn
 
-from nori.gateway.app import create_app
+from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.tracing import instrument
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
 from nori.settings import RoleSettings
+from nori.telemetry.tracing import Tracing
 from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class GatewayOptions(RoleSettings):
     # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
     access_log: bool = True
+    # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
+    otlp_traces_endpoint: str | None = None
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -72,6 +76,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
     tokenizer = gateway_tokenizer(model_dir, options.chat_template)
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = options.max_model_len or model_config.max_position_embeddings
+    tracing = Tracing.for_role("gateway", options.otlp_traces_endpoint)
     backend = ClusterBackend(
         ClusterOptions(
             redis_url=options.redis_url,
@@ -79,7 +84,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
             block_size=options.block_size,
             max_in_flight=options.max_in_flight,
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
-        )
+        ),
+        tracing.tracer,
     )
     await backend.start()
 
@@ -99,6 +105,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         vocab_size=model_config.vocab_size,
         extra_metrics=extra_metrics,
     )
+    instrument(app, tracing, untraced_paths=(HEALTH_PATH, METRICS_PATH))
     config = uvicorn.Config(
         app,
         host=options.host,
@@ -112,4 +119,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
     logger.info(
         "gateway serving %r on http://%s:%d", options.served_model_name, options.host, options.port
     )
-    await uvicorn.Server(config).serve()
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        tracing.shutdown()

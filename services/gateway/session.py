@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from starlette.types import Receive
 
 from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest
@@ -33,12 +34,16 @@ class Choice:
     num_cached_tokens: int = 0
     # Characters of token strings already reported (the next completions text_offset).
     text_offset: int = 0
+    # The prompt's own logprobs (an echo with logprobs), from the first chunk; the first None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text.append(chunk.new_text)
         self.num_tokens += len(chunk.new_token_ids)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
@@ -55,10 +60,13 @@ class Session:
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         samples_per_prompt: int = 1,
+        span: trace.Span = trace.INVALID_SPAN,
     ) -> None:
         """`prompts[i]` is choice i's prompt; with n > 1 each prompt stands n times in a row
         (`samples_per_prompt`), and its tokens count once in the usage."""
         self.ctx = ctx
+        # The request's server span: the usage and finish reasons go on it at the end.
+        self._span = span
         self._samples_per_prompt = samples_per_prompt
         self.started = time.monotonic()
         self.choices = [Choice(len(p)) for p in prompts]
@@ -76,6 +84,7 @@ class Session:
         metrics = self.ctx.metrics
         if item is None:
             metrics.e2e_latency.observe(time.monotonic() - self.started)
+            self._describe_response()
             return None
         index, chunk = item
         if not self._seen[index]:
@@ -111,6 +120,19 @@ class Session:
 
     def cancel(self) -> None:
         self.run.cancel()
+
+    def _describe_response(self) -> None:
+        if self._span.is_recording():
+            usage = self.usage()
+            self._span.set_attributes(
+                {
+                    "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                    "gen_ai.usage.output_tokens": usage.completion_tokens,
+                    "gen_ai.response.finish_reasons": [
+                        choice.finish_reason or "" for choice in self.choices
+                    ],
+                }
+            )
 
     def usage(self) -> Usage:
         firsts = self.choices[:: self._samples_per_prompt]  # one choice per distinct prompt

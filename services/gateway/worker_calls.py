@@ -15,7 +15,7 @@ from nori.gateway.backend import (
     InvalidRequestError,
     SaturatedError,
 )
-from nori.rpc.convert import logprobs_from_proto, stop_reason_from_proto
+from nori.rpc.convert import logprobs_from_proto, prompt_logprobs_from_delta, stop_reason_from_proto
 from nori.v1 import common_pb2, decode_pb2, prefill_pb2
 
 T = TypeVar("T")
@@ -39,6 +39,7 @@ def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
         stop_reason=stop_reason_from_proto(delta),
         logprobs=[logprobs_from_proto(entry) for entry in delta.logprobs] or None,
         num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_from_delta(delta),
     )
 
 

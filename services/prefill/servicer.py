@@ -9,6 +9,7 @@ alive; the destination says where to renew it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
 from nori.worker.kv_layout import source_buffers
 from nori.worker.output_streams import OutputStreams
+from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,14 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         sender: KVSender,
         is_draining: Callable[[], bool],
         leases: LeaseKeeper,
+        telemetry: WorkerTelemetry,
     ) -> None:
-        super().__init__(worker_id, engine, streams, is_draining)
+        super().__init__(worker_id, engine, streams, is_draining, telemetry)
         self._sender = sender
         self._leases = leases
         self.kv_bytes_sent = 0
         self.num_transfers = 0
+        self.transfers_in_flight = 0
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -60,8 +64,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         if self._is_draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
         destination = request.destination
-        params, prompt, queue = await self._open(request, context)
+        params, prompt, queue, record = await self._open(request, context, "prefill")
         done = False
+        outcome, finish_reason, error = "error", None, ""
         # Before the prompt is queued: its wait in our queue must not use up the decode lease.
         self._leases.hold(request_id, destination.grpc_address, destination.lease_seconds)
         try:
@@ -72,23 +77,33 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 lambda engine: engine.add_request(request_id, prompt, params, prefill_only=True),
             )
             output = await queue.get()
+            record.output(output, computed_prompt=True)
             # It may have run in a single step, unseen by the StartWatch: it is out of the queue.
             self._leases.started([request_id])
             first = delta_from_output(output)
             prefill_seconds = time.perf_counter() - started
             if output.finished:
                 done = True  # the first token ended it: nothing to send
+                outcome = finish_reason = output.finish_reason or "stop"
                 return prefill_pb2.PrefillResponse(first=first, prefill_seconds=prefill_seconds)
             export = await self._engine.call(lambda e: _export_and_release(e, request_id))
             done = True  # the blocks are free; what remains is sending the copy
-            sent = await self._send(export, destination, context)
+            sent = await self._send(export, destination, context, record)
+            outcome = "transferred"
             return prefill_pb2.PrefillResponse(
                 first=first,
                 kv_bytes_sent=sent,
                 prefill_seconds=prefill_seconds,
                 transfer_seconds=time.perf_counter() - started - prefill_seconds,
             )
+        except asyncio.CancelledError:
+            outcome = "abort"  # the gateway gave up on it (its client left)
+            raise
+        except Exception as exception:
+            error = str(exception) or type(exception).__name__
+            raise
         finally:
+            record.finish(outcome, finish_reason, error)
             # Sent, failed or cancelled: nothing left to vouch for.
             self._leases.release(request_id)
             self._streams.close(request_id)
@@ -100,6 +115,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         export: KVExport,
         destination: KVDestination,
         context: grpc.aio.ServicerContext,
+        record: CallRecord,
     ) -> int:
         block_ids = list(destination.block_ids)
         try:
@@ -107,6 +123,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {error}")
         state = export.state
+        span, trace_context = record.start_kv_send(destination.transfer_address, len(block_ids))
         header = TransferHeader.of(
             request_id=state.request_id,
             block_ids=block_ids,
@@ -114,14 +131,25 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             output_token_ids=state.output_token_ids,
             generator_state=state.generator_state,
             destination=destination,
+            trace_context=trace_context,
         )
+        nbytes = sum(header.buffer_nbytes)
+        started = time.perf_counter()
+        self.transfers_in_flight += 1
         try:
             await self._sender.send(destination.transfer_address, header, buffers)
         except TransferRejected as error:
+            span.end()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV refused: {error}")
         except TransferError as error:
+            span.end()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")
-        nbytes = sum(header.buffer_nbytes)
+        except BaseException:
+            span.end()
+            raise
+        finally:
+            self.transfers_in_flight -= 1
+        record.end_kv_send(span, nbytes, time.perf_counter() - started)
         self.kv_bytes_sent += nbytes
         self.num_transfers += 1
         return nbytes

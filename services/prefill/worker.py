@@ -78,6 +78,7 @@ class PrefillWorker(Worker):
             sender=self._sender,
             is_draining=lambda: self.draining,
             leases=self._leases,
+            telemetry=self.telemetry,
         )
         self._lease_renewer = asyncio.create_task(self._leases.run())
         assert self.redis is not None
@@ -128,6 +129,9 @@ class PrefillWorker(Worker):
     def add_servicers(self, server: grpc.aio.Server) -> None:
         assert self._servicer is not None
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self._servicer, server)
+
+    def transfers_in_flight(self) -> int:
+        return self._servicer.transfers_in_flight if self._servicer is not None else 0
 
     def transfer_counts(self) -> dict[str, int]:
         return {"kv_bytes_sent": self._servicer.kv_bytes_sent if self._servicer is not None else 0}

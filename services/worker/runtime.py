@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +29,9 @@ from nori.rpc.options import GRPC_OPTIONS
 from nori.settings import RoleSettings
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
+from nori.telemetry.tracing import Tracing
+from nori.worker.metrics import WorkerMetrics
+from nori.worker.request_telemetry import WorkerTelemetry
 
 if TYPE_CHECKING:
     from nori.engine.config import EngineConfig
@@ -49,6 +53,10 @@ class WorkerOptions(RoleSettings):
     heartbeat_ttl_s: float = 3.0
     # SIGTERM: how long running requests may take to finish before the worker stops anyway.
     drain_timeout_s: float = 120.0
+    # Prometheus /metrics on this port (0: a free one, stated in the registry; -1: none).
+    metrics_port: int = 0
+    # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
+    otlp_traces_endpoint: str | None = None
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -64,11 +72,20 @@ class WorkerOptions(RoleSettings):
 LOAD_LOG_INTERVAL_S = 10.0
 
 
-def load_line(load: EngineLoad, new_requests: int, interval_s: float) -> str:
-    """One worker's load in a line: what vLLM's periodic stats line says that a worker knows."""
+def load_line(
+    load: EngineLoad,
+    new_requests: int,
+    interval_s: float,
+    prompt_tokens: float = 0.0,
+    generated_tokens: float = 0.0,
+) -> str:
+    """One worker's load in a line, as vLLM's periodic stats line: throughput over the interval
+    (`prompt_tokens` and `generated_tokens` taken in it), queue and KV use."""
     used = load.num_total_blocks - load.num_free_blocks
     share = used / load.num_total_blocks if load.num_total_blocks else 0.0
     return (
+        f"prompt {prompt_tokens / interval_s:.1f} tokens/s, generation "
+        f"{generated_tokens / interval_s:.1f} tokens/s; "
         f"{load.num_running} running, {load.num_waiting} waiting, {load.num_held} held; "
         f"KV blocks {used}/{load.num_total_blocks} used ({share:.1%}); "
         f"{new_requests} new requests in {interval_s:.0f} s"
@@ -86,6 +103,10 @@ class Worker(ABC):
         self.draining = False
         self.grpc_address = ""
         self.transfer_address = ""
+        self.metrics_address = ""
+        self.metrics = WorkerMetrics()
+        self.tracing = Tracing.for_role(self.role, options.otlp_traces_endpoint)
+        self.telemetry = WorkerTelemetry(self.metrics, self.tracing, self.worker_id)
         self._started_at = time.time()
         self._stop = asyncio.Event()
         self.redis: Redis | None = None
@@ -107,6 +128,10 @@ class Worker(ABC):
     def transfer_counts(self) -> dict[str, int]:
         """The role's KV transfer figures for its WorkerInfo (bytes sent or received)."""
 
+    def transfers_in_flight(self) -> int:
+        """KV transfers this worker is sending or receiving now (a metrics gauge)."""
+        return 0
+
     def num_active_requests(self) -> int:
         """Requests this worker still owes an answer (what draining waits for)."""
         return self._servicer.num_active_requests if self._servicer is not None else 0
@@ -126,6 +151,7 @@ class Worker(ABC):
             role=self.role,  # type: ignore[arg-type]
             grpc_address=self.grpc_address,
             transfer_address=self.transfer_address,
+            metrics_address=self.metrics_address,
             model=self.options.served_model_name,
             draining=self.draining,
             started_at=self._started_at,
@@ -154,6 +180,7 @@ class Worker(ABC):
             ) from None
         registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s)
         await self.start_role()
+        metrics_server = self._serve_metrics()
 
         server = grpc.aio.server(options=GRPC_OPTIONS)
         self.add_servicers(server)
@@ -172,11 +199,12 @@ class Worker(ABC):
         heartbeat.start()
         load_logger = asyncio.create_task(self._log_load_forever())
         logger.info(
-            "%s worker %s serving gRPC on %s (KV transfers: %s)",
+            "%s worker %s serving gRPC on %s (KV transfers: %s, metrics: %s)",
             self.role,
             self.worker_id,
             self.grpc_address,
             self.transfer_address or "none",
+            f"http://{self.metrics_address}/metrics" if self.metrics_address else "none",
         )
         try:
             await self._stop.wait()
@@ -187,19 +215,41 @@ class Worker(ABC):
             await server.stop(grace=2.0)
             await self.stop_role()
             await redis.aclose()
+            if metrics_server is not None:
+                metrics_server.shutdown()
+            self.tracing.shutdown()
             logger.info("%s worker %s stopped", self.role, self.worker_id)
+
+    def _serve_metrics(self) -> WSGIServer | None:
+        """/metrics of this worker (its engine's state read at each scrape), if asked for."""
+        engine = self._engine
+        assert engine is not None
+        self.metrics.watch_engine(lambda: engine.load, self.transfers_in_flight)
+        if self.options.metrics_port < 0:
+            return None
+        server, port = self.metrics.serve(self.options.host, self.options.metrics_port)
+        self.metrics_address = f"{self.options.resolved_advertise_host()}:{port}"
+        return server
 
     async def _log_load_forever(self) -> None:
         """Every LOAD_LOG_INTERVAL_S while there is work: requests, queue and KV use."""
-        served = 0
+        served, tokens = 0, self.metrics.token_totals()
         while True:
             await asyncio.sleep(LOAD_LOG_INTERVAL_S)
             if self._engine is None or self._servicer is None:
                 continue
             load, total = self._engine.load, self._servicer.num_requests
+            now = self.metrics.token_totals()
             if load.busy or total != served:
-                logger.info("%s", load_line(load, total - served, LOAD_LOG_INTERVAL_S))
-            served = total
+                line = load_line(
+                    load,
+                    total - served,
+                    LOAD_LOG_INTERVAL_S,
+                    prompt_tokens=now[0] - tokens[0],
+                    generated_tokens=now[1] - tokens[1],
+                )
+                logger.info("%s", line)
+            served, tokens = total, now
 
     async def _drain(self, registry: WorkerRegistry, health: health_aio.HealthServicer) -> None:
         """Stops taking new requests (the gateway sees `draining`) and lets running ones finish."""

@@ -15,6 +15,7 @@ from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
 from nori.worker.engine_thread import EngineThread
 from nori.worker.output_streams import OutputStreams
+from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 
 
 class _PromptRequest(Protocol):
@@ -26,11 +27,13 @@ class _PromptRequest(Protocol):
 
 
 class OpenedRequest(NamedTuple):
-    """A request's checked parameters, prompt and output queue, once its call is accepted."""
+    """A request's checked parameters, prompt and output queue, once its call is accepted, and
+    the record of its metrics and spans (the caller finishes it)."""
 
     params: SamplingParams
     prompt: list[int]
     queue: asyncio.Queue[RequestOutput]
+    record: CallRecord
 
 
 class EngineServicer:
@@ -40,8 +43,10 @@ class EngineServicer:
         engine: EngineThread,
         streams: OutputStreams,
         is_draining: Callable[[], bool],
+        telemetry: WorkerTelemetry,
     ) -> None:
         self._worker_id = worker_id
+        self._telemetry = telemetry
         self._engine = engine
         self._streams = streams
         self._is_draining = is_draining
@@ -69,7 +74,7 @@ class EngineServicer:
         )
 
     async def _open(
-        self, request: _PromptRequest, context: grpc.aio.ServicerContext
+        self, request: _PromptRequest, context: grpc.aio.ServicerContext, span_name: str
     ) -> OpenedRequest:
         """Checks the call's parameters and opens its output stream; the caller closes it.
 
@@ -81,4 +86,8 @@ class EngineServicer:
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self.num_requests += 1
-        return OpenedRequest(params, list(request.prompt_token_ids), queue)
+        prompt = list(request.prompt_token_ids)
+        record = self._telemetry.start(
+            span_name, request.request_id, len(prompt), context.invocation_metadata()
+        )
+        return OpenedRequest(params, prompt, queue, record)

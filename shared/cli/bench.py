@@ -15,6 +15,7 @@ from nori.bench.serve.args import (
     workload_settings_from_args,
 )
 from nori.cli.engine_args import add_engine_args, engine_config_from_args, worker_args
+from nori.cli.progress import add_progress_arg, show_progress
 from nori.launch.up import add_cluster_args
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="timed runs per policy, taking turns; the median run is reported",
     )
     offline.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_arg(offline)
     add_engine_args(offline)
     offline.set_defaults(handler=run_offline)
 
@@ -125,7 +127,7 @@ def run_offline(args: argparse.Namespace) -> int:
         input_range=parse_range(args.input_len_range),
         output_range=parse_range(args.output_len_range),
         compare_static=args.compare_static,
-        show_progress=sys.stderr.isatty() or not args.json,
+        show_progress=show_progress(args),
         repeats=args.repeats,
     )
     _print_report(report, args.json)

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from nori.cli import bench, generate, model, serve
+from nori.cli import bench, generate, health, model, serve
 from nori.launch import up
 
 
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     serve.register(subparsers)
     up.register(subparsers)
+    health.register(subparsers)
     return parser
 
 

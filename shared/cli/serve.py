@@ -53,6 +53,13 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
     group.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
     group.add_argument("--served-model-name", default=None)
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send traces to this OTLP/gRPC collector, e.g. http://jaeger:4317 (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)",
+    )
     cpus = parser.add_argument_group("CPUs")
     cpus.add_argument(
         "--cpus",
@@ -98,6 +105,13 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
         help="how KV blocks move: auto = UCX (ucxx) when importable, else plain TCP",
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this port (0: a free one, logged and stated in the "
+        "registry; -1: none)",
+    )
     add_engine_args(parser, prefill_budget_with_decodes=SERVING_PREFILL_BUDGET)
 
 

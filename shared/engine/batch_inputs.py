@@ -7,7 +7,19 @@ from dataclasses import dataclass
 import torch
 
 from nori.engine.attention_metadata import AttentionMetadata
+from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Consecutive rows of the flat token axis whose logits score a request's next prompt tokens
+    (the row of token i scores token i + 1), for SamplingParams.prompt_logprobs."""
+
+    request: Request
+    first_row: int
+    # The prompt tokens they score, in order; one per row.
+    target_token_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -17,6 +29,8 @@ class BatchInputs:
     attention: AttentionMetadata
     # Rows of the flat token axis whose logits are sampled (each a request's last token).
     logits_indices: torch.Tensor
+    # Requests that want prompt logprobs and computed some of their prompt in this step.
+    prompt_logprob_rows: list[PromptLogprobRows]
 
 
 def build_batch_inputs(
@@ -32,6 +46,7 @@ def build_batch_inputs(
     max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
     block_rows: list[list[int]] = []
     context_starts: list[int] = []
+    prompt_logprob_rows: list[PromptLogprobRows] = []
 
     for item in output.scheduled:
         request = item.request
@@ -57,6 +72,10 @@ def build_batch_inputs(
             num_decodes += 1
         if item.samples:
             logits_indices.append(query_start_loc[-1] - 1)
+        if request.prompt_logprobs is not None:
+            rows = _prompt_logprob_rows(request, start, end, query_start_loc[-2])
+            if rows is not None:
+                prompt_logprob_rows.append(rows)
 
     def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -75,4 +94,26 @@ def build_batch_inputs(
         positions=as_tensor(positions, torch.int64),
         attention=metadata,
         logits_indices=as_tensor(logits_indices, torch.int64),
+        prompt_logprob_rows=prompt_logprob_rows,
+    )
+
+
+def _prompt_logprob_rows(
+    request: Request, start: int, end: int, first_row: int
+) -> PromptLogprobRows | None:
+    """The rows of tokens [start, end) that score prompt tokens still without a logprob.
+
+    Token index i (padding included) scores token i + 1; the prompt is tokens [pad, pad + P), and
+    the request already holds logprobs for its first `done` prompt tokens. A recompute after a
+    preemption therefore adds nothing twice.
+    """
+    assert request.prompt_logprobs is not None
+    pad = request.num_padding_tokens
+    done = len(request.prompt_logprobs)
+    low = max(start, pad + done - 1)
+    high = min(end, pad + len(request.prompt_token_ids) - 1)
+    if low >= high:
+        return None
+    return PromptLogprobRows(
+        request, first_row + low - start, request.token_ids[low + 1 : high + 1]
     )

@@ -84,6 +84,11 @@ class BlockManager:
         """Blocks an allocation can take now (free and evictable cached ones)."""
         return len(self._free_queue)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache: in use or evictable, findable by their content hash."""
+        return len(self._cached)
+
     def usage(self) -> BlockUsage:
         cached = sum(1 for b in self._free_queue if self.blocks[b].block_hash is not None)
         free = len(self._free_queue) - cached
@@ -100,9 +105,10 @@ class BlockManager:
         """Block ids of the longest cached prefix of the request, in order.
 
         Stops one token short of the request's end: the last token is always computed, since its
-        logits are what the next token is sampled from.
+        logits are what the next token is sampled from. Nothing for a request that wants its
+        prompt logprobs: every prompt position must be computed for them (as vLLM does).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -94,6 +94,8 @@ class LLMEngine:
             prefill_only=prefill_only,
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first token has none; the rest as computed
         self._track(request)
         self._scheduler.add(request)
 
@@ -125,14 +127,21 @@ class LLMEngine:
         output = self._scheduler.schedule()
         if output.is_empty:
             return []
+        now = time.time()
+        for item in output.scheduled:
+            if item.request.first_scheduled_at is None:
+                item.request.first_scheduled_at = now  # its queue wait ends (metrics, traces)
         started = time.perf_counter()
-        sampled = self._runner.execute(output, self._generators(output))
+        sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
         if self._step_costs is not None:
             num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
             self._step_costs.observe(
                 num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
             )
         self._scheduler.update(output)
+        for request, entries in prompt_logprobs:
+            assert request.prompt_logprobs is not None
+            request.prompt_logprobs.extend(entries)
         outputs = []
         for token in sampled:
             if token.request.status.is_finished:
@@ -332,6 +341,8 @@ class LLMEngine:
             num_held=len(scheduler.held),
             num_free_blocks=self._block_manager.num_free_blocks,
             num_total_blocks=self._block_manager.num_blocks,
+            num_cached_blocks=self._block_manager.num_cached_blocks,
+            num_preemptions=scheduler.num_preemptions,
         )
 
     @property

@@ -1,19 +1,31 @@
-"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+"""The offline Python API, as vLLM's: `LLM(model).generate(prompts, SamplingParams(...))` returns
+one `RequestOutput` per prompt, whose `outputs` are the prompt's `n` completions."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
+from nori.engine import outputs as engine
+from nori.engine.completion_outputs import RequestOutput, request_output
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import RequestOutput
-from nori.sampling.params import SamplingParams
+from nori.engine.generate_progress import GenerateProgress
+from nori.sampling.params import SamplingParams, choice_params
 
-Prompt = str | list[int]
+# A prompt as vLLM takes one: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = str | list[int] | Mapping[str, Any]
+Conversation = Sequence[Mapping[str, Any]]
+# A progress bar or not, or the tqdm class to draw it with.
+UseTqdm = bool | Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    text: str | None  # what the output reports as its prompt: None for token ids, as vLLM
+    token_ids: list[int]
 
 
 class LLM:
@@ -34,60 +46,107 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the prompts' order."""
-        batch = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(batch))
-        request_ids = [f"offline-{next(self._ids)}" for _ in batch]
-        added: list[str] = []
-        try:
-            for request_id, prompt, request_params in zip(request_ids, batch, params, strict=True):
-                self.engine.add_request(request_id, prompt, request_params)
-                added.append(request_id)
-            return self._run(request_ids, use_tqdm)
-        finally:
-            # On an error or Ctrl-C, leave no request holding blocks behind.
-            for request_id in added:
-                self.engine.abort_request(request_id)
+        """Runs every prompt to completion: one output per prompt, in the prompts' order, with
+        `sampling_params.n` completions each. `use_tqdm` draws a progress bar on stderr."""
+        batch = [self._prompt(prompt) for prompt in _as_prompt_list(prompts)]
+        return self._generate(batch, _as_params_list(sampling_params, len(batch)), use_tqdm)
 
     def chat(
         self,
-        conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
-        batch: list[list[dict[str, str]]]
-        if conversations and isinstance(conversations[0], dict):
-            batch = [list(conversations)]  # type: ignore[arg-type]
+        """Renders each conversation with the chat template (the model's unless `chat_template`
+        is given), then generates; each output's `prompt` is the rendered text."""
+        batch: list[Conversation]
+        if messages and isinstance(messages[0], Mapping):
+            batch = [list(messages)]  # type: ignore[arg-type]
         else:
-            batch = [list(c) for c in conversations]  # type: ignore[arg-type]
-        # Templates write their own BOS; encoding must not add a second one (as vLLM does).
+            batch = [list(conversation) for conversation in messages]  # type: ignore[arg-type]
         tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            tokenizer.encode(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                add_special_tokens=False,
+        prompts = []
+        for conversation in batch:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
             )
-            for messages in batch
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+            # Templates write their own BOS; encoding must not add a second one (as vLLM does).
+            prompts.append(_Prompt(text, tokenizer.encode(text, add_special_tokens=False)))
+        return self._generate(prompts, _as_params_list(sampling_params, len(batch)), use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _prompt(self, prompt: Prompt) -> _Prompt:
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError(
+                    "a prompt dict takes exactly one of 'prompt' and 'prompt_token_ids', "
+                    f"got {sorted(prompt)}"
+                )
+            if "prompt_token_ids" in prompt:
+                return _Prompt(None, list(prompt["prompt_token_ids"]))
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise ValueError(f"a prompt dict's 'prompt' is text, got {text!r}")
+            return _Prompt(text, self.engine.tokenizer.encode(text))
+        if isinstance(prompt, str):
+            return _Prompt(prompt, self.engine.tokenizer.encode(prompt))
+        return _Prompt(None, list(prompt))
+
+    def _generate(
+        self, prompts: list[_Prompt], params: list[SamplingParams], use_tqdm: UseTqdm
+    ) -> list[RequestOutput]:
+        # Each prompt's id, and the engine requests of its completions: one keeps the prompt's
+        # id, n of them are "{i}_{id}" (as vLLM names them).
+        plan: list[tuple[str, list[str]]] = []
+        added: list[str] = []
+        try:
+            for prompt, prompt_params in zip(prompts, params, strict=True):
+                request_id = f"offline-{next(self._ids)}"
+                choices = choice_params(prompt_params, prompt_params.n)
+                ids = (
+                    [request_id]
+                    if len(choices) == 1
+                    else [f"{i}_{request_id}" for i in range(len(choices))]
+                )
+                plan.append((request_id, ids))
+                for engine_id, choice in zip(ids, choices, strict=True):
+                    self.engine.add_request(engine_id, prompt.token_ids, choice)
+                    added.append(engine_id)
+            finished = self._run(added, use_tqdm)
+        finally:
+            # On an error or Ctrl-C, leave no request holding blocks behind.
+            for engine_id in added:
+                self.engine.abort_request(engine_id)
+        return [
+            request_output(request_id, prompt.text, [finished[i] for i in ids], self._token_text)
+            for (request_id, ids), prompt in zip(plan, prompts, strict=True)
+        ]
+
+    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> dict[str, engine.RequestOutput]:
+        finished: dict[str, engine.RequestOutput] = {}
         wanted = set(request_ids)
-        with tqdm(total=len(request_ids), disable=not use_tqdm, unit="req") as progress:
+        with GenerateProgress(request_ids, use_tqdm) as progress:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+                outputs = self.engine.step()
+                for output in outputs:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        progress.update(1)
-        return [finished[request_id] for request_id in request_ids]
+                progress.update(outputs)
+        return finished
+
+    def _token_text(self, token_id: int) -> str:
+        # Decoded alone, as vLLM's `Logprob.decoded_token`: " the" rather than "Ġthe".
+        return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):

@@ -6,10 +6,11 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from nori.engine.batch_inputs import build_batch_inputs
+from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.kv_cache import KVCache, bytes_per_block
@@ -20,10 +21,15 @@ from nori.kernels.argmax import argmax_rows
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
 from nori.sampling.batch import RowState, SamplingBatch, make_generator
+from nori.sampling.logprob_math import compute_logprobs
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob rows go through the LM head this many at a time: a long prompt's [rows, vocab]
+# logits would otherwise take as much memory as the KV of thousands of tokens.
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,13 @@ class SampledToken:
     request: Request
     token_id: int
     logprobs: TokenLogprobs | None
+
+
+class StepResult(NamedTuple):
+    sampled: list[SampledToken]
+    # Requests that want prompt logprobs and computed prompt tokens in the step: the log-probs of
+    # the prompt tokens they scored, in order, to append to `Request.prompt_logprobs`.
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]]
 
 
 class ModelRunner:
@@ -74,15 +87,46 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
-    ) -> list[SampledToken]:
+    ) -> StepResult:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
         attention = PagedAttention(self.kv_cache, inputs.attention, self.attention_backend)
         hidden = self.model(inputs.input_ids, inputs.positions, attention)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         requests = [s.request for s in output.scheduled if s.samples]
         if not requests:
-            return []
+            return StepResult([], prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sample(requests, logits, generators)
+        return StepResult(self.sample(requests, logits, generators), prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[PromptLogprobRows]
+    ) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """log_softmax of the raw logits at each scored prompt position (as vLLM reports prompt
+        logprobs), with the requested number of most likely alternatives."""
+        if not rows:
+            return []
+        indices = [r.first_row + k for r in rows for k in range(len(r.target_token_ids))]
+        targets = [token for r in rows for token in r.target_token_ids]
+        counts = [r.request.sampling_params.prompt_logprobs for r in rows]
+        requested = tuple(
+            count for r, count in zip(rows, counts, strict=True) for _ in r.target_token_ids
+        )
+        max_top = max(count or 0 for count in counts)
+        entries: list[TokenLogprobs | None] = []
+        for low in range(0, len(indices), PROMPT_LOGPROB_ROWS):
+            high = low + PROMPT_LOGPROB_ROWS
+            index = torch.tensor(indices[low:high], device=self.device)
+            logits = self.model.compute_logits(hidden[index])
+            token_ids = torch.tensor(targets[low:high], device=self.device)
+            entries.extend(compute_logprobs(logits, token_ids, requested[low:high], max_top))
+        result = []
+        offset = 0
+        for r in rows:
+            count = len(r.target_token_ids)
+            scored = [entry for entry in entries[offset : offset + count] if entry is not None]
+            result.append((r.request, scored))
+            offset += count
+        return result
 
     def sample(
         self,

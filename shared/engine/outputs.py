@@ -23,10 +23,15 @@ class RequestOutput:
     # The stop string or stop token id that ended the request, if one did.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: entry i for prompt token i, the first None (as vLLM's);
+    # complete from the first output on, on the engine that computed the prompt.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     # A prefill-only request whose K/V now waits for export.
     prefilled: bool = False
+    # time.time() when it left the engine's queue (its first step): the queue wait's end.
+    scheduled_at: float | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One output for two consecutive steps of the same request: `later`, whose cumulative
@@ -50,6 +55,9 @@ class EngineLoad:
     num_held: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # Blocks whose content is in the prefix cache (held by requests or evictable).
+    num_cached_blocks: int = 0
+    num_preemptions: int = 0
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 

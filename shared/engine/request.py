@@ -67,6 +67,8 @@ class Request:
     # Leading blocks of block_ids already offered to the prefix cache (skipped next time).
     num_published_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # time.time() of the first step that computed any of it: when it left the queue.
+    first_scheduled_at: float | None = None
 
     # The engine's side (`request_text.py`; the scheduler never reads these): the text so far,
     # what has been reported, why it stopped, and the seeded sampler's torch.Generator.
@@ -77,6 +79,10 @@ class Request:
     num_emitted_chars: int = 0
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None
+    # SamplingParams.prompt_logprobs, on the engine that computes the prompt: entry i for prompt
+    # token i (the first is None), filled in chunk by chunk as the prompt is computed. Such a
+    # request reads nothing from the prefix cache (`skips_prefix_cache`).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -87,6 +93,11 @@ class Request:
     def num_prompt_tokens(self) -> int:
         """Prompt length in the cache: the prompt plus any left padding."""
         return self.num_padding_tokens + len(self.prompt_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Cached blocks would leave their positions' prompt logprobs uncomputed."""
+        return self.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -61,8 +61,11 @@ def make_output(request: Request) -> RequestOutput:
         finish_reason=status.value if finished else None,
         stop_reason=request.stop_reason,
         logprobs=list(request.logprobs) if request.logprobs is not None else None,
+        # Complete once a token is sampled, and never changed after: shared, not copied.
+        prompt_logprobs=request.prompt_logprobs,
         num_cached_tokens=request.num_cached_tokens,
         prefilled=status is RequestStatus.PREFILLED,
+        scheduled_at=request.first_scheduled_at,
     )
     request.num_emitted_tokens = len(output_ids)
     request.num_emitted_chars = len(request.text)

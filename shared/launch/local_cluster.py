@@ -74,6 +74,8 @@ class ClusterSpec(RoleSettings):
     verbose: bool = False
     # The gateway's --chat-template (a file or a Jinja template), if any.
     chat_template: str | None = None
+    # Every process sends its spans here (OTLP/gRPC); None: the OTEL_* variables decide.
+    otlp_traces_endpoint: str | None = None
     # Extra flags for every worker (engine options such as --num-kv-blocks).
     worker_args: tuple[str, ...] = ()
     log_dir: Path | None = None
@@ -194,6 +196,8 @@ class LocalCluster:
         args = ["--redis-url", self.spec.redis_url, "--namespace", self.spec.namespace]
         if self.spec.served_model_name:
             args += ["--served-model-name", self.spec.served_model_name]
+        if self.spec.otlp_traces_endpoint:
+            args += ["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint]
         return args
 
     def _spawn(self, name: str, role: str, args: list[str]) -> RoleProcess:

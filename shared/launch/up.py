@@ -40,6 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE|TEMPLATE",
         help="the gateway's chat template (a file, or the template itself), for models with none",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="every process sends its spans to this OTLP/gRPC collector, e.g. "
+        "http://127.0.0.1:4317 (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)",
+    )
     parser.add_argument("--kv-lease-s", type=float, default=DEFAULT_KV_LEASE_S)
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
     add_cluster_args(parser)

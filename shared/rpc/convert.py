@@ -71,7 +71,21 @@ def delta_from_output(output: RequestOutput) -> common_pb2.TokenDelta:
     if output.logprobs is not None and output.new_token_ids:
         new = output.logprobs[-len(output.new_token_ids) :]
         delta.logprobs.extend(logprobs_to_proto(entry) for entry in new)
+    if output.prompt_logprobs is not None and len(output.new_token_ids) == len(output.token_ids):
+        # Once, with the first token(s): from then on the receiver has them.
+        delta.prompt_logprobs.SetInParent()
+        delta.prompt_logprobs.entries.extend(
+            logprobs_to_proto(entry) for entry in output.prompt_logprobs[1:] if entry is not None
+        )
     return delta
+
+
+def prompt_logprobs_from_delta(delta: common_pb2.TokenDelta) -> list[TokenLogprobs | None] | None:
+    """The prompt logprobs a delta carries (the first token's None in front), else None."""
+    if not delta.HasField("prompt_logprobs"):
+        return None
+    entries = [logprobs_from_proto(entry) for entry in delta.prompt_logprobs.entries]
+    return [None, *entries]
 
 
 def stop_reason_from_proto(delta: common_pb2.TokenDelta) -> str | int | None:

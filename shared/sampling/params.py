@@ -7,6 +7,7 @@ hot path never has to re-check anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -62,9 +63,11 @@ class SamplingParams:
     """How to pick tokens for one request and when to stop it (vLLM semantics).
 
     `stop` and `stop_token_ids` also accept a list (or, for `stop`, a single string); they are
-    normalised to tuples so the object stays hashable and immutable.
+    normalised to tuples so the object stays hashable and immutable. `n` is the number of
+    independent completions of a prompt (`choice_params`); each is one engine request.
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -81,11 +84,17 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Log-probabilities of the prompt's own tokens (each given the tokens before it) and this
+    # many alternatives per position, as vLLM's `prompt_logprobs`; the first token has none. A
+    # request asking for them is computed in full: it reads nothing from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers first; frozen dataclasses need object.__setattr__ for that.
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
@@ -111,12 +120,12 @@ class SamplingParams:
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
             )
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
-        ):
-            raise ValueError(
-                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
@@ -147,3 +156,17 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of a prompt's n independent choices, each an engine request of its own
+    (n=1). With a seed, choice i samples with seed + i: reproducible, and the choices differ;
+    without one, each draws its own."""
+    single = params if params.n == 1 else dataclasses.replace(params, n=1)
+    if single.seed is None or n == 1:
+        return [single] * n
+    return [
+        # Wrapped into the int64 range that seeds have on the wire.
+        dataclasses.replace(single, seed=(single.seed + i + 2**63) % 2**64 - 2**63)
+        for i in range(n)
+    ]

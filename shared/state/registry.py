@@ -36,6 +36,7 @@ class WorkerInfo:
     role: Role
     grpc_address: str = ""  # "host:port"
     transfer_address: str = ""  # "" when the worker does not send or receive KV blocks
+    metrics_address: str = ""  # "host:port" of its Prometheus /metrics; "" when it serves none
     model: str = ""  # the served model name
     num_running: int = 0
     num_waiting: int = 0

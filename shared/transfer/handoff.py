@@ -12,7 +12,7 @@ error instead of being misread: protobuf parses almost any bytes into some messa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -52,6 +52,7 @@ class TransferHeader:
         output_token_ids: Sequence[int] = (),
         generator_state: bytes | None = None,
         destination: KVDestination | None = None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> TransferHeader:
         """A header for `block_ids` of `destination` (a bare destination when None)."""
         where = KVDestination()
@@ -64,6 +65,8 @@ class TransferHeader:
         )
         if generator_state is not None:
             hand_off.generator_state = generator_state
+        if trace_context:
+            hand_off.trace_context.update(trace_context)
         return cls(hand_off, tuple(buffer_nbytes))
 
     @property

@@ -63,8 +63,10 @@ def test_generate_json_matches_the_python_api(tiny_model: Path) -> None:
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
     )
     for record, output in zip(records, expected, strict=True):
-        assert record["token_ids"] == output.token_ids and len(record["token_ids"]) == 7
-        assert record["text"] == output.text
+        (completion,) = output.outputs
+        assert record["token_ids"] == completion.token_ids and len(record["token_ids"]) == 7
+        assert record["text"] == completion.text and record["index"] == 0
+        assert record["prompt_token_ids"] == output.prompt_token_ids
         assert record["finish_reason"] == "length"
 
 

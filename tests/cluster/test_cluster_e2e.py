@@ -92,7 +92,7 @@ def test_concurrent_greedy_completions_are_token_identical_to_offline(
     cluster: LocalCluster, offline: LLM
 ) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
-    expected = offline.generate(PROMPTS, params)
+    expected = [output.outputs[0] for output in offline.generate(PROMPTS, params)]
 
     def complete(prompt: str) -> dict[str, object]:
         response = httpx.post(
@@ -149,7 +149,7 @@ def test_openai_client_streaming_and_not_completions_and_chat(
     name = model_name(cluster)
     params = SamplingParams(max_tokens=20, temperature=0.0)
     prompt = PROMPTS[4]
-    [reference] = offline.generate([prompt], params)
+    reference = offline.generate([prompt], params)[0].outputs[0]
 
     completion = api.completions.create(model=name, prompt=prompt, max_tokens=20, temperature=0)
     assert completion.choices[0].text == reference.text
@@ -169,7 +169,7 @@ def test_openai_client_streaming_and_not_completions_and_chat(
     assert usage is not None and usage.completion_tokens == len(reference.token_ids)
 
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-    [chat_reference] = offline.chat([messages], params)
+    chat_reference = offline.chat([messages], params)[0].outputs[0]
     chat = api.chat.completions.create(
         model=name,
         messages=messages,  # type: ignore[arg-type]
@@ -202,11 +202,11 @@ def test_n_seeded_choices_each_match_the_offline_engine(
         model=model_name(cluster), prompt=prompt, n=3, seed=99, temperature=1.0, max_tokens=12,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
+    # Choice i samples with seed 99 + i, as LLM.generate's completion i does with n=3.
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=99, ignore_eos=True)
+    [reference] = offline.generate([prompt], params)
     for choice in answer.choices:
-        seed = 99 + choice.index
-        params = SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
-        [reference] = offline.generate([prompt], params)
-        assert choice.text == reference.text, choice.index
+        assert choice.text == reference.outputs[choice.index].text, choice.index
     assert answer.usage is not None and answer.usage.completion_tokens == 36
 
 

@@ -1,9 +1,12 @@
-"""compose.yaml is valid under the Compose Specification (no Docker engine runs here)."""
+"""compose.yaml is valid under the Compose Specification (no Docker engine runs here) and holds
+what a deployment needs; `test_compose_processes.py` runs it."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -18,32 +21,105 @@ def validator(path: Path) -> jsonschema.Draft7Validator:
     return jsonschema.Draft7Validator(json.loads(path.read_text()))
 
 
+def _document() -> dict[str, Any]:
+    return dict(yaml.safe_load((ROOT / "compose.yaml").read_text()))
+
+
 def test_compose_file_matches_the_compose_specification() -> None:
     if not SCHEMA.exists():
         pytest.skip(f"Compose schema not found at {SCHEMA}")
-    document = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    document = _document()
     validator(SCHEMA).validate(document)
     services = document["services"]
     for role in ("gateway", "prefill", "decode"):
         assert services[role]["command"][:2] == ["serve", role]
     # Workers must register an address that reaches this replica, not the service name.
-    for role in ("prefill", "decode", "colocated"):
+    for role in WORKERS:
         assert services[role]["environment"]["NORI_ADVERTISE_HOST"] == "auto"
         assert services[role]["environment"]["REDIS_URL"].startswith("redis://redis:")
+        assert services[role]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == (
+            "http://jaeger:4317"
+        )
     assert "--colocated" in services["colocated"]["command"]
     assert services["gateway"]["ports"] == ["${NORI_PORT:-8000}:8000"]
 
 
-def test_every_role_command_parses_with_the_real_cli() -> None:
+WORKERS = ("prefill", "decode", "colocated", "prefill-gpu", "decode-gpu")
+
+
+def test_only_the_gateway_and_the_uis_are_published_and_workers_stay_internal() -> None:
+    document = _document()
+    services = document["services"]
+    published = {name for name, service in services.items() if service.get("ports")}
+    assert published == {"gateway", "jaeger", "prometheus", "grafana"}
+    assert document["networks"]["internal"]["internal"] is True
+    for name in (*WORKERS, "redis"):
+        assert "container_name" not in services[name], name  # a name would forbid --scale
+        assert services[name]["networks"] == ["internal"], name
+    for name in WORKERS:
+        # A fixed metrics port: Prometheus finds every replica by DNS on it.
+        command = services[name]["command"]
+        assert command[command.index("--metrics-port") + 1] == "9400", name
+
+
+def test_every_nori_role_has_a_health_check_and_gpu_workers_reserve_gpus() -> None:
+    services = _document()["services"]
+    for name, service in services.items():
+        if service.get("image") == "nori:latest" and "offline" not in service.get("profiles", []):
+            test = service["healthcheck"]["test"]
+            assert test[:3] == ["CMD", "nori", "health"], name
+    for name in ("prefill-gpu", "decode-gpu"):
+        assert services[name]["profiles"] == ["gpu"]
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+        assert "cuda" in services[name]["command"]
+
+
+def test_prometheus_scrapes_every_role_by_dns() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["nori-gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
+    for role in ("prefill", "decode", "colocated"):
+        discovery = jobs[f"nori-{role}"]["dns_sd_configs"][0]
+        assert role in discovery["names"] and discovery["port"] == 9400
+
+
+def test_every_nori_service_command_parses_with_the_real_cli() -> None:
     from nori.cli.main import build_parser
 
-    document = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    for name, service in document["services"].items():
-        if name == "redis":
+    for name, service in _document()["services"].items():
+        if service.get("image") != "nori:latest":
             continue
         command = [part.replace("${NORI_MODEL:-demo}", "demo") for part in service["command"]]
         args = build_parser().parse_args(command)
         assert callable(args.handler), name
+        test = service.get("healthcheck", {}).get("test")
+        if test:
+            assert callable(build_parser().parse_args(test[2:]).handler), name
+
+
+def test_the_grafana_dashboard_plots_only_metrics_that_exist() -> None:
+    from nori.engine.outputs import EngineLoad
+    from nori.gateway.metrics import GatewayMetrics
+    from nori.worker.metrics import WorkerMetrics
+
+    worker = WorkerMetrics()
+    worker.watch_engine(EngineLoad, lambda: 0)
+    gateway = GatewayMetrics(frozenset())
+    gateway.requests.labels("/v1/completions", "200").inc()  # a labelled family's first child
+    exported = {
+        sample.name
+        for registry in (worker.registry, gateway.registry)
+        for family in registry.collect()
+        for sample in family.samples
+    }
+    # Histogram buckets appear once observed; the families declare them.
+    exported |= {f"{name[: -len('_count')]}_bucket" for name in exported if name.endswith("_count")}
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "nori.json").read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in expressions for name in re.findall(r"\bnori_\w+", expr)}
+    assert len(used) >= 10
+    assert used <= exported, sorted(used - exported)
 
 
 def test_schema_check_rejects_a_broken_file() -> None:

@@ -24,37 +24,37 @@ PROMPTS = ["the cat sat on the mat", "a b c", "once upon a time there was"]
 
 def test_seeded_sampling_is_reproducible_across_batches(llm: LLM) -> None:
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True)
-    alone = llm.generate(PROMPTS[0], params)[0]
-    batched = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1]
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    batched = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1].outputs[0]
     assert alone.token_ids == batched.token_ids
     other_seed = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, seed=100, ignore_eos=True))
-    assert other_seed[0].token_ids != alone.token_ids
+    assert other_seed[0].outputs[0].token_ids != alone.token_ids
 
 
 def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    reference = llm.generate(PROMPTS[2], greedy)[0]
+    reference = llm.generate(PROMPTS[2], greedy)[0].outputs[0]
     assert reference.finish_reason == "length" and len(reference.token_ids) == 12
     stop_id = reference.token_ids[4]
     first = reference.token_ids.index(stop_id)
     stopped = llm.generate(
         PROMPTS[2],
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
-    )[0]
+    )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
     assert stopped.token_ids == reference.token_ids[: first + 1]
 
 
 def test_stop_string_truncates_text(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    reference = llm.generate(PROMPTS[0], greedy)[0]
+    reference = llm.generate(PROMPTS[0], greedy)[0].outputs[0]
     text = reference.text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     if not stop.strip():
         pytest.skip("greedy text has no usable stop substring")
     stopped = llm.generate(
         PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])
-    )[0]
+    )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == text[: text.index(stop)]
 
@@ -62,14 +62,20 @@ def test_stop_string_truncates_text(llm: LLM) -> None:
 def test_logprobs_are_log_softmax_of_model_logits(llm: LLM) -> None:
     output = llm.generate(
         PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
-    )[0]
+    )[0].outputs[0]
     assert output.logprobs is not None and len(output.logprobs) == 4
     for token_id, entry in zip(output.token_ids, output.logprobs, strict=True):
-        assert entry.token_id == token_id and entry.rank == 1
-        assert len(entry.top) == 3 and entry.top[0][0] == token_id
-        assert entry.logprob == pytest.approx(entry.top[0][1])
-        probabilities = torch.tensor([lp for _, lp in entry.top]).exp()
+        # vLLM's layout: the sampled token first, then the top 3 (greedy: it is the top one).
+        assert next(iter(entry)) == token_id and entry[token_id].rank == 1
+        assert len(entry) == 3 and [e.rank for e in entry.values()] == [1, 2, 3]
+        assert entry[token_id].logprob == pytest.approx(max(e.logprob for e in entry.values()))
+        assert entry[token_id].decoded_token == llm.tokenizer.decode(
+            [token_id], skip_special_tokens=False
+        )
+        probabilities = torch.tensor([e.logprob for e in entry.values()]).exp()
         assert float(probabilities.sum()) <= 1.0 + 1e-6
+    sampled = [entry[t].logprob for t, entry in zip(output.token_ids, output.logprobs, strict=True)]
+    assert output.cumulative_logprob == pytest.approx(sum(sampled))
 
 
 def test_streaming_deltas_add_up(llm: LLM) -> None:
@@ -121,7 +127,7 @@ def test_bad_input_is_a_clear_error_and_loses_nothing(llm: LLM) -> None:
 def test_generation_stops_at_max_model_len(tmp_path: Path) -> None:
     init_checkpoint(tmp_path, "tiny", seed=2)
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=256, block_size=8, max_model_len=24)
-    output = llm.generate([5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    output = llm.generate([5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
     assert output.finish_reason == "length" and len(output.token_ids) == 4
 
 
@@ -137,8 +143,8 @@ def test_left_padding_does_not_count_against_max_model_len(tmp_path: Path) -> No
         scheduling_policy="static",
     )
     outputs = llm.generate([[5] * 20, [6] * 4], SamplingParams(max_tokens=100, ignore_eos=True))
-    assert [len(o.token_ids) for o in outputs] == [4, 20]
-    assert all(o.finish_reason == "length" for o in outputs)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 20]
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert llm.engine.num_free_blocks == 256
 
 
@@ -149,6 +155,7 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     rendered = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello"}], add_generation_prompt=True
     )
+    assert output.prompt == rendered  # as vLLM reports a chat's prompt
     # The template writes BOS itself: encoding adds no second one.
     assert output.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert output.prompt_token_ids.count(llm.tokenizer.bos_token_id) <= 1
@@ -171,8 +178,8 @@ def test_static_policy_gives_the_same_tokens_and_frees_everything(tmp_path: Path
     )
     expected = continuous.generate(prompts, params)
     got = static.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert [len(o.token_ids) for o in got] == [p.max_tokens for p in params]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
     static.engine.check_invariants()
     assert static.engine.num_free_blocks == 64
 
@@ -190,9 +197,17 @@ def test_a_small_model_on_cpu_takes_no_more_kv_than_its_sequences_can_fill(
 
 def test_the_top_level_names_are_vllms() -> None:
     import nori
+    from nori.engine.completion_outputs import CompletionOutput, RequestOutput
     from nori.engine.config import EngineConfig
     from nori.engine.llm import LLM as EngineLLM
     from nori.sampling.params import SamplingParams as Params
 
     assert (nori.LLM, nori.EngineConfig, nori.SamplingParams) == (EngineLLM, EngineConfig, Params)
-    assert set(nori.__all__) == {"LLM", "EngineConfig", "SamplingParams"}
+    assert (nori.RequestOutput, nori.CompletionOutput) == (RequestOutput, CompletionOutput)
+    assert set(nori.__all__) == {
+        "LLM",
+        "EngineConfig",
+        "SamplingParams",
+        "RequestOutput",
+        "CompletionOutput",
+    }

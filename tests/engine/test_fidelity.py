@@ -70,7 +70,7 @@ def assert_matches(llm: LLM, prompts: list[list[int]], reference: list[HFGreedy]
     with trace_engine(llm.engine) as trace:
         outputs = llm.generate(prompts, GREEDY)
     for index, (output, expected) in enumerate(zip(outputs, reference, strict=True)):
-        assert output.token_ids == expected.tokens, f"prompt {index} diverged"
+        assert output.outputs[0].token_ids == expected.tokens, f"prompt {index} diverged"
         logits = trace.stacked(output.request_id)
         assert logits.shape == expected.logits.shape
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
@@ -159,7 +159,7 @@ def assert_static_matches(llm: LLM, prompts: list[list[int]], reference: list[HF
     with trace_engine(llm.engine) as trace:
         outputs = llm.generate(prompts, GREEDY)
     for index, (output, expected) in enumerate(zip(outputs, reference, strict=True)):
-        assert output.token_ids == expected.tokens, f"prompt {index} diverged"
+        assert output.outputs[0].token_ids == expected.tokens, f"prompt {index} diverged"
         # A member that finishes before its batch keeps its row: its first rows are the answer.
         logits = trace.stacked(output.request_id)[:NEW_TOKENS]
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)

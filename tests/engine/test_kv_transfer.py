@@ -61,9 +61,8 @@ def test_prefill_export_import_decode_is_token_identical(
 ) -> None:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (2, 9, 16, 33, 50)]
-    expected = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).generate(
-        prompts, params
-    )
+    reference_llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
+    expected = [output.outputs[0] for output in reference_llm.generate(prompts, params)]
 
     prefill_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64).engine
     decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=96).engine
@@ -132,9 +131,8 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
     """The cluster's order: the decode side reserves first, the K/V lands in those blocks."""
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 8, 17, 40)]
-    expected = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).generate(
-        prompts, params
-    )
+    reference_llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
+    expected = [output.outputs[0] for output in reference_llm.generate(prompts, params)]
     prefill_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64).engine
     decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=96).engine
     free_before = decode_engine.num_free_blocks

@@ -42,6 +42,10 @@ def chunk_from_output(output: RequestOutput) -> GenerationChunk:
         stop_reason=output.stop_reason,
         logprobs=logprobs,
         num_cached_tokens=output.num_cached_tokens,
+        # With the first tokens only, as a worker sends them.
+        prompt_logprobs=(
+            output.prompt_logprobs if len(output.new_token_ids) == len(output.token_ids) else None
+        ),
     )
 
 

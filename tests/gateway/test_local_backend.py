@@ -56,9 +56,13 @@ async def test_chunks_add_up_to_the_offline_output(tiny_checkpoint: Path) -> Non
         )
     finally:
         await backend.close()
-    expected = LLM(str(tiny_checkpoint), **OPTIONS).generate(
-        [PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-    )[0]
+    expected = (
+        LLM(str(tiny_checkpoint), **OPTIONS)
+        .generate(
+            [PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+        )[0]
+        .outputs[0]
+    )
     assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids
     assert "".join(c.new_text for c in chunks) == expected.text
     # Logprobs are per chunk, one per new token, not the engine's running list.

@@ -67,12 +67,18 @@ def test_each_choice_is_what_the_engine_samples_with_its_seed(tiny_checkpoint: P
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0,
         )  # fmt: skip
         api.close()
+    # The offline API samples n choices the same way: LLM.generate with n=3 gives the same three.
+    offline = reference.generate(
+        [prompt], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=41, ignore_eos=True)
+    )[0]
+    assert [completion.index for completion in offline.outputs] == [0, 1, 2]
     for choice in answer.choices:
         params = SamplingParams(
             temperature=1.0, max_tokens=8, seed=41 + choice.index, ignore_eos=True
         )
-        expected = reference.generate([prompt], params)[0].token_ids
+        expected = reference.generate([prompt], params)[0].outputs[0].token_ids
         assert choice.logprobs is not None and choice.logprobs.tokens is not None
         assert choice.logprobs.tokens == [f"token_id:{t}" for t in expected]
+        assert offline.outputs[choice.index].token_ids == expected
     texts = {choice.text for choice in answer.choices}
     assert len(texts) > 1  # different seeds, different samples

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from nori.engine.completion_outputs import CompletionOutput
 from nori.engine.llm import LLM
-from nori.engine.outputs import RequestOutput
 from nori.gateway.app import create_app
 from nori.sampling.params import SamplingParams
 from tests.gateway.helpers import parse_sse, serve, sse_json
@@ -63,8 +63,10 @@ def reference(tiny_checkpoint: Path) -> LLM:
     return LLM(str(tiny_checkpoint), **ENGINE_OPTIONS)
 
 
-def offline(reference: LLM, prompt_ids: list[int], **params: Any) -> RequestOutput:
-    return reference.generate([prompt_ids], SamplingParams(**params))[0]
+def offline(reference: LLM, prompt_ids: list[int], **params: Any) -> CompletionOutput:
+    (output,) = reference.generate([prompt_ids], SamplingParams(**params))
+    assert output.prompt_token_ids == prompt_ids
+    return output.outputs[0]
 
 
 def chat_prompt_ids(reference: LLM, messages: list[Any]) -> list[int]:
@@ -112,13 +114,16 @@ def test_completion_greedy_matches_offline(served: Served, reference: LLM, strea
         text, finish = choice.text, choice.finish_reason
         tokens, logprobs = choice.logprobs.tokens or [], choice.logprobs.token_logprobs or []
         assert response.usage is not None
-        assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert response.usage.prompt_tokens == len(reference.tokenizer.encode(PROMPT))
         assert response.usage.completion_tokens == 12
     assert tokens == token_names(expected.token_ids)
     assert text == expected.text
     assert finish == "length"
     assert expected.logprobs is not None
-    assert logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    sampled = [
+        step[t].logprob for t, step in zip(expected.token_ids, expected.logprobs, strict=True)
+    ]
+    assert logprobs == pytest.approx(sampled, abs=1e-4)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -162,7 +167,7 @@ def test_chat_greedy_matches_offline(served: Served, reference: LLM, stream: boo
     assert text == expected.text
     assert finish == expected.finish_reason
     assert usage is not None
-    assert usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert usage.prompt_tokens == len(chat_prompt_ids(reference, MESSAGES))
     assert usage.completion_tokens == len(expected.token_ids)
 
 

@@ -92,7 +92,8 @@ def test_sampling_params_round_trip_exactly(params: SamplingParams) -> None:
 
 def test_the_wire_message_has_exactly_the_sampling_parameters() -> None:
     wire_fields = {field.name for field in common_pb2.SamplingParams.DESCRIPTOR.fields}
-    assert wire_fields == {field.name for field in dataclasses.fields(SamplingParams)}
+    # All but `n`: a prompt's n choices travel as n requests, each with n=1.
+    assert wire_fields == {field.name for field in dataclasses.fields(SamplingParams)} - {"n"}
 
 
 def test_invalid_params_on_the_wire_raise_value_error() -> None:

@@ -41,6 +41,8 @@ def test_defaults_match_vllm() -> None:
         ({"min_tokens": -1}, "min_tokens"),
         ({"logprobs": 21}, r"logprobs must be None or an int in \[0, 20\]"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, r"prompt_logprobs must be None or an int in \[0, 20\]"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
     ],
 )

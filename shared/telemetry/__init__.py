@@ -1,0 +1,1 @@
+"""Traces (OpenTelemetry, exported over OTLP) and the metrics server every role shares."""
