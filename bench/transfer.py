@@ -31,6 +31,7 @@ import torch
 
 from nori.transfer.base import TransferConfig
 from nori.transfer.handoff import TransferHeader
+from nori.transfer.integrity import buffer_checksums
 
 # One message = one block of one layer's K (or V) in Nori's cache layout
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: that is the largest piece a receiver can
@@ -227,6 +228,19 @@ def _time_memcpy(settings: TransferBenchConfig, source: torch.Tensor) -> list[fl
     return rates
 
 
+def _time_checksums(settings: TransferBenchConfig, source: torch.Tensor) -> list[float]:
+    """What the integrity check costs: xxh3 over every block, as a sender (and then the
+    receiver, once more) computes it per transfer buffer."""
+    blocks = _blocks(source, settings.block_bytes)
+    rates = []
+    for repeat in range(settings.repeats + 1):
+        start = time.perf_counter()
+        buffer_checksums(blocks)
+        if repeat:
+            rates.append(_rate(settings.total_bytes, time.perf_counter() - start))
+    return rates
+
+
 def _measure(
     transport: str, settings: TransferBenchConfig, source: torch.Tensor
 ) -> tuple[list[float], dict[str, str]]:
@@ -266,6 +280,16 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
         if transport == "ucx":
             # What UCX ran with in the receiver: our defaults, ucxx's, and the caller's.
             report["ucx_env"] = environment
+    # Integrity: the sender hashes each buffer before sending, the receiver after: two passes
+    # over the bytes per transfer, on top of the transfer itself.
+    samples["checksum"] = _time_checksums(settings, source)
+    checksum_gbps = statistics.median(samples["checksum"])
+    report["checksum_gbps"] = round(checksum_gbps, 3)
+    for transport in ("ucx", "tcp_transport"):
+        if report.get(f"{transport}_gbps"):
+            report[f"checksum_cost_vs_{transport}"] = round(
+                2 * report[f"{transport}_gbps"] / checksum_gbps, 3
+            )
     if report.get("ucx_gbps") and report.get("socket_gbps"):
         report["ucx_vs_socket"] = round(report["ucx_gbps"] / report["socket_gbps"], 3)
     report["samples_gbps"] = {name: [round(r, 3) for r in rates] for name, rates in samples.items()}

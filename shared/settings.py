@@ -7,7 +7,8 @@ Environment variables Nori reads, all here (`Environment.read`):
 - `NORI_ADVERTISE_HOST`: the host other processes reach a worker at (`auto`: this host's own
   address, as a scaled container needs);
 - `NORI_CACHE_DIR`: where the built-in models are written (default ~/.cache/nori/models);
-- `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels.
+- `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels;
+- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Environment:
     advertise_host: str | None = None
     cache_dir: Path | None = None
     cpu_kernels: bool = True
+    api_key: str | None = None
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
@@ -53,6 +55,7 @@ class Environment:
             advertise_host=env.get("NORI_ADVERTISE_HOST") or None,
             cache_dir=Path(cache_dir) if cache_dir else None,
             cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
+            api_key=env.get("NORI_API_KEY") or None,
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import secrets
 import time
 from collections.abc import Callable
 
@@ -19,6 +21,7 @@ import torch
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
+from nori.transfer.integrity import first_mismatch
 from nori.worker.kv_layout import destination_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
@@ -38,12 +41,22 @@ class DecodeKVSink:
         self._transfer_timeout_s = transfer_timeout_s
         self._queue_timeout_s = queue_timeout_s
         self._leases: dict[str, Lease] = {}
+        # Reservation epochs, unique for this worker's life (and random across restarts, so a
+        # sender that knew an earlier process cannot match a new reservation by chance).
+        self._epochs = itertools.count(secrets.randbits(48) + 1)
         self.bytes_received = 0
         self.transfers_completed = 0
+        self.checksum_failures = 0
 
-    def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> None:
+    def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> int:
+        """Reserves `block_ids` for the request's KV under a lease; returns the reservation's
+        epoch, which the sender's header must name."""
         policy = LeasePolicy(lease_s, self._queue_timeout_s, self._transfer_timeout_s)
-        self._leases[request_id] = Lease.reserve(request_id, block_ids, policy, time.monotonic())
+        epoch = next(self._epochs)
+        self._leases[request_id] = Lease.reserve(
+            request_id, block_ids, policy, time.monotonic(), epoch
+        )
+        return epoch
 
     def renew(self, request_id: str, started: bool) -> bool:
         """The prefill worker holding the prompt is alive (and has `started` computing it).
@@ -113,6 +126,11 @@ class DecodeKVSink:
         if not lease.is_live(now):
             # Its waiter has not woken yet, but the blocks are about to be freed.
             raise TransferRejected(f"the lease of request {header.request_id!r} has expired")
+        if header.hand_off.destination.lease_epoch != lease.epoch:
+            raise TransferRejected(
+                f"the transfer names reservation {header.hand_off.destination.lease_epoch} of "
+                f"request {header.request_id!r}, this worker holds reservation {lease.epoch}"
+            )
         if list(header.block_ids) != lease.block_ids:
             raise TransferRejected(
                 f"block ids {list(header.block_ids)} differ from the reservation {lease.block_ids}"
@@ -124,21 +142,42 @@ class DecodeKVSink:
                 f"buffer sizes {list(header.buffer_nbytes)} differ from this worker's KV layout "
                 f"{expected} (same model, dtype and block size on both sides?)"
             )
+        if len(header.buffer_checksums) != len(buffers):
+            # Fail closed: bytes nobody can check are never decoded on.
+            raise TransferRejected(
+                f"the header carries {len(header.buffer_checksums)} checksums for "
+                f"{len(buffers)} buffers"
+            )
+        lease.buffers = buffers
+        lease.expected_checksums = header.buffer_checksums
         lease.start_receiving(now)
         if self._on_receiving is not None:
             self._on_receiving(header.request_id)
         return buffers
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
+        """Every byte arrived: checked against the sender's checksums before the request may
+        decode on them (a mismatch fails the request and frees its blocks)."""
         self.bytes_received += nbytes
-        self.transfers_completed += 1
         lease = self._leases.get(header.request_id)
-        if lease is not None:
-            lease.state = LeaseState.ARRIVED
-            lease.arrived_at = time.monotonic()
-            lease.nbytes = nbytes
-            lease.hand_off = header.hand_off
-            lease.done.set()
+        if lease is None or lease.state is not LeaseState.RECEIVING:
+            return  # expired or failed meanwhile: its blocks are gone or going
+        problem = (
+            f"{nbytes} bytes arrived, {header.total_nbytes} expected"
+            if nbytes != header.total_nbytes
+            else first_mismatch(lease.buffers, lease.expected_checksums)
+        )
+        if problem is not None:
+            self.checksum_failures += 1
+            self.failed(header, f"corrupted KV transfer: {problem}")
+            return
+        self.transfers_completed += 1
+        lease.state = LeaseState.ARRIVED
+        lease.arrived_at = time.monotonic()
+        lease.nbytes = nbytes
+        lease.hand_off = header.hand_off
+        lease.buffers = []  # the views are the cache's; hold them no longer than needed
+        lease.done.set()
 
     def failed(self, header: TransferHeader, error: str) -> None:
         lease = self._leases.get(header.request_id)

@@ -29,9 +29,13 @@ import asyncio
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nori.settings import DEFAULT_KV_LEASE_S
 from nori.transfer.handoff import HandOff
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LeaseState(enum.Enum):
@@ -77,6 +81,11 @@ class Lease:
     # When the last byte arrived (time.monotonic()) and how many came.
     arrived_at: float = 0.0
     nbytes: int = 0
+    # Which reservation this is (unique per worker); the sender's header must name it.
+    epoch: int = 0
+    # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
+    buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
+    expected_checksums: tuple[int, ...] = ()
     # What decoding continues from, once the KV arrived.
     hand_off: HandOff | None = None
     error: str = ""
@@ -84,9 +93,11 @@ class Lease:
 
     @classmethod
     def reserve(
-        cls, request_id: str, block_ids: list[int], policy: LeasePolicy, now: float
+        cls, request_id: str, block_ids: list[int], policy: LeasePolicy, now: float, epoch: int = 0
     ) -> Lease:
-        return cls(request_id, list(block_ids), policy, reserved_at=now, renewed_at=now)
+        return cls(
+            request_id, list(block_ids), policy, reserved_at=now, renewed_at=now, epoch=epoch
+        )
 
     @property
     def queue_deadline(self) -> float:

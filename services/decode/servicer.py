@@ -65,10 +65,17 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         outcome, finish_reason, error = "error", None, ""
         try:
             if request.compute_prompt:
+                resumed = list(request.resumed_output_token_ids)
                 await call_engine(
                     self._engine,
                     context,
-                    lambda engine: engine.add_request(request_id, prompt, params),
+                    lambda engine: engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        output_token_ids=resumed,
+                        num_emitted_chars=request.resumed_text_chars,
+                    ),
                 )
             else:
                 block_ids = await call_engine(
@@ -81,13 +88,14 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                         grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker"
                     )
                 assert self._sink is not None and block_ids is not None
-                self._sink.expect(request_id, block_ids, self._lease_s)
+                epoch = self._sink.expect(request_id, block_ids, self._lease_s)
                 yield decode_pb2.GenerateResponse(
                     reservation=KVDestination(
                         worker_id=self._worker_id,
                         transfer_address=self._transfer_address,
                         block_ids=block_ids,
                         lease_seconds=self._lease_s,
+                        lease_epoch=epoch,
                     )
                 )
                 hand_off = await self._receive(request_id, context, record)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from functools import lru_cache
 from http import HTTPStatus
 
@@ -19,9 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from nori.gateway.api_key import ApiKeyMiddleware
 from nori.gateway.backend import Backend
+from nori.gateway.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from nori.gateway.context import ServingContext
-from nori.gateway.endpoints import create_chat_completion, create_completion
+from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
 from nori.gateway.errors import APIError, as_api_error, install_error_handlers
 from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
 from nori.gateway.protocol import (
@@ -60,6 +62,8 @@ def create_app(
     vocab_size: int | None = None,
     extra_metrics: ExtraMetrics | None = None,
     close_backend_on_shutdown: bool = True,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    api_keys: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app for one served model.
 
@@ -90,6 +94,13 @@ def create_app(
         metrics=metrics,
         tasks=tasks,
         token_text=token_text,
+        max_token_bytes=max(
+            (
+                len(tokenizer.decode([i], skip_special_tokens=False).encode())
+                for i in range(tokenizer.vocab_size)
+            ),
+            default=1,
+        ),
     )
     created = int(time.time())
 
@@ -107,6 +118,11 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.add_middleware(EchoRequestIdMiddleware)
+    # An oversized body is refused before anything reads it, and a request without the key
+    # before that (added last = outermost).
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=(HEALTH_PATH, METRICS_PATH))
 
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -125,8 +141,9 @@ def create_app(
         )
 
     @app.post(TOKENIZE_PATH)
-    async def tokenize_prompt(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(tokenize(ctx, body).model_dump())
+    async def tokenize_prompt(body: TokenizeRequest, request: Request) -> JSONResponse:
+        answer = await off_loop_if_large(request, tokenize, ctx, body)
+        return JSONResponse(answer.model_dump())
 
     @app.post(DETOKENIZE_PATH)
     async def detokenize_tokens(body: DetokenizeRequest) -> JSONResponse:

@@ -28,12 +28,19 @@ from nori.gateway.backend import (
     QueueFullError,
     SaturatedError,
 )
-from nori.gateway.request_flow import RequestFlow
+from nori.gateway.request_flow import RequestFlow, Resumed
 from nori.gateway.router import Router
-from nori.gateway.worker_calls import DecodeFullError
+from nori.gateway.worker_calls import (
+    DecodeFullError,
+    PrefillFailedError,
+    TransferFailedError,
+    WorkerLostError,
+    WorkerUnreachableError,
+)
 from nori.gateway.worker_pool import WorkerPool
 from nori.settings import RoleSettings
 from nori.state.block_directory import BlockDirectory
+from nori.state.connection import connect
 from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore
@@ -54,6 +61,11 @@ class ClusterOptions(RoleSettings):
     max_in_flight: int = 4096
     # Decode workers to try when one answers that its pool is full.
     decode_attempts: int = 3
+    # Tries of a prompt whose prefill worker failed (died, hung up, sent bad KV), each on a
+    # prefill worker that has not just failed.
+    prefill_attempts: int = 3
+    # Moves of a request whose decode worker died to another one (--migration-limit).
+    migration_limit: int = 3
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.
     max_queued_prompt_tokens: int = 8192
@@ -76,7 +88,7 @@ class ClusterBackend:
 
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
-        self._redis = Redis.from_url(self.options.redis_url)
+        self._redis = connect(self.options.redis_url)
         self._pool = WorkerPool(
             WorkerRegistry(self._redis, keys), self.options.block_size, self.options.refresh_s
         )
@@ -157,11 +169,20 @@ class ClusterBackend:
     async def _route(
         self, request: GenerationRequest, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
+        """The request on a decode worker; elsewhere when that one is full, when its prompt's
+        prefill worker fails before token one, or (migration) when the decode worker dies."""
         tried: list[str] = []
+        restarts = migrations = 0
+        streamed = Resumed([])
         while True:
-            num_yielded = 0
-            decode = self.router.pick_decode(self.pool.workers, exclude=tried)
+            routable = self.pool.routable()
+            decode = self.router.pick_decode(routable, exclude=tried)
             if decode is None:
+                if migrations:
+                    raise BackendError(
+                        f"the decode worker streaming request {request.request_id} failed and "
+                        "no other decode worker is left to continue it"
+                    )
                 if tried:
                     raise SaturatedError(
                         "no decode worker could take the request (KV pools full or draining); "
@@ -170,19 +191,45 @@ class ClusterBackend:
                 raise SaturatedError("no decode worker is available")
             self.router.started(decode.worker_id)
             try:
-                if decode.role == "colocated":
+                if streamed.token_ids:
+                    chunks = self.flow.colocated(request, decode, queued, resumed=streamed)
+                elif decode.role == "colocated":
                     chunks = self.flow.colocated(request, decode, queued)
                 else:
                     chunks = self.flow.disaggregated(request, decode, queued)
                 async for chunk in chunks:
-                    num_yielded += 1
+                    streamed.add(chunk)
                     yield chunk
                 return
             except DecodeFullError:
                 # Another worker may have room; but never replay a request the client has seen.
                 tried.append(decode.worker_id)
-                if num_yielded or len(tried) >= self.options.decode_attempts:
+                if streamed.token_ids or len(tried) >= self.options.decode_attempts:
                     raise
+            except (PrefillFailedError, TransferFailedError) as error:
+                # The prompt's prefill worker died, hung up or sent bad KV: its decode
+                # reservation is already released (the decode call was cancelled); start over
+                # on another prefill worker, while the client has seen nothing.
+                if isinstance(error, PrefillFailedError):
+                    self.pool.mark_failed(error.worker_id)
+                restarts += 1
+                if streamed.token_ids or restarts >= self.options.prefill_attempts:
+                    raise
+                logger.warning("request %s: %s; computing it again", request.request_id, error)
+            except (WorkerUnreachableError, WorkerLostError) as error:
+                # The decode worker died or hung up: continue on another one from what the
+                # client has (migration), or start over if it has nothing yet.
+                self.pool.mark_failed(decode.worker_id)
+                tried.append(decode.worker_id)
+                migrations += 1
+                if migrations > self.options.migration_limit:
+                    raise
+                logger.warning(
+                    "request %s: %s; continuing on another decode worker after %d tokens",
+                    request.request_id,
+                    error,
+                    len(streamed.token_ids),
+                )
             finally:
                 self.router.ended(decode.worker_id)
 

@@ -23,3 +23,6 @@ class ServingContext:
     tasks: set[asyncio.Task[None]]
     # token id -> its text, cached (see create_app).
     token_text: Callable[[int], str]
+    # The most UTF-8 bytes one token's text has: a text of B bytes has at least
+    # B / max_token_bytes tokens, so a hopeless prompt is refused without tokenizing it.
+    max_token_bytes: int = 64

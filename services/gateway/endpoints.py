@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
-from typing import ClassVar, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -42,6 +43,7 @@ from nori.gateway.request_params import (
     chat_sampling_params,
     check_chat,
     check_completion,
+    check_token_ids,
     completion_max_tokens,
     completion_sampling_params,
     resolve_max_tokens,
@@ -52,13 +54,28 @@ from nori.gateway.session import Session
 from nori.gateway.tracing import describe_request
 from nori.sampling.logprobs import TokenLogprobs
 
+# Bodies above this many bytes are tokenized on a worker thread: a 10 MB prompt takes the
+# tokenizer seconds, which on the event loop would stall every stream and /health.
+LARGE_BODY_BYTES = 64 * 1024
+_Result = TypeVar("_Result")
+
+
+async def off_loop_if_large(request: Request, work: Callable[..., _Result], *args: Any) -> _Result:
+    """`work(*args)`, on a thread when the request body is large (small ones stay inline: a
+    thread hop costs more than tokenizing a short prompt)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > LARGE_BODY_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
+
 
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
-    distinct = completion_prompts(ctx, body.prompt)
+    check_token_ids(body, ctx.vocab_size)
+    distinct = await off_loop_if_large(request, completion_prompts, ctx, body.prompt)
     n = body.n
     # Choice k is sample k % n of prompt k // n: OpenAI's order of a batch's choices.
     prompts = [prompt for prompt in distinct for _ in range(n)]
@@ -91,7 +108,8 @@ async def create_chat_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
-    prompt = chat_prompt(ctx, body)
+    check_token_ids(body, ctx.vocab_size)
+    prompt = await off_loop_if_large(request, chat_prompt, ctx, body)
     requested, param = chat_max_tokens_field(body)
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
     client_id = client_request_id(request.scope)

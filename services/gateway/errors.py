@@ -132,6 +132,9 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
     for field, field_errors in by_field.items():
         if field:
             parts.append(_describe_field(field, field_errors))
+        elif all(e.get("type") == "value_error" for e in field_errors):
+            # A check of the whole body (protocol.py's text check) says what is wrong itself.
+            parts.extend(str(e.get("msg", "")).removeprefix("Value error, ") for e in field_errors)
         else:
             parts.append("the request body must be a JSON object")
     params = [field for field in by_field if field]

@@ -34,6 +34,22 @@ def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list
     return list(ids)
 
 
+def refuse_hopeless_text(ctx: ServingContext, text: str, param: str) -> None:
+    """Refuses a text that cannot fit the context, before tokenizing it (a 10 MB prompt would
+    take the tokenizer seconds): no token covers more than `ctx.max_token_bytes` bytes, so the
+    text has at least bytes / max_token_bytes tokens; halved, against normalizers that shorten
+    text."""
+    if len(text) < ctx.max_model_len:
+        return  # under the bound whatever its bytes (at most 4 a character)
+    at_least = len(text.encode("utf-8")) // (2 * ctx.max_token_bytes)
+    if at_least >= ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens, and the prompt "
+            f"has at least {at_least} tokens ({len(text)} characters). Please shorten the prompt.",
+            param,
+        )
+
+
 def _prompt_items(prompt: object) -> list[Any]:
     """The completions `prompt` field as the list of its prompts (strings or token id lists)."""
     if isinstance(prompt, str):
@@ -55,6 +71,7 @@ def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
+            refuse_hopeless_text(ctx, item, "prompt")
             # Completions prompts get the tokenizer's special tokens (BOS), as in vLLM.
             result.append(check_token_ids(ctx, ctx.tokenizer.encode(item), "prompt"))
         else:
@@ -127,5 +144,6 @@ def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
         # ChatTemplateError (no template, raise_exception, render failure) is a ValueError;
         # a TypeError comes from template code meeting content of an unexpected shape.
         raise bad_request(str(error), "messages") from error
+    refuse_hopeless_text(ctx, text, "messages")
     # The template writes BOS itself; adding special tokens again would double it.
     return check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; keep to the signed range.
 _SEED_MIN = -(2**63)
@@ -23,13 +23,47 @@ _SEED_MAX = 2**63 - 1
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """Where a string in the body holds a lone surrogate ("\\ud800" is valid JSON, but no
+    UTF-8 text: the tokenizer could not encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class _TextChecked(BaseModel):
+    """A request body whose strings must all be valid Unicode text (a 400 naming the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = _lone_surrogate_path(data, "")
+        if path is not None:
+            raise ValueError(f"{path} holds a lone UTF-16 surrogate, which is not valid text")
+        return data
+
+
 class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_TextChecked):
     """Fields shared by both endpoints."""
 
     model_config = _REQUEST_CONFIG
@@ -101,7 +135,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TextChecked):
     """vLLM's /tokenize: either a prompt, or chat messages rendered by the template."""
 
     model_config = _REQUEST_CONFIG

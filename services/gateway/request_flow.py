@@ -27,17 +27,26 @@ import grpc
 from opentelemetry import trace
 
 from nori.gateway.admission import QueuedPrompt
-from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest, SaturatedError
+from nori.gateway.backend import (
+    BackendError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SaturatedError,
+)
 from nori.gateway.router import Router
 from nori.gateway.worker_calls import (
     DecodeFullError,
+    PrefillFailedError,
     UpstreamTimeoutError,
+    WorkerLostError,
     await_call,
     chunk_from_delta,
     messages,
     read,
 )
 from nori.gateway.worker_pool import WorkerPool
+from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.convert import params_to_proto
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.registry import WorkerInfo
@@ -65,6 +74,18 @@ class PromptSlot:
             self.router.ended(self.worker.worker_id, self.num_tokens)
 
 
+@dataclass
+class Resumed:
+    """What a request had streamed to the client: where a migrated request picks up."""
+
+    token_ids: list[int]
+    num_chars: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.token_ids.extend(chunk.new_token_ids)
+        self.num_chars += len(chunk.new_text)
+
+
 class RequestFlow:
     def __init__(
         self,
@@ -75,16 +96,27 @@ class RequestFlow:
         tracer: trace.Tracer | None = None,
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
+        self._lookup_failures = RepeatedFailureLog(
+            logger, "the block directory lookup (routing by load meanwhile)"
+        )
         self._pool = pool
         self._router = router
         self._directory = directory
         self._states = states
 
     async def colocated(
-        self, request: GenerationRequest, worker: WorkerInfo, queued: QueuedPrompt
+        self,
+        request: GenerationRequest,
+        worker: WorkerInfo,
+        queued: QueuedPrompt,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[GenerationChunk]:
+        """The worker computes the prompt and decodes. `resumed`: what another worker had
+        streamed before it died (migration); this one computes it with the prompt and goes on."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
-        call = self._generate(worker, request, compute_prompt=True, metadata=grpc_metadata())
+        call = self._generate(
+            worker, request, compute_prompt=True, metadata=grpc_metadata(), resumed=resumed
+        )
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
         try:
             async for message in messages(call, worker.worker_id):
@@ -133,7 +165,9 @@ class RequestFlow:
                 if message.delta.finished:
                     return
                 message = await read(decode_call, decode.worker_id)
-            raise BackendError(f"{decode.worker_id} ended the stream before the request finished")
+            raise WorkerLostError(
+                f"{decode.worker_id} ended the stream before the request finished"
+            )
         finally:
             if decode_next is not None:
                 decode_next.cancel()
@@ -192,7 +226,12 @@ class RequestFlow:
                         f"{prefill.worker_id} sent the KV blocks but did not answer within "
                         f"{destination.lease_seconds:g} s (hung or dead)"
                     )
-            return await answer
+            try:
+                return await answer
+            except InvalidRequestError:
+                raise
+            except BackendError as error:
+                raise PrefillFailedError(str(error), prefill.worker_id) from None
         finally:
             answer.cancel()
             call.cancel()  # a no-op once answered
@@ -209,8 +248,8 @@ class RequestFlow:
             cached = await self._directory.longest_prefixes(
                 hashes, [w.worker_id for w in candidates]
             )
-        except Exception:
-            logger.warning("block directory lookup failed; routing by load", exc_info=True)
+        except Exception as error:
+            self._lookup_failures.failed(error)
             cached = {}
         cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
         num_tokens = len(request.prompt_token_ids)
@@ -227,6 +266,7 @@ class RequestFlow:
         request: GenerationRequest,
         compute_prompt: bool,
         metadata: tuple[tuple[str, str], ...],
+        resumed: Resumed | None = None,
     ) -> grpc.aio.UnaryStreamCall:
         stub = decode_pb2_grpc.DecodeServiceStub(self._pool.channel(worker.grpc_address))
         return stub.Generate(
@@ -235,6 +275,8 @@ class RequestFlow:
                 prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(request.params),
                 compute_prompt=compute_prompt,
+                resumed_output_token_ids=resumed.token_ids if resumed is not None else (),
+                resumed_text_chars=resumed.num_chars if resumed is not None else 0,
             ),
             metadata=metadata,
         )

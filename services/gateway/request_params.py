@@ -34,6 +34,16 @@ def check_common(request: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
+def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
+    """Token ids the request names must be the model's."""
+    for token_id in request.stop_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(
+                f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
+            )
+
+
 def check_completion(request: CompletionRequest) -> None:
     check_common(request)
     if request.suffix:

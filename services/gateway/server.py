@@ -40,6 +40,11 @@ class GatewayOptions(RoleSettings):
     access_log: bool = True
     # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
     otlp_traces_endpoint: str | None = None
+    max_request_body_mib: float = 32.0
+    # Moves of a request to another decode worker when the one streaming it dies.
+    migration_limit: int = 3
+    # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
+    api_key: str | None = None
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -84,6 +89,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             block_size=options.block_size,
             max_in_flight=options.max_in_flight,
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
+            migration_limit=options.migration_limit,
         ),
         tracing.tracer,
     )
@@ -104,6 +110,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
         max_model_len,
         vocab_size=model_config.vocab_size,
         extra_metrics=extra_metrics,
+        max_request_body_bytes=int(options.max_request_body_mib * 1024 * 1024),
+        api_keys=[options.api_key] if options.api_key else [],
     )
     instrument(app, tracing, untraced_paths=(HEALTH_PATH, METRICS_PATH))
     config = uvicorn.Config(

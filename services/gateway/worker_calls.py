@@ -30,6 +30,29 @@ class UpstreamTimeoutError(BackendError):
     error_type = "timeout"
 
 
+class PrefillFailedError(BackendError):
+    """A prefill worker failed a prompt (died, hung up, could not send the KV): another one may
+    compute it, since the client has seen nothing yet."""
+
+    def __init__(self, message: str, worker_id: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class WorkerUnreachableError(SaturatedError):
+    """A worker did not answer (gone, or its port closed): another one may."""
+
+
+class WorkerLostError(BackendError):
+    """A worker's call broke off mid-way (the worker died or hung up): a request it was decoding
+    can continue on another worker (migration)."""
+
+
+class TransferFailedError(BackendError):
+    """A decode worker refused or lost a prompt's KV transfer (a sender that died mid-way, bytes
+    that failed their checksum): its blocks are freed; the request may start over."""
+
+
 def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
     return GenerationChunk(
         new_token_ids=list(delta.token_ids),
@@ -52,7 +75,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeoutError(f"{worker}: {details}")
     if code is grpc.StatusCode.UNAVAILABLE:
-        return SaturatedError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+        return WorkerUnreachableError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.ABORTED:
+        return TransferFailedError(f"{worker}: {details}")
     return BackendError(f"{worker} failed ({code.name}): {details}")
 
 
@@ -71,7 +96,7 @@ async def rpc(call: Awaitable[T], worker: str) -> T:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise
-        raise BackendError(f"the call to {worker} was cancelled") from None
+        raise WorkerLostError(f"the call to {worker} was cancelled") from None
 
 
 async def await_call(call: grpc.aio.UnaryUnaryCall, worker: str) -> prefill_pb2.PrefillResponse:

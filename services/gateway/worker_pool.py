@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 # How long a channel to a worker that left the registry stays open for calls still on it.
 CHANNEL_LINGER_S = 120.0
+# A worker whose call just failed gets no new request for this long: about the registry's
+# heartbeat TTL, by when a dead worker has dropped out and a restarted one re-registered.
+FAILED_WORKER_PAUSE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class WorkerPool:
         self._refused: set[tuple[str, int]] = set()
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
+        self._failed_until: dict[str, float] = {}
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -81,8 +85,28 @@ class WorkerPool:
         await self._channels.close_all()
 
     def available(self, role: str) -> list[WorkerInfo]:
-        """The workers of `role` that take new requests (not draining)."""
-        return [w for w in self.workers if w.role == role and not w.draining]
+        """The workers of `role` that take new requests (not draining, not just failed)."""
+        now = time.monotonic()
+        return [
+            w
+            for w in self.workers
+            if w.role == role and not w.draining and self._failed_until.get(w.worker_id, 0) <= now
+        ]
+
+    def routable(self) -> list[WorkerInfo]:
+        """Every worker but those whose calls just failed."""
+        now = time.monotonic()
+        return [w for w in self.workers if self._failed_until.get(w.worker_id, 0) <= now]
+
+    def mark_failed(self, worker_id: str, for_s: float = FAILED_WORKER_PAUSE_S) -> None:
+        """A call to the worker just failed (it died or hung up): route nothing to it for a
+        while, rather than until its registry entry expires."""
+        self._failed_until[worker_id] = time.monotonic() + for_s
+        # Forget old marks: at most one per worker id ever seen, and few of those.
+        now = time.monotonic()
+        for known, until in list(self._failed_until.items()):
+            if until < now:
+                del self._failed_until[known]
 
     def channel(self, address: str) -> grpc.aio.Channel:
         return self._channels.get(address)

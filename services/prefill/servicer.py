@@ -22,6 +22,7 @@ from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.integrity import buffer_checksums
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
@@ -132,6 +133,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             generator_state=state.generator_state,
             destination=destination,
             trace_context=trace_context,
+            buffer_checksums=buffer_checksums(buffers),
         )
         nbytes = sum(header.buffer_nbytes)
         started = time.perf_counter()

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from nori.rpc.options import GRPC_OPTIONS
 from nori.settings import RoleSettings
+from nori.state.connection import connect
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
@@ -169,7 +170,7 @@ class Worker(ABC):
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
 
-        redis = self.redis = Redis.from_url(self.options.redis_url)
+        redis = self.redis = connect(self.options.redis_url)
         try:
             await redis.ping()
         except (RedisError, OSError) as error:

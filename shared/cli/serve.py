@@ -132,6 +132,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--max-in-flight", type=int, default=4096)
     gateway.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="when the decode worker streaming a request dies, continue it on another one "
+        "(from the tokens already streamed) at most this many times; 0: fail it",
+    )
+    gateway.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key as `Authorization: Bearer KEY` on the API (/health and /metrics "
+        "stay open; default: $NORI_API_KEY, else none)",
+    )
+    gateway.add_argument(
+        "--max-request-body-mib",
+        type=float,
+        default=32.0,
+        help="larger request bodies are refused with 413 before they are read",
+    )
+    gateway.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -248,6 +267,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         GatewayOptions,
         args,
         served_model_name=served_model_name(args.model, args.served_model_name),
+        # From the environment rather than a flag's default: --help must not print the key.
+        api_key=args.api_key or Environment.read().api_key,
     )
     asyncio.run(serve_gateway(options))
     return 0

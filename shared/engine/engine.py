@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from nori.engine.block_manager import BlockEvent, BlockManager
 from nori.engine.config import EngineConfig
-from nori.engine.kv_export import KVExport, TransferState
+from nori.engine.kv_export import KVExport, TransferState, generator_state
 from nori.engine.model_runner import ModelRunner, SampledToken
 from nori.engine.outputs import EngineLoad, RequestOutput
+from nori.engine.prompt_checks import validate_prompt
 from nori.engine.request import Request, RequestStatus
-from nori.engine.request_text import add_known_tokens, check_stop, make_output
+from nori.engine.request_text import add_known_tokens, check_stop, make_output, resume_text
 from nori.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nori.engine.step_cost import StepCostModel
 from nori.models.demo import resolve_model
@@ -80,8 +81,16 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         prefill_only: bool = False,
+        output_token_ids: Sequence[int] = (),
+        num_emitted_chars: int = 0,
     ) -> None:
-        """Queues a request. Raises ValueError for input the engine can never serve."""
+        """Queues a request. Raises ValueError for input the engine can never serve.
+
+        `output_token_ids`: a request resumed here after the worker decoding it died (migration):
+        the tokens it had sampled, already streamed with `num_emitted_chars` of their text. They
+        are computed with the prompt and count as output (max_tokens, penalties, stop checks);
+        sampling goes on after the last.
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -96,7 +105,11 @@ class LLMEngine:
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token has none; the rest as computed
+        for token_id in output_token_ids:
+            request.append_token(token_id)
         self._track(request)
+        if output_token_ids:
+            resume_text(request, list(output_token_ids), num_emitted_chars)
         self._scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -192,7 +205,7 @@ class LLMEngine:
             sampling_params=request.sampling_params,
             num_computed_tokens=request.num_computed_tokens,
             block_size=self.config.block_size,
-            generator_state=_generator_state(request.generator),
+            generator_state=generator_state(request.generator),
         )
         blocks = self._runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
         return KVExport(state=state, blocks=blocks)
@@ -316,17 +329,7 @@ class LLMEngine:
         self._requests[request.request_id] = request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; this model accepts at most "
-                f"{self.max_model_len - 1} (max_model_len {self.max_model_len} includes the output)"
-            )
+        validate_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
 
     def requests_holding_blocks(self) -> Iterable[Request]:
         return self._scheduler.requests()
@@ -392,7 +395,3 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raises AssertionError when the block bookkeeping is inconsistent."""
         self._block_manager.check_invariants(self._scheduler.requests())
-
-
-def _generator_state(generator: torch.Generator | None) -> bytes | None:
-    return None if generator is None else bytes(generator.get_state().tolist())

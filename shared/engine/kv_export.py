@@ -31,3 +31,8 @@ class KVExport:
     state: TransferState
     # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], in the request's order.
     blocks: torch.Tensor
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """A seeded request's RNG state as bytes, for the hand-off (None for an unseeded one)."""
+    return None if generator is None else bytes(generator.get_state().tolist())

@@ -39,6 +39,15 @@ def add_known_tokens(request: Request, token_ids: list[int]) -> None:
         request.text += request.detokenizer.add_token(token_id).new_text
 
 
+def resume_text(request: Request, token_ids: list[int], num_emitted_chars: int) -> None:
+    """A resumed request's known output (migration): through the detokenizer, so later text
+    continues it; the tokens and `num_emitted_chars` of their text count as already streamed
+    (text held back there, a possible stop string, is still to come)."""
+    add_known_tokens(request, token_ids)
+    request.num_emitted_tokens = len(request.output_token_ids)
+    request.num_emitted_chars = min(num_emitted_chars, len(request.text))
+
+
 def _flush(request: Request, status: RequestStatus) -> RequestStatus:
     assert request.detokenizer is not None
     request.text += request.detokenizer.flush().new_text

@@ -1,8 +1,9 @@
 """A whole cluster on one machine, each role its own OS process (`nori up`, end-to-end tests).
 
-The processes are exactly what containers run (`nori serve ROLE ...`); this only picks ports,
-passes the same Redis and namespace to all of them, waits until the gateway reports every role
-healthy, and stops them in order: the gateway first (no new requests), then the workers, each of
+The processes are exactly what containers run (`nori serve ROLE ...`); this passes the same Redis
+and namespace to all of them (workers bind ports of their own choosing and state them in the
+registry), waits until the gateway reports every role healthy, restarts a role that exits
+unexpectedly (`supervise`, what `nori up` runs), and stops them in order: the gateway first (no new requests), then the workers, each of
 which drains on SIGTERM. With a CPU plan (`nori.launch.cpu_plan`), each process gets its CPUs
 and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/MKL_NUM_THREADS.
 """
@@ -37,6 +38,18 @@ def _terminate_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _launch(
+    argv: list[str], env: dict[str, str], log_path: Path, mode: str
+) -> subprocess.Popen[bytes]:
+    with log_path.open(mode) as log:
+        if mode == "ab":
+            log.write(f"--- restarted at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
+            log.flush()
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_terminate_with_parent
+        )
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -46,6 +59,9 @@ def free_port() -> int:
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Raises ValueError when `host:port` cannot be bound (another server has it)."""
     with socket.socket() as probe:
+        # As the gateway's server binds: a port whose last connections linger in TIME_WAIT
+        # (a cluster stopped a moment ago) is free to listen on again.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
@@ -74,6 +90,9 @@ class ClusterSpec(RoleSettings):
     verbose: bool = False
     # The gateway's --chat-template (a file or a Jinja template), if any.
     chat_template: str | None = None
+    # The key the gateway's API requires (passed in its environment, not on its command line,
+    # where `ps` would show it); None: open.
+    api_key: str | None = None
     # Every process sends its spans here (OTLP/gRPC); None: the OTEL_* variables decide.
     otlp_traces_endpoint: str | None = None
     # Extra flags for every worker (engine options such as --num-kv-blocks).
@@ -83,15 +102,31 @@ class ClusterSpec(RoleSettings):
     cpu_plan: CpuPlan | None = None
 
 
+# A role that exits unexpectedly is restarted after 1, 2, 4, ... seconds, at most this long; one
+# that then runs this long has its backoff start again from 1 s.
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 60.0
+
+
 @dataclass
 class RoleProcess:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    # A worker's gRPC address ("" for the gateway).
+    # A worker's gRPC address ("" for the gateway), from the registry: a worker binds a port of
+    # its own choosing (no port picked here that another process could take first).
     grpc_address: str = ""
     # gateway, prefill, decode or colocated.
     role: str = ""
+    # How to start it again (supervision).
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    # When a restart is due (time.monotonic()); None: running, or left for good.
+    restart_at: float | None = None
+    # Exited with status 0 after draining (a SIGTERM sent to it alone): not restarted.
+    left: bool = False
 
     def log_tail(self, num_chars: int = 3000) -> str:
         try:
@@ -162,14 +197,14 @@ class LocalCluster:
         """Starts one more worker; it joins the running cluster through the registry.
         `extra_args` come last, so they override the cluster's worker flags."""
         serve_role = "decode" if role == "colocated" else role
-        port = free_port()
         args = [
             "serve",
             serve_role,
             "--host",
             "127.0.0.1",
+            # Port 0: the worker binds a free port itself and states it in the registry.
             "--port",
-            str(port),
+            "0",
             "--worker-id",
             worker_id,
             "--model",
@@ -185,12 +220,26 @@ class LocalCluster:
             args += ["--kv-lease-s", str(self.spec.kv_lease_s)]
             args += ["--kv-queue-timeout-s", str(self.spec.kv_queue_timeout_s)]
             args += ["--kv-transfer-timeout-s", str(self.spec.kv_transfer_timeout_s)]
-        worker = self._spawn(worker_id, role, [*args, *extra_args])
-        worker.grpc_address = f"127.0.0.1:{port}"
-        return worker
+        return self._spawn(worker_id, role, [*args, *extra_args])
 
     def worker(self, name: str) -> RoleProcess:
-        return next(p for p in self.processes if p.name == name)
+        """A worker process, with its gRPC address as it states it in the registry."""
+        found = next(p for p in self.processes if p.name == name)
+        if found.role != "gateway":
+            found.grpc_address = self._registered_address(name) or found.grpc_address
+        return found
+
+    def _registered_address(self, worker_id: str) -> str:
+        import redis
+
+        from nori.state.keys import Keys
+
+        client = redis.Redis.from_url(self.spec.redis_url)
+        try:
+            value = client.hget(Keys(self.spec.namespace).worker(worker_id), "grpc_address")
+        finally:
+            client.close()
+        return value.decode() if isinstance(value, bytes) else ""
 
     def _common_args(self) -> list[str]:
         args = ["--redis-url", self.spec.redis_url, "--namespace", self.spec.namespace]
@@ -204,27 +253,24 @@ class LocalCluster:
         assert self._log_dir is not None
         log_path = self._log_dir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if role == "gateway" and self.spec.api_key:
+            env["NORI_API_KEY"] = self.spec.api_key
         plan = self.spec.cpu_plan
         if plan is not None:
             ordinal = sum(1 for p in self.processes if p.role == role)
             placement = plan.placement(name, role, ordinal)
             args = [*args, *placement.serve_args()]
             env.update(placement.env())
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "nori.cli.main",
-                    *(["-v"] if self.spec.verbose else []),
-                    *args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_terminate_with_parent,
-            )
-        role_process = RoleProcess(name, process, log_path, role=role)
+        argv = [
+            sys.executable,
+            "-m",
+            "nori.cli.main",
+            *(["-v"] if self.spec.verbose else []),
+            *args,
+        ]
+        role_process = RoleProcess(
+            name, _launch(argv, env, log_path, "wb"), log_path, role=role, argv=argv, env=env
+        )
         self.processes.append(role_process)
         return role_process
 
@@ -251,6 +297,43 @@ class LocalCluster:
             f"the cluster was not healthy within {timeout_s:.0f}s (expected {expected}); "
             f"logs in {self._log_dir}"
         )
+
+    def supervise(self) -> list[str]:
+        """Restarts roles that exited unexpectedly, with backoff; what happened, one line each.
+
+        A worker that exits with status 0 drained and left on purpose (SIGTERM sent to it
+        alone): it is not restarted. Anything else (a crash, kill -9, an error) is restarted
+        after 1, 2, 4, ... s (at most MAX_RESTART_DELAY_S); the same worker id re-registers.
+        """
+        events = []
+        now = time.monotonic()
+        for role in self.processes:
+            if role.left:
+                continue
+            if role.restart_at is not None:
+                if now >= role.restart_at:
+                    role.restart_at = None
+                    role.restarts += 1
+                    role.started_at = now
+                    role.process = _launch(role.argv, role.env, role.log_path, "ab")
+                    events.append(f"{role.name} restarted (restart {role.restarts})")
+                continue
+            code = role.process.poll()
+            if code is None:
+                continue
+            if code == 0 and role.role != "gateway":
+                role.left = True
+                events.append(f"{role.name} left the cluster (drained, exit status 0)")
+                continue
+            if now - role.started_at > STABLE_AFTER_S:
+                role.restarts = 0
+            delay = min(MAX_RESTART_DELAY_S, 2.0**role.restarts)
+            role.restart_at = now + delay
+            events.append(
+                f"{role.name} exited with status {code}; restarting in {delay:g} s "
+                f"(log: {role.log_path})"
+            )
+        return events
 
     def check_alive(self) -> None:
         for role in self.processes:

@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import add_engine_args
-from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, settings_from
+from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
 
 if TYPE_CHECKING:
     from nori.launch.cpu_plan import CpuPlan
@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="every process sends its spans to this OTLP/gRPC collector, e.g. "
         "http://127.0.0.1:4317 (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
         "$OTEL_EXPORTER_OTLP_ENDPOINT; none: no tracing)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the key the gateway's API requires as `Authorization: Bearer KEY` "
+        "(default: $NORI_API_KEY, else none)",
     )
     parser.add_argument("--kv-lease-s", type=float, default=DEFAULT_KV_LEASE_S)
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
@@ -155,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         cpu_plan=cpu_plan,
         worker_args=extra_worker_args,
+        api_key=args.api_key or Environment.read().api_key,
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -174,8 +181,10 @@ def run(args: argparse.Namespace) -> int:
             f"\n  logs: {cluster.processes[0].log_path.parent}; Ctrl-C stops everything",
             flush=True,
         )
+        # Supervised: a role that dies is restarted; only Ctrl-C or SIGTERM stops the cluster.
         while not stop.wait(0.5):
-            cluster.check_alive()
+            for event in cluster.supervise():
+                print(f"nori: {event}", flush=True)
     except RuntimeError as error:
         print(f"nori: error: {error}", flush=True)
         return 1

@@ -28,6 +28,9 @@ from nori.sampling.chat_template import ChatTemplateError, render_chat_template,
 # sentencepiece-style byte-fallback pieces, one per byte value.
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
+# Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
+LONG_TEXT_CHARS = 32 * 1024
+
 
 class TokenizerLoadError(ValueError):
     """A model folder lacks a usable tokenizer, or one of its files is malformed."""
@@ -153,6 +156,11 @@ class Tokenizer:
         return frozenset(int(i) for i, token in added.items() if token.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            # The same ids; encode_batch lets go of the GIL while it works (encode does not),
+            # so a thread tokenizing a long text leaves the event loop running.
+            (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(encoding.ids)
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nori.repeated_log import RepeatedFailureLog
 from nori.state.requests import RequestStateStore
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,7 @@ class StateRecorder:
         self._max_pending = max_pending
         self._pending: set[asyncio.Task[None]] = set()
         self.dropped = 0
+        self._failures = RepeatedFailureLog(logger, "recording request states in Redis")
 
     def record(self, request_id: str, state: str, **fields: str | int | float) -> None:
         if len(self._pending) >= self._max_pending:
@@ -35,8 +37,8 @@ class StateRecorder:
     ) -> None:
         try:
             await self._store.set_state(request_id, state, **fields)
-        except Exception:
-            logger.warning("could not record state %s of %s", state, request_id, exc_info=True)
+        except Exception as error:
+            self._failures.failed(error)
 
     async def flush(self) -> None:
         if self._pending:

@@ -42,6 +42,8 @@ class TransferHeader:
     hand_off: HandOff
     # Byte size of each buffer that follows, in order.
     buffer_nbytes: tuple[int, ...]
+    # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
+    buffer_checksums: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -53,6 +55,7 @@ class TransferHeader:
         generator_state: bytes | None = None,
         destination: KVDestination | None = None,
         trace_context: Mapping[str, str] | None = None,
+        buffer_checksums: Sequence[int] = (),
     ) -> TransferHeader:
         """A header for `block_ids` of `destination` (a bare destination when None)."""
         where = KVDestination()
@@ -67,7 +70,7 @@ class TransferHeader:
             hand_off.generator_state = generator_state
         if trace_context:
             hand_off.trace_context.update(trace_context)
-        return cls(hand_off, tuple(buffer_nbytes))
+        return cls(hand_off, tuple(buffer_nbytes), tuple(buffer_checksums))
 
     @property
     def request_id(self) -> str:
@@ -93,10 +96,18 @@ class TransferHeader:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TransferHeader):
             return NotImplemented
-        return self.hand_off == other.hand_off and self.buffer_nbytes == other.buffer_nbytes
+        return (
+            self.hand_off == other.hand_off
+            and self.buffer_nbytes == other.buffer_nbytes
+            and self.buffer_checksums == other.buffer_checksums
+        )
 
     def to_bytes(self) -> bytes:
-        message = KVTransferHeader(hand_off=self.hand_off, buffer_nbytes=list(self.buffer_nbytes))
+        message = KVTransferHeader(
+            hand_off=self.hand_off,
+            buffer_nbytes=list(self.buffer_nbytes),
+            buffer_checksums=list(self.buffer_checksums),
+        )
         return _MAGIC + bytes([HEADER_VERSION]) + message.SerializeToString()
 
     @classmethod
@@ -125,7 +136,12 @@ class TransferHeader:
             raise ValueError("header field 'block_ids' must not hold negative block ids")
         if any(size < 0 for size in message.buffer_nbytes):
             raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
-        return cls(hand_off, tuple(message.buffer_nbytes))
+        checksums = tuple(message.buffer_checksums)
+        if checksums and len(checksums) != len(message.buffer_nbytes):
+            raise ValueError(
+                f"header has {len(checksums)} checksums for {len(message.buffer_nbytes)} buffers"
+            )
+        return cls(hand_off, tuple(message.buffer_nbytes), checksums)
 
 
 def encode_reply(reply: KVTransferReply) -> bytes:

@@ -168,3 +168,80 @@ def test_up_takes_the_model_first_and_the_engine_options_of_serve(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _pids(namespace: str, pattern: str) -> list[int]:
+    found = subprocess.run(
+        ["pgrep", "-f", "--", f"{pattern} .*--namespace {namespace}"], capture_output=True
+    )
+    return [int(pid) for pid in found.stdout.decode().split()]
+
+
+def _pid(namespace: str, pattern: str) -> int:
+    pids = _pids(namespace, pattern)
+    assert len(pids) == 1, (pattern, pids)
+    return pids[0]
+
+
+def _seconds_until_served(base: str, model: str, timeout_s: float = 60.0) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            response = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": model, "prompt": "Once upon a time", "max_tokens": 3},
+                timeout=10,
+            )
+            if response.status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not served again within {timeout_s} s")
+
+
+def test_up_restarts_a_role_that_dies_and_lets_a_drained_worker_leave(
+    redis_url: str, checkpoint: Path, tmp_path: Path
+) -> None:
+    port, namespace = free_port(), f"test-up-{uuid.uuid4().hex[:8]}"
+    args = ["--model", str(checkpoint), "--port", str(port), "--namespace", namespace]
+    process = start_up([*args, "--decode", "2", "--no-cpu-pinning"], redis_url, tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_line(process, "curl", timeout_s=180)
+        recovered = {}
+        for role, pattern in (
+            ("decode-0", "--worker-id decode-0"),
+            ("prefill-0", "--worker-id prefill-0"),
+            ("gateway", "serve gateway"),
+        ):
+            killed = _pid(namespace, pattern)
+            os.kill(killed, signal.SIGKILL)
+            recovered[role] = _seconds_until_served(base, checkpoint.name)
+            deadline = time.monotonic() + 30
+            while _pids(namespace, pattern) in ([], [killed]):  # running again, a new process
+                assert time.monotonic() < deadline, f"{role} was not restarted"
+                time.sleep(0.2)
+        assert all(seconds < 10 for seconds in recovered.values()), recovered
+        # SIGTERM to one worker alone: it drains and leaves for good; the rest serve on.
+        drained = _pid(namespace, "--worker-id decode-1")
+        os.kill(drained, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while subprocess.run(["kill", "-0", str(drained)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "decode-1 did not leave"
+            time.sleep(0.2)
+        time.sleep(2)  # a supervision round or more
+        assert _seconds_until_served(base, checkpoint.name) < 10
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=90)
+        assert process.returncode == 0, output
+        for role in recovered:
+            assert f"nori: {role} exited with status -9; restarting in 1 s" in output, output
+            assert f"nori: {role} restarted (restart 1)" in output, output
+        assert "nori: decode-1 left the cluster (drained, exit status 0)" in output, output
+        assert "decode-1 restarted" not in output
+        assert not processes_of(namespace)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

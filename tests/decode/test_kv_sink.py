@@ -10,7 +10,8 @@ import torch
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
 from nori.decode.lease import LeaseState
 from nori.transfer.base import TransferRejected
-from nori.transfer.handoff import TransferHeader
+from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.integrity import buffer_checksums
 from nori.worker.kv_layout import destination_buffers
 
 
@@ -20,9 +21,29 @@ def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.T
     return DecodeKVSink(cache, transfer_timeout_s=1.0, on_receiving=on_receiving), cache
 
 
-def header(request_id: str, block_ids: list[int], cache: torch.Tensor) -> TransferHeader:
-    sizes = [b.nbytes for b in destination_buffers(cache, block_ids)]
-    return TransferHeader.of(request_id, block_ids, sizes, output_token_ids=[7])
+def header(
+    request_id: str,
+    block_ids: list[int],
+    cache: torch.Tensor,
+    sink: DecodeKVSink | None = None,
+    fill: float = 0.0,
+    checksums: bool = True,
+) -> TransferHeader:
+    """A sender's header for `block_ids`: sizes, the reservation's epoch (from `sink`), and the
+    checksums of buffers holding `fill`."""
+    buffers = destination_buffers(cache, block_ids)
+    lease = sink.lease(request_id) if sink is not None else None
+    destination = KVDestination(lease_epoch=lease.epoch if lease is not None else 0)
+    return TransferHeader.of(
+        request_id,
+        block_ids,
+        [b.nbytes for b in buffers],
+        output_token_ids=[7],
+        destination=destination,
+        buffer_checksums=buffer_checksums([torch.full_like(b, fill) for b in buffers])
+        if checksums
+        else (),
+    )
 
 
 async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> None:
@@ -32,12 +53,17 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
     with pytest.raises(TransferRejected, match="no reserved blocks"):
         sink.destinations(header("other", [3, 4], cache))
     with pytest.raises(TransferRejected, match="differ from the reservation"):
-        sink.destinations(header("r1", [3, 5], cache))
-    bad_sizes = TransferHeader.of("r1", [3, 4], [1, 2, 3])
+        sink.destinations(header("r1", [3, 5], cache, sink))
+    epoch = KVDestination(lease_epoch=sink.lease("r1").epoch)  # type: ignore[union-attr]
+    bad_sizes = TransferHeader.of("r1", [3, 4], [1, 2, 3], destination=epoch)
     with pytest.raises(TransferRejected, match="buffer sizes"):
         sink.destinations(bad_sizes)
+    with pytest.raises(TransferRejected, match="names reservation 0"):
+        sink.destinations(header("r1", [3, 4], cache))  # an earlier reservation's sender
+    with pytest.raises(TransferRejected, match="0 checksums for 4 buffers"):
+        sink.destinations(header("r1", [3, 4], cache, sink, checksums=False))
 
-    good = header("r1", [3, 4], cache)
+    good = header("r1", [3, 4], cache, sink, fill=1.0)
     assert receiving == []  # refused transfers are not "transferring"
     buffers = sink.destinations(good)
     assert receiving == ["r1"]
@@ -63,7 +89,7 @@ async def test_an_expired_lease_refuses_late_transfers() -> None:
 async def test_a_transfer_under_way_holds_the_lease_until_it_ends() -> None:
     sink, cache = make_sink()
     sink.expect("r1", [1], lease_s=0.05)
-    started = header("r1", [1], cache)
+    started = header("r1", [1], cache, sink)
     sink.destinations(started)
     waiter = asyncio.ensure_future(sink.wait("r1"))
     await asyncio.sleep(0.2)  # past the lease, but bytes are landing: the blocks stay reserved
@@ -83,7 +109,7 @@ async def test_renewals_keep_the_blocks_past_the_lease_and_silence_frees_them() 
         assert sink.renew("r1", started=step >= 4)
         assert not waiter.done()
     assert sink.state("r1") is LeaseState.COMPUTING
-    started = header("r1", [2], cache)
+    started = header("r1", [2], cache, sink)
     sink.destinations(started)
     sink.completed(started, sum(started.buffer_nbytes))
     assert list((await waiter).output_token_ids) == [7]
@@ -125,3 +151,23 @@ async def test_a_transfer_is_refused_once_the_deadline_passed_even_before_the_wa
     with pytest.raises(TransferRejected, match="has expired"):
         sink.destinations(header("r1", [0], cache))
     assert sink.renew("unknown", started=True) is False
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "short"])
+async def test_a_corrupted_or_truncated_transfer_is_refused_and_never_decoded(damage: str) -> None:
+    sink, cache = make_sink()
+    sink.expect("r1", [3, 4], lease_s=5)
+    sent = header("r1", [3, 4], cache, sink, fill=1.0)
+    buffers = sink.destinations(sent)
+    for buffer in buffers:
+        buffer.fill_(1.0)
+    nbytes = sum(sent.buffer_nbytes)
+    if damage == "flipped byte":
+        buffers[1].reshape(-1).view(torch.uint8)[5] ^= 0x10  # a view: the byte lands in the cache
+    else:
+        nbytes -= 4
+    sink.completed(sent, nbytes)
+    with pytest.raises(TransferRejected, match="corrupted KV transfer"):
+        await sink.wait("r1")
+    assert sink.state("r1") is LeaseState.FAILED
+    assert sink.checksum_failures == 1 and sink.transfers_completed == 0

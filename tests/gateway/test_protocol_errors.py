@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,11 @@ from tests.gateway.app_helpers import MAX_MODEL_LEN, MODEL, assert_error, client
 from tests.gateway.helpers import FakeBackend, chunk, sse_json
 
 pytestmark = pytest.mark.asyncio
+
+
+def _escaped(body: dict[str, Any]) -> bytes:
+    """JSON with \\u escapes: how a client sends a lone surrogate (it has no UTF-8 form)."""
+    return json.dumps(body, ensure_ascii=True).encode()
 
 
 # ----------------------------------------------------------------------------- errors
@@ -53,6 +59,12 @@ pytestmark = pytest.mark.asyncio
         ({"prompt": [[]]}, "empty", "prompt"),
         ({"prompt": [1, 512]}, "out of the vocabulary range [0, 512): [512]", "prompt"),
         ({"prompt": [1, -3]}, "[-3]", "prompt"),
+        # Valid JSON, not valid text: a lone surrogate cannot be encoded for the tokenizer.
+        (_escaped({"prompt": "hi \ud800"}), "prompt holds a lone UTF-16 surrogate", None),
+        (_escaped({"prompt": ["ok", "\udfff"]}), "prompt.1 holds a lone UTF-16 surrogate", None),
+        (_escaped({"prompt": "hi", "stop": ["\ud800"]}), "stop.0 holds a lone", None),
+        ({"prompt": "hi", "stop_token_ids": [10**12]}, "outside the vocabulary", "stop_token_ids"),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "outside the vocabulary", "stop_token_ids"),
     ],
 )
 async def test_completion_input_errors_are_400(
@@ -75,6 +87,10 @@ async def test_completion_input_errors_are_400(
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"content": "hi"}]}, "role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (
+            _escaped({"messages": [{"role": "user", "content": "\ud800"}]}),
+            "messages.0.content holds",
+        ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "Unknown role: wizard"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

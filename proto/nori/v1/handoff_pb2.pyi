@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds")
+    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds", "lease_epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     grpc_address: str
     lease_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class HandOff(_message.Message):
     __slots__ = ("request_id", "destination", "output_token_ids", "generator_state", "trace_context")
@@ -42,12 +44,14 @@ class HandOff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("hand_off", "buffer_nbytes")
+    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums")
     HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     hand_off: HandOff
     buffer_nbytes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffer_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
     __slots__ = ("accepted", "rejected", "done_nbytes")

@@ -1,0 +1,143 @@
+"""Faults with real processes: a prefill worker killed under load (its prompts are computed
+again on the other one), a decode worker killed under load (its streams continue on the other
+one, token-exact for greedy requests); no request fails and no KV block is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nori.engine.llm import LLM
+from nori.launch.local_cluster import LocalCluster
+from nori.sampling.params import SamplingParams
+from tests.cluster.conftest import start_cluster
+from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_prefill_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    running = start_cluster(
+        redis_url, checkpoint, tmp_path_factory.mktemp("logs"), num_prefill=2, num_decode=1
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
+    two_prefill_cluster: LocalCluster,
+) -> None:
+    cluster = two_prefill_cluster
+    baseline = idle_free_blocks(cluster)["decode-0"]
+    # ~100 tokens: 16 of them fit the decode worker's 256 blocks with room to spare.
+    prompt = "Once upon a time there was a little cat who liked to play. " * 8
+
+    def complete(index: int) -> httpx.Response:
+        return httpx.post(
+            f"{cluster.url}/v1/completions",
+            json={
+                "model": model_name(cluster),
+                "prompt": f"{index} {prompt}",
+                "max_tokens": 8,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(complete, index) for index in range(16)]
+        time.sleep(0.5)  # prompts are queued, computing and in transfer on both workers
+        victim = cluster.worker("prefill-0").process
+        os.kill(victim.pid, signal.SIGKILL)
+        responses = [future.result() for future in futures]
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    failed = [(r.status_code, r.text) for r in responses if r.status_code != 200]
+    assert not failed, failed
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    # After the kill, requests go to the surviving worker straight away.
+    assert complete(99).status_code == 200
+    assert idle_free_blocks(cluster)["decode-0"] == baseline
+
+
+@pytest.fixture(scope="module")
+def two_decode_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    running = start_cluster(
+        redis_url, checkpoint, tmp_path_factory.mktemp("logs"), num_prefill=1, num_decode=2
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
+    two_decode_cluster: LocalCluster, checkpoint: Path
+) -> None:
+    cluster = two_decode_cluster
+    baseline = idle_free_blocks(cluster)
+    prompts = [f"Story {index}: once upon a time, a little" for index in range(32)]
+    max_tokens = 48
+    offline = LLM(str(checkpoint), dtype="float32", num_kv_blocks=512)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(prompts, greedy, use_tqdm=False)]
+    started = threading.Barrier(len(prompts) + 1, timeout=120)
+
+    def stream(prompt: str) -> tuple[str, float, int]:
+        """The streamed text, the longest wait between two events, the completion tokens."""
+        body = {
+            "model": model_name(cluster), "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        text, longest, tokens = "", 0.0, 0
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            last = time.monotonic()
+            first = True
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                if event["choices"]:
+                    text += event["choices"][0]["text"]
+                    if first:
+                        first = False
+                        started.wait()
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        return text, longest, tokens
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        futures = [pool.submit(stream, prompt) for prompt in prompts]
+        started.wait()  # every stream has its first tokens: half of them on each decode worker
+        victim = cluster.worker("decode-0").process
+        os.kill(victim.pid, signal.SIGKILL)
+        results = [future.result() for future in futures]
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    texts = [text for text, _, _ in results]
+    assert texts == expected  # no token lost, repeated or changed
+    assert all(tokens == max_tokens for _, _, tokens in results)
+    assert max(longest for _, longest, _ in results) < 10.0
+    log = cluster.worker("gateway").log_path.read_text()
+    assert "continuing on another decode worker" in log
+    after = idle_free_blocks(cluster)
+    assert after == {"prefill-0": baseline["prefill-0"], "decode-1": baseline["decode-1"]}
