@@ -74,6 +74,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_compare(commands: argparse._SubParsersAction) -> None:
+    soak = commands.add_parser(
+        "soak",
+        help="sustained serving load on one cluster: throughput, every role's RSS and KV blocks "
+        "over time; JSON and a PNG",
+    )
+    soak.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
+    soak.add_argument("--window-s", type=float, default=30.0, help="seconds between samples")
+    soak.add_argument("--model", default="demo", help="model folder, or demo, small")
+    soak.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    soak.add_argument("--decode", type=int, default=1, help="decode workers")
+    soak.add_argument("--max-concurrency", type=int, default=16)
+    soak.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    soak.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    soak.add_argument("--worker-args", default="", metavar="'ARGS'", help="engine options")
+    soak.add_argument("--out-dir", default=".", help="where soak.json and soak.png go")
+    soak.add_argument("--json", action="store_true", help="also print the report as JSON")
+    soak.set_defaults(handler=run_soak)
+
     compare = commands.add_parser(
         "compare",
         help="the same bench serve workload on `nori up --colocated` and on `nori up`, in turn, "
@@ -190,6 +208,46 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
         startup_timeout_s=args.startup_timeout_s,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    import signal
+    from dataclasses import replace
+    from pathlib import Path
+
+    from nori.bench.soak import SoakSettings, plot_soak
+    from nori.bench.soak import run_soak as soak
+    from nori.cli.engine_args import worker_args
+
+    defaults = SoakSettings()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = SoakSettings(
+        minutes=args.minutes,
+        window_s=args.window_s,
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        workload=replace(
+            defaults.workload,
+            max_concurrency=args.max_concurrency,
+            random_input_len=args.input_len,
+            random_output_len=args.output_len,
+        ),
+        worker_args=worker_args(args.worker_args),
+        log_dir=out / "logs",
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = soak(settings, lambda line: print(f"nori: {line}", file=sys.stderr, flush=True))
+    except (RuntimeError, TimeoutError) as error:
+        print(f"nori: error: {error}", file=sys.stderr)
+        return 1
+    (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_soak(report, str(out / "soak.png"))
+    summary = {key: value for key, value in report.items() if key != "windows"}
+    print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
+    return 0
 
 
 def run_compare(args: argparse.Namespace) -> int:
