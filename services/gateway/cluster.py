@@ -210,7 +210,7 @@ class ClusterBackend:
                 # The prompt's prefill worker died, hung up or sent bad KV: its decode
                 # reservation is already released (the decode call was cancelled); start over
                 # on another prefill worker, while the client has seen nothing.
-                if isinstance(error, PrefillFailedError):
+                if isinstance(error, PrefillFailedError) and error.unreachable:
                     self.pool.mark_failed(error.worker_id)
                 restarts += 1
                 if streamed.token_ids or restarts >= self.options.prefill_attempts:

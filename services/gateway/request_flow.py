@@ -40,6 +40,7 @@ from nori.gateway.worker_calls import (
     PrefillFailedError,
     UpstreamTimeoutError,
     WorkerLostError,
+    WorkerUnreachableError,
     await_call,
     chunk_from_delta,
     messages,
@@ -231,7 +232,8 @@ class RequestFlow:
             except InvalidRequestError:
                 raise
             except BackendError as error:
-                raise PrefillFailedError(str(error), prefill.worker_id) from None
+                unreachable = isinstance(error, WorkerUnreachableError | WorkerLostError)
+                raise PrefillFailedError(str(error), prefill.worker_id, unreachable) from None
         finally:
             answer.cancel()
             call.cancel()  # a no-op once answered

@@ -34,9 +34,11 @@ class PrefillFailedError(BackendError):
     """A prefill worker failed a prompt (died, hung up, could not send the KV): another one may
     compute it, since the client has seen nothing yet."""
 
-    def __init__(self, message: str, worker_id: str) -> None:
+    def __init__(self, message: str, worker_id: str, unreachable: bool = False) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+        # The worker itself is gone (its calls fail at the connection), not just this prompt.
+        self.unreachable = unreachable
 
 
 class WorkerUnreachableError(SaturatedError):

@@ -85,18 +85,24 @@ class WorkerPool:
         await self._channels.close_all()
 
     def available(self, role: str) -> list[WorkerInfo]:
-        """The workers of `role` that take new requests (not draining, not just failed)."""
-        now = time.monotonic()
-        return [
-            w
-            for w in self.workers
-            if w.role == role and not w.draining and self._failed_until.get(w.worker_id, 0) <= now
-        ]
+        """The workers of `role` that take new requests (not draining), without those whose
+        calls just failed unless that would leave none (a failure mark is a hint, never a
+        reason to refuse a request)."""
+        taking = [w for w in self.workers if w.role == role and not w.draining]
+        return self._healthy_first(taking)
 
     def routable(self) -> list[WorkerInfo]:
-        """Every worker but those whose calls just failed."""
+        """Every worker, without those whose calls just failed unless that leaves no decode
+        (or colocated) worker."""
+        healthy = self._healthy_first(self.workers)
+        if any(w.role in ("decode", "colocated") for w in healthy):
+            return healthy
+        return list(self.workers)
+
+    def _healthy_first(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         now = time.monotonic()
-        return [w for w in self.workers if self._failed_until.get(w.worker_id, 0) <= now]
+        healthy = [w for w in workers if self._failed_until.get(w.worker_id, 0) <= now]
+        return healthy or list(workers)
 
     def mark_failed(self, worker_id: str, for_s: float = FAILED_WORKER_PAUSE_S) -> None:
         """A call to the worker just failed (it died or hung up): route nothing to it for a

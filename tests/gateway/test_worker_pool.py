@@ -38,3 +38,22 @@ def test_workers_that_state_no_size_are_kept_and_none_is_known_without_one() -> 
     assert agreement.block_size == 16
     assert ids(agreement.members) == ["old-version", "new"] and agreement.refused == []
     assert agree_on_block_size([], expected=None).block_size is None
+
+
+def test_a_failure_mark_steers_requests_away_but_never_leaves_none() -> None:
+    from nori.gateway.worker_pool import WorkerPool
+
+    pool = WorkerPool(registry=None, block_size=16)  # type: ignore[arg-type]
+    pool.workers = [
+        WorkerInfo(worker_id="p0", role="prefill"),
+        WorkerInfo(worker_id="p1", role="prefill"),
+        WorkerInfo(worker_id="d0", role="decode"),
+    ]
+    pool.mark_failed("p0")
+    assert ids(pool.available("prefill")) == ["p1"]
+    pool.mark_failed("p1")  # every prefill worker marked: the marks are only a hint
+    assert ids(pool.available("prefill")) == ["p0", "p1"]
+    pool.mark_failed("d0")
+    assert "d0" in ids(pool.routable())
+    pool.mark_failed("p0", for_s=-1.0)  # an expired mark
+    assert ids(pool.available("prefill")) == ["p0"]
