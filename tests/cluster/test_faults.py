@@ -25,17 +25,23 @@ from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def two_prefill_cluster(
-    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+def _cluster(
+    redis_url: str, checkpoint: Path, logs: Path, num_prefill: int, num_decode: int
 ) -> Iterator[LocalCluster]:
     running = start_cluster(
-        redis_url, checkpoint, tmp_path_factory.mktemp("logs"), num_prefill=2, num_decode=1
+        redis_url, checkpoint, logs, num_prefill=num_prefill, num_decode=num_decode
     )
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def two_prefill_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 2, 1)
 
 
 def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
@@ -77,13 +83,7 @@ def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
 def two_decode_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    running = start_cluster(
-        redis_url, checkpoint, tmp_path_factory.mktemp("logs"), num_prefill=1, num_decode=2
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
+    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 1, 2)
 
 
 def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
