@@ -15,20 +15,21 @@ between the first window and the last, and no leaked block.
 from __future__ import annotations
 
 import time
-import urllib.request
-import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from nori.bench.cluster_probe import (
+    BenchCluster,
+    idle_free_blocks,
+    sample_cluster,
+    start_bench_cluster,
+    worker_metrics_addresses,
+)
 from nori.bench.serve.runner import run_benchmark_sync
 from nori.bench.serve.settings import ServeBenchSettings
-from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
-from nori.launch.redis_server import redis_for_cluster
 from nori.models.demo import resolve_model
 from nori.sampling.tokenizer import Tokenizer
 
@@ -64,99 +65,24 @@ class SoakSettings:
             raise ValueError("--minutes and --window-s must be positive")
 
 
-def rss_bytes(pid: int) -> int:
-    """A process's resident set, from /proc (0 once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def scrape(address: str) -> dict[str, float]:
-    """A worker's unlabelled samples from its /metrics."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.labels
-    }
-
-
-def worker_metrics_addresses(cluster: LocalCluster) -> dict[str, str]:
-    import redis
-
-    from nori.state.keys import Keys
-
-    client = redis.Redis.from_url(cluster.spec.redis_url)
-    try:
-        addresses = {}
-        for process in cluster.processes:
-            if process.role == "gateway":
-                continue
-            key = Keys(cluster.spec.namespace).worker(process.name)
-            value = client.hget(key, "metrics_address")
-            if isinstance(value, bytes) and value:
-                addresses[process.name] = value.decode()
-        return addresses
-    finally:
-        client.close()
-
-
-def _window_sample(cluster: LocalCluster, addresses: dict[str, str]) -> dict[str, Any]:
-    blocks = {}
-    for name, address in addresses.items():
-        figures = scrape(address)
-        blocks[name] = {
-            "free": int(figures.get("nori_kv_blocks_free", 0)),
-            "total": int(figures.get("nori_kv_blocks_total", 0)),
-        }
-    return {
-        "rss_mib": {p.name: rss_bytes(p.process.pid) / 2**20 for p in cluster.processes},
-        "kv_blocks": blocks,
-    }
-
-
-def _idle_free_blocks(addresses: dict[str, str], timeout_s: float = 60.0) -> dict[str, int]:
-    """Each worker's free blocks once nothing runs or waits (the end of a window's stragglers)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        figures = {name: scrape(address) for name, address in addresses.items()}
-        busy = any(
-            f.get("nori_num_requests_running", 0) + f.get("nori_num_requests_waiting", 0)
-            for f in figures.values()
-        )
-        if not busy or time.monotonic() > deadline:
-            return {name: int(f.get("nori_kv_blocks_free", 0)) for name, f in figures.items()}
-        time.sleep(0.2)
-
-
 def run_soak(settings: SoakSettings, log: Callable[[str], None]) -> dict[str, Any]:
     model_dir = resolve_model(settings.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     with ExitStack() as stack:
-        redis_url, redis_server = redis_for_cluster()
-        if redis_server is not None:
-            stack.callback(redis_server.stop)
-        spec = ClusterSpec(
-            redis_url=redis_url,
-            model=str(model_dir),
-            num_prefill=settings.num_prefill,
-            num_decode=settings.num_decode,
-            port=free_port(),
-            namespace=f"soak-{uuid.uuid4().hex[:8]}",
-            served_model_name=model_dir.name,
-            worker_args=settings.worker_args,
-            log_dir=settings.log_dir,
+        cluster = start_bench_cluster(
+            stack,
+            BenchCluster(
+                model_dir=model_dir,
+                num_prefill=settings.num_prefill,
+                num_decode=settings.num_decode,
+                worker_args=settings.worker_args,
+                log_dir=settings.log_dir,
+                startup_timeout_s=settings.startup_timeout_s,
+                name="soak",
+            ),
         )
-        cluster = stack.enter_context(LocalCluster(spec))
-        cluster.start(timeout_s=settings.startup_timeout_s)
         addresses = worker_metrics_addresses(cluster)
-        start_free = _idle_free_blocks(addresses)
+        start_free = idle_free_blocks(addresses)
         windows: list[dict[str, Any]] = []
         started = time.monotonic()
         deadline = started + settings.minutes * 60
@@ -172,7 +98,7 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None]) -> dict[str, An
                 seed=settings.workload.seed + len(windows),
             )
             metrics = run_benchmark_sync(workload, tokenizer=tokenizer).metrics
-            sample = _window_sample(cluster, addresses)
+            sample = sample_cluster(cluster, addresses)
             windows.append(
                 {
                     "t_s": round(time.monotonic() - started, 1),
@@ -187,7 +113,7 @@ def run_soak(settings: SoakSettings, log: Callable[[str], None]) -> dict[str, An
                 f"{metrics.completed} completed, {metrics.failed} failed; RSS MiB "
                 + ", ".join(f"{k} {v:.0f}" for k, v in sample["rss_mib"].items())
             )
-        end_free = _idle_free_blocks(addresses)
+        end_free = idle_free_blocks(addresses)
         log("stopping the cluster...")
     return soak_report(settings, windows, start_free, end_free)
 

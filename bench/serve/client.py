@@ -110,7 +110,10 @@ async def send_request(
         ):
             if response.status != 200:
                 message = response_error_text(await response.read())
-                return record(f"HTTP {response.status}: {message}")
+                # Kept in the reason: an overload run checks that every 429 says when to retry.
+                retry_after = response.headers.get("Retry-After")
+                hint = f" [Retry-After: {retry_after}]" if retry_after else ""
+                return record(f"HTTP {response.status}: {message}{hint}")
             # Iterating the body yields it line by line.
             async for raw_line in response.content:
                 payload = data_payload(raw_line.decode("utf-8"))

@@ -42,8 +42,9 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         lease_s: float,
         is_draining: Callable[[], bool],
         telemetry: WorkerTelemetry,
+        max_open_calls: int,
     ) -> None:
-        super().__init__(worker_id, engine, streams, is_draining, telemetry)
+        super().__init__(worker_id, engine, streams, is_draining, telemetry, max_open_calls)
         self._sink = sink
         self._states = states
         self._transfer_address = transfer_address

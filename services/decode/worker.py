@@ -86,6 +86,7 @@ class DecodeWorker(Worker):
             lease_s=self.lease_s,
             is_draining=lambda: self.draining,
             telemetry=self.telemetry,
+            max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
         )
 
     def add_servicers(self, server: grpc.aio.Server) -> None:

@@ -9,7 +9,9 @@ request would take it past
     max_queued_prompt_tokens x (live workers that compute prompts)
 
 so the bound grows with the pool. A request arriving at an empty queue is always admitted however
-long it is, else a prompt longer than the bound could never be served.
+long it is, else a prompt longer than the bound could never be served. The prompts of one HTTP
+request (a batch, or n choices) are one request here: once its first is admitted, the rest are
+too, else a batch larger than the bound would be refused forever, even by an idle cluster.
 
 The default of 8192 tokens per worker is four engine steps at the default step budget
 (`--max-num-batched-tokens` 2048): every admitted prompt has started within about four steps, so
@@ -42,6 +44,8 @@ class PromptQueue:
     queued_tokens: int = 0
     # (time, prompt tokens) of recent prefills: the drain rate.
     _drained: deque[tuple[float, int]] = field(default_factory=deque)
+    # Admission groups with members admitted and still waiting: how many.
+    _groups: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_worker < 0:
@@ -54,10 +58,19 @@ class PromptQueue:
             return None  # no bound, or no worker: routing answers 503 then
         return self.max_tokens_per_worker * num_workers
 
-    def admit(self, num_tokens: int, num_workers: int, now: float) -> QueuedPrompt:
-        """Counts the prompt in, or raises QueueFullError (429 with Retry-After)."""
+    def admit(
+        self, num_tokens: int, num_workers: int, now: float, group: str | None = None
+    ) -> QueuedPrompt:
+        """Counts the prompt in, or raises QueueFullError (429 with Retry-After). A prompt of a
+        `group` that already has members waiting is admitted with them."""
         bound = self.bound(num_workers)
-        if bound is not None and self.queued_tokens > 0 and self.queued_tokens + num_tokens > bound:
+        joins_group = group is not None and self._groups.get(group, 0) > 0
+        if (
+            not joins_group
+            and bound is not None
+            and self.queued_tokens > 0
+            and self.queued_tokens + num_tokens > bound
+        ):
             excess = self.queued_tokens + num_tokens - bound
             raise QueueFullError(
                 f"the prefill queue is full: {self.queued_tokens} prompt tokens are waiting "
@@ -66,7 +79,9 @@ class PromptQueue:
                 retry_after_s=self.retry_after_s(excess, now),
             )
         self.queued_tokens += num_tokens
-        return QueuedPrompt(self, num_tokens)
+        if group is not None:
+            self._groups[group] = self._groups.get(group, 0) + 1
+        return QueuedPrompt(self, num_tokens, group)
 
     def drain_rate(self, now: float) -> float | None:
         """Prompt tokens prefilled per second lately; None when none were."""
@@ -83,8 +98,12 @@ class PromptQueue:
             return 1.0
         return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / rate)))
 
-    def _leave(self, num_tokens: int, now: float | None) -> None:
+    def _leave(self, num_tokens: int, now: float | None, group: str | None) -> None:
         self.queued_tokens -= num_tokens
+        if group is not None:
+            self._groups[group] -= 1
+            if not self._groups[group]:
+                del self._groups[group]
         if now is not None:
             self._drained.append((now, num_tokens))
 
@@ -92,19 +111,20 @@ class PromptQueue:
 class QueuedPrompt:
     """One admitted prompt's place in the count; leaves it exactly once."""
 
-    def __init__(self, queue: PromptQueue, num_tokens: int) -> None:
+    def __init__(self, queue: PromptQueue, num_tokens: int, group: str | None = None) -> None:
         self._queue = queue
         self.num_tokens = num_tokens
+        self._group = group
         self._left = False
 
     def prefilled(self, now: float) -> None:
         """Its first token came back: the prompt no longer waits (and counts for the drain rate)."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, now)
+            self._queue._leave(self.num_tokens, now, self._group)
 
     def abandon(self) -> None:
         """Failed or cancelled before its first token."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, None)
+            self._queue._leave(self.num_tokens, None, self._group)

@@ -21,6 +21,9 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The prompts (and choices) of one HTTP request share it: admission takes them as one, so a
+    # batch larger than the queue bound is served whole rather than refused forever.
+    admission_group: str | None = None
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,14 @@ from nori.gateway.worker_calls import (
     DecodeFullError,
     PrefillFailedError,
     TransferFailedError,
+    WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
 )
 from nori.gateway.worker_pool import WorkerPool
 from nori.settings import RoleSettings
 from nori.state.block_directory import BlockDirectory
-from nori.state.connection import connect
+from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore
@@ -66,6 +67,16 @@ class ClusterOptions(RoleSettings):
     prefill_attempts: int = 3
     # Moves of a request whose decode worker died to another one (--migration-limit).
     migration_limit: int = 3
+    # A worker stream silent this long counts as lost, and its request moves on. Longer than
+    # any legitimate silence: a prompt's wait in a bounded queue, a long prompt's compute.
+    stream_stall_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.stream_stall_timeout_s <= 0:
+            raise ValueError(
+                f"--stream-stall-timeout-s must be positive, got {self.stream_stall_timeout_s}"
+            )
+
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.
     max_queued_prompt_tokens: int = 8192
@@ -95,15 +106,17 @@ class ClusterBackend:
         self._directory = BlockDirectory(self._redis, keys)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
-            self._pool, self.router, self._directory, self._states, self._tracer
+            self._pool,
+            self.router,
+            self._directory,
+            self._states,
+            self._tracer,
+            self.options.stream_stall_timeout_s,
         )
         try:
             await self._redis.ping()
         except (RedisError, OSError) as error:
-            raise ValueError(
-                f"cannot reach Redis at {self.options.redis_url} ({error}); start one, or pass "
-                "--redis-url / set REDIS_URL"
-            ) from None
+            raise unreachable(self.options.redis_url, error) from None
         await self._pool.start()
 
     @property
@@ -142,7 +155,10 @@ class ClusterBackend:
             1 for w in self.pool.workers if w.role in ("prefill", "colocated") and not w.draining
         )
         queued = self.prompt_queue.admit(
-            len(request.prompt_token_ids), num_prompt_workers, time.monotonic()
+            len(request.prompt_token_ids),
+            num_prompt_workers,
+            time.monotonic(),
+            request.admission_group,
         )
         request_id = request.request_id
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
@@ -184,9 +200,9 @@ class ClusterBackend:
                         "no other decode worker is left to continue it"
                     )
                 if tried:
-                    raise SaturatedError(
-                        "no decode worker could take the request (KV pools full or draining); "
-                        "retry shortly"
+                    raise QueueFullError(
+                        "no decode worker could take the request (queues or KV pools full); "
+                        "retry after the time in Retry-After"
                     )
                 raise SaturatedError("no decode worker is available")
             self.router.started(decode.worker_id)
@@ -202,9 +218,17 @@ class ClusterBackend:
                     yield chunk
                 return
             except DecodeFullError:
-                # Another worker may have room; but never replay a request the client has seen.
+                # Refused before any work (a full queue or pool): another worker may have room.
+                # A migrating request may try them too: the new worker continues from what the
+                # client has, so nothing is replayed.
                 tried.append(decode.worker_id)
-                if streamed.token_ids or len(tried) >= self.options.decode_attempts:
+                if len(tried) >= self.options.decode_attempts + migrations:
+                    raise
+            except WorkerFullError:
+                # The prefill worker's queue was full (its decode reservation is released):
+                # pick again; routing by load favours another one.
+                restarts += 1
+                if restarts >= self.options.prefill_attempts:
                     raise
             except (PrefillFailedError, TransferFailedError) as error:
                 # The prompt's prefill worker died, hung up or sent bad KV: its decode

@@ -39,6 +39,7 @@ from nori.gateway.worker_calls import (
     DecodeFullError,
     PrefillFailedError,
     UpstreamTimeoutError,
+    WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
     await_call,
@@ -95,8 +96,11 @@ class RequestFlow:
         directory: BlockDirectory,
         states: StateRecorder | None,
         tracer: trace.Tracer | None = None,
+        stall_timeout_s: float = 300.0,
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
+        # The longest wait for a worker stream's next message (see worker_calls.read).
+        self._stall_timeout_s = stall_timeout_s
         self._lookup_failures = RepeatedFailureLog(
             logger, "the block directory lookup (routing by load meanwhile)"
         )
@@ -120,9 +124,12 @@ class RequestFlow:
         )
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
         try:
-            async for message in messages(call, worker.worker_id):
+            async for message in messages(call, worker.worker_id, self._stall_timeout_s):
                 queued.prefilled(time.monotonic())
                 yield chunk_from_delta(message.delta)
+        except WorkerFullError as error:
+            # Refused at the call's start (its queue is full): nothing ran, another may take it.
+            raise DecodeFullError(str(error), error.retry_after_s) from None
         finally:
             call.cancel()
 
@@ -151,7 +158,9 @@ class RequestFlow:
                 decode_worker=decode.worker_id,
             )
             # 2. prefill, watching the decode stream
-            decode_next = asyncio.ensure_future(read(decode_call, decode.worker_id))
+            decode_next = asyncio.ensure_future(
+                read(decode_call, decode.worker_id, self._stall_timeout_s)
+            )
             response = await self._prefill(request, slot.worker, destination, decode_next, metadata)
             slot.release()
             queued.prefilled(time.monotonic())
@@ -165,7 +174,7 @@ class RequestFlow:
                 yield chunk_from_delta(message.delta)
                 if message.delta.finished:
                     return
-                message = await read(decode_call, decode.worker_id)
+                message = await read(decode_call, decode.worker_id, self._stall_timeout_s)
             raise WorkerLostError(
                 f"{decode.worker_id} ended the stream before the request finished"
             )
@@ -180,7 +189,7 @@ class RequestFlow:
     ) -> KVDestination:
         """The decode worker's reserved blocks, as the destination the prefill worker needs."""
         try:
-            message = await read(decode_call, decode.worker_id)
+            message = await read(decode_call, decode.worker_id, self._stall_timeout_s)
         except SaturatedError as error:
             raise DecodeFullError(str(error), error.retry_after_s) from None
         if message is None or not message.HasField("reservation"):
@@ -229,8 +238,8 @@ class RequestFlow:
                     )
             try:
                 return await answer
-            except InvalidRequestError:
-                raise
+            except (InvalidRequestError, WorkerFullError):
+                raise  # a bad request, or a full queue: nothing failed on the worker
             except BackendError as error:
                 unreachable = isinstance(error, WorkerUnreachableError | WorkerLostError)
                 raise PrefillFailedError(str(error), prefill.worker_id, unreachable) from None

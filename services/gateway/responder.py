@@ -90,6 +90,10 @@ async def _events(
             item = await session.next()
         for event in form.closing(session):
             yield event
+    except ClientDisconnected:
+        # The client left just as its first chunk came (the watcher of `session.first` queued
+        # the disconnect behind it): nobody to tell, and nothing went wrong.
+        return
     except Exception as error:
         yield sse_event(as_api_error(error).body().model_dump_json())
     finally:

@@ -43,6 +43,8 @@ class GatewayOptions(RoleSettings):
     max_request_body_mib: float = 32.0
     # Moves of a request to another decode worker when the one streaming it dies.
     migration_limit: int = 3
+    # A worker stream silent this long counts as lost (ClusterOptions.stream_stall_timeout_s).
+    stream_stall_timeout_s: float = 300.0
     # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
     api_key: str | None = None
 
@@ -90,6 +92,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             max_in_flight=options.max_in_flight,
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
             migration_limit=options.migration_limit,
+            stream_stall_timeout_s=options.stream_stall_timeout_s,
         ),
         tracing.tracer,
     )

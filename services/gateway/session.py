@@ -73,8 +73,9 @@ class Session:
         self._request_ids = list(request_ids)
         self._seen = [False] * len(prompts)
         self._first_token_seen = False
+        group = self._request_ids[0] if len(prompts) > 1 else None
         requests = [
-            GenerationRequest(request_id, prompt, p)
+            GenerationRequest(request_id, prompt, p, admission_group=group)
             for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
         ]
         self.run = GenerationRun(ctx.backend, requests, ctx.tasks)

@@ -13,6 +13,7 @@ from nori.gateway.backend import (
     BackendError,
     GenerationChunk,
     InvalidRequestError,
+    QueueFullError,
     SaturatedError,
 )
 from nori.rpc.convert import logprobs_from_proto, prompt_logprobs_from_delta, stop_reason_from_proto
@@ -21,8 +22,13 @@ from nori.v1 import common_pb2, decode_pb2, prefill_pb2
 T = TypeVar("T")
 
 
-class DecodeFullError(SaturatedError):
-    """A decode worker had no free KV blocks for the request: another one may have."""
+class WorkerFullError(QueueFullError):
+    """A worker refused the request before any work: its queue or KV pool is full. Another
+    worker may have room; when none has, the client gets 429 with Retry-After."""
+
+
+class DecodeFullError(WorkerFullError):
+    """A decode worker could not take the request (queue or KV pool full): another may."""
 
 
 class UpstreamTimeoutError(BackendError):
@@ -73,7 +79,7 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequestError(details)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return SaturatedError(f"{worker}: {details}", retry_after_s=1.0)
+        return WorkerFullError(f"{worker}: {details}", retry_after_s=1.0)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return UpstreamTimeoutError(f"{worker}: {details}")
     if code is grpc.StatusCode.UNAVAILABLE:
@@ -106,18 +112,31 @@ async def await_call(call: grpc.aio.UnaryUnaryCall, worker: str) -> prefill_pb2.
     return response
 
 
-async def read(call: grpc.aio.UnaryStreamCall, worker: str) -> decode_pb2.GenerateResponse | None:
-    """The stream's next message, None at its end."""
-    message = await rpc(call.read(), worker)
+async def read(
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
+) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end.
+
+    A worker that sends nothing for `stall_timeout_s` is taken as lost (WorkerLostError: the
+    request moves to another worker). gRPC keepalive already ends the calls of a peer that
+    stops answering pings; this bounds the wait when the peer answers pings but not the call.
+    """
+    try:
+        async with asyncio.timeout(stall_timeout_s):
+            message = await rpc(call.read(), worker)
+    except TimeoutError:
+        raise WorkerLostError(
+            f"{worker} sent nothing for {stall_timeout_s:g} s (stalled)"
+        ) from None
     if message is grpc.aio.EOF:
         return None
     return message
 
 
 async def messages(
-    call: grpc.aio.UnaryStreamCall, worker: str
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
 ) -> AsyncIterator[decode_pb2.GenerateResponse]:
-    while (message := await read(call, worker)) is not None:
+    while (message := await read(call, worker, stall_timeout_s)) is not None:
         yield message
         if message.delta.finished:
             return

@@ -1,6 +1,8 @@
 """The workers the gateway can route to: read from the registry, with a gRPC channel each.
 
 Workers join and leave while the gateway runs; the pool rereads the registry every `refresh_s`.
+While Redis is away it keeps the workers it last read, and when Redis returns empty (restarted:
+the workers re-register at their next heartbeats) it keeps them a little longer.
 It also settles the cluster's KV block size, which the gateway needs to hash prompts for the
 block directory: the size the workers state in the registry (or `--block-size`, when given). A
 worker that states another size would be told prompts it cannot look up, and its transfers would
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from nori.gateway.backend import BackendHealth
+from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.channels import ChannelCache
 from nori.state.registry import WorkerInfo, WorkerRegistry
 from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -30,6 +33,10 @@ CHANNEL_LINGER_S = 120.0
 # A worker whose call just failed gets no new request for this long: about the registry's
 # heartbeat TTL, by when a dead worker has dropped out and a restarted one re-registered.
 FAILED_WORKER_PAUSE_S = 3.0
+# When the registry is readable again after an outage but lacks workers it had (Redis restarted
+# empty), those are still serving: they stay this long (about the heartbeat TTL, by when each has
+# re-registered), rather than requests being refused until their next heartbeats.
+REGISTRY_LOSS_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,12 @@ class WorkerPool:
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._failed_until: dict[str, float] = {}
+        # Whether the last read of the registry failed; the workers kept through its loss, and
+        # until when.
+        self._unread = False
+        self._kept: list[WorkerInfo] = []
+        self._kept_until = 0.0
+        self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -119,15 +132,43 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         """Reads the registry: workers join and leave while the gateway runs."""
-        agreement = agree_on_block_size(
-            await self._registry.list_workers(), self._expected_block_size
-        )
+        try:
+            listed = await self._registry.list_workers()
+        except Exception:
+            self._unread = True  # Redis may come back empty: see _bridge_loss
+            raise
+        agreement = agree_on_block_size(self._bridge_loss(listed), self._expected_block_size)
         self.workers = agreement.members
         self.block_size = agreement.block_size
         self._log_refusals(agreement)
         if self._on_refresh is not None:
             self._on_refresh(self)
         await self._close_channels_of_departed()
+
+    def _bridge_loss(self, listed: list[WorkerInfo]) -> list[WorkerInfo]:
+        """`listed`, plus the workers known before the registry became unreadable that are not
+        back in it yet: a Redis that restarted empty learns of the workers, still serving, only
+        at their next heartbeats, one by one."""
+        now = time.monotonic()
+        present = {w.worker_id for w in listed}
+        if self._unread and now >= self._kept_until:
+            # Workers that leave on purpose say so (draining) first: only serving ones are kept.
+            self._kept = [w for w in self.workers if not w.draining and w.worker_id not in present]
+            if self._kept:
+                self._kept_until = now + REGISTRY_LOSS_GRACE_S
+                logger.warning(
+                    "the worker registry is readable again without %s (Redis restarted empty?); "
+                    "keeping them for %g s while they re-register",
+                    ", ".join(w.worker_id for w in self._kept),
+                    REGISTRY_LOSS_GRACE_S,
+                )
+        self._unread = False
+        if now >= self._kept_until:
+            return listed
+        missing = [w for w in self._kept if w.worker_id not in present]
+        if not missing:
+            self._kept_until = 0.0  # all back
+        return sorted([*listed, *missing], key=lambda w: w.worker_id)
 
     def _log_refusals(self, agreement: BlockSizeAgreement) -> None:
         refused = {(w.worker_id, w.block_size) for w in agreement.refused}
@@ -160,8 +201,9 @@ class WorkerPool:
             await asyncio.sleep(self._refresh_s)
             try:
                 await self.refresh()
-            except Exception:
-                logger.warning("could not read the worker registry", exc_info=True)
+            except Exception as error:
+                # Two reads a second against a Redis that is away: one line per 10 s, not each.
+                self._read_failures.failed(error)
 
     def health(self) -> BackendHealth:
         counts: dict[str, int] = {}

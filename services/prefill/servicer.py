@@ -50,8 +50,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         is_draining: Callable[[], bool],
         leases: LeaseKeeper,
         telemetry: WorkerTelemetry,
+        max_open_calls: int,
     ) -> None:
-        super().__init__(worker_id, engine, streams, is_draining, telemetry)
+        super().__init__(worker_id, engine, streams, is_draining, telemetry, max_open_calls)
         self._sender = sender
         self._leases = leases
         self.kv_bytes_sent = 0
@@ -145,7 +146,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV refused: {error}")
         except TransferError as error:
             span.end()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error}")
+            # ABORTED, not UNAVAILABLE: this worker is fine, the path to the decode worker is
+            # not; the gateway starts the request over rather than avoid this worker.
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {error}")
         except BaseException:
             span.end()
             raise

@@ -79,6 +79,7 @@ class PrefillWorker(Worker):
             is_draining=lambda: self.draining,
             leases=self._leases,
             telemetry=self.telemetry,
+            max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
         )
         self._lease_renewer = asyncio.create_task(self._leases.run())
         assert self.redis is not None

@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from nori.rpc.options import GRPC_OPTIONS
 from nori.settings import RoleSettings
-from nori.state.connection import connect
+from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
@@ -58,6 +58,20 @@ class WorkerOptions(RoleSettings):
     metrics_port: int = 0
     # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
     otlp_traces_endpoint: str | None = None
+    # Requests a worker holds beyond its running batch (max_num_seqs): queued prompts, KV on its
+    # way, KV waiting for a row. Past it a new call is refused (RESOURCE_EXHAUSTED: the gateway
+    # tries another worker, then answers 429), so a queue, and the wait in it, stays bounded.
+    # None: a quarter of max_num_seqs (at least 8).
+    max_queued_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+
+    def max_open_calls(self, max_num_seqs: int) -> int:
+        """Calls a worker serves at once: its running batch and its bounded queue."""
+        queued = self.max_queued_requests
+        return max_num_seqs + (max(8, max_num_seqs // 4) if queued is None else queued)
 
     def resolved_worker_id(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -175,10 +189,7 @@ class Worker(ABC):
             await redis.ping()
         except (RedisError, OSError) as error:
             await redis.aclose()
-            raise ValueError(
-                f"cannot reach Redis at {self.options.redis_url} ({error}); start one, or pass "
-                "--redis-url / set REDIS_URL"
-            ) from None
+            raise unreachable(self.options.redis_url, error) from None
         registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s)
         await self.start_role()
         metrics_server = self._serve_metrics()

@@ -44,8 +44,10 @@ class EngineServicer:
         streams: OutputStreams,
         is_draining: Callable[[], bool],
         telemetry: WorkerTelemetry,
+        max_open_calls: int,
     ) -> None:
         self._worker_id = worker_id
+        self._max_open_calls = max_open_calls
         self._telemetry = telemetry
         self._engine = engine
         self._streams = streams
@@ -78,8 +80,15 @@ class EngineServicer:
     ) -> OpenedRequest:
         """Checks the call's parameters and opens its output stream; the caller closes it.
 
-        Bad parameters or a request id already in use end the call with INVALID_ARGUMENT.
+        Bad parameters or a request id already in use end the call with INVALID_ARGUMENT; a
+        worker whose queue is full ends it with RESOURCE_EXHAUSTED, before any work.
         """
+        if len(self._streams) >= self._max_open_calls:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._worker_id} is full: {len(self._streams)} requests running or queued "
+                f"(the limit, max-num-seqs + max-queued-requests)",
+            )
         try:
             params = params_from_proto(request.params)
             queue = self._streams.open(request.request_id)

@@ -92,6 +92,30 @@ def _register_compare(commands: argparse._SubParsersAction) -> None:
     soak.add_argument("--json", action="store_true", help="also print the report as JSON")
     soak.set_defaults(handler=run_soak)
 
+    overload = commands.add_parser(
+        "overload",
+        help="offer a local cluster --factor times its capacity; judge 429s, TTFT, RSS, blocks",
+    )
+    overload.add_argument("--factor", type=float, default=5.0, help="times the capacity")
+    overload.add_argument("--seconds", type=float, default=60.0, help="how long the overload runs")
+    overload.add_argument(
+        "--calibrate-s", type=float, default=20.0, help="closed-loop run that measures capacity"
+    )
+    overload.add_argument("--calibrate-concurrency", type=int, default=16)
+    overload.add_argument(
+        "--max-ttft-p99-s", type=float, default=10.0, help="the bound for admitted requests"
+    )
+    overload.add_argument("--model", default="demo", help="model folder, or demo, small")
+    overload.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    overload.add_argument("--decode", type=int, default=1, help="decode workers")
+    overload.add_argument("--colocated", action="store_true", help="one colocated worker")
+    overload.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    overload.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    overload.add_argument("--worker-args", default="", metavar="'ARGS'", help="engine options")
+    overload.add_argument("--out-dir", default=".", help="where overload.json goes")
+    overload.add_argument("--json", action="store_true", help="also print the report as JSON")
+    overload.set_defaults(handler=run_overload)
+
     compare = commands.add_parser(
         "compare",
         help="the same bench serve workload on `nori up --colocated` and on `nori up`, in turn, "
@@ -248,6 +272,45 @@ def run_soak(args: argparse.Namespace) -> int:
     summary = {key: value for key, value in report.items() if key != "windows"}
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
+
+
+def run_overload(args: argparse.Namespace) -> int:
+    import signal
+    from dataclasses import replace
+
+    from nori.bench.overload import OverloadSettings
+    from nori.bench.overload import run_overload as overload
+
+    defaults = OverloadSettings()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = OverloadSettings(
+        factor=args.factor,
+        seconds=args.seconds,
+        calibrate_s=args.calibrate_s,
+        calibrate_concurrency=args.calibrate_concurrency,
+        max_ttft_p99_s=args.max_ttft_p99_s,
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        colocated=args.colocated,
+        workload=replace(
+            defaults.workload, random_input_len=args.input_len, random_output_len=args.output_len
+        ),
+        worker_args=worker_args(args.worker_args),
+        log_dir=out / "logs",
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = overload(
+            settings, lambda line: print(f"nori: {line}", file=sys.stderr, flush=True)
+        )
+    except (RuntimeError, TimeoutError) as error:
+        print(f"nori: error: {error}", file=sys.stderr)
+        return 1
+    (out / "overload.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+    return 0 if all(report["ok"].values()) else 2
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -106,6 +106,14 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
     group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests held beyond the running batch (--max-num-seqs) before new ones are "
+        "refused, which the gateway answers with 429 when every worker is full (default: a "
+        "quarter of --max-num-seqs, at least 8)",
+    )
+    group.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -137,6 +145,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="when the decode worker streaming a request dies, continue it on another one "
         "(from the tokens already streamed) at most this many times; 0: fail it",
+    )
+    gateway.add_argument(
+        "--stream-stall-timeout-s",
+        type=float,
+        default=300.0,
+        help="a worker stream that sends nothing this long is taken as lost and its request "
+        "moves to another worker (gRPC keepalive catches a frozen peer sooner)",
     )
     gateway.add_argument(
         "--api-key",

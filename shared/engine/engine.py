@@ -340,7 +340,7 @@ class LLMEngine:
         scheduler = self._scheduler
         return EngineLoad(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=scheduler.num_queued,
             num_held=len(scheduler.held),
             num_free_blocks=self._block_manager.num_free_blocks,
             num_total_blocks=self._block_manager.num_blocks,
@@ -360,7 +360,7 @@ class LLMEngine:
     def abort_all(self) -> list[RequestOutput]:
         """Ends every running and waiting request; one finished (aborted) output each."""
         outputs = []
-        for request in list(self._scheduler.running) + list(self._scheduler.waiting):
+        for request in [*self._scheduler.running, *self._scheduler.waiting, *self._scheduler.ready]:
             self.abort_request(request.request_id)
             outputs.append(
                 RequestOutput(

@@ -25,6 +25,8 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     # Blocks reserved for K/V that another engine is sending; not yet scheduled.
     RESERVED = "reserved"
+    # K/V in place, waiting for a row in the running batch (which is full); blocks kept.
+    READY = "ready"
     # Prefill-only request that sampled its first token; its blocks stay held for export.
     PREFILLED = "prefilled"
     FINISHED_STOPPED = "stop"

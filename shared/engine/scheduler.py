@@ -99,6 +99,9 @@ class Scheduler:
     running: list[Request] = field(default_factory=list, init=False)
     # Requests whose blocks are reserved or held outside the running batch (RESERVED, PREFILLED).
     held: dict[str, Request] = field(default_factory=dict, init=False)
+    # Requests whose K/V is in place (a finished transfer) waiting for a row in the running
+    # batch, in arrival order; they keep their blocks and join as decodes when one frees up.
+    ready: deque[Request] = field(default_factory=deque, init=False)
     # Static policy: finished members that keep their row until the whole batch is done.
     padding_rows: set[str] = field(default_factory=set, init=False)
     # The prompt-token cap of steps with decodes: the config's, unless the engine adjusts it
@@ -124,11 +127,20 @@ class Scheduler:
         self.held[request.request_id] = request
 
     def activate(self, request_id: str) -> Request:
-        """Moves a held request (e.g. whose K/V has arrived) into the running batch."""
+        """A held request whose K/V has arrived: it runs from the next step when the batch has a
+        row for it, else it queues (READY) for one. The batch never grows past max_num_seqs, so
+        transfers arriving faster than streams finish cannot stretch every stream's step."""
         request = self.held.pop(request_id)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        request.status = RequestStatus.READY
+        self.ready.append(request)
+        self._run_ready()
         return request
+
+    def _run_ready(self) -> None:
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            request = self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is and frees its blocks at once.
@@ -155,6 +167,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.READY:
+            self.ready.remove(request)
         self.held.pop(request.request_id, None)
         self.block_manager.free(request)
 
@@ -162,16 +176,24 @@ class Scheduler:
         """Every request the scheduler knows, in no particular order."""
         yield from self.running
         yield from self.waiting
+        yield from self.ready
         yield from self.held.values()
 
     @property
     def num_unfinished(self) -> int:
         """Requests still to run, padding rows of a static batch included."""
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.ready)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a row in the running batch (new prompts and arrived K/V)."""
+        return len(self.waiting) + len(self.ready)
 
     # ------------------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput:
+        # Arrived K/V first: those requests hold their blocks already and cost one token a step.
+        self._run_ready()
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
         scheduled: list[ScheduledRequest] = []

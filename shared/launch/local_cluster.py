@@ -242,7 +242,9 @@ class LocalCluster:
         return value.decode() if isinstance(value, bytes) else ""
 
     def _common_args(self) -> list[str]:
-        args = ["--redis-url", self.spec.redis_url, "--namespace", self.spec.namespace]
+        # The Redis URL travels in REDIS_URL (`_spawn`): it may hold a password, which `ps`
+        # would show on a command line.
+        args = ["--namespace", self.spec.namespace]
         if self.spec.served_model_name:
             args += ["--served-model-name", self.spec.served_model_name]
         if self.spec.otlp_traces_endpoint:
@@ -252,7 +254,7 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, args: list[str]) -> RoleProcess:
         assert self._log_dir is not None
         log_path = self._log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": self.spec.redis_url}
         if role == "gateway" and self.spec.api_key:
             env["NORI_API_KEY"] = self.spec.api_key
         plan = self.spec.cpu_plan

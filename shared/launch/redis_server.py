@@ -18,10 +18,12 @@ import time
 import weakref
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 import redis
 
 from nori.settings import Environment
+from nori.state.connection import redacted
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
         return False
     try:
         return bool(client.ping())
-    except (redis.RedisError, OSError):
+    # TypeError: a query argument the connection does not take (ssl_* on redis://).
+    except (redis.RedisError, OSError, TypeError):
         return False
     finally:
         client.close()
@@ -95,12 +98,20 @@ def _terminate(process: subprocess.Popen[bytes], workdir: str) -> None:
 
 
 class RedisServer:
-    """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1."""
+    """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1.
+
+    With a `password`, clients must authenticate (`--requirepass`); `url` carries it.
+    """
 
     def __init__(
-        self, binary: str = "redis-server", port: int | None = None, start_timeout_s: float = 10.0
+        self,
+        binary: str = "redis-server",
+        port: int | None = None,
+        start_timeout_s: float = 10.0,
+        password: str | None = None,
     ) -> None:
         self.binary = binary
+        self.password = password
         self._requested_port = port
         self.start_timeout_s = start_timeout_s
         self._port: int | None = None
@@ -115,7 +126,11 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self._url(self.port)
+
+    def _url(self, port: int) -> str:
+        credentials = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{credentials}127.0.0.1:{port}/0"
 
     @property
     def running(self) -> bool:
@@ -149,6 +164,7 @@ class RedisServer:
             "--save", "",
             "--appendonly", "no",
             "--dir", workdir,
+            *(["--requirepass", self.password] if self.password else []),
         ]  # fmt: skip
         with log_path.open("wb") as log:
             # Output to a file, not a pipe: nobody reads a pipe, and a full one blocks the server.
@@ -156,7 +172,7 @@ class RedisServer:
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         finalizer = weakref.finalize(self, _terminate, process, workdir)
-        url = f"redis://127.0.0.1:{port}/0"
+        url = self._url(port)
         deadline = time.monotonic() + self.start_timeout_s
         # Ask for the pid too: another Redis already on this port would also answer PING.
         while not _served_by(url, process.pid):
@@ -177,7 +193,7 @@ class RedisServer:
                 )
             time.sleep(0.02)
         self._process, self._port, self._finalizer = process, port, finalizer
-        logger.info("started private redis-server at %s (pid %d)", url, process.pid)
+        logger.info("started private redis-server at %s (pid %d)", redacted(url), process.pid)
 
     def stop(self) -> None:
         """Terminates the server and removes its directory; safe to call more than once."""
@@ -213,11 +229,13 @@ def resolve_redis_url(
     if env_url:
         if redis_reachable(env_url):
             return env_url, None
-        logger.warning("REDIS_URL=%s is not reachable; starting a private redis-server", env_url)
+        logger.warning(
+            "REDIS_URL=%s is not reachable; starting a private redis-server", redacted(env_url)
+        )
     try:
         server = RedisServer(binary=binary).start()
     except RedisUnavailable as error:
-        unreachable = f"REDIS_URL={env_url} is not reachable and " if env_url else ""
+        unreachable = f"REDIS_URL={redacted(env_url)} is not reachable and " if env_url else ""
         raise RedisUnavailable(
             f"{unreachable}no private Redis could be started: {error}"
         ) from error

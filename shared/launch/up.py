@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from nori.launch.local_cluster import ClusterSpec, LocalCluster, check_port_free
     from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
+    from nori.state.connection import redacted
 
     if args.model_tag is not None:
         if args.model not in ("demo", args.model_tag):
@@ -169,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(spec)
     try:
         where = "private redis-server" if redis_server is not None else "REDIS_URL"
-        print(f"nori: Redis at {redis_url} ({where}); starting the cluster...", flush=True)
+        print(
+            f"nori: Redis at {redacted(redis_url)} ({where}); starting the cluster...", flush=True
+        )
         print(_describe_plan(cpu_plan), flush=True)
         cluster.start(timeout_s=args.startup_timeout_s)
         name = spec.served_model_name

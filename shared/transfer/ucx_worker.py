@@ -57,6 +57,11 @@ _BUSY_TIMEOUT_S = 0.001
 _IDLE_TIMEOUT_S = 0.1
 # Progress/arm rounds per event before yielding the loop to other work.
 _ARM_ATTEMPTS = 16
+# A safety net under the event-driven progress: one round this often whatever happens. ucxx's
+# own handshakes (a listener's peer-info exchange) wait on requests that only progress moves;
+# after peers died mid-transfer, a decode worker's listener was seen to time out every new
+# handshake for over 10 s (no event came to wake it). 20 rounds a second cost nothing idle.
+_TICK_S = 0.05
 
 
 class Request(Protocol):
@@ -130,11 +135,18 @@ class UcxProgress:
         self._waiters: set[asyncio.Future[None]] = set()
         self._rearm_scheduled = False
         self._epoll: select.epoll | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
         if self._drives:
             self._epoll = select.epoll()
             self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
             self.loop.add_reader(self._epoll.fileno(), self._on_event)
             self._on_event()
+            self._tick()
+
+    def _tick(self) -> None:
+        self._worker.progress()
+        self.wake()
+        self._tick_handle = self.loop.call_later(_TICK_S, self._tick)
 
     def _arm(self) -> bool:
         """Progresses the worker until it can be armed; False if events keep arriving."""
@@ -253,6 +265,9 @@ class UcxProgress:
         return task.result()
 
     def close(self) -> None:
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
         if self._epoll is not None:
             if not self.loop.is_closed():
                 self.loop.remove_reader(self._epoll.fileno())

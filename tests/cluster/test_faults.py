@@ -73,7 +73,9 @@ def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
     assert victim.wait(timeout=10) == -signal.SIGKILL
     failed = [(r.status_code, r.text) for r in responses if r.status_code != 200]
     assert not failed, failed
-    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses), [
+        r.json() for r in responses if r.json()["usage"]["completion_tokens"] != 8
+    ]
     # After the kill, requests go to the surviving worker straight away.
     assert complete(99).status_code == 200
     assert idle_free_blocks(cluster)["decode-0"] == baseline
@@ -141,3 +143,60 @@ def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
     assert "continuing on another decode worker" in log
     after = idle_free_blocks(cluster)
     assert after == {"prefill-0": baseline["prefill-0"], "decode-1": baseline["decode-1"]}
+
+
+@pytest.fixture(scope="module")
+def freeze_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 1, 2)
+
+
+def test_a_frozen_decode_worker_hands_its_streams_to_the_other(
+    freeze_cluster: LocalCluster,
+) -> None:
+    """SIGSTOP: the process lives, its sockets stay open, no reset ever comes. gRPC keepalive
+    (pings unanswered for 5 s) ends its calls, and the streams continue on the other worker."""
+    cluster = freeze_cluster
+    body = {
+        "model": model_name(cluster), "prompt": "Once upon a time", "max_tokens": 200,
+        "temperature": 0.0, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    started = threading.Barrier(9, timeout=120)
+
+    def stream(index: int) -> tuple[str | None, float]:
+        """The finish reason, and the longest wait between two events."""
+        finish, longest, first = None, 0.0, True
+        request = {**body, "prompt": f"{index}: {body['prompt']}"}
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=request, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            last = time.monotonic()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                longest, last = max(longest, now - last), now
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                if event["choices"]:
+                    finish = event["choices"][0]["finish_reason"] or finish
+                if first:
+                    first = False
+                    started.wait()
+        return finish, longest
+
+    victim = cluster.worker("decode-0").process
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = [pool.submit(stream, index) for index in range(8)]
+            started.wait()
+            os.kill(victim.pid, signal.SIGSTOP)
+            results = [future.result() for future in futures]
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+    assert [finish for finish, _ in results] == ["length"] * 8  # every stream ran to its end
+    # Keepalive: a ping every 10 s, 5 s to answer; then the move and a re-prefill.
+    assert max(longest for _, longest in results) < 30.0
+    log = cluster.worker("gateway").log_path.read_text()
+    assert "continuing on another decode worker" in log

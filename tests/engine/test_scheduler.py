@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nori.engine.block_manager import BlockManager
-from nori.engine.request import RequestStatus
+from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import (
     STATIC_PAD_TOKEN_ID,
     Scheduler,
@@ -86,6 +86,47 @@ def test_sequence_limit_keeps_others_waiting() -> None:
         scheduler.add(make_request(name, [1, 2, 3]))
     assert plan(run_step(scheduler)) == [("a", 3), ("b", 3)]
     assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def _transferred(scheduler: Scheduler, name: str, prompt: list[int]) -> Request:
+    """A request whose prompt K/V arrived from a prefill worker with its first token, as the
+    engine's reserve_prompt + complete_transfer leave it: blocks held, then activated."""
+    request = make_request(name, prompt)
+    assert scheduler.block_manager.allocate(request, len(prompt) + 1)
+    request.num_computed_tokens = len(prompt)
+    request.append_token(7)
+    scheduler.hold(request, RequestStatus.RESERVED)
+    scheduler.activate(name)
+    return request
+
+
+def test_arrived_kv_waits_for_a_row_when_the_batch_is_full() -> None:
+    """A finished transfer never grows the running batch past max_num_seqs: it keeps its blocks
+    and queues (READY) until a running stream ends, then joins as a decode."""
+    scheduler = make_scheduler(max_seqs=2, block_size=4)
+    a = _transferred(scheduler, "a", [1, 2, 3])
+    b = _transferred(scheduler, "b", [4, 5, 6])
+    c = _transferred(scheduler, "c", [8, 9, 10])
+    assert [r.request_id for r in scheduler.running] == ["a", "b"]
+    assert c.status is RequestStatus.READY and list(scheduler.ready) == [c]
+    assert (a.block_ids, b.block_ids, c.block_ids) == ([0], [1], [2])
+    assert scheduler.num_queued == 1 and scheduler.num_unfinished == 3
+    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1)]
+    scheduler.finish(a, RequestStatus.FINISHED_STOPPED)
+    assert plan(run_step(scheduler)) == [("b", 1), ("c", 1)]
+    assert c.status is RequestStatus.RUNNING and not scheduler.ready
+    scheduler.block_manager.check_invariants(scheduler.requests())
+
+
+def test_a_queued_transfer_aborts_and_frees_its_blocks() -> None:
+    scheduler = make_scheduler(max_seqs=1, block_size=4)
+    _transferred(scheduler, "a", [1, 2, 3])
+    b = _transferred(scheduler, "b", [4, 5, 6])
+    free_before = scheduler.block_manager.num_free_blocks
+    scheduler.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.ready and b.block_ids == []
+    assert scheduler.block_manager.num_free_blocks == free_before + 1
+    scheduler.block_manager.check_invariants(scheduler.requests())
 
 
 def test_preemption_recomputes_newest_request() -> None:

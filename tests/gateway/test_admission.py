@@ -56,3 +56,22 @@ def test_retry_after_is_the_excess_at_the_recent_drain_rate() -> None:
     trickle = PromptQueue(max_tokens_per_worker=1000)
     trickle.admit(1, num_workers=1, now=100.0).prefilled(now=100.0)
     assert trickle.retry_after_s(10**9, now=100.5) == 60.0  # never more than a minute
+
+
+def test_the_prompts_of_one_request_are_admitted_together() -> None:
+    """A batch of 3 x 600 tokens against a bound of 1000: once its first prompt is in, the rest
+    follow (else the batch would be refused forever, even by an idle cluster); another request
+    is still held to the bound, and the group is forgotten once its prompts have left."""
+    queue = PromptQueue(max_tokens_per_worker=1000)
+    batch = [queue.admit(600, num_workers=1, now=0.0, group="cmpl-1") for _ in range(3)]
+    assert queue.queued_tokens == 1800
+    with pytest.raises(QueueFullError):
+        queue.admit(10, num_workers=1, now=0.0, group="cmpl-2")
+    for prompt in batch:
+        prompt.prefilled(now=1.0)
+    assert queue.queued_tokens == 0 and not queue._groups
+    # A group refused at its first prompt is not let in by its later ones.
+    queue.admit(900, num_workers=1, now=2.0)
+    for _ in range(2):
+        with pytest.raises(QueueFullError):
+            queue.admit(600, num_workers=1, now=2.0, group="cmpl-3")

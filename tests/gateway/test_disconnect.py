@@ -79,3 +79,38 @@ def test_disconnect_before_the_first_chunk(tokenizer: Tokenizer) -> None:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json={"prompt": "a", "stream": True}, timeout=0.3)
         wait_closed(backend)
+
+
+async def test_a_disconnect_queued_behind_the_first_chunk_ends_the_stream_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The client leaves just as its first chunk comes: the watcher of `Session.first` queues the
+    # disconnect behind that chunk, and the SSE body meets it on its next read. That is a
+    # departure, not an error (the disconnect storm in tests/cluster logged it as one).
+    from nori.gateway.responder import _events
+    from nori.gateway.streams import ClientDisconnected
+
+    class Departed:
+        cancelled = False
+
+        async def next(self) -> None:
+            raise ClientDisconnected()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Form:
+        def opening(self) -> list[str]:
+            return []
+
+        def render(self, index: int, chunk: object) -> list[str]:
+            return ["data: first\n\n"]
+
+        def closing(self, session: object) -> list[str]:
+            return []
+
+    session = Departed()
+    events = [e async for e in _events(session, (0, None), Form())]  # type: ignore[arg-type]
+    assert events == ["data: first\n\n"]  # no error event, no [DONE]: nobody is listening
+    assert session.cancelled
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from nori.gateway.worker_pool import agree_on_block_size
+import contextlib
+
+from nori.gateway.worker_pool import WorkerPool, agree_on_block_size
 from nori.state.registry import WorkerInfo
 
 
@@ -57,3 +59,53 @@ def test_a_failure_mark_steers_requests_away_but_never_leaves_none() -> None:
     assert "d0" in ids(pool.routable())
     pool.mark_failed("p0", for_s=-1.0)  # an expired mark
     assert ids(pool.available("prefill")) == ["p0"]
+
+
+class ListedRegistry:
+    """A registry that answers whatever the test lists, or fails like a Redis that is away."""
+
+    def __init__(self) -> None:
+        self.listing: list[WorkerInfo] | None = []
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        if self.listing is None:
+            raise ConnectionError("Redis is away")
+        return list(self.listing)
+
+
+async def refreshed(
+    pool: WorkerPool, registry: ListedRegistry, listing: list[WorkerInfo] | None
+) -> list[str]:
+    registry.listing = listing
+    with contextlib.suppress(ConnectionError):
+        await pool.refresh()
+    return ids(pool.workers)
+
+
+async def test_workers_outlive_a_redis_that_comes_back_empty_until_they_re_register() -> None:
+    registry = ListedRegistry()
+    pool = WorkerPool(registry, block_size=16)  # type: ignore[arg-type]
+    p0, d0, d1 = (WorkerInfo(worker_id=n, role=r) for n, r in (("p0", "prefill"),
+                  ("d0", "decode"), ("d1", "decode")))  # fmt: skip
+    assert await refreshed(pool, registry, [d0, d1, p0]) == ["d0", "d1", "p0"]
+    # Redis is away: the last list stands.
+    assert await refreshed(pool, registry, None) == ["d0", "d1", "p0"]
+    # It comes back empty; the workers, still serving, re-register one by one.
+    assert await refreshed(pool, registry, [d1]) == ["d0", "d1", "p0"]
+    assert await refreshed(pool, registry, [d1, p0]) == ["d0", "d1", "p0"]
+    # d0 never comes back: it drops out once the grace is over.
+    pool._kept_until = 0.0
+    assert await refreshed(pool, registry, [d1, p0]) == ["d1", "p0"]
+
+
+async def test_without_an_outage_a_worker_missing_from_the_registry_has_left() -> None:
+    registry = ListedRegistry()
+    pool = WorkerPool(registry, block_size=16)  # type: ignore[arg-type]
+    d0, d1 = WorkerInfo(worker_id="d0", role="decode"), WorkerInfo(worker_id="d1", role="decode")
+    assert await refreshed(pool, registry, [d0, d1]) == ["d0", "d1"]
+    assert await refreshed(pool, registry, []) == []
+    # A worker that was draining when Redis went away left on purpose: not kept.
+    draining = WorkerInfo(worker_id="d0", role="decode", draining=True)
+    assert await refreshed(pool, registry, [draining, d1]) == ["d0", "d1"]
+    assert await refreshed(pool, registry, None) == ["d0", "d1"]
+    assert await refreshed(pool, registry, [d1]) == ["d1"]
