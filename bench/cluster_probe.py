@@ -16,11 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
 from nori.launch.redis_server import redis_for_cluster
+from nori.models.demo import resolve_model
 
 
 @dataclass(frozen=True)
 class BenchCluster:
-    model_dir: Path
+    """The cluster a benchmark runs against: a model folder or a built-in name, and its roles."""
+
+    model: str = "demo"
     num_prefill: int = 1
     num_decode: int = 1
     colocated: bool = False
@@ -33,17 +36,18 @@ class BenchCluster:
 
 def start_bench_cluster(stack: ExitStack, options: BenchCluster) -> LocalCluster:
     """A started cluster (and its private Redis, when REDIS_URL has none) that `stack` stops."""
+    model_dir = resolve_model(options.model)
     redis_url, redis_server = redis_for_cluster()
     if redis_server is not None:
         stack.callback(redis_server.stop)
     spec = ClusterSpec(
         redis_url=redis_url,
-        model=str(options.model_dir),
+        model=str(model_dir),
         num_prefill=options.num_prefill,
         num_decode=options.num_decode,
         port=free_port(),
         namespace=f"{options.name}-{uuid.uuid4().hex[:8]}",
-        served_model_name=options.model_dir.name,
+        served_model_name=model_dir.name,
         colocated=options.colocated,
         worker_args=options.worker_args,
         log_dir=options.log_dir,

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from nori.bench.cluster_probe import (
@@ -42,9 +41,7 @@ MAX_RSS_GROWTH = 0.05
 class SoakSettings:
     minutes: float = 30.0
     window_s: float = 30.0
-    model: str = "demo"
-    num_prefill: int = 1
-    num_decode: int = 1
+    cluster: BenchCluster = field(default_factory=lambda: BenchCluster(name="soak"))
     workload: ServeBenchSettings = field(
         default_factory=lambda: ServeBenchSettings(
             dataset="random",
@@ -56,9 +53,6 @@ class SoakSettings:
             num_prompts=100_000,
         )
     )
-    worker_args: tuple[str, ...] = ()
-    log_dir: Path | None = None
-    startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.window_s <= 0:
@@ -66,21 +60,10 @@ class SoakSettings:
 
 
 def run_soak(settings: SoakSettings, log: Callable[[str], None]) -> dict[str, Any]:
-    model_dir = resolve_model(settings.model)
+    model_dir = resolve_model(settings.cluster.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     with ExitStack() as stack:
-        cluster = start_bench_cluster(
-            stack,
-            BenchCluster(
-                model_dir=model_dir,
-                num_prefill=settings.num_prefill,
-                num_decode=settings.num_decode,
-                worker_args=settings.worker_args,
-                log_dir=settings.log_dir,
-                startup_timeout_s=settings.startup_timeout_s,
-                name="soak",
-            ),
-        )
+        cluster = start_bench_cluster(stack, settings.cluster)
         addresses = worker_metrics_addresses(cluster)
         start_free = idle_free_blocks(addresses)
         windows: list[dict[str, Any]] = []

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nori.bench.serve.args import (
     add_serve_args,
@@ -19,6 +20,7 @@ from nori.cli.progress import add_progress_arg, show_progress
 from nori.launch.up import add_cluster_args
 
 if TYPE_CHECKING:
+    from nori.bench.cluster_probe import BenchCluster
     from nori.bench.compare import CompareOutcome, CompareSettings
 
 
@@ -234,40 +236,60 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     )
 
 
-def run_soak(args: argparse.Namespace) -> int:
-    import signal
-    from dataclasses import replace
-    from pathlib import Path
+def _bench_cluster(args: argparse.Namespace, name: str, out: Path) -> BenchCluster:
+    """The cluster options `soak` and `overload` share, from their flags."""
+    from nori.bench.cluster_probe import BenchCluster
 
-    from nori.bench.soak import SoakSettings, plot_soak
-    from nori.bench.soak import run_soak as soak
-    from nori.cli.engine_args import worker_args
-
-    defaults = SoakSettings()
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = SoakSettings(
-        minutes=args.minutes,
-        window_s=args.window_s,
+    return BenchCluster(
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
+        colocated=getattr(args, "colocated", False),
+        worker_args=worker_args(args.worker_args),
+        log_dir=out / "logs",
+        name=name,
+    )
+
+
+def _run_cluster_bench(
+    run: Callable[[Callable[[str], None]], dict[str, Any]], out: Path, name: str
+) -> dict[str, Any] | None:
+    """Runs a benchmark that starts its own cluster and writes OUT/NAME.json; None on failure
+    (said on stderr). SIGTERM unwinds like Ctrl-C, so the cluster is stopped on the way out."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = run(lambda line: print(f"nori: {line}", file=sys.stderr, flush=True))
+    except (RuntimeError, TimeoutError) as error:
+        print(f"nori: error: {error}", file=sys.stderr)
+        return None
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from nori.bench.soak import SoakSettings, plot_soak, run_soak
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    defaults = SoakSettings()
+    settings = SoakSettings(
+        minutes=args.minutes,
+        window_s=args.window_s,
+        cluster=_bench_cluster(args, "soak", out),
         workload=replace(
             defaults.workload,
             max_concurrency=args.max_concurrency,
             random_input_len=args.input_len,
             random_output_len=args.output_len,
         ),
-        worker_args=worker_args(args.worker_args),
-        log_dir=out / "logs",
     )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        report = soak(settings, lambda line: print(f"nori: {line}", file=sys.stderr, flush=True))
-    except (RuntimeError, TimeoutError) as error:
-        print(f"nori: error: {error}", file=sys.stderr)
+    report = _run_cluster_bench(lambda log: run_soak(settings, log), out, "soak")
+    if report is None:
         return 1
-    (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_soak(report, str(out / "soak.png"))
     summary = {key: value for key, value in report.items() if key != "windows"}
     print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
@@ -275,40 +297,27 @@ def run_soak(args: argparse.Namespace) -> int:
 
 
 def run_overload(args: argparse.Namespace) -> int:
-    import signal
     from dataclasses import replace
 
-    from nori.bench.overload import OverloadSettings
-    from nori.bench.overload import run_overload as overload
+    from nori.bench.overload import OverloadSettings, run_overload
 
-    defaults = OverloadSettings()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    defaults = OverloadSettings()
     settings = OverloadSettings(
         factor=args.factor,
         seconds=args.seconds,
         calibrate_s=args.calibrate_s,
         calibrate_concurrency=args.calibrate_concurrency,
         max_ttft_p99_s=args.max_ttft_p99_s,
-        model=args.model,
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        colocated=args.colocated,
+        cluster=_bench_cluster(args, "overload", out),
         workload=replace(
             defaults.workload, random_input_len=args.input_len, random_output_len=args.output_len
         ),
-        worker_args=worker_args(args.worker_args),
-        log_dir=out / "logs",
     )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        report = overload(
-            settings, lambda line: print(f"nori: {line}", file=sys.stderr, flush=True)
-        )
-    except (RuntimeError, TimeoutError) as error:
-        print(f"nori: error: {error}", file=sys.stderr)
+    report = _run_cluster_bench(lambda log: run_overload(settings, log), out, "overload")
+    if report is None:
         return 1
-    (out / "overload.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
     return 0 if all(report["ok"].values()) else 2
 

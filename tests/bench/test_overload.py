@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from nori.bench.overload import OverloadSettings, outcome_counts, overload_report
+from nori.bench.overload import (
+    OverloadSettings,
+    RssFigures,
+    bucket_quantile,
+    outcome_counts,
+    overload_report,
+)
 from nori.bench.serve.records import RequestRecord
 
 
@@ -47,32 +53,52 @@ def test_outcomes_are_counted_by_status_and_retry_after() -> None:
 
 def test_the_verdicts_on_fixed_figures() -> None:
     settings = OverloadSettings(max_ttft_p99_s=5.0)
-    admitted = {"p99_ttft_ms": 4000.0, "median_ttft_ms": 300.0, "output_throughput": 1000.0}
+    admitted = {
+        "p99_ttft_ms": 4000.0, "median_ttft_ms": 300.0, "output_throughput": 1000.0,
+        "server_p99_ttft_s": 2.5,
+    }  # fmt: skip
+    rss = RssFigures(
+        warm={"gateway": 100.0, "decode-0": 1000.0},
+        early_peak={"gateway": 120.0, "decode-0": 1010.0},
+        late_peak={"gateway": 130.0, "decode-0": 1010.0},
+    )
     report = overload_report(
         settings,
         capacity=10.0,
         rate=50.0,
         admitted=admitted,
         outcomes={"ok": 100, "429": 400, "429_with_retry_after": 400},
-        warm_mib={"gateway": 100.0, "decode-0": 1000.0},
-        peak_mib={"gateway": 109.0, "decode-0": 1010.0},
+        rss=rss,
         leaked_blocks={"decode-0": 0},
     )
     assert report["admitted_share"] == pytest.approx(0.2)
-    assert report["rss_growth"]["gateway"] == pytest.approx(0.09)
+    # Judged once the overload is steady (130 against 120), reported from warm (130 against 100).
+    assert report["rss_growth"]["gateway"] == pytest.approx(10 / 120)
+    assert report["rss_growth_from_warm"]["gateway"] == pytest.approx(0.30)
     assert all(report["ok"].values()), report["ok"]
-    # A 429 without Retry-After, a 500, a slow p99, 11% more RSS and a lost block: each fails.
+    # A 429 without Retry-After, a 500, slow p99s, 11% more RSS and a lost block: each fails.
     report = overload_report(
         settings,
         capacity=10.0,
         rate=50.0,
-        admitted={**admitted, "p99_ttft_ms": 6000.0},
+        admitted={**admitted, "p99_ttft_ms": 6000.0, "server_p99_ttft_s": 10.0},
         outcomes={"ok": 100, "429": 400, "429_with_retry_after": 399, "500": 1},
-        warm_mib={"gateway": 100.0},
-        peak_mib={"gateway": 111.0},
+        rss=RssFigures(warm={"gateway": 100.0}, early_peak={"gateway": 100.0},
+                       late_peak={"gateway": 111.0}),
         leaked_blocks={"decode-0": 1},
-    )
+    )  # fmt: skip
     assert not any(report["ok"].values()), report["ok"]
+    assert not report["client_ttft_p99_within_bound"]
+
+
+def test_the_quantile_of_a_histogram_between_two_scrapes() -> None:
+    before = {0.5: 10.0, 1.0: 10.0, 2.5: 10.0, float("inf"): 10.0}
+    # 100 more: 90 under 0.5 s, 9 more under 1 s, the last under 2.5 s.
+    after = {0.5: 100.0, 1.0: 109.0, 2.5: 110.0, float("inf"): 110.0}
+    assert bucket_quantile(before, after, 0.5) == 0.5
+    assert bucket_quantile(before, after, 0.99) == 1.0
+    assert bucket_quantile(before, after, 1.0) == 2.5
+    assert bucket_quantile(after, after, 0.99) == 0.0  # nothing observed
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,44 @@ def _cluster(
         yield running
     finally:
         running.stop()
+
+
+@dataclass
+class Streamed:
+    text: str = ""
+    longest_gap_s: float = 0.0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+def stream_completion(
+    cluster: LocalCluster, body: dict[str, object], first_text: threading.Barrier
+) -> Streamed:
+    """Streams one completion (no error event allowed) and waits at `first_text` once its
+    first text has come, so that a test strikes while every stream is under way."""
+    body = {**body, "model": model_name(cluster), "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    seen, waited = Streamed(), False
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        last = time.monotonic()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            seen.longest_gap_s, last = max(seen.longest_gap_s, now - last), now
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            if event["choices"]:
+                choice = event["choices"][0]
+                seen.text += choice["text"]
+                seen.finish_reason = choice["finish_reason"] or seen.finish_reason
+                if not waited:
+                    waited = True
+                    first_text.wait()
+            if event.get("usage"):
+                seen.completion_tokens = event["usage"]["completion_tokens"]
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -100,33 +139,9 @@ def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
     expected = [o.outputs[0].text for o in offline.generate(prompts, greedy, use_tqdm=False)]
     started = threading.Barrier(len(prompts) + 1, timeout=120)
 
-    def stream(prompt: str) -> tuple[str, float, int]:
-        """The streamed text, the longest wait between two events, the completion tokens."""
-        body = {
-            "model": model_name(cluster), "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-        }  # fmt: skip
-        text, longest, tokens = "", 0.0, 0
-        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=120) as r:
-            assert r.status_code == 200, r.read()
-            last = time.monotonic()
-            first = True
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                longest, last = max(longest, now - last), now
-                event = json.loads(line.removeprefix("data: "))
-                assert "error" not in event, event
-                if event["choices"]:
-                    text += event["choices"][0]["text"]
-                    if first:
-                        first = False
-                        started.wait()
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        return text, longest, tokens
+    def stream(prompt: str) -> Streamed:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        return stream_completion(cluster, body, started)
 
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         futures = [pool.submit(stream, prompt) for prompt in prompts]
@@ -135,10 +150,9 @@ def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
         os.kill(victim.pid, signal.SIGKILL)
         results = [future.result() for future in futures]
     assert victim.wait(timeout=10) == -signal.SIGKILL
-    texts = [text for text, _, _ in results]
-    assert texts == expected  # no token lost, repeated or changed
-    assert all(tokens == max_tokens for _, _, tokens in results)
-    assert max(longest for _, longest, _ in results) < 10.0
+    assert [r.text for r in results] == expected  # no token lost, repeated or changed
+    assert all(r.completion_tokens == max_tokens for r in results)
+    assert max(r.longest_gap_s for r in results) < 10.0
     log = cluster.worker("gateway").log_path.read_text()
     assert "continuing on another decode worker" in log
     after = idle_free_blocks(cluster)
@@ -158,32 +172,11 @@ def test_a_frozen_decode_worker_hands_its_streams_to_the_other(
     """SIGSTOP: the process lives, its sockets stay open, no reset ever comes. gRPC keepalive
     (pings unanswered for 5 s) ends its calls, and the streams continue on the other worker."""
     cluster = freeze_cluster
-    body = {
-        "model": model_name(cluster), "prompt": "Once upon a time", "max_tokens": 200,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
-    }  # fmt: skip
     started = threading.Barrier(9, timeout=120)
 
-    def stream(index: int) -> tuple[str | None, float]:
-        """The finish reason, and the longest wait between two events."""
-        finish, longest, first = None, 0.0, True
-        request = {**body, "prompt": f"{index}: {body['prompt']}"}
-        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=request, timeout=120) as r:
-            assert r.status_code == 200, r.read()
-            last = time.monotonic()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                longest, last = max(longest, now - last), now
-                event = json.loads(line.removeprefix("data: "))
-                assert "error" not in event, event
-                if event["choices"]:
-                    finish = event["choices"][0]["finish_reason"] or finish
-                if first:
-                    first = False
-                    started.wait()
-        return finish, longest
+    def stream(index: int) -> Streamed:
+        body = {"prompt": f"{index}: Once upon a time", "max_tokens": 200, "ignore_eos": True}
+        return stream_completion(cluster, body, started)
 
     victim = cluster.worker("decode-0").process
     try:
@@ -195,8 +188,8 @@ def test_a_frozen_decode_worker_hands_its_streams_to_the_other(
     finally:
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
-    assert [finish for finish, _ in results] == ["length"] * 8  # every stream ran to its end
+    assert [r.finish_reason for r in results] == ["length"] * 8  # every stream ran to its end
     # Keepalive: a ping every 10 s, 5 s to answer; then the move and a re-prefill.
-    assert max(longest for _, longest in results) < 30.0
+    assert max(r.longest_gap_s for r in results) < 30.0
     log = cluster.worker("gateway").log_path.read_text()
     assert "continuing on another decode worker" in log
