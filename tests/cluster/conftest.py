@@ -56,12 +56,19 @@ def start_cluster(
     return cluster
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+def running_cluster(
+    redis_url: str, checkpoint: Path, factory: pytest.TempPathFactory, **overrides: object
 ) -> Iterator[LocalCluster]:
-    running = start_cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"))
+    """A module fixture's body: a started cluster (`start_cluster` overrides), stopped after."""
+    running = start_cluster(redis_url, checkpoint, factory.mktemp("logs"), **overrides)
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    yield from running_cluster(redis_url, checkpoint, tmp_path_factory)

@@ -15,15 +15,12 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 
 from nori.launch.local_cluster import LocalCluster
-from tests.cluster.conftest import start_cluster
 from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
 
 pytestmark = pytest.mark.slow
@@ -66,17 +63,6 @@ def plans(seed: int) -> list[Plan]:
             )
         out.append(Plan(index, prompt, max_tokens, stream, cut))
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    running = start_cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"))
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 async def send(client: httpx.AsyncClient, cluster: LocalCluster, plan: Plan) -> str:

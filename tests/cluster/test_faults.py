@@ -20,22 +20,10 @@ import pytest
 from nori.engine.llm import LLM
 from nori.launch.local_cluster import LocalCluster
 from nori.sampling.params import SamplingParams
-from tests.cluster.conftest import start_cluster
+from tests.cluster.conftest import running_cluster
 from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
 
 pytestmark = pytest.mark.slow
-
-
-def _cluster(
-    redis_url: str, checkpoint: Path, logs: Path, num_prefill: int, num_decode: int
-) -> Iterator[LocalCluster]:
-    running = start_cluster(
-        redis_url, checkpoint, logs, num_prefill=num_prefill, num_decode=num_decode
-    )
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 @dataclass
@@ -80,7 +68,7 @@ def stream_completion(
 def two_prefill_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 2, 1)
+    yield from running_cluster(redis_url, checkpoint, tmp_path_factory, num_prefill=2, num_decode=1)
 
 
 def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
@@ -124,7 +112,7 @@ def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
 def two_decode_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 1, 2)
+    yield from running_cluster(redis_url, checkpoint, tmp_path_factory, num_prefill=1, num_decode=2)
 
 
 def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
@@ -163,7 +151,7 @@ def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
 def freeze_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    yield from _cluster(redis_url, checkpoint, tmp_path_factory.mktemp("logs"), 1, 2)
+    yield from running_cluster(redis_url, checkpoint, tmp_path_factory, num_prefill=1, num_decode=2)
 
 
 def test_a_frozen_decode_worker_hands_its_streams_to_the_other(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from nori.launch.local_cluster import LocalCluster
-from tests.cluster.conftest import WORKER_ARGS, start_cluster
+from tests.cluster.conftest import WORKER_ARGS, running_cluster
 from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
 
 pytestmark = pytest.mark.slow
@@ -28,18 +28,9 @@ BOUNDED = ("--max-num-seqs", "2", "--max-queued-requests", "1")
 def small_queues(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    running = start_cluster(
-        redis_url,
-        checkpoint,
-        tmp_path_factory.mktemp("logs"),
-        num_prefill=1,
-        num_decode=2,
-        worker_args=(*WORKER_ARGS, *BOUNDED),
+    yield from running_cluster(
+        redis_url, checkpoint, tmp_path_factory, worker_args=(*WORKER_ARGS, *BOUNDED)
     )
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def test_requests_beyond_every_queue_get_429_and_the_rest_complete(
