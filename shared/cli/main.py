@@ -10,6 +10,7 @@ from typing import Any
 
 from nori.cli import bench, generate, health, model, serve
 from nori.launch import up
+from nori.launch.parent_death import die_with_parent
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # A native crash (a segfault in a kernel, a library) still leaves its Python stacks in the
     # log, as the last thing the process writes.
     faulthandler.enable()
+    die_with_parent()
     args = build_parser().parse_args(argv)
     # Servers log their lifecycle, an access line per request and a periodic load line at INFO,
     # as vLLM does; one-shot commands keep the terminal to their results unless -v.

@@ -10,7 +10,6 @@ and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/M
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -26,16 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nori.launch.cpu_plan import CpuPlan
+from nori.launch.parent_death import launcher_env
 from nori.settings import DEFAULT_KV_LEASE_S, RoleSettings
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the launcher dies, even by SIGKILL (Linux),
-    so a killed `nori up` or test run leaves no orphaned roles behind; they drain and exit."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _launch(
@@ -46,7 +37,7 @@ def _launch(
             log.write(f"--- restarted at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
             log.flush()
         return subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_terminate_with_parent
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **launcher_env()}
         )
 
 

@@ -1,0 +1,33 @@
+"""Roles that `nori up` (or a test) starts end when their launcher dies, even by SIGKILL.
+
+The launcher names itself in NORI_DIE_WITH_PARENT; the role, first thing at start, asks Linux
+for SIGTERM when its parent goes (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans:
+they drain and exit. It is done in the child at start rather than in a `preexec_fn`: that makes
+Python fork instead of spawn, and fork runs every library's pre-fork handlers in the launcher;
+gRPC's deadlocked there (a test run hung for 20 minutes in `fork()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+ENV = "NORI_DIE_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def launcher_env() -> dict[str, str]:
+    """What the launcher puts in each role's environment."""
+    return {ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a role at start: SIGTERM when the launcher dies; exit now if it already has."""
+    launcher = os.environ.pop(ENV, None)  # not for the role's own children
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        raise SystemExit(f"nori: the launcher (pid {launcher}) is gone; exiting")
