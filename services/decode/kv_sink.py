@@ -157,7 +157,9 @@ class DecodeKVSink:
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
         """Every byte arrived: checked against the sender's checksums before the request may
-        decode on them (a mismatch fails the request and frees its blocks)."""
+        decode on them. A mismatch fails the request (its blocks are freed) and raises
+        TransferRejected, so the sender's acknowledgement is a refusal: the prefill worker must
+        not answer token one for KV this worker threw away."""
         self.bytes_received += nbytes
         lease = self._leases.get(header.request_id)
         if lease is None or lease.state is not LeaseState.RECEIVING:
@@ -169,8 +171,9 @@ class DecodeKVSink:
         )
         if problem is not None:
             self.checksum_failures += 1
-            self.failed(header, f"corrupted KV transfer: {problem}")
-            return
+            error = f"corrupted KV transfer: {problem}"
+            self.failed(header, error)
+            raise TransferRejected(error)
         self.transfers_completed += 1
         lease.state = LeaseState.ARRIVED
         lease.arrived_at = time.monotonic()

@@ -63,7 +63,11 @@ class KVSink(Protocol):
         ...
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
-        """Every byte arrived in the destinations."""
+        """Every byte arrived in the destinations.
+
+        Raises TransferRejected when the bytes fail a check (the sink has then failed the
+        request itself): the sender is told, instead of acknowledged.
+        """
         ...
 
     def failed(self, header: TransferHeader, error: str) -> None:

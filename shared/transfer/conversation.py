@@ -254,6 +254,10 @@ async def _serve_one(
     try:
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.
         sink.completed(header, nbytes)
+    except TransferRejected as error:
+        # The bytes arrived but failed the sink's check (a checksum): the sink has failed the
+        # request; the sender hears a refusal, not an acknowledgement.
+        return await _reject(channel, str(error))
     except Exception as error:
         logger.exception("KV sink completed() raised for request %s", header.request_id)
         return await _reject(channel, f"receiver error after the data: {error!r}")

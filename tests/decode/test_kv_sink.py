@@ -166,7 +166,8 @@ async def test_a_corrupted_or_truncated_transfer_is_refused_and_never_decoded(da
         buffers[1].reshape(-1).view(torch.uint8)[5] ^= 0x10  # a view: the byte lands in the cache
     else:
         nbytes -= 4
-    sink.completed(sent, nbytes)
+    with pytest.raises(TransferRejected, match="corrupted KV transfer"):
+        sink.completed(sent, nbytes)  # the receiver refuses instead of acknowledging
     with pytest.raises(TransferRejected, match="corrupted KV transfer"):
         await sink.wait("r1")
     assert sink.state("r1") is LeaseState.FAILED

@@ -39,7 +39,8 @@ def block_slices(cache: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor
 
 class CacheSink:
     """Receives into views of the cache its destination names; refuses on request ("reject ..."
-    ids), and hands out one block too few for "short-..." ids."""
+    ids), hands out one block too few for "short-..." ids, and finds the arrived bytes bad for
+    "bad-bytes..." ids (as a failed checksum would)."""
 
     def __init__(self, caches: dict[str, torch.Tensor]) -> None:
         self.caches = caches
@@ -57,6 +58,9 @@ class CacheSink:
         return block_slices(cache, header.block_ids)
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
+        if header.request_id.startswith("bad-bytes"):
+            self.events.append(("failed", header.request_id, "bad bytes"))
+            raise TransferRejected(f"corrupted KV transfer of {header.request_id}")
         self.events.append(("completed", header.request_id, nbytes))
 
     def failed(self, header: TransferHeader, error: str) -> None:

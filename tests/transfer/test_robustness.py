@@ -18,7 +18,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from nori.transfer.base import KVReceiver, TransferConfig, TransferError
+from nori.transfer.base import KVReceiver, TransferConfig, TransferError, TransferRejected
 from nori.transfer.buffers import check_sources
 from nori.transfer.conversation import Channel
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
@@ -184,6 +184,28 @@ async def test_a_sender_that_vanishes_mid_transfer_fails_the_transfer_on_the_sin
     finally:
         await channel.close()
         await raw.close()
+        await receiver.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", KINDS)
+async def test_bytes_the_sink_finds_bad_are_refused_not_acknowledged(kind: str) -> None:
+    """A sender must never hear "done" for KV the receiver threw away: the prefill worker
+    would answer token one for a request whose decode side has already failed it."""
+    caches = _local_caches()
+    sink = CacheSink(caches)
+    receiver = make_receiver(kind, sink)
+    await receiver.start(host="127.0.0.1")
+    sender = make_sender(kind)
+    try:
+        header, buffers, _ = kv_blocks("bad-bytes", [4], torch.float32, seed=5)
+        with pytest.raises(TransferRejected, match="corrupted KV transfer of bad-bytes"):
+            await sender.send(receiver.address, header, buffers)
+        assert [event[:2] for event in sink.events] == [("failed", "bad-bytes")]
+        assert receiver.transfers_completed == 0
+        await _still_serves(kind, receiver, caches)  # the connection is reused, and serves
+    finally:
+        await sender.close()
         await receiver.close()
 
 
