@@ -72,6 +72,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_serve_args(serve)
     serve.set_defaults(handler=run_serve)
+    fidelity = commands.add_parser(
+        "fidelity",
+        help="greedy agreement and logits cosine of a quantized model against its float32 self",
+    )
+    fidelity.add_argument("--model", default="demo", help="a checkpoint folder, or demo/small")
+    fidelity.add_argument("--quantization", choices=["int8", "fp8"], default=None)
+    fidelity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    fidelity.add_argument("--num-prompts", type=int, default=16)
+    fidelity.add_argument("--prompt-len", type=int, default=64)
+    fidelity.add_argument("--output-len", type=int, default=64)
+    fidelity.add_argument("--json", action="store_true", help="print one JSON object")
+    fidelity.set_defaults(handler=run_fidelity)
     _register_compare(commands)
 
 
@@ -175,6 +187,24 @@ def run_offline(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     _print_report(report, args.json)
+    return 0
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    from nori.bench.fidelity import FidelitySettings, measure_fidelity
+    from nori.models.demo import resolve_model
+
+    if min(args.num_prompts, args.prompt_len, args.output_len) < 1:
+        raise ValueError("--num-prompts, --prompt-len and --output-len must be >= 1")
+    settings = FidelitySettings(
+        model=str(resolve_model(args.model)),
+        quantization=args.quantization,
+        dtype=args.dtype,
+        num_prompts=args.num_prompts,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+    )
+    _print_report(measure_fidelity(settings).as_dict(), args.json)
     return 0
 
 

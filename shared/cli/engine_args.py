@@ -48,6 +48,19 @@ def add_engine_args(
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "fp8"],
+        help="8-bit weights (one scale per output channel) for every linear layer of the "
+        "decoder, made at load: int8 runs on the x86 int8 GEMM on CPU, both on a Triton kernel "
+        "on GPU; fp8 on CPU is exact but slow (no fp8 GEMM there)",
+    )
+    group.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --quantization, the LM head too (the embedding table stays as it is)",
+    )
+    group.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
@@ -128,6 +141,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "model": args.model,
         "dtype": args.dtype,
         "device": args.device,
+        "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
         "load_format": args.load_format,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,

@@ -14,6 +14,10 @@ class EngineConfig:
     # "auto": float32 on CPU, the checkpoint's half type (else bfloat16) on GPU.
     dtype: str = "auto"
     device: str = "auto"
+    # Weight-only quantization of the decoder's linear layers: None, "int8" or "fp8".
+    quantization: str | None = None
+    # With `quantization`, the LM head too (its logits then carry the 8-bit rounding).
+    quantize_lm_head: bool = False
     # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -65,6 +69,10 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization must be int8 or fp8, got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs a quantization method (int8 or fp8)")
         if self.attention_backend not in ("auto", "triton", "cpu", "reference"):
             raise ValueError(
                 "attention_backend must be auto, triton, cpu or reference, "

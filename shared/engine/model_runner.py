@@ -57,7 +57,13 @@ class ModelRunner:
         model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.model, self.model_config = load_model(
-            model_dir, self.dtype, self.device, config.load_format, seed=config.seed
+            model_dir,
+            self.dtype,
+            self.device,
+            config.load_format,
+            seed=config.seed,
+            quantization=config.quantization,
+            quantize_lm_head=config.quantize_lm_head,
         )
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache.allocate(
@@ -67,10 +73,11 @@ class ModelRunner:
         self.sampler = Sampler(make_generator(config.seed, self.device))
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         logger.info(
-            "model %s on %s (%s, %s attention): %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s%s, %s attention): %d KV blocks of %d tokens, max_model_len %d",
             model_dir.name,
             self.device,
             self.dtype,
+            f", {config.quantization} weights" if config.quantization else "",
             self.attention_backend,
             num_blocks,
             config.block_size,

@@ -13,14 +13,26 @@ from nori.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
+from nori.kernels.quantized_linear import (
+    QUANT_METHODS,
+    dequantize_weight,
+    quantize_weight,
+    weight_only_linear,
+    weight_only_linear_reference,
+)
 from nori.kernels.store_kv import store_kv_cache, store_kv_cache_reference
 
 __all__ = [
+    "QUANT_METHODS",
+    "dequantize_weight",
     "paged_decode_attention",
     "paged_decode_attention_cpu",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "quantize_weight",
     "store_kv_cache",
     "store_kv_cache_reference",
+    "weight_only_linear",
+    "weight_only_linear_reference",
 ]

@@ -53,6 +53,11 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+# The dtypes the per-layer C++ kernels serve (float32 arithmetic inside, one rounding on the
+# way out); others take the PyTorch references.
+CPU_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
 @functools.cache
 def cpu_kernels() -> Any | None:
     """The compiled module, or None where it cannot be built (logged once) or where

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import CPU_KERNEL_DTYPES, cpu_kernels
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,8 +20,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _kernels_for(x: torch.Tensor) -> object | None:
-    """The C++ module for contiguous float32 CPU rows, None where the reference must run."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+    """The C++ module for contiguous float32/bfloat16 CPU rows, None where the reference must
+    run."""
+    if x.device.type != "cpu" or x.dtype not in CPU_KERNEL_DTYPES or not x.is_contiguous():
         return None
     return cpu_kernels()
 

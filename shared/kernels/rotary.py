@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import CPU_KERNEL_DTYPES, cpu_kernels
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -21,13 +21,15 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, H, D]; on CPU in float32 in place (x is returned), else into a new tensor.
+    """Rotates x [T, H, D]; on CPU (float32, bfloat16) in place (x is returned), else into a new
+    tensor.
 
     Callers pass a tensor they own (a slice of their own qkv projection) and use the result.
     """
     if (
         x.device.type == "cpu"
-        and x.dtype == torch.float32
+        and x.dtype in CPU_KERNEL_DTYPES
+        and cos.dtype == sin.dtype == x.dtype
         and x.dim() == 3
         and x.stride(-1) == 1
         and cos.is_contiguous()

@@ -156,6 +156,9 @@ class CausalLM(nn.Module):
         )
         # A tied model's head weight in [in, out] order (see store_weights_transposed).
         self.tied_head_weight: torch.Tensor | None = None
+        # The head as a module of its own, used instead of a weight when set: 8-bit weights
+        # (`--quantize-lm-head`) or bf16 weights prepacked for the CPU (see quantization.py).
+        self.head_module: nn.Module | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
@@ -170,6 +173,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; call on the rows you sample from."""
+        if self.head_module is not None:
+            logits: torch.Tensor = self.head_module(hidden)
+            return logits.float()
         if self.lm_head is not None:
             weight = self.lm_head.weight
         elif self.tied_head_weight is not None:
@@ -192,7 +198,7 @@ class CausalLM(nn.Module):
                 if isinstance(module, nn.Linear):
                     transposed = module.weight.t().contiguous().t()
                     module.weight = nn.Parameter(transposed, requires_grad=False)
-            if self.lm_head is None:
+            if self.lm_head is None and self.head_module is None:
                 # Tied: the embedding lookup wants rows contiguous and the head the transpose,
                 # so the head gets its own copy (vocab x hidden more memory).
                 embedding = self.model.embed_tokens.weight

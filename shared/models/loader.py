@@ -8,9 +8,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from nori.models.checkpoint_quantization import Fp8Weights, checkpoint_quantization
 from nori.models.config import ModelConfig
 from nori.models.errors import ModelLoadError
 from nori.models.llama import CausalLM, WeightTarget
+from nori.models.packed_linear import pack_bf16_linears
+from nori.models.quantization import quantize_model
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 
@@ -30,16 +33,28 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Returns the model in eval mode without gradients, on `device` in `dtype`.
 
     `load_format="dummy"` skips the safetensors and fills weights with seeded random values
     generated on the device itself, so big shapes can be benchmarked without big files.
+    `quantization` ("int8", "fp8") replaces the decoder's linear layers by 8-bit ones once the
+    weights are in (see quantization.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
     folder = Path(model_dir)
     config = ModelConfig.from_dir(folder)
+    stored = checkpoint_quantization(folder)
+    if stored is not None and quantization is not None:
+        raise ModelLoadError(
+            f"{folder} is already quantized ({stored.method}, from {stored.source}); "
+            "drop --quantization to serve its own weights"
+        )
+    if stored is not None and load_format == "dummy":
+        raise ModelLoadError(f"{folder} is quantized: --load-format dummy cannot fill it")
     device = torch.device(device)
     # Built on "meta" then materialized: no time spent on default initialization that the
     # checkpoint overwrites anyway, and no float32 copy of a bf16 model.
@@ -49,10 +64,15 @@ def load_model(
         if load_format == "dummy":
             _fill_random(model, seed)
         else:
-            _load_safetensors(model, folder, device)
+            _load_safetensors(model, folder, device, quantized=stored is not None)
     model.requires_grad_(False)
+    if quantization is not None:
+        # Before the transposition below, which then only touches what stayed nn.Linear.
+        quantize_model(model, quantization, include_lm_head=quantize_lm_head)
     if device.type == "cpu":
-        model.store_weights_transposed()
+        if dtype is torch.bfloat16:
+            pack_bf16_linears(model)
+        model.store_weights_transposed()  # whatever is still a plain nn.Linear
     return model.eval(), config
 
 
@@ -75,28 +95,39 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: CausalLM, folder: Path, device: torch.device) -> None:
+def _load_safetensors(
+    model: CausalLM, folder: Path, device: torch.device, quantized: bool = False
+) -> None:
     targets = model.hf_weight_targets()
     loaded: set[str] = set()
     unexpected: list[str] = []
+    # A quantized checkpoint's fp8 layers are held aside and swapped in at the end.
+    fp8 = Fp8Weights(targets) if quantized else None
     for path in safetensors_files(folder):
         # safe_open reads one tensor at a time straight onto the device; copy_ then converts
         # the dtype there, so host memory never holds more than one tensor.
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensor = handle.get_tensor(name)
+                if fp8 is not None and fp8.take(name, tensor):
+                    continue
                 target = targets.get(name)
                 if target is None:
                     if not _ignorable(name, model):
                         unexpected.append(name)
                     continue
-                _copy_into(target, handle.get_tensor(name), name, path)
+                _copy_into(target, tensor, name, path)
                 loaded.add(name)
+    if fp8 is not None:
+        loaded |= fp8.loaded_names()
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
         raise ModelLoadError(
             f"weights in {folder} do not match the {model.config.architecture} config: "
             f"missing {_summary(missing)}; unexpected {_summary(sorted(unexpected))}"
         )
+    if fp8 is not None:
+        fp8.install(model)
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:

@@ -19,19 +19,27 @@ pytestmark = pytest.mark.skipif(
 
 # float32 results of the same arithmetic summed or fused in another order.
 ATOL = RTOL = 1e-5
+# bfloat16: the kernels round once (float32 inside), the references after each op: a couple of
+# units in the last of bfloat16's 8 bits apart.
+TOLERANCE = {
+    torch.float32: {"atol": ATOL, "rtol": RTOL},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [7, 64, 4096])
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_rms_norm(rows: int, hidden: int) -> None:
-    x, weight = _randn(rows, hidden), _randn(hidden, seed=1)
+def test_rms_norm(rows: int, hidden: int, dtype: torch.dtype) -> None:
+    x, weight = _randn(rows, hidden).to(dtype), _randn(hidden, seed=1).to(dtype)
     out, residual = rms_norm(x, weight, 1e-5)
-    assert residual is x
-    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), atol=ATOL, rtol=RTOL)
+    assert residual is x and out.dtype is dtype
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), **TOLERANCE[dtype])
 
 
 def test_fused_add_rms_norm_updates_both_in_place() -> None:
@@ -51,25 +59,27 @@ def test_rms_norm_falls_back_off_the_fast_path() -> None:
     torch.testing.assert_close(rms_norm(x, weight, 1e-5)[0], rms_norm_reference(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 37, 1376])
-def test_silu_and_mul(width: int) -> None:
-    x = _randn(11, 2 * width) * 4
-    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), atol=ATOL, rtol=RTOL)
+def test_silu_and_mul(width: int, dtype: torch.dtype) -> None:
+    x = (_randn(11, 2 * width) * 4).to(dtype)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [8, 32, 128])
-def test_rotary_in_place_inside_a_fused_projection(head_dim: int) -> None:
+def test_rotary_in_place_inside_a_fused_projection(head_dim: int, dtype: torch.dtype) -> None:
     """q and k heads sit inside a wider qkv row: the kernel rotates them and nothing else."""
     tokens, heads, extra = 6, 5, 3
-    qkv = _randn(tokens, (heads + extra) * head_dim)
+    qkv = _randn(tokens, (heads + extra) * head_dim).to(dtype)
     view = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     angles = _randn(tokens, head_dim // 2, seed=1) * 10
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     expected = rotary_reference(view, cos, sin)
     untouched = qkv[:, heads * head_dim :].clone()
     result = rotary(view, cos, sin)
     assert result.data_ptr() == view.data_ptr()
-    torch.testing.assert_close(result, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(result, expected, **TOLERANCE[dtype])
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
 
 

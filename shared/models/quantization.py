@@ -1,0 +1,135 @@
+"""Weight-only quantization of a loaded model's linear layers (`--quantization int8|fp8`).
+
+Every projection of every decoder layer (the fused qkv and gate/up, o and down) is replaced
+after loading by a module holding 8-bit weights with one float32 scale per output channel:
+fewer bytes read per decode step, which is what bounds a decode step. The LM head follows with
+`--quantize-lm-head`; the embedding table is a lookup (one row per token), so it stays as it is.
+
+- CPU, int8: torch's x86 int8 GEMM (fbgemm/oneDNN, VNNI on this CPU) behind its dynamically
+  quantized Linear. Each call also quantizes its activations to 8 bits (per tensor, on the
+  fly): the kernel multiplies int8 by uint8. That is the fast path measured in the README.
+- GPU, int8 or fp8: the Triton weight-only kernel (`nori.kernels.quantized_linear`): weights
+  read as 8 bits, converted in registers, activations untouched.
+- CPU, fp8: the kernel's PyTorch reference (this CPU has no fp8 GEMM): exact to the fp8
+  weights, for checking fidelity, not for speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x @ (qweight * scale).T + bias, with qweight int8 or float8_e4m3fn [out, in]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str
+    ) -> WeightOnlyLinear:
+        qweight, scale = quantize_weight(weight, method)
+        return cls(qweight, scale.to(weight.device), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_only_linear(x, self.qweight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, weight={self.qweight.dtype}"
+
+
+class CpuInt8Linear(nn.Module):
+    """int8 weights per output channel on torch's x86 int8 GEMM (dynamic activation scales).
+
+    The weight is prepacked once into the GEMM library's own blocked layout; each call then
+    quantizes its float32 activations to uint8 with one scale for the whole batch.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        qweight, scale = quantize_weight(weight, "int8")
+        with warnings.catch_warnings():
+            # torch deprecates its quantized-tensor constructors in favour of torchao, whose
+            # CPU kernels this x86 GEMM still is; the prepacked op itself is not deprecated.
+            warnings.simplefilter("ignore", UserWarning)
+            per_channel = torch._make_per_channel_quantized_tensor(
+                qweight, scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+            )
+            self._packed = torch.ops.quantized.linear_prepack(
+                per_channel, None if bias is None else bias.float().contiguous()
+            )
+        # Without VNNI the kernel sums pairs of u8 x s8 products in int16, which saturates
+        # unless activations keep 7 bits; with VNNI (this CPU) they keep all 8.
+        self._reduce_range = not _cpu_has_vnni()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(
+            x.float(), self._packed, self._reduce_range
+        )
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, weight=int8 (x86 GEMM)"
+
+
+def quantize_model(model: nn.Module, method: str, include_lm_head: bool = False) -> int:
+    """Replaces the decoder's nn.Linear layers in place; returns how many were replaced.
+
+    With `include_lm_head`, the head is quantized too and set as `model.head_module` (a tied
+    head is quantized from the embedding table, which itself stays in full precision).
+    """
+    if method not in QUANT_METHODS:
+        raise ValueError(f"unknown quantization {method!r}; expected one of {QUANT_METHODS}")
+    decoder = model.get_submodule("model.layers")
+    replaced = 0
+    with torch.no_grad():
+        for parent in list(decoder.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, quantized_linear(child.weight, child.bias, method))
+                    replaced += 1
+        if include_lm_head:
+            head = getattr(model, "lm_head", None)
+            weight = (
+                head.weight
+                if isinstance(head, nn.Linear)
+                else model.get_parameter("model.embed_tokens.weight")
+            )
+            model.head_module = quantized_linear(weight, None, method)
+            replaced += 1
+    return replaced
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: str) -> nn.Module:
+    """The fastest quantized module for this weight's device and the method."""
+    if weight.device.type == "cpu" and method == "int8":
+        return CpuInt8Linear(weight, bias)
+    return WeightOnlyLinear.from_linear(weight, bias, method)
+
+
+@functools.cache
+def _cpu_has_vnni() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return False
+    flags = cpuinfo.read_text()
+    return "avx512_vnni" in flags or "avx_vnni" in flags
