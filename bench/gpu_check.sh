@@ -33,6 +33,14 @@ nori model init /tmp/llama3-8b --preset llama3-8b --no-weights >/dev/null
 step bench_8b 240 python3 -m nori.cli.main bench offline --model /tmp/llama3-8b --load-format dummy \
   --num-prompts 128 --input-len-range 32:512 --output-len-range 16:512 --compare-static --json \
   --num-kv-blocks 2048
+# Issue 12: the same 8B shape with 8-bit weights (the Triton weight-only kernel), decode-bound.
+for quant in none int8 fp8; do
+  flags=()
+  [ "$quant" != none ] && flags=(--quantization "$quant")
+  step "bench_8b_weights_$quant" 180 python3 -m nori.cli.main bench offline \
+    --model /tmp/llama3-8b --load-format dummy --num-prompts 64 --input-len-range 128:128 \
+    --output-len-range 128:128 --max-num-seqs 64 --json --num-kv-blocks 2048 "${flags[@]}"
+done
 step engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
 step kernel_bench 60 python3 bench/kernels_gpu.py
 grep -h '^{' "$OUT"/bench_*.log >"$OUT/bench.jsonl" || true
