@@ -192,6 +192,7 @@ def run_offline_benchmark(
         "model": config.model,
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
+        "quantization": config.quantization or "none",
         "num_prompts": num_prompts,
         "input_len_range": list(input_range),
         "output_len_range": list(output_range),
