@@ -28,6 +28,7 @@ from nori.gateway.backend import (
     QueueFullError,
     SaturatedError,
 )
+from nori.gateway.group_wait import GroupWait
 from nori.gateway.request_flow import RequestFlow, Resumed
 from nori.gateway.router import Router
 from nori.gateway.worker_calls import (
@@ -67,6 +68,11 @@ class ClusterOptions(RoleSettings):
     prefill_attempts: int = 3
     # Moves of a request whose decode worker died to another one (--migration-limit).
     migration_limit: int = 3
+    # How long a member of a batch (several prompts, or n > 1) waits for room when every worker
+    # is full, instead of 429: the batch was admitted as one, and its running members free the
+    # room the rest need, so a batch larger than the cluster's queues is served in waves.
+    # 0: no waiting (429 at once, like a single request).
+    group_wait_s: float = 600.0
     # A worker stream silent this long counts as lost, and its request moves on. Longer than
     # any legitimate silence: a prompt's wait in a bounded queue, a long prompt's compute.
     stream_stall_timeout_s: float = 300.0
@@ -188,8 +194,9 @@ class ClusterBackend:
         """The request on a decode worker; elsewhere when that one is full, when its prompt's
         prefill worker fails before token one, or (migration) when the decode worker dies."""
         tried: list[str] = []
-        restarts = migrations = 0
+        restarts = migrations = full_prefills = 0
         streamed = Resumed([])
+        wait = GroupWait(self.options.group_wait_s if request.admission_group else 0.0)
         while True:
             routable = self.pool.routable()
             decode = self.router.pick_decode(routable, exclude=tried)
@@ -199,6 +206,9 @@ class ClusterBackend:
                         f"the decode worker streaming request {request.request_id} failed and "
                         "no other decode worker is left to continue it"
                     )
+                if tried and not streamed.token_ids and await wait.turn():
+                    tried.clear()  # a batch member: try them all again
+                    continue
                 if tried:
                     raise QueueFullError(
                         "no decode worker could take the request (queues or KV pools full); "
@@ -223,13 +233,17 @@ class ClusterBackend:
                 # client has, so nothing is replayed.
                 tried.append(decode.worker_id)
                 if len(tried) >= self.options.decode_attempts + migrations:
-                    raise
+                    if streamed.token_ids or not await wait.turn():
+                        raise
+                    tried.clear()
             except WorkerFullError:
                 # The prefill worker's queue was full (its decode reservation is released):
                 # pick again; routing by load favours another one.
-                restarts += 1
-                if restarts >= self.options.prefill_attempts:
-                    raise
+                full_prefills += 1
+                if full_prefills >= self.options.prefill_attempts:
+                    if not await wait.turn():
+                        raise
+                    full_prefills = 0
             except (PrefillFailedError, TransferFailedError) as error:
                 # The prompt's prefill worker died, hung up or sent bad KV: its decode
                 # reservation is already released (the decode call was cancelled); start over

@@ -45,6 +45,8 @@ class GatewayOptions(RoleSettings):
     migration_limit: int = 3
     # A worker stream silent this long counts as lost (ClusterOptions.stream_stall_timeout_s).
     stream_stall_timeout_s: float = 300.0
+    # A batch member's wait for room when every worker is full (ClusterOptions.group_wait_s).
+    group_wait_s: float = 600.0
     # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
     api_key: str | None = None
 
@@ -93,6 +95,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
             migration_limit=options.migration_limit,
             stream_stall_timeout_s=options.stream_stall_timeout_s,
+            group_wait_s=options.group_wait_s,
         ),
         tracing.tracer,
     )

@@ -154,6 +154,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "moves to another worker (gRPC keepalive catches a frozen peer sooner)",
     )
     gateway.add_argument(
+        "--group-wait-s",
+        type=float,
+        default=600.0,
+        help="a request of several prompts (or n > 1) that finds every worker full waits up to "
+        "this long for room, served in waves, instead of 429; 0: 429 at once",
+    )
+    gateway.add_argument(
         "--api-key",
         default=None,
         help="require this key as `Authorization: Bearer KEY` on the API (/health and /metrics "

@@ -8,6 +8,7 @@ merges the splits. Splitting keeps the GPU busy when the batch is small and cont
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -18,8 +19,16 @@ from nori.kernels._attention_tiles import (
     online_softmax_step,
 )
 from nori.kernels._common import (
+    FLOAT_DTYPES,
+    PagedAttentionArgs,
     cdiv,
+    check_block_tables,
+    check_last_dim_contiguous,
     check_paged_attention_args,
+    check_same_device,
+    check_seq_lens,
+    check_tensor,
+    device_function,
     dot_precision,
     jit,
     next_power_of_2,
@@ -28,6 +37,7 @@ from nori.kernels._common import (
     upcast_dot_operands,
 )
 from nori.kernels.decode_attention_reference import paged_decode_attention_reference
+from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, check_quantized_kv_caches
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -44,10 +54,59 @@ PROGRAMS_PER_SM = 2
 MIN_DOT_DIM = 16
 
 
+@device_function
+def token_scale_offsets(
+    table_row_ptr, pos, end, kv_head, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr
+):
+    """Where the scales of a sequence's tokens `pos` for `kv_head` lie in an 8-bit cache's
+    [num_blocks, block_size, Hkv] scale tensor (tokens at or past `end` point at slot 0)."""
+    block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+    return (block_ids * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+
+
+@device_function
+def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: tl.constexpr):
+    """q @ K^T for a tile of 8-bit K codes whose per-token scales are k_scale [tokens].
+
+    A token's scale is common to its whole row, so it factors out of the dot product and
+    scales the score column instead. The codes are exact in every float dtype the query may
+    have (int8 needs 7 mantissa bits, e4m3 needs 3), so the dot sees exactly the cache.
+    """
+    # Masked codes must be zeros: a stray fp8 byte 0x7F is NaN, and NaN * 0 is NaN.
+    k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return scores * k_scale.to(tl.float32)[None, :]
+
+
+@device_function
+def quantized_softmax_step(
+    scores, m_i, l_i, acc, v, v_scale, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """`online_softmax_step` for a tile of 8-bit V codes v [tokens, BLOCK_D] (already in the
+    dot dtype) with per-token scales v_scale [tokens].
+
+    The V scale weighs a whole row of V, so it folds into the probabilities: p * scale @ codes
+    is p @ (codes * scale). The row sums l_i take the unscaled probabilities.
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = m_new
+    if MAY_BE_EMPTY:
+        # Such a row keeps m at -inf, and exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p_dot = (p * v_scale.to(tl.float32)[None, :]).to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     context_starts_ptr,
@@ -70,6 +129,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,8 +164,16 @@ def _decode_split_kernel(
         offsets, kv_mask = kv_tile(
             table_row, pos, end, head_columns, dim_mask, BLOCK_SIZE, TOKEN_STRIDE
         )
-        k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            token_scales = token_scale_offsets(
+                table_row, pos, end, kv_head, BLOCK_SIZE, NUM_KV_HEADS
+            )
+            k_scale = tl.load(k_scale_ptr + token_scales, mask=pos < end, other=0.0)
+            scores = quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION)
+        else:
+            k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        scores = scores * scale_log2
         visible = pos < end
         if MASK_LEFT:
             # Left padding is read and computed (as a dense padded batch would) but not seen.
@@ -113,9 +181,16 @@ def _decode_split_kernel(
         scores = tl.where(visible[None, :], scores, float("-inf"))
         # Without padding every tile holds a real token, so m is finite from the first on.
         v_ptrs = v_cache_ptr + offsets
-        m_i, l_i, acc = online_softmax_step(
-            scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
-        )
+        if QUANTIZED:
+            v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < end, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+            m_i, l_i, acc = quantized_softmax_step(
+                scores, m_i, l_i, acc, v, v_scale, MASK_LEFT, DOT_PRECISION
+            )
+        else:
+            m_i, l_i, acc = online_softmax_step(
+                scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+            )
 
     # An empty split (past the end of a short sequence, or all left padding) stores m = -inf,
     # l = 0, acc = 0, which the merge weighs by zero.
@@ -190,6 +265,8 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, D] attends to seq_lens[b] (>= 1) cached tokens of its sequence -> [B, Hq, D].
@@ -199,10 +276,19 @@ def paged_decode_attention(
     the caller knows it, sizes the splits; otherwise the block table's width bounds the context,
     which needs no device synchronisation but may leave splits empty when tables are wide.
     context_starts [B] int32 (< seq_lens[b]), if given, hides positions before it: left padding.
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
+    nori.kernels.kv_quant); the query and output then keep their own float dtype.
     """
-    args = check_paged_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
-    )
+    if k_scale is None and v_scale is None:
+        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"a {k_cache.dtype} cache needs its k_scale and v_scale")
+        args = check_paged_attention_args(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
+        )
+    else:
+        args = _check_quantized_decode_args(
+            query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, context_starts
+        )
     query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, batch = args
     num_heads, head_dim = query.shape[1], query.shape[2]
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -212,7 +298,7 @@ def paged_decode_attention(
 
     if not should_use_triton(use_triton, [query]):
         return paged_decode_attention_reference(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
+            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, k_scale, v_scale
         )
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if batch == 0:
@@ -236,6 +322,9 @@ def paged_decode_attention(
         query,
         k_cache,
         v_cache,
+        # Unread unless QUANTIZED; any tensor serves as the pointer.
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
         block_tables,
         seq_lens,
         seq_lens if context_starts is None else context_starts,
@@ -258,6 +347,7 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
         MASK_LEFT=context_starts is not None,
+        QUANTIZED=k_scale is not None,
         num_warps=4,
     )
     jit(_decode_merge_kernel)[(batch, num_heads)](
@@ -275,3 +365,44 @@ def paged_decode_attention(
         num_warps=4,
     )
     return out
+
+
+def _check_quantized_decode_args(
+    query: object,
+    k_cache: object,
+    v_cache: object,
+    k_scale: object,
+    v_scale: object,
+    block_tables: object,
+    seq_lens: object,
+    scale: float,
+    context_starts: object | None,
+) -> PagedAttentionArgs:
+    """`check_paged_attention_args` for an 8-bit cache, whose dtype the query does not share."""
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale must be given together")
+    q = check_tensor("query", query, 3, FLOAT_DTYPES)
+    k, v, ks, vs = check_quantized_kv_caches(k_cache, v_cache, k_scale, v_scale)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[2]
+    if head_dim != k.shape[3]:
+        raise ValueError(
+            f"query head_dim {head_dim} does not match the cache's head_dim {k.shape[3]}"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    batch = q.shape[0]
+    tables = check_block_tables(block_tables, batch)
+    lens = check_seq_lens(seq_lens, batch)
+    tensors = {"query": q, "k_cache": k, "v_cache": v, "k_scale": ks, "v_scale": vs}
+    tensors |= {"block_tables": tables, "seq_lens": lens}
+    starts = None
+    if context_starts is not None:
+        tensors["context_starts"] = starts = check_seq_lens(context_starts, batch, "context_starts")
+    check_same_device(tensors)
+    check_last_dim_contiguous("query", q)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return PagedAttentionArgs(q, k, v, tables, lens, starts, None, batch)

@@ -16,6 +16,7 @@ from nori.kernels._common import (
     cdiv,
 )
 from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.kv_quant import dequantize_kv_reference
 
 # The CPU reference pads the contexts of a group of rows to the group's longest and gathers them
 # with one index_select per layer. Rows join a group while that padding stays small: a row
@@ -113,8 +114,14 @@ def run_reference_decode(
     v_cache: torch.Tensor,
     plan: ReferenceDecodePlan,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D]."""
+    """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D].
+
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16, given for an 8-bit cache
+    (nori.kernels.kv_quant), dequantize the gathered blocks.
+    """
     batch, num_heads, head_dim = query.shape
     if batch == 0:
         return torch.empty_like(query)
@@ -124,9 +131,8 @@ def run_reference_decode(
     for part in plan.groups:
         rows = part.num_rows
         shape = (rows, part.num_blocks * block_size, num_kv_heads, head_dim)
-        # index_select copies whole blocks; advanced indexing (cache[tables]) was 5x slower.
-        keys = k_cache.index_select(0, part.block_ids).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, part.block_ids).view(shape).transpose(1, 2)
+        keys = _gather_blocks(k_cache, k_scale, part.block_ids).view(shape).transpose(1, 2)
+        values = _gather_blocks(v_cache, v_scale, part.block_ids).view(shape).transpose(1, 2)
         q = query if part.rows is None else query.index_select(0, part.rows)
         # PyTorch's fused attention is the reference: faster on CPU than spelled-out softmax,
         # and independent of the Triton kernel it checks. The query heads sharing a kv head go
@@ -147,6 +153,18 @@ def run_reference_decode(
     return output
 
 
+def _gather_blocks(
+    cache: torch.Tensor, cache_scale: torch.Tensor | None, block_ids: torch.Tensor
+) -> torch.Tensor:
+    """The cache blocks `block_ids`, dequantized to float32 when the cache is 8-bit."""
+    # index_select copies whole blocks; advanced indexing (cache[tables]) was 5x slower.
+    if cache_scale is None:
+        return cache.index_select(0, block_ids)
+    # Gathered as raw bytes: index_select has no float8 implementation on CPU.
+    codes = cache.view(torch.uint8).index_select(0, block_ids).view(cache.dtype)
+    return dequantize_kv_reference(codes, cache_scale.index_select(0, block_ids))
+
+
 def paged_decode_attention_reference(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -155,13 +173,17 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding.
 
-    Sequences are processed in groups of similar length, so padding stays small.
+    Sequences are processed in groups of similar length, so padding stays small. k_scale and
+    v_scale go with an 8-bit cache (see nori.kernels.kv_quant): the gathered blocks are
+    dequantized to float32 before attention.
     """
     plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1], context_starts)
-    return run_reference_decode(query, k_cache, v_cache, plan, scale)
+    return run_reference_decode(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
 
 
 def paged_decode_attention_cpu(

@@ -71,3 +71,27 @@ def test_requests_beyond_every_queue_get_429_and_the_rest_complete(
     assert complete(99).status_code == 200
     for role in cluster.processes:
         assert "Traceback" not in role.log_path.read_text(), role.name
+
+
+def test_a_batch_larger_than_every_queue_is_served_in_waves(small_queues: LocalCluster) -> None:
+    """12 prompts in one request, n=2 each: 24 choices against room for 3 prompts and 6 streams
+    at a time. A batch is admitted as one: its members wait for the room its running members
+    free (ClusterOptions.group_wait_s) rather than fail the whole batch with 429."""
+    cluster = small_queues
+    baseline = idle_free_blocks(cluster)
+    response = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={
+            "model": model_name(cluster),
+            "prompt": [f"{index}: the little cat" for index in range(12)],
+            "n": 2,
+            "max_tokens": 8,
+            "ignore_eos": True,
+        },
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert sorted(choice["index"] for choice in choices) == list(range(24))
+    assert response.json()["usage"]["completion_tokens"] == 24 * 8
+    assert idle_free_blocks(cluster) == baseline
