@@ -286,7 +286,7 @@ def paged_decode_attention(
             query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
         )
     else:
-        args = _check_quantized_decode_args(
+        args = check_quantized_paged_attention_args(
             query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, context_starts
         )
     query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, batch = args
@@ -367,7 +367,7 @@ def paged_decode_attention(
     return out
 
 
-def _check_quantized_decode_args(
+def check_quantized_paged_attention_args(
     query: object,
     k_cache: object,
     v_cache: object,
@@ -377,8 +377,12 @@ def _check_quantized_decode_args(
     seq_lens: object,
     scale: float,
     context_starts: object | None,
+    query_start_loc: object | None = None,
 ) -> PagedAttentionArgs:
-    """`check_paged_attention_args` for an 8-bit cache, whose dtype the query does not share."""
+    """`check_paged_attention_args` for an 8-bit cache, whose dtype the query does not share.
+
+    Prefill passes query_start_loc (int32 [B + 1]), as to `check_paged_attention_args`.
+    """
     if k_scale is None or v_scale is None:
         raise ValueError("k_scale and v_scale must be given together")
     q = check_tensor("query", query, 3, FLOAT_DTYPES)
@@ -393,10 +397,20 @@ def _check_quantized_decode_args(
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    batch = q.shape[0]
+    tensors = {"query": q, "k_cache": k, "v_cache": v, "k_scale": ks, "v_scale": vs}
+    query_starts = None
+    if query_start_loc is None:
+        batch = q.shape[0]
+    else:
+        query_starts = check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+        batch = query_starts.shape[0] - 1
+        if batch < 0:
+            raise ValueError("query_start_loc must have B + 1 entries, got none")
+        if not query_starts.is_contiguous():
+            raise ValueError("query_start_loc must be contiguous")
+        tensors["query_start_loc"] = query_starts
     tables = check_block_tables(block_tables, batch)
     lens = check_seq_lens(seq_lens, batch)
-    tensors = {"query": q, "k_cache": k, "v_cache": v, "k_scale": ks, "v_scale": vs}
     tensors |= {"block_tables": tables, "seq_lens": lens}
     starts = None
     if context_starts is not None:
@@ -405,4 +419,4 @@ def _check_quantized_decode_args(
     check_last_dim_contiguous("query", q)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return PagedAttentionArgs(q, k, v, tables, lens, starts, None, batch)
+    return PagedAttentionArgs(q, k, v, tables, lens, starts, query_starts, batch)

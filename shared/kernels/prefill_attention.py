@@ -18,6 +18,7 @@ from nori.kernels._attention_tiles import (
     online_softmax_step,
 )
 from nori.kernels._common import (
+    cdiv,
     check_paged_attention_args,
     dot_precision,
     gather_context,
@@ -26,6 +27,13 @@ from nori.kernels._common import (
     should_use_triton,
     upcast_dot_operands,
 )
+from nori.kernels.decode_attention import (
+    check_quantized_paged_attention_args,
+    quantized_scores,
+    quantized_softmax_step,
+    token_scale_offsets,
+)
+from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, dequantize_kv_reference
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -40,6 +48,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
@@ -63,6 +73,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,8 +132,17 @@ def _prefill_kernel(
         offsets, kv_mask = kv_tile(
             table_row, pos, kv_end, head_columns, dim_mask, BLOCK_SIZE, TOKEN_STRIDE
         )
-        k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if QUANTIZED:
+            # 8-bit codes: the K scale multiplies the score columns (see quantized_scores).
+            token_scales = token_scale_offsets(
+                table_row, pos, kv_end, kv_head, BLOCK_SIZE, NUM_KV_HEADS
+            )
+            k_scale = tl.load(k_scale_ptr + token_scales, mask=pos < kv_end, other=0.0)
+            scores = quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION)
+            scores = scores * scale_log2
+        else:
+            k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos[None, :] <= q_pos[:, None]
         if MASK_LEFT:
             # Real tokens do not see the left padding (which is still read and computed, as in
@@ -131,9 +151,17 @@ def _prefill_kernel(
         scores = tl.where(visible, scores, float("-inf"))
         # With left padding, a tile of padding only leaves a real row's m at -inf.
         v_ptrs = v_cache_ptr + offsets
-        m_i, l_i, acc = online_softmax_step(
-            scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
-        )
+        if QUANTIZED:
+            # The V scale folds into the probabilities; the row sums stay unscaled.
+            v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < kv_end, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+            m_i, l_i, acc = quantized_softmax_step(
+                scores, m_i, l_i, acc, v, v_scale, MASK_LEFT, DOT_PRECISION
+            )
+        else:
+            m_i, l_i, acc = online_softmax_step(
+                scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+            )
 
     out = acc / l_i[:, None]
     tl.store(
@@ -152,8 +180,15 @@ def paged_prefill_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     context_starts: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask."""
+    """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask.
+
+    k_scale/v_scale go with an 8-bit cache (see nori.kernels.kv_quant): the context read is
+    dequantized to float32 first.
+    """
     num_heads = query.shape[1]
     group = num_heads // k_cache.shape[2]
     out = torch.zeros_like(query)
@@ -165,8 +200,8 @@ def paged_prefill_attention_reference(
         q_len = end - start
         if q_len == 0:
             continue
-        keys = gather_context(k_cache, block_tables[b], seq_len)
-        values = gather_context(v_cache, block_tables[b], seq_len)
+        keys = _gather_context(k_cache, k_scale, block_tables[b], seq_len)
+        values = _gather_context(v_cache, v_scale, block_tables[b], seq_len)
         q = query[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
         k = keys.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, seq_len, D]
         v = values.float().transpose(0, 1).repeat_interleave(group, dim=0)
@@ -184,6 +219,19 @@ def paged_prefill_attention_reference(
     return out
 
 
+def _gather_context(
+    cache: torch.Tensor, cache_scale: torch.Tensor | None, table_row: torch.Tensor, length: int
+) -> torch.Tensor:
+    """`gather_context`, dequantized to float32 when the cache is 8-bit."""
+    if cache_scale is None:
+        return gather_context(cache, table_row, length)
+    # Gathered as raw bytes: index_select has no float8 implementation on CPU.
+    codes = gather_context(cache.view(torch.uint8), table_row, length).view(cache.dtype)
+    blocks = table_row[: cdiv(length, cache.shape[1])]
+    scales = cache_scale.index_select(0, blocks).reshape(-1, cache.shape[2])[:length]
+    return dequantize_kv_reference(codes, scales)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -194,6 +242,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of the T new tokens query [T, Hq, D] -> [T, Hq, D].
@@ -203,17 +253,44 @@ def paged_prefill_attention(
     included, whose K/V must already be in the cache. New token i of b sits at position
     seq_lens[b] - q_len_b + i and attends to positions 0 .. that one. context_starts [B] int32,
     if given, marks positions before it as left padding: tokens at or after it do not see them.
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
+    nori.kernels.kv_quant); the query and output then keep their own float dtype.
     """
-    args = check_paged_attention_args(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, query_start_loc
-    )
+    if k_scale is None and v_scale is None:
+        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in QUANTIZED_KV_DTYPES:
+            raise ValueError(f"a {k_cache.dtype} cache needs its k_scale and v_scale")
+        args = check_paged_attention_args(
+            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, query_start_loc
+        )
+    else:
+        args = check_quantized_paged_attention_args(
+            query,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            block_tables,
+            seq_lens,
+            scale,
+            context_starts,
+            query_start_loc,
+        )
     query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, batch = args
     assert starts is not None  # given query_start_loc, the check returns it checked
     query_start_loc = starts
 
     if not should_use_triton(use_triton, [query]):
         return paged_prefill_attention_reference(
-            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, context_starts
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            context_starts,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -232,6 +309,9 @@ def paged_prefill_attention(
         query,
         k_cache,
         v_cache,
+        # Unread unless QUANTIZED; any tensor serves as the pointer.
+        k_cache if k_scale is None else k_scale,
+        v_cache if v_scale is None else v_scale,
         out,
         block_tables,
         query_start_loc,
@@ -255,6 +335,7 @@ def paged_prefill_attention(
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
         MASK_LEFT=context_starts is not None,
+        QUANTIZED=k_scale is not None,
         num_warps=8 if block_q * block_g >= 128 else 4,
     )
     return out
