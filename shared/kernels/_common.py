@@ -165,7 +165,7 @@ def check_kv_caches(k_cache: object, v_cache: object) -> tuple[torch.Tensor, tor
     return k, v
 
 
-def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor) -> None:
+def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor, same_dtype: bool = True) -> None:
     num_heads, head_dim = query.shape[-2], query.shape[-1]
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
     if head_dim != cache_head_dim:
@@ -176,7 +176,7 @@ def check_query_heads(query: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    if query.dtype != k_cache.dtype:
+    if same_dtype and query.dtype != k_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} does not match cache dtype {k_cache.dtype}")
 
 
@@ -224,16 +224,33 @@ def check_paged_attention_args(
     scale: float,
     context_starts: object | None,
     query_start_loc: object | None = None,
+    *,
+    k_scale: object | None = None,
+    v_scale: object | None = None,
 ) -> PagedAttentionArgs:
     """Checks what decode and prefill attention share; raises ValueError naming the argument.
 
     Decode passes one query row per sequence (query [B, Hq, D]); prefill passes query_start_loc
-    (int32 [B + 1]) that splits query [T, Hq, D] into sequences.
+    (int32 [B + 1]) that splits query [T, Hq, D] into sequences. An 8-bit cache comes with its
+    k_scale/v_scale (see kv_quant.py), and the query keeps its own float dtype.
     """
+    # kv_quant builds on this module: imported here, not at the top.
+    from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, check_quantized_kv_caches
+
+    quantized = k_scale is not None or v_scale is not None
+    if quantized and (k_scale is None or v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    if not quantized and isinstance(k_cache, torch.Tensor) and k_cache.dtype in QUANTIZED_KV_DTYPES:
+        raise ValueError(f"a {k_cache.dtype} cache needs its k_scale and v_scale")
     q = check_tensor("query", query, 3, FLOAT_DTYPES)
-    k, v = check_kv_caches(k_cache, v_cache)
-    check_query_heads(q, k)
-    tensors = {"query": q, "k_cache": k, "v_cache": v}
+    tensors: dict[str, torch.Tensor]
+    if quantized:
+        k, v, ks, vs = check_quantized_kv_caches(k_cache, v_cache, k_scale, v_scale)
+        tensors = {"query": q, "k_cache": k, "v_cache": v, "k_scale": ks, "v_scale": vs}
+    else:
+        k, v = check_kv_caches(k_cache, v_cache)
+        tensors = {"query": q, "k_cache": k, "v_cache": v}
+    check_query_heads(q, k, same_dtype=not quantized)
     starts = None
     if query_start_loc is None:
         batch = q.shape[0]

@@ -8,7 +8,6 @@ merges the splits. Splitting keeps the GPU busy when the batch is small and cont
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -19,15 +18,8 @@ from nori.kernels._attention_tiles import (
     online_softmax_step,
 )
 from nori.kernels._common import (
-    FLOAT_DTYPES,
-    PagedAttentionArgs,
     cdiv,
-    check_block_tables,
-    check_last_dim_contiguous,
     check_paged_attention_args,
-    check_same_device,
-    check_seq_lens,
-    check_tensor,
     device_function,
     dot_precision,
     jit,
@@ -37,7 +29,6 @@ from nori.kernels._common import (
     upcast_dot_operands,
 )
 from nori.kernels.decode_attention_reference import paged_decode_attention_reference
-from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, check_quantized_kv_caches
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -279,16 +270,17 @@ def paged_decode_attention(
     k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
     nori.kernels.kv_quant); the query and output then keep their own float dtype.
     """
-    if k_scale is None and v_scale is None:
-        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in QUANTIZED_KV_DTYPES:
-            raise ValueError(f"a {k_cache.dtype} cache needs its k_scale and v_scale")
-        args = check_paged_attention_args(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts
-        )
-    else:
-        args = check_quantized_paged_attention_args(
-            query, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, context_starts
-        )
+    args = check_paged_attention_args(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        context_starts,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, batch = args
     num_heads, head_dim = query.shape[1], query.shape[2]
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -365,58 +357,3 @@ def paged_decode_attention(
         num_warps=4,
     )
     return out
-
-
-def check_quantized_paged_attention_args(
-    query: object,
-    k_cache: object,
-    v_cache: object,
-    k_scale: object,
-    v_scale: object,
-    block_tables: object,
-    seq_lens: object,
-    scale: float,
-    context_starts: object | None,
-    query_start_loc: object | None = None,
-) -> PagedAttentionArgs:
-    """`check_paged_attention_args` for an 8-bit cache, whose dtype the query does not share.
-
-    Prefill passes query_start_loc (int32 [B + 1]), as to `check_paged_attention_args`.
-    """
-    if k_scale is None or v_scale is None:
-        raise ValueError("k_scale and v_scale must be given together")
-    q = check_tensor("query", query, 3, FLOAT_DTYPES)
-    k, v, ks, vs = check_quantized_kv_caches(k_cache, v_cache, k_scale, v_scale)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[2]
-    if head_dim != k.shape[3]:
-        raise ValueError(
-            f"query head_dim {head_dim} does not match the cache's head_dim {k.shape[3]}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    tensors = {"query": q, "k_cache": k, "v_cache": v, "k_scale": ks, "v_scale": vs}
-    query_starts = None
-    if query_start_loc is None:
-        batch = q.shape[0]
-    else:
-        query_starts = check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
-        batch = query_starts.shape[0] - 1
-        if batch < 0:
-            raise ValueError("query_start_loc must have B + 1 entries, got none")
-        if not query_starts.is_contiguous():
-            raise ValueError("query_start_loc must be contiguous")
-        tensors["query_start_loc"] = query_starts
-    tables = check_block_tables(block_tables, batch)
-    lens = check_seq_lens(seq_lens, batch)
-    tensors |= {"block_tables": tables, "seq_lens": lens}
-    starts = None
-    if context_starts is not None:
-        tensors["context_starts"] = starts = check_seq_lens(context_starts, batch, "context_starts")
-    check_same_device(tensors)
-    check_last_dim_contiguous("query", q)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return PagedAttentionArgs(q, k, v, tables, lens, starts, query_starts, batch)

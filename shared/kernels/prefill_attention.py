@@ -28,12 +28,11 @@ from nori.kernels._common import (
     upcast_dot_operands,
 )
 from nori.kernels.decode_attention import (
-    check_quantized_paged_attention_args,
     quantized_scores,
     quantized_softmax_step,
     token_scale_offsets,
 )
-from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, dequantize_kv_reference
+from nori.kernels.kv_quant import dequantize_kv_reference
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -256,25 +255,18 @@ def paged_prefill_attention(
     k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
     nori.kernels.kv_quant); the query and output then keep their own float dtype.
     """
-    if k_scale is None and v_scale is None:
-        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in QUANTIZED_KV_DTYPES:
-            raise ValueError(f"a {k_cache.dtype} cache needs its k_scale and v_scale")
-        args = check_paged_attention_args(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, query_start_loc
-        )
-    else:
-        args = check_quantized_paged_attention_args(
-            query,
-            k_cache,
-            v_cache,
-            k_scale,
-            v_scale,
-            block_tables,
-            seq_lens,
-            scale,
-            context_starts,
-            query_start_loc,
-        )
+    args = check_paged_attention_args(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        context_starts,
+        query_start_loc,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, batch = args
     assert starts is not None  # given query_start_loc, the check returns it checked
     query_start_loc = starts
