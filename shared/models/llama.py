@@ -171,6 +171,10 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, rotary, attention)
         return self.model.norm(x, residual)[0]
 
+    def head_weight(self) -> torch.Tensor:
+        """The head's [vocab, hidden] weight: lm_head's, or the embedding table when tied."""
+        return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; call on the rows you sample from."""
         if self.head_module is not None:

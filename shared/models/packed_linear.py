@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nori.models.llama import CausalLM
+from nori.models.module_swap import replace_linears
+
 
 class PackedBf16Linear(nn.Module):
     """A bfloat16 layer on CPU with its weight prepacked for oneDNN's bf16 GEMM.
@@ -38,25 +41,18 @@ class PackedBf16Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight=bfloat16 (oneDNN packed)"
 
 
-def pack_bf16_linears(model: nn.Module) -> int:
+def pack_bf16_linears(model: CausalLM) -> int:
     """Prepacks every nn.Linear left in a bfloat16 CPU model, the head included (as
     `model.head_module`); returns how many. A no-op (0) where oneDNN is not built in."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    packed = 0
     with torch.no_grad():
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and name != "lm_head":
-                    setattr(parent, name, PackedBf16Linear(child.weight, child.bias))
-                    packed += 1
-        if getattr(model, "head_module", None) is None:
-            head = getattr(model, "lm_head", None)
-            weight = (
-                head.weight
-                if isinstance(head, nn.Linear)
-                else model.get_parameter("model.embed_tokens.weight")
-            )
-            model.head_module = PackedBf16Linear(weight, None)
+        packed = replace_linears(
+            model,
+            lambda linear: PackedBf16Linear(linear.weight, linear.bias),
+            skip=lambda name: name == "lm_head",  # the head is packed below, as head_module
+        )
+        if model.head_module is None:
+            model.head_module = PackedBf16Linear(model.head_weight(), None)
             packed += 1
     return packed

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
+from nori.models.llama import CausalLM
+from nori.models.module_swap import replace_linears
 
 
 class WeightOnlyLinear(nn.Module):
@@ -91,7 +93,7 @@ class CpuInt8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight=int8 (x86 GEMM)"
 
 
-def quantize_model(model: nn.Module, method: str, include_lm_head: bool = False) -> int:
+def quantize_model(model: CausalLM, method: str, include_lm_head: bool = False) -> int:
     """Replaces the decoder's nn.Linear layers in place; returns how many were replaced.
 
     With `include_lm_head`, the head is quantized too and set as `model.head_module` (a tied
@@ -99,22 +101,12 @@ def quantize_model(model: nn.Module, method: str, include_lm_head: bool = False)
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {method!r}; expected one of {QUANT_METHODS}")
-    decoder = model.get_submodule("model.layers")
-    replaced = 0
     with torch.no_grad():
-        for parent in list(decoder.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, quantized_linear(child.weight, child.bias, method))
-                    replaced += 1
+        replaced = replace_linears(
+            model.model.layers, lambda linear: quantized_linear(linear.weight, linear.bias, method)
+        )
         if include_lm_head:
-            head = getattr(model, "lm_head", None)
-            weight = (
-                head.weight
-                if isinstance(head, nn.Linear)
-                else model.get_parameter("model.embed_tokens.weight")
-            )
-            model.head_module = quantized_linear(weight, None, method)
+            model.head_module = quantized_linear(model.head_weight(), None, method)
             replaced += 1
     return replaced
 
