@@ -1,4 +1,5 @@
-"""`nori bench fidelity`: how far quantization (or bfloat16) moves a model from its float32 self.
+"""`nori bench fidelity`: how far quantization (8-bit weights, an 8-bit KV cache, or bfloat16)
+moves a model from its float32 self.
 
 Three figures:
 
@@ -10,7 +11,7 @@ Three figures:
   a completion elsewhere, so on a 260K-parameter model this falls far below the step figure
   even for bfloat16;
 - logits cosine: the cosine similarity of the two models' logits at every forced position; the
-  minimum and the mean.
+  minimum, the mean, and the share of positions under 0.99.
 
 The prompts are the float32 model's own sampled text (seeded), so they look like its training
 data rather than random ids, on which a small model's logits are flat and any rounding flips them.
@@ -18,16 +19,21 @@ data rather than random ids, on which a small model's logits are flat and any ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from nori.engine.llm import LLM
+from nori.kernels.kv_quant import KV_CACHE_DTYPES, dequantize_kv_reference, quantize_kv_reference
 from nori.models.dtypes import DTYPES
 from nori.models.llama import CausalLM
 from nori.models.loader import load_model
 from nori.sampling.params import SamplingParams
+
+# The issue's per-step cosine bound; the report counts the steps under it.
+LOW_COSINE = 0.99
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,8 @@ class FidelitySettings:
     quantization: str | None = None
     # The compared side's dtype (bfloat16: the CPU's fast half type), against float32.
     dtype: str = "float32"
+    # "auto" (the KV cache in `dtype`), "int8" or "fp8".
+    kv_cache_dtype: str = "auto"
     num_prompts: int = 16
     prompt_len: int = 64
     output_len: int = 64
@@ -51,6 +59,8 @@ class FidelityReport:
     sequence_agreement: float
     min_cosine: float
     mean_cosine: float
+    # The share of positions whose cosine is under 0.99: whether a low minimum is one step.
+    low_cosine_share: float
     num_positions: int
 
     def as_dict(self) -> dict[str, object]:
@@ -59,6 +69,7 @@ class FidelityReport:
             "sequence_agreement": self.sequence_agreement,
             "min_logits_cosine": self.min_cosine,
             "mean_logits_cosine": self.mean_cosine,
+            "share_of_steps_under_0_99": self.low_cosine_share,
             "num_positions": self.num_positions,
         }
 
@@ -73,6 +84,7 @@ def measure_fidelity(settings: FidelitySettings) -> FidelityReport:
         dtype=settings.dtype,
         num_kv_blocks=512,
         quantization=settings.quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     got = [o.outputs[0].token_ids for o in quantized.generate(prompts, greedy, use_tqdm=False)]
     same = sum(
@@ -88,6 +100,7 @@ def measure_fidelity(settings: FidelitySettings) -> FidelityReport:
         sequence_agreement=same / total,
         min_cosine=float(cosines.min()),
         mean_cosine=float(cosines.mean()),
+        low_cosine_share=float((cosines < LOW_COSINE).float().mean()),
         num_positions=int(cosines.numel()),
     )
 
@@ -118,24 +131,46 @@ def teacher_forced(
     quantized, _ = load_model(
         settings.model, DTYPES[settings.dtype], "cpu", quantization=settings.quantization
     )
+    quantized_attention: Attention = dense_causal_attention
+    if settings.kv_cache_dtype != "auto":
+        quantized_attention = stored_kv_attention(KV_CACHE_DTYPES[settings.kv_cache_dtype])
     cosines, agreeing = [], []
     for prompt, completion in zip(prompts, completions, strict=True):
         ids = torch.tensor(prompt + completion[:-1])
         first = len(prompt) - 1  # the position whose logits chose output token one
-        want = _logits(reference, ids)[first:]
-        have = _logits(quantized, ids)[first:]
+        want = model_logits(reference, ids, dense_causal_attention)[first:]
+        have = model_logits(quantized, ids, quantized_attention)[first:]
         cosines.append(F.cosine_similarity(want, have, dim=-1))
         agreeing.append(have.argmax(dim=-1) == torch.tensor(completion))
     return torch.cat(cosines), torch.cat(agreeing)
 
 
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 @torch.inference_mode()
-def _logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    hidden = model(ids, torch.arange(len(ids)), _dense_causal_attention)
+def model_logits(model: CausalLM, ids: torch.Tensor, attention: Attention) -> torch.Tensor:
+    hidden = model(ids, torch.arange(len(ids)), attention)
     return model.compute_logits(hidden)
 
 
-def _dense_causal_attention(
+def stored_kv_attention(cache_dtype: torch.dtype) -> Attention:
+    """Dense attention over K/V as an 8-bit cache would hold them (quantized, dequantized):
+    the engine's attention reads every row back from the cache, its own prompt's included."""
+
+    def attention(
+        layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        stored_key = dequantize_kv_reference(*quantize_kv_reference(key, cache_dtype), key.dtype)
+        stored_value = dequantize_kv_reference(
+            *quantize_kv_reference(value, cache_dtype), value.dtype
+        )
+        return dense_causal_attention(layer_index, query, stored_key, stored_value, scale)
+
+    return attention
+
+
+def dense_causal_attention(
     layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One sequence, all positions at once (no cache: the engine's paged path is what the

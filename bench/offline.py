@@ -196,7 +196,11 @@ def run_offline_benchmark(
         "num_prompts": num_prompts,
         "input_len_range": list(input_range),
         "output_len_range": list(output_range),
+        "kv_cache_dtype": str(runner.kv_cache_dtype).replace("torch.", ""),
         "num_kv_blocks": runner.kv_cache.num_blocks,
+        # Capacity: the tokens the pool holds, and what it costs (8-bit scales included).
+        "kv_cache_tokens": runner.kv_cache.num_blocks * config.block_size,
+        "kv_cache_mib": round(runner.kv_cache_bytes / 2**20, 2),
         "block_size": config.block_size,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,

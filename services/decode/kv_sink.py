@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,12 +30,15 @@ __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 class DecodeKVSink:
     def __init__(
         self,
-        cache: torch.Tensor,
+        cache: Sequence[torch.Tensor],
         transfer_timeout_s: float = 30.0,
         on_receiving: Callable[[str], None] | None = None,
         queue_timeout_s: float = 60.0,
     ) -> None:
-        self._cache = cache
+        # KVCache.tensors of the worker's engine: the codes (or values) and any scales.
+        if isinstance(cache, torch.Tensor):
+            raise TypeError("DecodeKVSink takes the KV cache's tensors (KVCache.tensors)")
+        self._cache = tuple(cache)
         # Told the request id when a transfer is accepted (the "transferring" request state).
         self._on_receiving = on_receiving
         self._transfer_timeout_s = transfer_timeout_s
@@ -140,7 +143,7 @@ class DecodeKVSink:
         if list(header.buffer_nbytes) != expected:
             raise TransferRejected(
                 f"buffer sizes {list(header.buffer_nbytes)} differ from this worker's KV layout "
-                f"{expected} (same model, dtype and block size on both sides?)"
+                f"{expected} (same model, dtype, --kv-cache-dtype and block size on both sides?)"
             )
         if len(header.buffer_checksums) != len(buffers):
             # Fail closed: bytes nobody can check are never decoded on.

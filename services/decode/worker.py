@@ -63,7 +63,7 @@ class DecodeWorker(Worker):
         states = StateRecorder(RequestStateStore(self.redis, self.keys))
         if not self.colocated:
             self._sink = DecodeKVSink(
-                engine.kv_cache_tensor,
+                engine.kv_cache_tensors,
                 on_receiving=lambda request_id: states.record(
                     request_id, "transferring", decode_worker=self.worker_id
                 ),

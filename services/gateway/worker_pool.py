@@ -40,23 +40,33 @@ REGISTRY_LOSS_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
-class BlockSizeAgreement:
-    """The block size the cluster runs with, the workers that use it and those that do not."""
+class KVLayoutAgreement:
+    """The KV layout the cluster runs with (block size, cache dtype), the workers that use it
+    and those that do not: KV blocks move between workers as stored, so every worker must
+    agree on both."""
 
     block_size: int | None
+    kv_cache_dtype: str | None
     members: list[WorkerInfo]
     refused: list[WorkerInfo]
 
 
-def agree_on_block_size(workers: Sequence[WorkerInfo], expected: int | None) -> BlockSizeAgreement:
-    """`expected` when given; else the size the longest-running worker states (so a newcomer
-    with another size cannot take over a running cluster). A worker that states no size (0, an
-    older version) is taken at its word that it matches."""
-    stated = sorted((w for w in workers if w.block_size > 0), key=lambda w: w.started_at)
-    block_size = expected if expected is not None else (stated[0].block_size if stated else None)
-    members = [w for w in workers if w.block_size in (0, block_size)]
-    refused = [w for w in workers if w.block_size not in (0, block_size)]
-    return BlockSizeAgreement(block_size, members, refused)
+def agree_on_kv_layout(workers: Sequence[WorkerInfo], expected: int | None) -> KVLayoutAgreement:
+    """The block size `expected` when given; else, as the KV cache dtype, what the
+    longest-running worker states (so a newcomer with another layout cannot take over a running
+    cluster). A worker that states neither (0 / "": an older version) is taken at its word that
+    it matches."""
+    by_age = sorted(workers, key=lambda w: w.started_at)
+    sizes = [w.block_size for w in by_age if w.block_size > 0]
+    block_size = expected if expected is not None else (sizes[0] if sizes else None)
+    dtypes = [w.kv_cache_dtype for w in by_age if w.kv_cache_dtype]
+    kv_cache_dtype = dtypes[0] if dtypes else None
+    members: list[WorkerInfo] = []
+    refused: list[WorkerInfo] = []
+    for w in workers:
+        fits = w.block_size in (0, block_size) and w.kv_cache_dtype in ("", kv_cache_dtype)
+        (members if fits else refused).append(w)
+    return KVLayoutAgreement(block_size, kv_cache_dtype, members, refused)
 
 
 class WorkerPool:
@@ -74,7 +84,7 @@ class WorkerPool:
         self.workers: list[WorkerInfo] = []
         # None until a worker states one (or --block-size gives it).
         self.block_size: int | None = block_size
-        self._refused: set[tuple[str, int]] = set()
+        self._refused: set[tuple[str, int, str]] = set()
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._failed_until: dict[str, float] = {}
@@ -137,7 +147,7 @@ class WorkerPool:
         except Exception:
             self._unread = True  # Redis may come back empty: see _bridge_loss
             raise
-        agreement = agree_on_block_size(self._bridge_loss(listed), self._expected_block_size)
+        agreement = agree_on_kv_layout(self._bridge_loss(listed), self._expected_block_size)
         self.workers = agreement.members
         self.block_size = agreement.block_size
         self._log_refusals(agreement)
@@ -170,15 +180,18 @@ class WorkerPool:
             self._kept_until = 0.0  # all back
         return sorted([*listed, *missing], key=lambda w: w.worker_id)
 
-    def _log_refusals(self, agreement: BlockSizeAgreement) -> None:
-        refused = {(w.worker_id, w.block_size) for w in agreement.refused}
-        for worker_id, size in sorted(refused - self._refused):
+    def _log_refusals(self, agreement: KVLayoutAgreement) -> None:
+        refused = {(w.worker_id, w.block_size, w.kv_cache_dtype) for w in agreement.refused}
+        for worker_id, size, dtype in sorted(refused - self._refused):
             logger.error(
-                "refusing worker %s: its KV block size is %d tokens, the cluster's is %s "
-                "(every worker must run with the same --block-size)",
+                "refusing worker %s: its KV blocks are %d tokens of %s, the cluster's are %s "
+                "tokens of %s (every worker must run with the same --block-size, --dtype and "
+                "--kv-cache-dtype)",
                 worker_id,
                 size,
+                dtype or "an unstated dtype",
                 agreement.block_size,
+                agreement.kv_cache_dtype,
             )
         self._refused = refused
 

@@ -1,14 +1,17 @@
 """Which buffers carry a request's KV blocks, in the same order on both sides of a transfer.
 
-The cache is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]. For a fixed
-layer and K/V half, a run of consecutive block ids is one contiguous region, so the receiver can
-hand the transport views of its own cache (no staging copy) and a fresh pool, which hands out
-consecutive ids, needs only one buffer per layer and half. The sender slices its exported copy
-[layers, 2, n, ...] the same way.
+The cache is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim], and for an
+8-bit cache a second one, its scales [layers, 2, num_blocks, block_size, kv_heads]
+(`KVCache.tensors`). For a fixed tensor, layer and K/V half, a run of consecutive block ids is
+one contiguous region, so the receiver can hand the transport views of its own cache (no staging
+copy) and a fresh pool, which hands out consecutive ids, needs only one buffer per tensor, layer
+and half. The sender slices its exported copies [layers, 2, n, ...] the same way. The codes and
+scales travel as they are stored: nothing is dequantized or requantized on the way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,23 +37,37 @@ def contiguous_runs(block_ids: list[int]) -> list[BlockRun]:
     return runs
 
 
-def source_buffers(exported: torch.Tensor, destination_block_ids: list[int]) -> list[torch.Tensor]:
-    """Slices of an exported [layers, 2, n, ...] copy, matching `destination_buffers`."""
-    if exported.shape[2] != len(destination_block_ids):
-        raise ValueError(
-            f"{exported.shape[2]} exported blocks for {len(destination_block_ids)} destinations"
-        )
+def source_buffers(
+    exported: Sequence[torch.Tensor], destination_block_ids: list[int]
+) -> list[torch.Tensor]:
+    """Slices of the exported [layers, 2, n, ...] copies, matching `destination_buffers`."""
+    for tensor in _tensors(exported):
+        if tensor.shape[2] != len(destination_block_ids):
+            raise ValueError(
+                f"{tensor.shape[2]} exported blocks for {len(destination_block_ids)} destinations"
+            )
     runs = contiguous_runs(destination_block_ids)
-    return _run_views(exported, [(run.position, run.length) for run in runs])
+    spans = [(run.position, run.length) for run in runs]
+    return [view for tensor in exported for view in _run_views(tensor, spans)]
 
 
-def destination_buffers(cache: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
-    """Views of the receiver's own cache blocks; writing into them fills the cache."""
-    num_blocks = cache.shape[2]
+def destination_buffers(cache: Sequence[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    """Views of the receiver's own cache blocks (every tensor of `KVCache.tensors`); writing
+    into them fills the cache."""
+    cache = _tensors(cache)
+    num_blocks = cache[0].shape[2]
     if any(not 0 <= block_id < num_blocks for block_id in block_ids):
         raise ValueError(f"block ids out of range [0, {num_blocks})")
     runs = contiguous_runs(block_ids)
-    return _run_views(cache, [(run.first_block_id, run.length) for run in runs])
+    spans = [(run.first_block_id, run.length) for run in runs]
+    return [view for tensor in cache for view in _run_views(tensor, spans)]
+
+
+def _tensors(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    # A bare tensor is a sequence too (of its layers): refuse it rather than slice it wrongly.
+    if isinstance(tensors, torch.Tensor) or not tensors:
+        raise TypeError("expected the KV cache's tensors (KVCache.tensors), not one tensor")
+    return tensors
 
 
 def _run_views(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -171,8 +171,15 @@ class Worker(ABC):
             draining=self.draining,
             started_at=self._started_at,
             block_size=self.engine_config.block_size,
+            kv_cache_dtype=self._kv_cache_dtype(),
             **self.load_info(),
         )
+
+    def _kv_cache_dtype(self) -> str:
+        if self._engine is None:
+            return ""
+        dtype = self._engine.engine.kv_cache_tensors[0].dtype
+        return str(dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ the process
 

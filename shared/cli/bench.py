@@ -79,6 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fidelity.add_argument("--model", default="demo", help="a checkpoint folder, or demo/small")
     fidelity.add_argument("--quantization", choices=["int8", "fp8"], default=None)
     fidelity.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    fidelity.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="the compared side's KV cache (auto: in --dtype)",
+    )
     fidelity.add_argument("--num-prompts", type=int, default=16)
     fidelity.add_argument("--prompt-len", type=int, default=64)
     fidelity.add_argument("--output-len", type=int, default=64)
@@ -200,6 +206,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         model=str(resolve_model(args.model)),
         quantization=args.quantization,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_prompts=args.num_prompts,
         prompt_len=args.prompt_len,
         output_len=args.output_len,

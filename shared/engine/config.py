@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from nori.settings import DEFAULT_BLOCK_SIZE
 
+# What --kv-cache-dtype takes; the 8-bit names are nori.kernels.kv_quant.KV_CACHE_DTYPES' keys
+# (not imported: the config stays free of torch).
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,6 +22,9 @@ class EngineConfig:
     quantization: str | None = None
     # With `quantization`, the LM head too (its logits then carry the 8-bit rounding).
     quantize_lm_head: bool = False
+    # "auto": the KV cache in the model's dtype; "int8" or "fp8": 8-bit codes with a float16
+    # scale per token and kv head (nori.kernels.kv_quant), about half of bf16's bytes.
+    kv_cache_dtype: str = "auto"
     # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -71,6 +78,11 @@ class EngineConfig:
             )
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be int8 or fp8, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs a quantization method (int8 or fp8)")
         if self.attention_backend not in ("auto", "triton", "cpu", "reference"):

@@ -9,7 +9,7 @@ The surface, all of it (nobody outside reaches the scheduler, block manager or r
 
 - requests: `add_request`, `step`, `abort_request`, `abort_all`, `has_unfinished_requests`;
 - the hand-off: `export_request` + `release_request` (prefill side); `reserve_prompt` +
-  `complete_transfer` (decode side, the KV written in between into `kv_cache_tensor`);
+  `complete_transfer` (decode side, the KV written in between into `kv_cache_tensors`);
   `import_request` (both engines in one process);
 - what a worker reports: `load()`, `running_request_ids()`, and the prefix-cache events
   (`record_block_events`, `drain_block_events`, `cached_block_hashes`);
@@ -295,11 +295,11 @@ class LLMEngine:
             request.generator.set_state(state)
         self.activate_request(request_id)
 
-    def write_request_kv(self, request_id: str, blocks: torch.Tensor) -> None:
+    def write_request_kv(self, request_id: str, blocks: tuple[torch.Tensor, ...]) -> None:
         request = self._requests[request_id]
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        self._runner.kv_cache.write_blocks(request.block_ids[: blocks.shape[2]], blocks)
+        self._runner.kv_cache.write_blocks(request.block_ids[: blocks[0].shape[2]], blocks)
 
     def activate_request(self, request_id: str) -> None:
         """Starts decoding a reserved request whose K/V is in place."""
@@ -377,10 +377,10 @@ class LLMEngine:
         return outputs
 
     @property
-    def kv_cache_tensor(self) -> torch.Tensor:
-        """The paged KV cache, [layers, 2, blocks, block_size, kv_heads, head_dim]: a decode
-        worker receives transferred blocks straight into it."""
-        return self._runner.kv_cache.data
+    def kv_cache_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The paged KV cache's tensors (KVCache.tensors), each [layers, 2, blocks, ...]: a
+        decode worker receives transferred blocks straight into them."""
+        return self._runner.kv_cache.tensors
 
     def record_block_events(self) -> None:
         """From now on, keep a log of blocks entering and leaving the prefix cache."""

@@ -29,8 +29,10 @@ class TransferState:
 @dataclass(frozen=True)
 class KVExport:
     state: TransferState
-    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], in the request's order.
-    blocks: torch.Tensor
+    # One copy per KVCache.tensors, in the request's block order: the codes or values
+    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], then an 8-bit cache's
+    # scales [num_layers, 2, num_blocks, block_size, num_kv_heads].
+    blocks: tuple[torch.Tensor, ...]
 
 
 def generator_state(generator: torch.Generator | None) -> bytes | None:

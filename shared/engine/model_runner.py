@@ -13,7 +13,7 @@ import torch
 from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
-from nori.engine.kv_cache import KVCache, bytes_per_block
+from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
@@ -65,15 +65,17 @@ class ModelRunner:
             quantization=config.quantization,
             quantize_lm_head=config.quantize_lm_head,
         )
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache.allocate(
-            self.model_config, num_blocks, config.block_size, self.dtype, self.device
+            self.model_config, num_blocks, config.block_size, self.kv_cache_dtype, self.device
         )
         self.max_model_len = self._max_model_len(num_blocks)
         self.sampler = Sampler(make_generator(config.seed, self.device))
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         logger.info(
-            "model %s on %s (%s%s, %s attention): %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s%s, %s attention): %d KV blocks of %d tokens (%s, %.1f MiB), "
+            "max_model_len %d",
             model_dir.name,
             self.device,
             self.dtype,
@@ -81,6 +83,8 @@ class ModelRunner:
             self.attention_backend,
             num_blocks,
             config.block_size,
+            str(self.kv_cache_dtype).replace("torch.", ""),
+            self.kv_cache_bytes / 2**20,
             self.max_model_len,
         )
 
@@ -173,10 +177,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ sizing
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's memory, scales included."""
+        return sum(tensor.nbytes for tensor in self.kv_cache.tensors)
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free

@@ -4,6 +4,10 @@ One instance serves one step. What the kernels derive from the step's metadata a
 reference's gather plan) is computed at the first layer and reused by the others, and the
 engine's own, already consistent inputs skip the kernel wrappers' argument checks on the
 reference path: both are per-layer costs the step pays once instead.
+
+With an 8-bit cache (--kv-cache-dtype int8|fp8) every attention reads K/V as stored, codes
+times scales, the new prompt tokens' own included: a token's result is then the same whether its
+prefix came from the prefix cache, an earlier chunk or another worker's transfer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from nori.kernels.decode_attention_reference import (
     plan_reference_decode,
     run_reference_decode,
 )
+from nori.kernels.kv_quant import (
+    dequantize_kv_reference,
+    store_quantized_kv_cache,
+    store_quantized_kv_cache_cpu,
+    store_quantized_kv_cache_reference,
+)
 from nori.kernels.prefill_attention import paged_prefill_attention_reference
 from nori.kernels.prefill_attention_cpu import CpuPrefillPlan, plan_cpu_prefill, run_cpu_prefill
 from nori.kernels.store_kv import store_kv_cache_cpu
@@ -33,6 +43,8 @@ class PagedAttention:
         self.use_triton = backend == "triton"
         self._decode_plan: ReferenceDecodePlan | None = None
         self._prefill_plan: CpuPrefillPlan | None = None
+        # The current layer's K and V scales (an 8-bit cache), else None and None.
+        self._scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def __call__(
         self,
@@ -44,6 +56,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         meta = self.metadata
         k_cache, v_cache = self.kv_cache.layer(layer_index)
+        self._scales = self.kv_cache.layer_scales(layer_index)
         self._store(key, value, k_cache, v_cache)
         num_decodes = meta.num_decodes
         if num_decodes == meta.seq_lens.shape[0]:
@@ -69,6 +82,16 @@ class PagedAttention:
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> None:
         slots = self.metadata.slot_mapping
+        k_scale, v_scale = self._scales
+        if k_scale is not None and v_scale is not None:
+            quantized_args = (key, value, k_cache, v_cache, k_scale, v_scale, slots)
+            if self.use_triton:
+                store_quantized_kv_cache(*quantized_args, use_triton=True)
+            elif self.backend == "cpu":
+                store_quantized_kv_cache_cpu(*quantized_args)
+            else:
+                store_quantized_kv_cache_reference(*quantized_args)
+            return
         if self.use_triton:
             store_kv_cache(key, value, k_cache, v_cache, slots, use_triton=True)
             return
@@ -88,6 +111,7 @@ class PagedAttention:
         rows = slice(query.shape[0])
         context_starts = None if meta.context_starts is None else meta.context_starts[rows]
         tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
+        k_scale, v_scale = self._scales
         if self.use_triton:
             return paged_decode_attention(
                 query,
@@ -99,16 +123,28 @@ class PagedAttention:
                 max_seq_len=meta.max_seq_len,
                 context_starts=context_starts,
                 use_triton=True,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if self.backend == "cpu":
             return paged_decode_attention_cpu(
-                query, k_cache, v_cache, tables, seq_lens, scale, context_starts
+                query,
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                scale,
+                context_starts,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if self._decode_plan is None:
             self._decode_plan = plan_reference_decode(
                 tables, seq_lens, self.kv_cache.block_size, context_starts
             )
-        return run_reference_decode(query, k_cache, v_cache, self._decode_plan, scale)
+        return run_reference_decode(
+            query, k_cache, v_cache, self._decode_plan, scale, k_scale, v_scale
+        )
 
     def _prefill(
         self,
@@ -127,17 +163,43 @@ class PagedAttention:
             query_start_loc = query_start_loc - first
         context_starts = None if meta.context_starts is None else meta.context_starts[first:]
         tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
+        k_scale, v_scale = self._scales
         if self.backend == "cpu":
             if self._prefill_plan is None:
                 self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, context_starts)
+            if k_scale is not None and v_scale is not None:
+                # The fresh prompts attend to their own rows as the cache holds them.
+                slots = meta.slot_mapping[first:]
+                key = _stored_rows(k_cache, k_scale, slots)
+                value = _stored_rows(v_cache, v_scale, slots)
             return run_cpu_prefill(
                 *(query, key, value, k_cache, v_cache, tables, query_start_loc, seq_lens, scale),
                 self._prefill_plan,
                 context_starts,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         attention_args = (query, k_cache, v_cache, tables, query_start_loc, seq_lens, scale)
         if not self.use_triton:
-            return paged_prefill_attention_reference(*attention_args, context_starts)
+            return paged_prefill_attention_reference(
+                *attention_args, context_starts, k_scale=k_scale, v_scale=v_scale
+            )
         return paged_prefill_attention(
-            *attention_args, context_starts=context_starts, use_triton=True
+            *attention_args,
+            context_starts=context_starts,
+            use_triton=True,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
+
+
+def _stored_rows(
+    cache: torch.Tensor, cache_scale: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """The rows an 8-bit cache holds at `slots` [T], dequantized: [T, Hkv, D] float32 (the
+    attention's own precision, so a bfloat16 model's rows are not rounded once more)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    # Through bytes: index_select has no float8 implementation on CPU.
+    codes = cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    scales = cache_scale.view(-1, num_kv_heads).index_select(0, slots)
+    return dequantize_kv_reference(codes.view(cache.dtype), scales)

@@ -27,6 +27,7 @@ _SOURCES = (
     "rotary_cpu.cpp",
     "silu_and_mul_cpu.cpp",
     "store_kv_cpu.cpp",
+    "store_kv_quant_cpu.cpp",
 )
 # -march=native: the build runs on the machine that uses it. -ffast-math lets the compiler
 # vectorise the dot products' float sums and call glibc's vector exp (the kernels promise float32

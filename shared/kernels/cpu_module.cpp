@@ -13,7 +13,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens,
                                      const std::optional<torch::Tensor>& context_starts,
-                                     double scale);
+                                     double scale, const std::optional<torch::Tensor>& k_scale,
+                                     const std::optional<torch::Tensor>& v_scale);
 torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, double eps);
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual,
                         const torch::Tensor& weight, double eps);
@@ -21,12 +22,16 @@ torch::Tensor silu_and_mul(const torch::Tensor& input);
 void rotary_inplace(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& slots);
+void store_kv_quantized(const torch::Tensor& key, const torch::Tensor& value,
+                        torch::Tensor& k_cache, torch::Tensor& v_cache, torch::Tensor& k_scale,
+                        torch::Tensor& v_scale, const torch::Tensor& slots);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, release(),
-        "Paged decode attention over a [num_blocks, block_size, Hkv, D] cache");
+        "Paged decode attention over a [num_blocks, block_size, Hkv, D] cache (8-bit with "
+        "k_scale/v_scale)");
   m.def("rms_norm", &rms_norm, release(), "RMSNorm of the rows of input, times weight");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release(),
         "residual += input; input = rms_norm(residual) * weight, both in place");
@@ -34,5 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, release(),
         "rotate x [T, H, D] in place (rotate_half layout)");
   m.def("store_kv", &store_kv, release(), "write key/value rows into the paged caches at slots");
+  m.def("store_kv_quantized", &store_kv_quantized, release(),
+        "quantize key/value rows into 8-bit paged caches and their float16 scales at slots");
   m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(logits, -1) for float32 [B, V]");
 }

@@ -194,16 +194,19 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The C++ CPU kernel (decode_attention_cpu.cpp): reads each context in place, no copy.
 
-    Same arguments and result as `paged_decode_attention_reference`, for CPU tensors; the kernel
-    checks shapes, dtypes and block ids itself. Raises RuntimeError where it cannot be built.
+    Same arguments and result as `paged_decode_attention_reference`, for CPU tensors; an 8-bit
+    cache's codes are read in place too, scaled by k_scale/v_scale. The kernel checks shapes,
+    dtypes and block ids itself. Raises RuntimeError where it cannot be built.
     """
     module = cpu_kernels()
     if module is None:
         raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
     output: torch.Tensor = module.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale
+        query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale, k_scale, v_scale
     )
     return output

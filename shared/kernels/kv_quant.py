@@ -27,6 +27,7 @@ from nori.kernels._common import (
     next_power_of_2,
     should_use_triton,
 )
+from nori.kernels.cpu_build import cpu_kernels
 
 # The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
@@ -95,6 +96,27 @@ def store_quantized_kv_cache_reference(
         cache_bytes = cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)
         cache_bytes.index_copy_(0, slots, codes.view(torch.uint8))
         scales.view(-1, num_kv_heads).index_copy_(0, slots, row_scales)
+
+
+def store_quantized_kv_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The C++ CPU kernel (store_kv_quant_cpu.cpp): quantizes and writes in one pass.
+
+    Same arguments and result as `store_quantized_kv_cache_reference` for float32 or bfloat16
+    key/value and int64 slots; the kernel checks shapes, dtypes and slots itself. Raises
+    RuntimeError where the kernel cannot be built.
+    """
+    module = cpu_kernels()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
+    module.store_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 @device_function

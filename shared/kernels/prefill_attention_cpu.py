@@ -85,9 +85,16 @@ def run_cpu_prefill(
     scale: float,
     plan: CpuPrefillPlan,
     context_starts: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as `paged_prefill_attention_reference`, given the new tokens' own key/value
-    [T, Hkv, D] beside the query [T, Hq, D] (already stored in the caches as well)."""
+    [T, Hkv, D] beside the query [T, Hq, D] (already stored in the caches as well).
+
+    With an 8-bit cache (k_scale/v_scale, see nori.kernels.kv_quant) key/value must be the rows
+    as the cache holds them, dequantized, for the fresh prompts to match the reference.
+    """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -118,5 +125,7 @@ def run_cpu_prefill(
                 seq_lens[index : index + 1],
                 scale,
                 None if context_starts is None else context_starts[index : index + 1],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
     return output

@@ -47,6 +47,9 @@ class WorkerInfo:
     draining: bool = False  # finishing its requests before leaving: route nothing new to it
     # KV block size in tokens: the gateway hashes prompts in blocks of it. 0: not stated.
     block_size: int = 0
+    # The KV cache's element type ("float32", "bfloat16", "int8", "float8_e4m3fn"): blocks move
+    # between workers as stored, so every worker must agree on it. "": not stated.
+    kv_cache_dtype: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
 

@@ -18,7 +18,7 @@ from nori.worker.kv_layout import destination_buffers
 def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:
     cache = torch.zeros(2, 2, 8, 4, 1, 2)
     on_receiving = receiving.append if receiving is not None else None
-    return DecodeKVSink(cache, transfer_timeout_s=1.0, on_receiving=on_receiving), cache
+    return DecodeKVSink((cache,), transfer_timeout_s=1.0, on_receiving=on_receiving), cache
 
 
 def header(
@@ -31,7 +31,7 @@ def header(
 ) -> TransferHeader:
     """A sender's header for `block_ids`: sizes, the reservation's epoch (from `sink`), and the
     checksums of buffers holding `fill`."""
-    buffers = destination_buffers(cache, block_ids)
+    buffers = destination_buffers((cache,), block_ids)
     lease = sink.lease(request_id) if sink is not None else None
     destination = KVDestination(lease_epoch=lease.epoch if lease is not None else 0)
     return TransferHeader.of(
@@ -129,7 +129,7 @@ async def test_renewals_keep_the_blocks_past_the_lease_and_silence_frees_them() 
 
 async def test_a_queue_that_never_moves_frees_the_blocks_at_the_queue_timeout() -> None:
     cache = torch.zeros(2, 2, 8, 4, 1, 2)
-    sink = DecodeKVSink(cache, queue_timeout_s=0.6)
+    sink = DecodeKVSink((cache,), queue_timeout_s=0.6)
     sink.expect("r1", [0], lease_s=0.4)
     waiter = asyncio.ensure_future(sink.wait("r1"))
     for _ in range(10):

@@ -152,9 +152,9 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
         export = prefill_engine.export_request(request_id)
         prefill_engine.release_request(request_id)
         # What a transport does: write each block straight into the reserved cache blocks.
-        cache = decode_engine.kv_cache_tensor
-        for position, block_id in enumerate(reserved[request_id]):
-            cache[:, :, block_id].copy_(export.blocks[:, :, position])
+        for cache, blocks in zip(decode_engine.kv_cache_tensors, export.blocks, strict=True):
+            for position, block_id in enumerate(reserved[request_id]):
+                cache[:, :, block_id].copy_(blocks[:, :, position])
         first_tokens[request_id] = export.state.output_token_ids
         decode_engine.complete_transfer(
             request_id, export.state.output_token_ids, export.state.generator_state

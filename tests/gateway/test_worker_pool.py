@@ -1,16 +1,23 @@
-"""Which block size the cluster runs with, and which workers it leaves out (pure logic)."""
+"""Which KV layout (block size, cache dtype) the cluster runs with, and which workers it leaves
+out (pure logic)."""
 
 from __future__ import annotations
 
 import contextlib
 
-from nori.gateway.worker_pool import WorkerPool, agree_on_block_size
+from nori.gateway.worker_pool import WorkerPool, agree_on_kv_layout
 from nori.state.registry import WorkerInfo
 
 
-def worker(worker_id: str, block_size: int, started_at: float) -> WorkerInfo:
+def worker(
+    worker_id: str, block_size: int, started_at: float, kv_cache_dtype: str = ""
+) -> WorkerInfo:
     return WorkerInfo(
-        worker_id=worker_id, role="decode", block_size=block_size, started_at=started_at
+        worker_id=worker_id,
+        role="decode",
+        block_size=block_size,
+        started_at=started_at,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -20,7 +27,7 @@ def ids(workers: list[WorkerInfo]) -> list[str]:
 
 def test_the_longest_running_worker_sets_the_block_size() -> None:
     workers = [worker("late", 32, 200.0), worker("first", 16, 100.0), worker("second", 16, 150.0)]
-    agreement = agree_on_block_size(workers, expected=None)
+    agreement = agree_on_kv_layout(workers, expected=None)
     assert agreement.block_size == 16
     assert ids(agreement.members) == ["first", "second"]
     assert ids(agreement.refused) == ["late"]
@@ -28,18 +35,35 @@ def test_the_longest_running_worker_sets_the_block_size() -> None:
 
 def test_an_explicit_block_size_wins() -> None:
     workers = [worker("first", 16, 100.0), worker("late", 32, 200.0)]
-    agreement = agree_on_block_size(workers, expected=32)
+    agreement = agree_on_kv_layout(workers, expected=32)
     assert agreement.block_size == 32
     assert ids(agreement.members) == ["late"] and ids(agreement.refused) == ["first"]
 
 
 def test_workers_that_state_no_size_are_kept_and_none_is_known_without_one() -> None:
     silent = worker("old-version", 0, 50.0)
-    assert agree_on_block_size([silent], expected=None).block_size is None
-    agreement = agree_on_block_size([silent, worker("new", 16, 100.0)], expected=None)
+    assert agree_on_kv_layout([silent], expected=None).block_size is None
+    agreement = agree_on_kv_layout([silent, worker("new", 16, 100.0)], expected=None)
     assert agreement.block_size == 16
     assert ids(agreement.members) == ["old-version", "new"] and agreement.refused == []
-    assert agree_on_block_size([], expected=None).block_size is None
+    assert agree_on_kv_layout([], expected=None).block_size is None
+
+
+def test_workers_whose_kv_cache_dtype_differs_from_the_clusters_are_left_out() -> None:
+    """KV blocks move as stored: an fp8 decode worker cannot take a float32 prefill's blocks."""
+    workers = [
+        worker("late-fp8", 16, 300.0, "float8_e4m3fn"),
+        worker("first", 16, 100.0, "float32"),
+        worker("old-version", 16, 50.0),
+        worker("second", 16, 200.0, "float32"),
+    ]
+    agreement = agree_on_kv_layout(workers, expected=None)
+    assert agreement.kv_cache_dtype == "float32" and agreement.block_size == 16
+    assert ids(agreement.members) == ["first", "old-version", "second"]
+    assert ids(agreement.refused) == ["late-fp8"]
+    # A worker wrong on both counts is refused once.
+    both = worker("both", 32, 400.0, "int8")
+    assert ids(agree_on_kv_layout([*workers, both], expected=None).refused) == ["late-fp8", "both"]
 
 
 def test_a_failure_mark_steers_requests_away_but_never_leaves_none() -> None:

@@ -99,7 +99,7 @@ def test_engine_config_checks_the_quantization_options() -> None:
 
 def test_bfloat16_runs_on_cpu_and_float16_is_refused_clearly() -> None:
     llm = LLM("demo", dtype="bfloat16", num_kv_blocks=64)
-    assert llm.engine.kv_cache_tensor.dtype is torch.bfloat16
+    assert llm.engine.kv_cache_tensors[0].dtype is torch.bfloat16
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (output,) = llm.generate(["hello there"], greedy, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
@@ -131,3 +131,31 @@ def test_stories260k_with_fp8_weights_keeps_its_greedy_choices(stories: Path) ->
     report = measure_fidelity(FidelitySettings(model=str(stories), quantization="fp8"))
     assert report.step_agreement >= 0.9, report
     assert report.mean_cosine >= 0.99, report
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_stories260k_with_an_8_bit_kv_cache_stays_within_issue_12s_bounds(
+    stories: Path, kv_cache_dtype: str
+) -> None:
+    """The KV cache alone in int8 or fp8: >= 90% step agreement and every step's logits cosine
+    >= 0.99 (the engine's free run is reported, not bounded)."""
+    report = measure_fidelity(FidelitySettings(model=str(stories), kv_cache_dtype=kv_cache_dtype))
+    assert report.num_positions == 16 * 64
+    assert report.step_agreement >= 0.9, report
+    assert report.min_cosine >= 0.99, report
+    assert 0 < report.sequence_agreement <= 1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_stories260k_with_int8_weights_and_an_8_bit_kv_cache_keeps_its_greedy_choices(
+    stories: Path, kv_cache_dtype: str
+) -> None:
+    """Stacked on int8 weights (whose activations share one 8-bit scale per call), the KV
+    rounding pushes a few of the 1024 steps under 0.99 (README figures): >= 90% step agreement,
+    a mean cosine >= 0.99 and at most 1% of steps under 0.99."""
+    report = measure_fidelity(
+        FidelitySettings(model=str(stories), quantization="int8", kv_cache_dtype=kv_cache_dtype)
+    )
+    assert report.step_agreement >= 0.9, report
+    assert report.mean_cosine >= 0.99, report
+    assert report.low_cosine_share <= 0.01, report
