@@ -17,10 +17,15 @@ before=/tmp/nori-ab-$commit
 [ -d "$before" ] || git -C "$root" worktree add --detach "$before" "$commit" >/dev/null
 python="$root/.venv/bin/python"
 "$python" "$before/scripts/source_tree.py" "$before-tree" >/dev/null
+# Build the earlier commit's C++ kernels now, not inside its first timed run.
+PYTHONPATH="$before-tree" TORCH_EXTENSIONS_DIR="$before-ext" "$python" -c \
+  'from nori.kernels.cpu_build import cpu_kernels; assert cpu_kernels() is not None'
 
 run() {  # run SIDE: one median-of-3 offline run; prints its output tok/s
   local tree=()
-  [ "$1" = before ] && tree=(env "PYTHONPATH=$before-tree")
+  # Its own torch-extension folder: the C++ kernels differ, and one folder would rebuild them
+  # at every switch of side.
+  [ "$1" = before ] && tree=(env "PYTHONPATH=$before-tree" "TORCH_EXTENSIONS_DIR=$before-ext")
   "${tree[@]}" "$python" -m nori.cli.main bench offline --json --repeats 3 "${@:2}" 2>/dev/null |
     "$python" -c 'import json, sys; print(json.load(sys.stdin)["continuous_output_tok_s"])'
 }

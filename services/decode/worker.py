@@ -55,6 +55,13 @@ class DecodeWorker(Worker):
         self._servicer: DecodeServicer | None = None
 
     async def start_role(self) -> None:
+        if self.engine_config.tensor_parallel_size > 1 and not self.colocated:
+            # Transfers land straight in the cache's memory, which here would be rank 0's heads.
+            raise ValueError(
+                "a decode worker takes --tensor-parallel-size 1 for now (KV transfers are "
+                "received into rank 0's cache only); prefill workers and --colocated ones may "
+                "use more"
+            )
         engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         streams = OutputStreams()
         self._engine = EngineThread(engine, asyncio.get_running_loop(), streams.dispatch)

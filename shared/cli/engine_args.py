@@ -69,6 +69,14 @@ def add_engine_args(
         "memory (four times float32's); prefill and decode workers must agree",
     )
     group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model across this many ranks (processes; gloo on CPU, NCCL on GPU), "
+        "each with its share of the heads, MLP, vocabulary and KV cache and of the threads",
+    )
+    group.add_argument(
         "--load-format",
         default="auto",
         choices=["auto", "dummy"],
@@ -152,6 +160,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "quantization": args.quantization,
         "quantize_lm_head": args.quantize_lm_head,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "load_format": args.load_format,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -169,19 +178,20 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     return EngineConfig(**options)  # type: ignore[arg-type]
 
 
-def worker_args(text: str) -> tuple[str, ...]:
-    """--worker-args (`nori up`, `nori bench compare`): checked against the engine options."""
+def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
+    """--worker-args (`nori up`, `nori bench compare`; `flag` names another such option in
+    messages): checked against the engine options."""
     import shlex
 
     tokens = tuple(shlex.split(text))
     if any(token == "--model" or token.startswith("--model=") for token in tokens):
-        raise ValueError("--worker-args: give the model with --model")
-    parser = argparse.ArgumentParser(prog="--worker-args", add_help=False, exit_on_error=False)
+        raise ValueError(f"{flag}: give the model with --model")
+    parser = argparse.ArgumentParser(prog=flag, add_help=False, exit_on_error=False)
     add_engine_args(parser)
     try:
         _, unknown = parser.parse_known_args(tokens)
     except argparse.ArgumentError as error:
-        raise ValueError(f"--worker-args: {error}") from None
+        raise ValueError(f"{flag}: {error}") from None
     if unknown:
-        raise ValueError(f"--worker-args: not an engine option: {' '.join(unknown)}")
+        raise ValueError(f"{flag}: not an engine option: {' '.join(unknown)}")
     return tokens

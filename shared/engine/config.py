@@ -25,6 +25,8 @@ class EngineConfig:
     # "auto": the KV cache in the model's dtype; "int8" or "fp8": 8-bit codes with a float16
     # scale per token and kv head (nori.kernels.kv_quant), about half of bf16's bytes.
     kv_cache_dtype: str = "auto"
+    # Ranks (processes) one model is split across, Megatron-style (nori.parallel): 1 = none.
+    tensor_parallel_size: int = 1
     # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -78,6 +80,8 @@ class EngineConfig:
             )
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be int8 or fp8, got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "

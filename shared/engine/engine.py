@@ -13,7 +13,7 @@ The surface, all of it (nobody outside reaches the scheduler, block manager or r
   `import_request` (both engines in one process);
 - what a worker reports: `load()`, `running_request_ids()`, and the prefix-cache events
   (`record_block_events`, `drain_block_events`, `cached_block_hashes`);
-- `check_invariants()` for tests.
+- `check_invariants()` for tests; `close()` (the follower ranks of a tensor-parallel engine).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             generator_state=generator_state(request.generator),
         )
-        blocks = self._runner.kv_cache.read_blocks(request.block_ids[: state.num_blocks])
+        blocks = self._runner.read_blocks(request.block_ids[: state.num_blocks])
         return KVExport(state=state, blocks=blocks)
 
     def release_request(self, request_id: str) -> None:
@@ -299,7 +299,7 @@ class LLMEngine:
         request = self._requests[request_id]
         if request.status is not RequestStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no reserved blocks")
-        self._runner.kv_cache.write_blocks(request.block_ids[: blocks[0].shape[2]], blocks)
+        self._runner.write_blocks(request.block_ids[: blocks[0].shape[2]], blocks)
 
     def activate_request(self, request_id: str) -> None:
         """Starts decoding a reserved request whose K/V is in place."""
@@ -379,8 +379,18 @@ class LLMEngine:
     @property
     def kv_cache_tensors(self) -> tuple[torch.Tensor, ...]:
         """The paged KV cache's tensors (KVCache.tensors), each [layers, 2, blocks, ...]: a
-        decode worker receives transferred blocks straight into them."""
+        decode worker receives transferred blocks straight into them. Under tensor parallelism
+        these are rank 0's heads only: blocks go in through `write_request_kv` instead."""
         return self._runner.kv_cache.tensors
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    def close(self) -> None:
+        """Ends what the engine started besides itself (a tensor-parallel engine's other
+        ranks); the engine takes no steps after it."""
+        self._runner.close()
 
     def record_block_events(self) -> None:
         """From now on, keep a log of blocks entering and leaving the prefix cache."""

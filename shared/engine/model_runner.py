@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
@@ -20,6 +21,8 @@ from nori.engine.scheduler import SchedulerOutput
 from nori.kernels.argmax import argmax_rows
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
+from nori.parallel.group import TensorParallelGroup
+from nori.parallel.ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
 from nori.sampling.batch import RowState, SamplingBatch, make_generator
 from nori.sampling.logprob_math import compute_logprobs
 from nori.sampling.logprobs import TokenLogprobs
@@ -48,14 +51,54 @@ class StepResult(NamedTuple):
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, eos_token_ids: frozenset[int] = frozenset()
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        eos_token_ids: frozenset[int] = frozenset(),
+        rank: int = 0,
     ) -> None:
+        """rank > 0: a follower of a tensor-parallel engine (nori.parallel.ranks), which rank 0
+        starts; rank 0 with tensor_parallel_size > 1 starts its followers here."""
         self.config = config
         # Masked until a request reaches min_tokens.
         self.eos_token_ids = eos_token_ids
         self.device = resolve_device(config.device)
         model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.parallel: TensorParallelGroup | None = None
+        self.followers: FollowerRanks | None = None
+        if config.tensor_parallel_size > 1:
+            # Checked before any process starts.
+            TensorParallelGroup(0, config.tensor_parallel_size).local_model_config(model_config)
+            if rank == 0:
+                self.followers = FollowerRanks.start(config, model_dir, self.device.type)
+            self.parallel = TensorParallelGroup(rank, config.tensor_parallel_size)
+        try:
+            self._load(config, model_dir)
+        except BaseException:
+            self.close()  # the followers would otherwise wait for a rank 0 that is gone
+            raise
+        self.max_model_len = self._max_model_len(self.kv_cache.num_blocks)
+        self.sampler = Sampler(make_generator(config.seed, self.device))
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        logger.info(
+            "model %s on %s (%s%s%s, %s attention): %d KV blocks of %d tokens (%s, %.1f MiB), "
+            "max_model_len %d",
+            model_dir.name,
+            self.device,
+            self.dtype,
+            f", {config.quantization} weights" if config.quantization else "",
+            f", rank {rank} of {config.tensor_parallel_size}" if self.parallel else "",
+            self.attention_backend,
+            self.kv_cache.num_blocks,
+            config.block_size,
+            str(self.kv_cache_dtype).replace("torch.", ""),
+            self.kv_cache_bytes / 2**20,
+            self.max_model_len,
+        )
+
+    def _load(self, config: EngineConfig, model_dir: Path) -> None:
+        """The weights (this rank's shard) and the KV cache."""
         self.model, self.model_config = load_model(
             model_dir,
             self.dtype,
@@ -64,28 +107,24 @@ class ModelRunner:
             seed=config.seed,
             quantization=config.quantization,
             quantize_lm_head=config.quantize_lm_head,
+            tensor_parallel=self.parallel,
         )
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCache.allocate(
-            self.model_config, num_blocks, config.block_size, self.kv_cache_dtype, self.device
+        # This rank's heads: its shard of every block.
+        self.local_model_config = (
+            self.model_config
+            if self.parallel is None
+            else self.parallel.local_model_config(self.model_config)
         )
-        self.max_model_len = self._max_model_len(num_blocks)
-        self.sampler = Sampler(make_generator(config.seed, self.device))
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        logger.info(
-            "model %s on %s (%s%s, %s attention): %d KV blocks of %d tokens (%s, %.1f MiB), "
-            "max_model_len %d",
-            model_dir.name,
-            self.device,
-            self.dtype,
-            f", {config.quantization} weights" if config.quantization else "",
-            self.attention_backend,
+        num_blocks = self._num_kv_blocks()
+        if self.parallel is not None:
+            num_blocks = self.parallel.min_int(num_blocks)  # every rank holds every block
+        self.kv_cache = KVCache.allocate(
+            self.local_model_config,
             num_blocks,
             config.block_size,
-            str(self.kv_cache_dtype).replace("torch.", ""),
-            self.kv_cache_bytes / 2**20,
-            self.max_model_len,
+            self.kv_cache_dtype,
+            self.device,
         )
 
     def make_generator(self, seed: int) -> torch.Generator:
@@ -100,23 +139,96 @@ class ModelRunner:
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
     ) -> StepResult:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
-        attention = PagedAttention(self.kv_cache, inputs.attention, self.attention_backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, attention)
-        prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         requests = [s.request for s in output.scheduled if s.samples]
+        # Every logits the step needs, as batches of hidden rows: the prompt-logprob rows in
+        # chunks, then the sampled rows. Decided before the forward pass so that followers of a
+        # tensor-parallel engine compute (and gather) the same batches in the same order.
+        prompt_chunks = self._prompt_logprob_chunks(inputs.prompt_logprob_rows)
+        logits_rows = (*prompt_chunks, *([inputs.logits_indices] if requests else []))
+        if self.followers is not None:
+            self.followers.send(
+                StepCommand(inputs.input_ids, inputs.positions, inputs.attention, logits_rows)
+            )
+        logits = self._forward(inputs.input_ids, inputs.positions, inputs.attention, logits_rows)
+        prompt_logprobs = self._prompt_logprobs(
+            logits[: len(prompt_chunks)], inputs.prompt_logprob_rows
+        )
         if not requests:
             return StepResult([], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return StepResult(self.sample(requests, logits, generators), prompt_logprobs)
+        return StepResult(self.sample(requests, logits[-1], generators), prompt_logprobs)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_rows: Sequence[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The model over the step's tokens, then the logits of each batch of rows."""
+        attention = PagedAttention(self.kv_cache, metadata, self.attention_backend)
+        hidden = self.model(input_ids, positions, attention)
+        return [self.model.compute_logits(hidden[rows]) for rows in logits_rows]
+
+    @torch.inference_mode()
+    def follow(self, command: Command) -> None:
+        """A follower rank's share of rank 0's operation (see nori.parallel.ranks)."""
+        if isinstance(command, StepCommand):
+            self._forward(
+                command.input_ids, command.positions, command.attention, command.logits_rows
+            )
+        elif isinstance(command, ReadBlocks):
+            self.read_blocks(command.block_ids)
+        elif isinstance(command, WriteBlocks):
+            self.write_blocks(command.block_ids, command.blocks)
+
+    # ------------------------------------------------------------ KV blocks in and out
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """A copy of the blocks (`KVCache.read_blocks`) with every kv head: each rank's heads
+        gathered on rank 0 under tensor parallelism, so the export has one layout whatever the
+        sender's size (on a follower, an empty tuple)."""
+        if self.followers is not None:
+            self.followers.send(ReadBlocks(block_ids))
+        local = self.kv_cache.read_blocks(block_ids)
+        if self.parallel is None:
+            return local
+        # Heads are dimension 4 of both the values [L, 2, n, bs, H, D] and scales [L, 2, n, bs, H].
+        gathered = [self.parallel.gather_dim(tensor, dim=4) for tensor in local]
+        return tuple(t for t in gathered if t is not None)
+
+    def write_blocks(self, block_ids: list[int], blocks: tuple[torch.Tensor, ...]) -> None:
+        """Writes whole-model blocks (every kv head) into block_ids; each rank keeps its heads."""
+        if self.followers is not None:
+            self.followers.send(WriteBlocks(block_ids, blocks))
+        if self.parallel is not None:
+            heads = self.local_model_config.num_key_value_heads
+            blocks = tuple(
+                block.narrow(4, self.parallel.rank * heads, heads).contiguous() for block in blocks
+            )
+        self.kv_cache.write_blocks(block_ids, blocks)
+
+    def close(self) -> None:
+        """Ends the follower ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+
+    def _prompt_logprob_chunks(self, rows: list[PromptLogprobRows]) -> list[torch.Tensor]:
+        """The hidden rows scoring prompt tokens, PROMPT_LOGPROB_ROWS at a time."""
+        indices = [r.first_row + k for r in rows for k in range(len(r.target_token_ids))]
+        return [
+            torch.tensor(indices[low : low + PROMPT_LOGPROB_ROWS], device=self.device)
+            for low in range(0, len(indices), PROMPT_LOGPROB_ROWS)
+        ]
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[PromptLogprobRows]
+        self, chunk_logits: list[torch.Tensor], rows: list[PromptLogprobRows]
     ) -> list[tuple[Request, list[TokenLogprobs]]]:
         """log_softmax of the raw logits at each scored prompt position (as vLLM reports prompt
-        logprobs), with the requested number of most likely alternatives."""
+        logprobs), with the requested number of most likely alternatives; `chunk_logits` are
+        the logits of `_prompt_logprob_chunks(rows)`."""
         if not rows:
             return []
-        indices = [r.first_row + k for r in rows for k in range(len(r.target_token_ids))]
         targets = [token for r in rows for token in r.target_token_ids]
         counts = [r.request.sampling_params.prompt_logprobs for r in rows]
         requested = tuple(
@@ -124,10 +236,8 @@ class ModelRunner:
         )
         max_top = max(count or 0 for count in counts)
         entries: list[TokenLogprobs | None] = []
-        for low in range(0, len(indices), PROMPT_LOGPROB_ROWS):
-            high = low + PROMPT_LOGPROB_ROWS
-            index = torch.tensor(indices[low:high], device=self.device)
-            logits = self.model.compute_logits(hidden[index])
+        for chunk, logits in enumerate(chunk_logits):
+            low, high = chunk * PROMPT_LOGPROB_ROWS, (chunk + 1) * PROMPT_LOGPROB_ROWS
             token_ids = torch.tensor(targets[low:high], device=self.device)
             entries.extend(compute_logprobs(logits, token_ids, requested[low:high], max_top))
         result = []

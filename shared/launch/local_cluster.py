@@ -88,6 +88,10 @@ class ClusterSpec(RoleSettings):
     otlp_traces_endpoint: str | None = None
     # Extra flags for every worker (engine options such as --num-kv-blocks).
     worker_args: tuple[str, ...] = ()
+    # Extra flags for the prefill (or the decode and colocated) workers only, after
+    # worker_args: each pool its own engine options, e.g. --tensor-parallel-size.
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     # Each process's CPUs and threads; None: unpinned, the libraries' default thread counts.
     cpu_plan: CpuPlan | None = None
@@ -204,6 +208,7 @@ class LocalCluster:
             self.spec.transport,
             *self._common_args(),
             *self.spec.worker_args,
+            *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),
         ]
         if role == "colocated":
             args.append("--colocated")

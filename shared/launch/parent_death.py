@@ -26,8 +26,15 @@ def launcher_env() -> dict[str, str]:
 def die_with_parent() -> None:
     """In a role at start: SIGTERM when the launcher dies; exit now if it already has."""
     launcher = os.environ.pop(ENV, None)  # not for the role's own children
-    if launcher is None or not sys.platform.startswith("linux"):
+    if launcher is not None:
+        exit_with_parent(int(launcher), signal.SIGTERM)
+
+
+def exit_with_parent(parent_pid: int, signum: int) -> None:
+    """Asks Linux for `signum` when this process's parent dies; exits now if `parent_pid` (the
+    parent it was started by) has already gone."""
+    if not sys.platform.startswith("linux"):
         return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(launcher):  # it died before the request took effect
-        raise SystemExit(f"nori: the launcher (pid {launcher}) is gone; exiting")
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        raise SystemExit(f"nori: the launcher (pid {parent_pid}) is gone; exiting")

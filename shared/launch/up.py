@@ -60,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-args",
+            default="",
+            metavar="'ARGS'",
+            help=f"engine options for the {role} workers only, after the others "
+            "(e.g. --prefill-args '--tensor-parallel-size 2': each pool its own TP size)",
+        )
     _add_cpu_args(parser)
     # The engine options of `nori serve`, passed to every worker (before --worker-args).
     engine_actions = add_engine_args(parser, "auto", with_model=False)
@@ -149,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     cpu_plan = cpu_plan_from_args(args)
     engine_flags = changed_engine_flags(args, args.engine_actions)
     extra_worker_args = worker_args(shlex.join(engine_flags) + " " + args.worker_args)
+    prefill_args = worker_args(args.prefill_args, "--prefill-args")
+    decode_args = worker_args(args.decode_args, "--decode-args")
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
     redis_url, redis_server = redis_for_cluster()
@@ -162,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         log_dir=Path(args.log_dir) if args.log_dir else None,
         cpu_plan=cpu_plan,
         worker_args=extra_worker_args,
+        prefill_args=prefill_args,
+        decode_args=decode_args,
         api_key=args.api_key or Environment.read().api_key,
     )
     stop = threading.Event()

@@ -14,6 +14,8 @@ from nori.models.errors import ModelLoadError
 from nori.models.llama import CausalLM, WeightTarget
 from nori.models.packed_linear import pack_bf16_linears
 from nori.models.quantization import quantize_model
+from nori.parallel.group import TensorParallelGroup
+from nori.parallel.shard import shard_model
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 
@@ -35,8 +37,12 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Returns the model in eval mode without gradients, on `device` in `dtype`.
+
+    With `tensor_parallel`, the whole checkpoint is read and then cut to that rank's shard
+    (nori.parallel.shard) before any 8-bit quantization or prepacking.
 
     `load_format="dummy"` skips the safetensors and fills weights with seeded random values
     generated on the device itself, so big shapes can be benchmarked without big files.
@@ -48,6 +54,11 @@ def load_model(
     folder = Path(model_dir)
     config = ModelConfig.from_dir(folder)
     stored = checkpoint_quantization(folder)
+    if stored is not None and tensor_parallel is not None:
+        raise ModelLoadError(
+            f"{folder} is already quantized ({stored.method}); tensor parallelism of a "
+            "pre-quantized checkpoint is not supported yet"
+        )
     if stored is not None and quantization is not None:
         raise ModelLoadError(
             f"{folder} is already quantized ({stored.method}, from {stored.source}); "
@@ -66,6 +77,8 @@ def load_model(
         else:
             _load_safetensors(model, folder, device, quantized=stored is not None)
     model.requires_grad_(False)
+    if tensor_parallel is not None:
+        shard_model(model, tensor_parallel)
     if quantization is not None:
         # Before the transposition below, which then only touches what stayed nn.Linear.
         quantize_model(model, quantization, include_lm_head=quantize_lm_head)

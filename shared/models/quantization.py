@@ -105,7 +105,12 @@ def quantize_model(model: CausalLM, method: str, include_lm_head: bool = False) 
         replaced = replace_linears(
             model.model.layers, lambda linear: quantized_linear(linear.weight, linear.bias, method)
         )
-        if include_lm_head:
+        if include_lm_head and model.head_module is not None:
+            # A head already in a module of its own (a tensor-parallel shard): its linear.
+            replaced += replace_linears(
+                model.head_module, lambda linear: quantized_linear(linear.weight, None, method)
+            )
+        elif include_lm_head:
             model.head_module = quantized_linear(model.head_weight(), None, method)
             replaced += 1
     return replaced

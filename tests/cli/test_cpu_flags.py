@@ -93,3 +93,9 @@ def test_up_on_a_busy_port_says_so_before_starting_anything() -> None:
     assert "Traceback" not in result.stderr
     # Refused up front: no Redis, no worker was started and waited for.
     assert time.monotonic() - started < 30
+
+
+def test_up_names_the_per_pool_option_whose_args_are_not_engine_options() -> None:
+    result = nori("up", "--prefill-args=--tensor-parallel-size 2 --bogus")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "nori: error: --prefill-args: not an engine option: --bogus\n"

@@ -59,3 +59,11 @@ def test_the_model_given_two_ways_is_refused() -> None:
     )
     assert result.returncode == 2
     assert result.stderr == "nori: error: the model is given twice: small and --model demo2\n"
+
+
+def test_each_pool_may_get_engine_options_of_its_own() -> None:
+    args = build_parser().parse_args(
+        ["up", "--prefill-args", "-tp 2", "--decode-args", "--kv-cache-dtype int8"]
+    )
+    assert worker_args(args.prefill_args, "--prefill-args") == ("-tp", "2")
+    assert worker_args(args.decode_args, "--decode-args") == ("--kv-cache-dtype", "int8")

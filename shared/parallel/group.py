@@ -1,0 +1,98 @@
+"""One rank's view of the tensor-parallel group, and the collectives the sharded model uses.
+
+torch.distributed keeps its default process group per process, so one process holds at most one
+group: an engine with --tensor-parallel-size N makes it at start and ends it at shutdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nori.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int
+    world_size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def part(self, size: int, what: str) -> tuple[int, int]:
+        """This rank's [start, stop) of `size` items split evenly; ValueError when they do not
+        split (the message names `what`)."""
+        if size % self.world_size:
+            raise ValueError(
+                f"--tensor-parallel-size {self.world_size} must divide the model's {what} ({size})"
+            )
+        share = size // self.world_size
+        return self.rank * share, (self.rank + 1) * share
+
+    def padded_part(self, size: int) -> tuple[int, int, int]:
+        """This rank's [start, stop) of `size` items in shares of ceil(size / world_size) (the
+        last rank's may be short, or empty), and that share."""
+        share = -(-size // self.world_size)
+        start = min(self.rank * share, size)
+        return start, min(start + share, size), share
+
+    def local_model_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes this rank's shard has: its query and kv heads (what its KV cache holds).
+        ValueError when the model does not split into world_size shards."""
+        from dataclasses import replace
+
+        self.part(config.intermediate_size, "intermediate size")
+        q_start, q_stop = self.part(config.num_attention_heads, "attention heads")
+        kv_start, kv_stop = self.part(config.num_key_value_heads, "key-value heads")
+        return replace(
+            config,
+            num_attention_heads=q_stop - q_start,
+            num_key_value_heads=kv_stop - kv_start,
+        )
+
+    # ---------------------------------------------------------------- collectives
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` over the ranks, in place (float32 on the wire where gloo lacks the
+        dtype: it has no bfloat16 sum); returns it."""
+        if tensor.dtype in (torch.float32, torch.float64) or tensor.is_cuda:
+            dist.all_reduce(tensor)
+            return tensor
+        wide = tensor.float()
+        dist.all_reduce(wide)
+        tensor.copy_(wide)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` side by side along the last dimension (rank order)."""
+        return torch.cat(self._all_gather(tensor), dim=-1)
+
+    def gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Every rank's `tensor` concatenated along `dim` on rank 0 (None elsewhere)."""
+        parts = self._all_gather(tensor)
+        return torch.cat(parts, dim=dim) if self.is_leader else None
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        # As bytes: gloo moves any dtype that way (it has no float8 nor bfloat16 collectives),
+        # and only the last dimension's size changes, so the parts view back whole.
+        payload = tensor.contiguous().view(torch.uint8)
+        parts = [torch.empty_like(payload) for _ in range(self.world_size)]
+        dist.all_gather(parts, payload)
+        return [part.view(tensor.dtype) for part in parts]
+
+    def broadcast_object(self, value: object = None) -> object:
+        """Rank 0's `value` on every rank (pickled; tensors go as CPU bytes)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' values (the KV pool every rank can hold)."""
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())

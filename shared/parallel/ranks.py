@@ -1,0 +1,191 @@
+"""The follower ranks of a tensor-parallel engine: started by rank 0, told every step.
+
+Rank 0 is the engine's own process: it schedules, samples and answers. Ranks 1..N-1 are spawned
+processes holding their shard of the weights and of the paged KV cache. Each step rank 0
+broadcasts what the step computes (a `StepCommand`: the flat inputs and attention metadata, no
+requests), every rank runs its shard's forward pass, the row-parallel layers sum their partial
+outputs over the ranks, and the vocabulary-parallel head gathers the logits, which rank 0 samples
+from. KV blocks leave and enter a request (the prefill/decode hand-off) the same way: one
+command, each rank's heads gathered on rank 0 or scattered from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from nori.engine.attention_metadata import AttentionMetadata
+from nori.parallel.group import TensorParallelGroup
+
+if TYPE_CHECKING:
+    from nori.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# Rendezvous and collectives give up after this long: a rank that died is an error, not a hang.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class StepCommand:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # The hidden rows whose logits the step computes, batch by batch, in the order rank 0 asks
+    # for them (every rank takes part in each batch's gather).
+    logits_rows: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class ReadBlocks:
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class WriteBlocks:
+    block_ids: list[int]
+    # Whole-model blocks (every kv head), as KVCache.read_blocks gives them at tensor parallel 1.
+    blocks: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = StepCommand | ReadBlocks | WriteBlocks | Stop
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+class FollowerRanks:
+    """Rank 0's handle on ranks 1..N-1."""
+
+    def __init__(self, group: TensorParallelGroup, processes: Sequence[BaseProcess]):
+        self.group = group
+        self._processes = processes
+        self._stopped = False
+        # Ends the followers if the engine is dropped without close() (tests, a failed start).
+        self._finalizer = weakref.finalize(self, _stop_processes, processes)
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_dir: Path, device_type: str) -> FollowerRanks:
+        """Spawns the followers and joins the group as rank 0 (they load while this returns)."""
+        world_size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process (torch.distributed "
+                "has one group per process): close() it before starting another"
+            )
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        # The cores this engine was given, shared out: N ranks of T/N intra-op threads each.
+        threads = max(1, torch.get_num_threads() // world_size)
+        torch.set_num_threads(threads)
+        context = multiprocessing.get_context("spawn")
+        processes = [
+            context.Process(
+                target=follower_main,
+                args=(rank, address, config, model_dir, device_type, os.getpid(), threads),
+                name=f"nori-tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, world_size)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            dist.init_process_group(
+                backend_for(device_type),
+                init_method=address,
+                rank=0,
+                world_size=world_size,
+                timeout=COLLECTIVE_TIMEOUT,
+            )
+        except Exception:
+            _stop_processes(processes)
+            raise
+        logger.info("tensor parallel: %d ranks (%s)", world_size, backend_for(device_type))
+        return cls(TensorParallelGroup(0, world_size), processes)
+
+    def send(self, command: Command) -> None:
+        self.group.broadcast_object(command)
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            self.send(Stop())
+        for process in self._processes:
+            process.join(timeout=10)
+        self._finalizer()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _stop_processes(processes: Sequence[BaseProcess]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def follower_main(
+    rank: int,
+    address: str,
+    config: EngineConfig,
+    model_dir: Path,
+    device_type: str,
+    parent_pid: int,
+    threads: int,
+) -> None:
+    """A follower rank's whole life: join, load its shard, follow rank 0's commands."""
+    from nori.engine.model_runner import ModelRunner
+    from nori.launch.parent_death import exit_with_parent
+
+    # Nothing to drain here: go with the engine, even when it is killed.
+    exit_with_parent(parent_pid, signal.SIGKILL)
+    world_size = config.tensor_parallel_size
+    torch.set_num_threads(threads)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=address,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    runner = ModelRunner(config, model_dir, rank=rank)
+    group = TensorParallelGroup(rank, world_size)
+    try:
+        while True:
+            command = group.broadcast_object()
+            if isinstance(command, Stop):
+                break
+            runner.follow(command)  # type: ignore[arg-type]
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
