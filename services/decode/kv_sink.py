@@ -22,7 +22,7 @@ from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
 from nori.transfer.integrity import first_mismatch
-from nori.worker.kv_layout import destination_buffers
+from nori.worker.kv_layout import BlockLayout, destination_buffers, staging_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 
@@ -34,7 +34,12 @@ class DecodeKVSink:
         transfer_timeout_s: float = 30.0,
         on_receiving: Callable[[str], None] | None = None,
         queue_timeout_s: float = 60.0,
+        staging: Sequence[BlockLayout] | None = None,
     ) -> None:
+        """`staging`: receive each request's blocks into fresh tensors of this layout instead of
+        the cache (`staged_blocks` hands them over), for a cache the bytes cannot land in: a
+        tensor-parallel engine's, split over processes."""
+        self._staging = None if staging is None else tuple(staging)
         # KVCache.tensors of the worker's engine: the codes (or values) and any scales.
         if isinstance(cache, torch.Tensor):
             raise TypeError("DecodeKVSink takes the KV cache's tensors (KVCache.tensors)")
@@ -85,6 +90,15 @@ class DecodeKVSink:
 
     def forget(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
+
+    def staged_blocks(self, request_id: str) -> tuple[torch.Tensor, ...] | None:
+        """A staging sink's received blocks of an arrived request (once: they are handed over),
+        for `LLMEngine.write_request_kv`; None for a sink that receives into the cache."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.staged is None or lease.state is not LeaseState.ARRIVED:
+            return None
+        staged, lease.staged = lease.staged, None
+        return staged
 
     async def wait(self, request_id: str) -> HandOff:
         """The transfer's hand-off once its blocks have all arrived.
@@ -138,7 +152,10 @@ class DecodeKVSink:
             raise TransferRejected(
                 f"block ids {list(header.block_ids)} differ from the reservation {lease.block_ids}"
             )
-        buffers = destination_buffers(self._cache, lease.block_ids)
+        if self._staging is None:
+            buffers = destination_buffers(self._cache, lease.block_ids)
+        else:
+            lease.staged, buffers = staging_buffers(self._staging, lease.block_ids)
         expected = [buffer.nbytes for buffer in buffers]
         if list(header.buffer_nbytes) != expected:
             raise TransferRejected(

@@ -86,6 +86,8 @@ class Lease:
     # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
     buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
     expected_checksums: tuple[int, ...] = ()
+    # A staging sink's tensors the blocks arrive in, until handed to the engine.
+    staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # What decoding continues from, once the KV arrived.
     hand_off: HandOff | None = None
     error: str = ""

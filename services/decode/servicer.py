@@ -100,6 +100,14 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                     )
                 )
                 hand_off = await self._receive(request_id, context, record)
+                staged = self._sink.staged_blocks(request_id)
+                if staged is not None:
+                    # A tensor-parallel engine: each rank takes its heads of the blocks.
+                    await call_engine(
+                        self._engine,
+                        context,
+                        lambda engine: engine.write_request_kv(request_id, staged),
+                    )
                 self._record(request_id, "decoding")
                 first_tokens = list(hand_off.output_token_ids)
                 generator_state = (

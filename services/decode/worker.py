@@ -22,6 +22,7 @@ from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
 from nori.v1 import decode_pb2_grpc
 from nori.worker.engine_thread import EngineThread
+from nori.worker.kv_layout import BlockLayout
 from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
 
@@ -55,13 +56,6 @@ class DecodeWorker(Worker):
         self._servicer: DecodeServicer | None = None
 
     async def start_role(self) -> None:
-        if self.engine_config.tensor_parallel_size > 1 and not self.colocated:
-            # Transfers land straight in the cache's memory, which here would be rank 0's heads.
-            raise ValueError(
-                "a decode worker takes --tensor-parallel-size 1 for now (KV transfers are "
-                "received into rank 0's cache only); prefill workers and --colocated ones may "
-                "use more"
-            )
         engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         streams = OutputStreams()
         self._engine = EngineThread(engine, asyncio.get_running_loop(), streams.dispatch)
@@ -69,8 +63,16 @@ class DecodeWorker(Worker):
         assert self.redis is not None
         states = StateRecorder(RequestStateStore(self.redis, self.keys))
         if not self.colocated:
+            # Under tensor parallelism the cache is split over processes: blocks arrive in a
+            # staging copy, which the engine then scatters to the ranks.
+            staging = (
+                [BlockLayout(dtype, shape) for dtype, shape in engine.kv_block_layouts()]
+                if engine.tensor_parallel_size > 1
+                else None
+            )
             self._sink = DecodeKVSink(
                 engine.kv_cache_tensors,
+                staging=staging,
                 on_receiving=lambda request_id: states.record(
                     request_id, "transferring", decode_worker=self.worker_id
                 ),

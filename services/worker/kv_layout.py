@@ -26,6 +26,28 @@ class BlockRun:
     length: int
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """One KV tensor's layout with its block dimension left out ([layers, 2, block_size, heads,
+    ...]): what a staging copy of n blocks is made of."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def allocate(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty((*self.shape[:2], num_blocks, *self.shape[2:]), dtype=self.dtype)
+
+
+def staging_buffers(
+    layouts: Sequence[BlockLayout], block_ids: list[int]
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """Fresh tensors for a request's blocks, in the request's order, and their views matching the
+    sender's `source_buffers` (a receiver that cannot take the bytes into its cache in place:
+    a tensor-parallel one, whose cache is split over processes)."""
+    staged = tuple(layout.allocate(len(block_ids)) for layout in layouts)
+    return staged, source_buffers(staged, block_ids)
+
+
 def contiguous_runs(block_ids: list[int]) -> list[BlockRun]:
     runs: list[BlockRun] = []
     for position, block_id in enumerate(block_ids):

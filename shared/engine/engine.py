@@ -380,8 +380,14 @@ class LLMEngine:
     def kv_cache_tensors(self) -> tuple[torch.Tensor, ...]:
         """The paged KV cache's tensors (KVCache.tensors), each [layers, 2, blocks, ...]: a
         decode worker receives transferred blocks straight into them. Under tensor parallelism
-        these are rank 0's heads only: blocks go in through `write_request_kv` instead."""
+        these are rank 0's heads only: blocks go in through `write_request_kv` instead (see
+        `kv_block_layouts`)."""
         return self._runner.kv_cache.tensors
+
+    def kv_block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each KV tensor's dtype and per-block shape [layers, 2, block_size, heads, ...] with
+        every kv head: what a transfer carries (a staging receiver allocates these)."""
+        return self._runner.block_layouts()
 
     @property
     def tensor_parallel_size(self) -> int:

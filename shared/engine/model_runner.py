@@ -207,6 +207,17 @@ class ModelRunner:
             )
         self.kv_cache.write_blocks(block_ids, blocks)
 
+    def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each KV tensor's dtype and shape without its block dimension, with every kv head
+        ([layers, 2, block_size, heads, ...]): what `read_blocks` gives per block."""
+        world_size = 1 if self.parallel is None else self.parallel.world_size
+        layouts = []
+        for tensor in self.kv_cache.tensors:
+            shape = [*tensor.shape[:2], *tensor.shape[3:]]
+            shape[3] *= world_size
+            layouts.append((tensor.dtype, tuple(shape)))
+        return layouts
+
     def close(self) -> None:
         """Ends the follower ranks of a tensor-parallel engine (nothing to do otherwise)."""
         if self.followers is not None:

@@ -1,7 +1,8 @@
-"""Pools of different tensor-parallel sizes: the prefill worker runs on 2 ranks
-(`--prefill-args '--tensor-parallel-size 2'`), the decode worker on 1. The prefill worker
-gathers every kv head from its ranks before sending, so the decode worker receives the same
-blocks a TP=1 prefill would send, and the output is the offline engine's to the token."""
+"""Pools of different tensor-parallel sizes: the prefill worker on 2 ranks and the decode worker
+on 1 (`--prefill-args '--tensor-parallel-size 2'`), then the other way round. A TP=2 prefill
+worker gathers every kv head from its ranks before sending, so it sends what a TP=1 one would;
+a TP=2 decode worker receives the blocks whole into a staging copy and gives each rank its
+heads. Either way the output is the offline engine's to the token."""
 
 from __future__ import annotations
 
@@ -23,32 +24,37 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Once upon a time there was a cat", "The weather today is", "A B C D E F G H I J K"]
 
 
-@pytest.fixture(scope="module")
+TWO_RANKS = ("--tensor-parallel-size", "2")
+
+
+@pytest.fixture(scope="module", params=["prefill", "decode"])
 def tp_cluster(
-    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    yield from running_cluster(
-        redis_url,
-        checkpoint,
-        tmp_path_factory,
-        num_prefill=1,
-        num_decode=1,
-        prefill_args=("--tensor-parallel-size", "2"),
-    )
+    request: pytest.FixtureRequest,
+    redis_url: str,
+    checkpoint: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LocalCluster, str]]:
+    """A cluster whose `request.param` pool runs on 2 ranks, and the name of that worker."""
+    pool_args = {f"{request.param}_args": TWO_RANKS}
+    for cluster in running_cluster(
+        redis_url, checkpoint, tmp_path_factory, num_prefill=1, num_decode=1, **pool_args
+    ):
+        yield cluster, f"{request.param}-0"
 
 
-def test_prefill_on_two_ranks_and_decode_on_one_match_the_offline_engine(
-    tp_cluster: LocalCluster, checkpoint: Path
+def test_pools_of_different_tensor_parallel_sizes_match_the_offline_engine(
+    tp_cluster: tuple[LocalCluster, str], checkpoint: Path
 ) -> None:
+    cluster, split_worker = tp_cluster
     offline = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, greedy, use_tqdm=False)]
-    client = openai.OpenAI(base_url=f"{tp_cluster.url}/v1", api_key="unused")
-    baseline = idle_free_blocks(tp_cluster)
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
+    baseline = idle_free_blocks(cluster)
 
     def complete(prompt: str) -> str:
         response = client.completions.create(
-            model=model_name(tp_cluster),
+            model=model_name(cluster),
             prompt=prompt,
             max_tokens=24,
             temperature=0.0,
@@ -59,7 +65,8 @@ def test_prefill_on_two_ranks_and_decode_on_one_match_the_offline_engine(
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         served = list(pool.map(complete, PROMPTS))
     assert served == expected
-    log = tp_cluster.worker("prefill-0").log_path.read_text()
-    assert "rank 0 of 2" in log and "tensor parallel: 2 ranks (gloo)" in log
-    assert "rank 0 of 2" not in tp_cluster.worker("decode-0").log_path.read_text()
-    assert idle_free_blocks(tp_cluster) == baseline
+    for name in ("prefill-0", "decode-0"):
+        log = cluster.worker(name).log_path.read_text()
+        split = "rank 0 of 2" in log and "tensor parallel: 2 ranks (gloo)" in log
+        assert split == (name == split_worker), name
+    assert idle_free_blocks(cluster) == baseline

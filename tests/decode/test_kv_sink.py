@@ -12,7 +12,7 @@ from nori.decode.lease import LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.transfer.integrity import buffer_checksums
-from nori.worker.kv_layout import destination_buffers
+from nori.worker.kv_layout import BlockLayout, destination_buffers, source_buffers
 
 
 def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:
@@ -172,3 +172,40 @@ async def test_a_corrupted_or_truncated_transfer_is_refused_and_never_decoded(da
         await sink.wait("r1")
     assert sink.state("r1") is LeaseState.FAILED
     assert sink.checksum_failures == 1 and sink.transfers_completed == 0
+
+
+async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_once() -> None:
+    """A tensor-parallel decode worker's sink: its cache is split over processes, so the bytes
+    land in tensors of the whole-model layout (every kv head, 2 here against the cache's 1),
+    in the request's block order, and the cache is left for the engine to write."""
+    cache = torch.zeros(2, 2, 8, 4, 1, 2)
+    whole = BlockLayout(torch.float32, (2, 2, 4, 2, 2))
+    sink = DecodeKVSink((cache,), transfer_timeout_s=1.0, staging=[whole])
+    sink.expect("r1", [6, 2, 3], lease_s=5)
+    staged_shape = torch.zeros(2, 2, 3, 4, 2, 2)
+    sent = [torch.randn_like(b) for b in source_buffers((staged_shape,), [6, 2, 3])]
+    good = TransferHeader.of(
+        "r1",
+        [6, 2, 3],
+        [b.nbytes for b in sent],
+        output_token_ids=[7],
+        destination=KVDestination(lease_epoch=sink.lease("r1").epoch),  # type: ignore[union-attr]
+        buffer_checksums=buffer_checksums(sent),
+    )
+    buffers = sink.destinations(good)
+    assert all(
+        b.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr() for b in buffers
+    )
+    for buffer, data in zip(buffers, sent, strict=True):
+        buffer.copy_(data)
+    assert sink.staged_blocks("r1") is None  # not arrived yet
+    sink.completed(good, sum(good.buffer_nbytes))
+    await sink.wait("r1")
+    (staged,) = sink.staged_blocks("r1")  # type: ignore[misc]
+    assert staged.shape == (2, 2, 3, 4, 2, 2)
+    assert torch.equal(
+        torch.cat([view.flatten() for view in source_buffers((staged,), [6, 2, 3])]),
+        torch.cat([d.flatten() for d in sent]),
+    )
+    assert sink.staged_blocks("r1") is None  # handed over once
+    assert not cache.any()
