@@ -41,6 +41,12 @@ for quant in none int8 fp8; do
     --model /tmp/llama3-8b --load-format dummy --num-prompts 64 --input-len-range 128:128 \
     --output-len-range 128:128 --max-num-seqs 64 --json --num-kv-blocks 2048 "${flags[@]}"
 done
+# Issue 12: the 8-bit KV cache (Triton store and attention over int8/fp8 codes), same shape.
+for kv in int8 fp8; do
+  step "bench_8b_kv_$kv" 150 python3 -m nori.cli.main bench offline \
+    --model /tmp/llama3-8b --load-format dummy --num-prompts 64 --input-len-range 128:128 \
+    --output-len-range 128:128 --max-num-seqs 64 --json --num-kv-blocks 2048 --kv-cache-dtype "$kv"
+done
 step engine_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine
 step kernel_bench 60 python3 bench/kernels_gpu.py
 grep -h '^{' "$OUT"/bench_*.log >"$OUT/bench.jsonl" || true

@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,7 +92,16 @@ class FollowerRanks:
                 "a tensor-parallel engine is already running in this process (torch.distributed "
                 "has one group per process): close() it before starting another"
             )
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        # The rendezvous store binds a port of its own choosing (0) before any rank starts, so
+        # no other process can take it in between (picking a free port first raced others).
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
         # The cores this engine was given, shared out: N ranks of T/N intra-op threads each.
         threads = max(1, torch.get_num_threads() // world_size)
         torch.set_num_threads(threads)
@@ -101,7 +109,7 @@ class FollowerRanks:
         processes = [
             context.Process(
                 target=follower_main,
-                args=(rank, address, config, model_dir, device_type, os.getpid(), threads),
+                args=(rank, store.port, config, model_dir, device_type, os.getpid(), threads),
                 name=f"nori-tp-rank-{rank}",
                 daemon=True,
             )
@@ -112,7 +120,7 @@ class FollowerRanks:
         try:
             dist.init_process_group(
                 backend_for(device_type),
-                init_method=address,
+                store=store,
                 rank=0,
                 world_size=world_size,
                 timeout=COLLECTIVE_TIMEOUT,
@@ -146,15 +154,9 @@ def _stop_processes(processes: Sequence[BaseProcess]) -> None:
             process.join(timeout=5)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def follower_main(
     rank: int,
-    address: str,
+    store_port: int,
     config: EngineConfig,
     model_dir: Path,
     device_type: str,
@@ -171,9 +173,12 @@ def follower_main(
     torch.set_num_threads(threads)
     if device_type == "cuda":
         torch.cuda.set_device(rank)
+    store = dist.TCPStore(
+        "127.0.0.1", store_port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT
+    )
     dist.init_process_group(
         backend_for(device_type),
-        init_method=address,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,

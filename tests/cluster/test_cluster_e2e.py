@@ -356,7 +356,7 @@ def test_a_worker_with_another_block_size_is_refused(cluster: LocalCluster) -> N
             for line in gateway_log.read_text(errors="replace").splitlines()
             if "refusing worker prefill-odd" in line
         )
-        assert "block size is 32 tokens, the cluster's is 16" in line
+        assert "its KV blocks are 32 tokens of float32, the cluster's are 16 tokens" in line
         assert httpx.get(f"{cluster.url}/health").json()["workers"]["prefill"] == 1
         for prompt in PROMPTS[:4]:
             completion = client(cluster).completions.create(

@@ -74,6 +74,10 @@ def assert_logits_are_over_the_stored_kv(
 
 
 def backends() -> list[str]:
+    """The references, and the engine's own kernels where the tests run: the C++ ones on CPU
+    (the Triton ones have a test of their own below, in the interpreter there)."""
+    if torch.cuda.is_available():
+        return ["reference", "triton"]
     return ["reference", "cpu"] if cpu_kernels() is not None else ["reference"]
 
 
