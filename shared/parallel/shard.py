@@ -23,11 +23,11 @@ from nori.parallel.layers import RowParallelLinear, VocabParallelEmbedding, Voca
 def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
     config = model.config
     # Checked up front, so a bad size fails before anything is cut.
-    local = group.local_model_config(config)
+    group.local_model_config(config)
     with torch.no_grad():
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)
-            _shard_attention(layer.self_attn, group, local.num_attention_heads)
+            _shard_attention(layer.self_attn, group)
             _shard_mlp(layer.mlp, group)
         embedding = model.model.embed_tokens
         model.head_module = VocabParallelHead(model.head_weight().data, group)
@@ -36,11 +36,10 @@ def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
         model.tied_head_weight = None
 
 
-def _shard_attention(attn: SelfAttention, group: TensorParallelGroup, num_heads: int) -> None:
-    head_dim = attn.head_dim
-    q_start, q_stop = (group.rank * num_heads * head_dim, (group.rank + 1) * num_heads * head_dim)
-    kv_heads = attn.num_kv_heads // group.world_size
-    kv_start, kv_stop = group.rank * kv_heads * head_dim, (group.rank + 1) * kv_heads * head_dim
+def _shard_attention(attn: SelfAttention, group: TensorParallelGroup) -> None:
+    # Heads split evenly (checked), so the rank's share of q (and of k, v) is whole heads.
+    q_start, q_stop = group.part(attn.q_size, "attention heads")
+    kv_start, kv_stop = group.part(attn.kv_size, "key-value heads")
     q_size, kv_size = attn.q_size, attn.kv_size
     rows = torch.cat(
         [
@@ -51,8 +50,9 @@ def _shard_attention(attn: SelfAttention, group: TensorParallelGroup, num_heads:
     ).to(attn.qkv_proj.weight.device)
     attn.qkv_proj = _rows_of(attn.qkv_proj, rows)
     attn.o_proj = _row_parallel(attn.o_proj, q_start, q_stop, group)  # type: ignore[assignment]
-    attn.num_heads, attn.num_kv_heads = num_heads, kv_heads
-    attn.q_size, attn.kv_size = num_heads * head_dim, kv_heads * head_dim
+    attn.num_heads //= group.world_size
+    attn.num_kv_heads //= group.world_size
+    attn.q_size, attn.kv_size = q_stop - q_start, kv_stop - kv_start
 
 
 def _shard_mlp(mlp: GatedMLP, group: TensorParallelGroup) -> None:
