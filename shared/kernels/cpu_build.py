@@ -25,6 +25,7 @@ _SOURCES = (
     "decode_attention_cpu.cpp",
     "rms_norm_cpu.cpp",
     "rotary_cpu.cpp",
+    "row_scale_cpu.cpp",
     "silu_and_mul_cpu.cpp",
     "store_kv_cpu.cpp",
     "store_kv_quant_cpu.cpp",

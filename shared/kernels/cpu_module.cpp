@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
@@ -26,6 +27,10 @@ void store_kv_quantized(const torch::Tensor& key, const torch::Tensor& value,
                         torch::Tensor& k_cache, torch::Tensor& v_cache, torch::Tensor& k_scale,
                         torch::Tensor& v_scale, const torch::Tensor& slots);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+std::tuple<torch::Tensor, torch::Tensor> rows_to_unit(const torch::Tensor& input,
+                                                      double smallest_max);
+void scale_rows_back(torch::Tensor& output, const torch::Tensor& row_max,
+                     const std::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -42,4 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv_quantized", &store_kv_quantized, release(),
         "quantize key/value rows into 8-bit paged caches and their float16 scales at slots");
   m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(logits, -1) for float32 [B, V]");
+  m.def("rows_to_unit", &rows_to_unit, release(),
+        "each row of float32 [T, K] divided by its largest magnitude, and those [T, 1]");
+  m.def("scale_rows_back", &scale_rows_back, release(),
+        "output[i] = output[i] * row_max[i] (+ bias), in place");
 }

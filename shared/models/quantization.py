@@ -6,8 +6,10 @@ fewer bytes read per decode step, which is what bounds a decode step. The LM hea
 `--quantize-lm-head`; the embedding table is a lookup (one row per token), so it stays as it is.
 
 - CPU, int8: torch's x86 int8 GEMM (fbgemm/oneDNN, VNNI on this CPU) behind its dynamically
-  quantized Linear. Each call also quantizes its activations to 8 bits (per tensor, on the
-  fly): the kernel multiplies int8 by uint8. That is the fast path measured in the README.
+  quantized Linear. Each call also quantizes its activations to 8 bits on the fly: the kernel
+  multiplies int8 by uint8. That is the fast path measured in the README. The kernel takes one
+  activation scale per call; each row is divided by its own largest magnitude first (and the
+  output row multiplied back), so every token keeps its 8 bits whatever the other rows hold.
 - GPU, int8 or fp8: the Triton weight-only kernel (`nori.kernels.quantized_linear`): weights
   read as 8 bits, converted in registers, activations untouched.
 - CPU, fp8: the kernel's PyTorch reference (this CPU has no fp8 GEMM): exact to the fp8
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
+from nori.kernels.row_scale import rows_to_unit, scale_rows_back
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
@@ -62,7 +65,10 @@ class CpuInt8Linear(nn.Module):
     """int8 weights per output channel on torch's x86 int8 GEMM (dynamic activation scales).
 
     The weight is prepacked once into the GEMM library's own blocked layout; each call then
-    quantizes its float32 activations to uint8 with one scale for the whole batch.
+    quantizes its float32 activations to uint8. The GEMM's one scale per call would let a row
+    of large activations (a long prompt's outlier token, another request in the batch) leave
+    the others a few levels of 8 bits, so rows are brought to one magnitude first
+    (`nori.kernels.row_scale`).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -76,18 +82,27 @@ class CpuInt8Linear(nn.Module):
             per_channel = torch._make_per_channel_quantized_tensor(
                 qweight, scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0
             )
-            self._packed = torch.ops.quantized.linear_prepack(
-                per_channel, None if bias is None else bias.float().contiguous()
-            )
+            # The bias is added after the rows are scaled back, so it is not packed.
+            self._packed = torch.ops.quantized.linear_prepack(per_channel, None)
+        self._bias = None if bias is None else bias.float().contiguous()
         # Without VNNI the kernel sums pairs of u8 x s8 products in int16, which saturates
         # unless activations keep 7 bits; with VNNI (this CPU) they keep all 8.
         self._reduce_range = not _cpu_has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic(
-            x.float(), self._packed, self._reduce_range
-        )
-        return out.to(x.dtype)
+        rows = x.float().reshape(-1, self.in_features)
+        if rows.shape[0] == 1:
+            # One row already has a scale of its own: skip the two passes.
+            out: torch.Tensor = torch.ops.quantized.linear_dynamic(
+                rows, self._packed, self._reduce_range
+            )
+            if self._bias is not None:
+                out.add_(self._bias)
+        else:
+            unit_rows, row_max = rows_to_unit(rows.contiguous())
+            out = torch.ops.quantized.linear_dynamic(unit_rows, self._packed, self._reduce_range)
+            scale_rows_back(out, row_max, self._bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, weight=int8 (x86 GEMM)"

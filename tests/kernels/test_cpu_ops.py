@@ -9,6 +9,13 @@ from nori.kernels.argmax import argmax_rows
 from nori.kernels.cpu_build import cpu_kernels
 from nori.kernels.rms_norm import rms_norm, rms_norm_reference
 from nori.kernels.rotary import rotary, rotary_reference
+from nori.kernels.row_scale import (
+    SMALLEST_ROW_MAX,
+    rows_to_unit,
+    rows_to_unit_reference,
+    scale_rows_back,
+    scale_rows_back_reference,
+)
 from nori.kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from nori.kernels.store_kv import store_kv_cache_cpu, store_kv_cache_reference
 
@@ -106,3 +113,29 @@ def test_argmax_matches_torch_including_ties_infinities_and_nan() -> None:
     logits[4, 321] = float("nan")
     logits[5] = float("-inf")  # all equal: index 0
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("width", [1, 37, 2752])
+@pytest.mark.parametrize("rows", [2, 9, 300])
+def test_rows_to_unit(rows: int, width: int) -> None:
+    """Rows of very different magnitudes, and an all-zero row, against the reference."""
+    x = _randn(rows, width) * torch.logspace(-3, 3, rows)[:, None]
+    x[rows // 2] = 0
+    scaled, row_max = rows_to_unit(x)
+    expected_scaled, expected_max = rows_to_unit_reference(x)
+    torch.testing.assert_close(row_max, expected_max, atol=0, rtol=0)
+    torch.testing.assert_close(scaled, expected_scaled, atol=ATOL, rtol=RTOL)
+    assert row_max[rows // 2].item() == pytest.approx(SMALLEST_ROW_MAX)
+    # Every non-zero row's largest magnitude is 1 (times the inverse: within a rounding).
+    torch.testing.assert_close(scaled.abs().amax(-1)[: rows // 2], torch.ones(rows // 2))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [2, 300])
+def test_scale_rows_back_in_place(rows: int, bias: bool) -> None:
+    out, row_max = _randn(rows, 1376), _randn(rows, 1, seed=1).abs() + 0.1
+    bias_values = _randn(1376, seed=2) if bias else None
+    expected = scale_rows_back_reference(out.clone(), row_max, bias_values)
+    result = scale_rows_back(out, row_max, bias_values)
+    assert result is out
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)

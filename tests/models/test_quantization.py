@@ -42,11 +42,32 @@ def test_the_cpu_int8_layer_is_the_dequantized_weight_times_8_bit_activations(
     layer = CpuInt8Linear(weight, bias_values)
     qweight, scale = quantize_weight(weight, "int8")
     exact_weights = F.linear(x, dequantize_weight(qweight, scale, torch.float32), bias_values)
-    # Only the activations' 8-bit rounding (one scale per call) separates the two.
+    # Only the activations' 8-bit rounding (one scale per row) separates the two.
     assert _relative_error(layer(x), exact_weights) < 0.01
     assert _relative_error(layer(x), F.linear(x, weight, bias_values)) < 0.02
     # bfloat16 activations come back as bfloat16.
     assert layer(x.bfloat16()).dtype is torch.bfloat16
+
+
+def test_the_cpu_int8_layer_scales_each_row_on_its_own() -> None:
+    """A row of small activations beside one 1000x larger (a quiet token beside an outlier,
+    or two requests in one batch) keeps its 8-bit precision, and a row's output does not
+    depend on the rows batched with it beyond rounding. One scale for the call would round
+    the small row to a handful of levels: relative error near 1."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 48, generator=generator) * 0.05
+    bias_values = torch.randn(64, generator=generator)
+    quiet = torch.randn(1, 48, generator=generator) * 0.01
+    loud = torch.randn(1, 48, generator=generator) * 10.0
+    layer = CpuInt8Linear(weight, bias_values)
+    qweight, scale = quantize_weight(weight, "int8")
+    exact_weight = dequantize_weight(qweight, scale, torch.float32)
+    batched = layer(torch.cat([quiet, loud, torch.zeros(1, 48)]))
+    assert _relative_error(batched[0] - bias_values, F.linear(quiet, exact_weight)[0]) < 0.02
+    assert _relative_error(batched[1] - bias_values, F.linear(loud, exact_weight)[0]) < 0.02
+    # An all-zero row (padding) is exactly the bias, not NaN.
+    assert torch.equal(batched[2], bias_values)
+    assert _relative_error(batched[0], layer(quiet)[0]) < 0.01
 
 
 def test_fp8_on_cpu_is_the_kernels_reference_exactly() -> None:
@@ -147,15 +168,15 @@ def test_stories260k_with_an_8_bit_kv_cache_stays_within_issue_12s_bounds(
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_stories260k_with_int8_weights_and_an_8_bit_kv_cache_keeps_its_greedy_choices(
+def test_stories260k_with_int8_weights_and_an_8_bit_kv_cache_stays_within_issue_12s_bounds(
     stories: Path, kv_cache_dtype: str
 ) -> None:
-    """Stacked on int8 weights (whose activations share one 8-bit scale per call), the KV
-    rounding pushes a few of the 1024 steps under 0.99 (README figures): >= 90% step agreement,
-    a mean cosine >= 0.99 and at most 1% of steps under 0.99."""
+    """Both levers stacked: >= 90% step agreement and every step's logits cosine >= 0.99.
+    With one activation scale per GEMM call (before per-token scales) 2-3 of the 1024 steps
+    fell to 0.972-0.974 here (README figures)."""
     report = measure_fidelity(
         FidelitySettings(model=str(stories), quantization="int8", kv_cache_dtype=kv_cache_dtype)
     )
+    assert report.num_positions == 16 * 64
     assert report.step_agreement >= 0.9, report
-    assert report.mean_cosine >= 0.99, report
-    assert report.low_cosine_share <= 0.01, report
+    assert report.min_cosine >= 0.99, report
