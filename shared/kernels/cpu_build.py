@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     "cpu_module.cpp",
     "argmax_cpu.cpp",
+    "bf16_gemv_cpu.cpp",
     "decode_attention_cpu.cpp",
+    "int8_gemv_cpu.cpp",
     "rms_norm_cpu.cpp",
     "rotary_cpu.cpp",
     "row_scale_cpu.cpp",

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nori.kernels.bf16_gemv import bf16_gemv
+from nori.kernels.cpu_build import cpu_kernels
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
+
+# One row takes the C++ GEMV (bf16_gemv_cpu.cpp) rather than the packed GEMM, whose call
+# costs about 23 us at any size (measured in the README).
+GEMV_MAX_ROWS = 1
 
 
 class PackedBf16Linear(nn.Module):
@@ -16,6 +22,8 @@ class PackedBf16Linear(nn.Module):
     out on every call, which at decode batch sizes costs more than the product (a 2752x512
     layer at batch 1: 40 us prepacked, 84 us through F.linear, 95 us in float32 on this CPU).
     torch.compile's CPU backend packs frozen weights the same way; the results are identical.
+    A decode step's single row takes the C++ GEMV over the plain weight instead, kept
+    beside the packed copy (two more bytes a weight).
     """
 
     packed_weight: torch.Tensor
@@ -30,8 +38,11 @@ class PackedBf16Linear(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous(), 16),
         )
         self.register_buffer("bias", None if bias is None else bias.bfloat16().contiguous())
+        self._plain_weight = weight.bfloat16().contiguous() if cpu_kernels() is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain_weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return bf16_gemv(x, self._plain_weight, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.bfloat16(), self.packed_weight, self.bias, "none", [], ""
         )

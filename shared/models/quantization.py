@@ -10,6 +10,8 @@ fewer bytes read per decode step, which is what bounds a decode step. The LM hea
   multiplies int8 by uint8. That is the fast path measured in the README. The kernel takes one
   activation scale per call; each row is divided by its own largest magnitude first (and the
   output row multiplied back), so every token keeps its 8 bits whatever the other rows hold.
+  Up to 8 rows (decode steps at small batch) a C++ int8 GEMV (`nori.kernels.int8_gemv`, VNNI)
+  quantizes each row itself and skips the GEMM's fixed cost of about 20 us a call.
 - GPU, int8 or fp8: the Triton weight-only kernel (`nori.kernels.quantized_linear`): weights
   read as 8 bits, converted in registers, activations untouched.
 - CPU, fp8: the kernel's PyTorch reference (this CPU has no fp8 GEMM): exact to the fp8
@@ -25,8 +27,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.int8_gemv import weight_row_sums
 from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
-from nori.kernels.row_scale import rows_to_unit, scale_rows_back
+from nori.kernels.row_scale import (
+    SMALLEST_ROW_MAX,
+    rows_to_unit_reference,
+    scale_rows_back_reference,
+)
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
@@ -61,6 +69,10 @@ class WeightOnlyLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.qweight.dtype}"
 
 
+# Up to this many rows the C++ GEMV beats torch's int8 GEMM (measured in the README).
+GEMV_MAX_ROWS = 8
+
+
 class CpuInt8Linear(nn.Module):
     """int8 weights per output channel on torch's x86 int8 GEMM (dynamic activation scales).
 
@@ -68,7 +80,7 @@ class CpuInt8Linear(nn.Module):
     quantizes its float32 activations to uint8. The GEMM's one scale per call would let a row
     of large activations (a long prompt's outlier token, another request in the batch) leave
     the others a few levels of 8 bits, so rows are brought to one magnitude first
-    (`nori.kernels.row_scale`).
+    (`nori.kernels.row_scale`). Up to GEMV_MAX_ROWS rows take the C++ int8 GEMV instead.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -85,23 +97,29 @@ class CpuInt8Linear(nn.Module):
             # The bias is added after the rows are scaled back, so it is not packed.
             self._packed = torch.ops.quantized.linear_prepack(per_channel, None)
         self._bias = None if bias is None else bias.float().contiguous()
+        # A decode step's few rows take the C++ GEMV instead (int8_gemv_cpu.cpp), which reads
+        # the plain int8 rows: kept beside the GEMM's packed copy (one more byte a weight).
+        self._gemv_weight = (qweight, scale, weight_row_sums(qweight))
         # Without VNNI the kernel sums pairs of u8 x s8 products in int16, which saturates
         # unless activations keep 7 bits; with VNNI (this CPU) they keep all 8.
         self._reduce_range = not _cpu_has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.float().reshape(-1, self.in_features)
-        if rows.shape[0] == 1:
-            # One row already has a scale of its own: skip the two passes.
-            out: torch.Tensor = torch.ops.quantized.linear_dynamic(
-                rows, self._packed, self._reduce_range
-            )
-            if self._bias is not None:
-                out.add_(self._bias)
-        else:
-            unit_rows, row_max = rows_to_unit(rows.contiguous())
+        rows = x.float().reshape(-1, self.in_features).contiguous()
+        kernels = cpu_kernels()
+        if kernels is None:
+            # The PyTorch references of the two passes (NORI_CPU_KERNELS=0, or no compiler).
+            unit_rows, row_max = rows_to_unit_reference(rows)
             out = torch.ops.quantized.linear_dynamic(unit_rows, self._packed, self._reduce_range)
-            scale_rows_back(out, row_max, self._bias)
+            out = scale_rows_back_reference(out, row_max, self._bias)
+        elif rows.shape[0] <= GEMV_MAX_ROWS:
+            qweight, scale, row_sums = self._gemv_weight
+            out = kernels.int8_gemv(rows, qweight, scale, row_sums, self._bias)
+        else:
+            # Straight to the C++ passes: this runs four times per layer and step.
+            unit_rows, row_max = kernels.rows_to_unit(rows, SMALLEST_ROW_MAX)
+            out = torch.ops.quantized.linear_dynamic(unit_rows, self._packed, self._reduce_range)
+            kernels.scale_rows_back(out, row_max, self._bias)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

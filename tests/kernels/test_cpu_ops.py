@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from nori.kernels.argmax import argmax_rows
+from nori.kernels.bf16_gemv import bf16_gemv, bf16_gemv_reference
 from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.int8_gemv import int8_gemv, int8_gemv_reference
+from nori.kernels.quantized_linear import quantize_weight
 from nori.kernels.rms_norm import rms_norm, rms_norm_reference
 from nori.kernels.rotary import rotary, rotary_reference
 from nori.kernels.row_scale import (
@@ -139,3 +142,39 @@ def test_scale_rows_back_in_place(rows: int, bias: bool) -> None:
     result = scale_rows_back(out, row_max, bias_values)
     assert result is out
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("width", [5, 37, 512, 1376])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int8_gemv(rows: int, width: int, bias: bool) -> None:
+    """Widths off the 32-byte vector (a scalar tail), one all-zero row, against the reference
+    (exact int64 sums): only float32 rounding of the scaling separates them."""
+    weight = _randn(67, width) * 0.05
+    qweight, scale = quantize_weight(weight, "int8")
+    x = _randn(rows, width, seed=1) * torch.logspace(-2, 2, rows)[:, None]
+    if rows > 1:
+        x[-1] = 0
+    bias_values = _randn(67, seed=2) if bias else None
+    expected = int8_gemv_reference(x, qweight, scale, bias_values)
+    torch.testing.assert_close(int8_gemv(x, qweight, scale, bias_values), expected)
+    # The reference is the dequantized weight times per-row 8-bit activations.
+    exact = torch.nn.functional.linear(x, weight, bias_values)
+    assert ((expected - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("width", [5, 37, 512, 1376])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_bf16_gemv(rows: int, width: int, bias: bool) -> None:
+    """Widths off the 32-element vector, row and output counts off the 4 x 4 tile, against
+    float32 products of the same bf16 values: they differ by the order of the float32 sums
+    and one bf16 rounding."""
+    weight = _randn(67, width).bfloat16()
+    x = _randn(rows, width, seed=1).bfloat16()
+    bias_values = _randn(67, seed=2).bfloat16() if bias else None
+    result = bf16_gemv(x, weight, bias_values)
+    assert result.dtype is torch.bfloat16 and result.shape == (rows, 67)
+    torch.testing.assert_close(
+        result, bf16_gemv_reference(x, weight, bias_values), **TOLERANCE[torch.bfloat16]
+    )
