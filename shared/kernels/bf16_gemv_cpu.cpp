@@ -27,7 +27,7 @@ inline float bf16_to_float(uint16_t bits) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int ROWS, int OUTS>
 inline void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int64_t width,
-                     float (&sums)[ROWS][OUTS]) {
+                     float (*sums)[OUTS]) {
   __m512 acc[ROWS][OUTS];
   for (int r = 0; r < ROWS; ++r)
     for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
@@ -56,7 +56,7 @@ inline void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int64_t
 #else
 template <int ROWS, int OUTS>
 inline void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int64_t width,
-                     float (&sums)[ROWS][OUTS]) {
+                     float (*sums)[OUTS]) {
   for (int r = 0; r < ROWS; ++r) {
     for (int o = 0; o < OUTS; ++o) {
       float total = 0.f;
@@ -110,16 +110,15 @@ torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& weight,
         // Rows (and outputs) past the end repeat the last one; their sums are not written.
         const uint16_t* x[kRows];
         for (int r = 0; r < kRows; ++r) x[r] = x_all + (r0 + std::min<int64_t>(r, tile_rows - 1)) * width;
-        if (tile_rows == 1) {
-          float sums[1][kOuts];
-          dot_tile<1, kOuts>(x, wr, width, sums);
-          for (int j = 0; j < tile_outs; ++j) finish(r0, o + j, sums[0][j]);
-        } else {
-          float sums[kRows][kOuts];
-          dot_tile<kRows, kOuts>(x, wr, width, sums);
-          for (int r = 0; r < tile_rows; ++r)
-            for (int j = 0; j < tile_outs; ++j) finish(r0 + r, o + j, sums[r][j]);
+        float sums[kRows][kOuts];
+        switch (tile_rows) {
+          case 1: dot_tile<1, kOuts>(x, wr, width, sums); break;
+          case 2: dot_tile<2, kOuts>(x, wr, width, sums); break;
+          case 3: dot_tile<3, kOuts>(x, wr, width, sums); break;
+          default: dot_tile<kRows, kOuts>(x, wr, width, sums); break;
         }
+        for (int r = 0; r < tile_rows; ++r)
+          for (int j = 0; j < tile_outs; ++j) finish(r0 + r, o + j, sums[r][j]);
       }
     }
   });

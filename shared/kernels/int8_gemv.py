@@ -3,15 +3,14 @@
 torch's x86 int8 GEMM costs about 20 us a call at one row whatever the layer's size (it is
 built for many rows); this C++ kernel (`int8_gemv_cpu.cpp`) does a decode step's few rows in
 one pass over the weight. Each row is quantized symmetrically with its own scale (the largest
-magnitude to 127), the products are summed exactly in int32 and scaled back. The reference
-below computes the same in PyTorch.
+magnitude to 127), the products are summed exactly in int32 and scaled back. `CpuInt8Linear`
+calls the compiled `int8_gemv` with the weight's row sums, kept per layer; the reference below
+computes the same in PyTorch.
 """
 
 from __future__ import annotations
 
 import torch
-
-from nori.kernels.cpu_build import cpu_kernels
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,20 +36,3 @@ def weight_row_sums(qweight: torch.Tensor) -> torch.Tensor:
     """Each int8 weight row's sum, int32 [N]: the kernel takes it once per layer (its VNNI path
     offsets the activation codes by 128 and subtracts 128 times this)."""
     return qweight.sum(1, dtype=torch.int32).contiguous()
-
-
-def int8_gemv(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    row_sums: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x [M, K] float32 (few rows), qweight [N, K] int8, weight_scale [N] -> [M, N] float32.
-    `row_sums`: `weight_row_sums(qweight)`, computed here when not given."""
-    kernels = cpu_kernels()
-    if kernels is not None and x.device.type == "cpu" and x.is_contiguous():
-        sums = weight_row_sums(qweight) if row_sums is None else row_sums
-        result: torch.Tensor = kernels.int8_gemv(x.float(), qweight, weight_scale, sums, bias)
-        return result
-    return int8_gemv_reference(x, qweight, weight_scale, bias)

@@ -31,7 +31,7 @@ constexpr bool kOffsetCodes = true;
 // accumulators stay in registers and each weight vector is loaded once for all the rows.
 template <int ROWS, int OUTS>
 inline void dot_tile(const uint8_t* const* x, const int8_t* const* w, int64_t width,
-                     int32_t (&sums)[ROWS][OUTS]) {
+                     int32_t (*sums)[OUTS]) {
   __m512i acc[ROWS][OUTS];
   for (int r = 0; r < ROWS; ++r)
     for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_si512();
@@ -160,9 +160,9 @@ torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& qweight
         }
         int32_t sums[kRows][kOuts];
         switch (tile_rows) {
-          case 1: dot_tile<1, kOuts>(x, wr, width, reinterpret_cast<int32_t(&)[1][kOuts]>(sums)); break;
-          case 2: dot_tile<2, kOuts>(x, wr, width, reinterpret_cast<int32_t(&)[2][kOuts]>(sums)); break;
-          case 3: dot_tile<3, kOuts>(x, wr, width, reinterpret_cast<int32_t(&)[3][kOuts]>(sums)); break;
+          case 1: dot_tile<1, kOuts>(x, wr, width, sums); break;
+          case 2: dot_tile<2, kOuts>(x, wr, width, sums); break;
+          case 3: dot_tile<3, kOuts>(x, wr, width, sums); break;
           default: dot_tile<kRows, kOuts>(x, wr, width, sums); break;
         }
         for (int r = 0; r < tile_rows; ++r)
