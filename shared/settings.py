@@ -8,14 +8,17 @@ Environment variables Nori reads, all here (`Environment.read`):
   address, as a scaled container needs);
 - `NORI_CACHE_DIR`: where the built-in models are written (default ~/.cache/nori/models);
 - `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels;
-- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token.
+- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token;
+- `NORI_CLUSTER_SECRET`: the secret every role of a cluster shares (`--cluster-secret`), from
+  which the internal credentials derive (`nori.cluster_auth`); `NORI_CLUSTER_SECRET_FILE`: a
+  file holding it (a Compose secret, /run/secrets/...), read when the variable is unset.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +38,8 @@ class RoleSettings:
 
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE
+    # The cluster secret (nori.cluster_auth); None: an open cluster. Never printed.
+    cluster_secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Environment:
     cache_dir: Path | None = None
     cpu_kernels: bool = True
     api_key: str | None = None
+    cluster_secret: str | None = field(default=None, repr=False)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
@@ -56,7 +62,22 @@ class Environment:
             cache_dir=Path(cache_dir) if cache_dir else None,
             cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
             api_key=env.get("NORI_API_KEY") or None,
+            cluster_secret=_secret(env, "NORI_CLUSTER_SECRET"),
         )
+
+
+def _secret(env: Mapping[str, str], name: str) -> str | None:
+    """`name` from the environment, else the file `name_FILE` points at (a Compose secret)."""
+    value = env.get(name)
+    if value:
+        return value.strip()
+    path = env.get(f"{name}_FILE")
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as error:
+        raise ValueError(f"{name}_FILE={path}: cannot read it ({error.strerror})") from None
 
 
 SettingsT = TypeVar("SettingsT")

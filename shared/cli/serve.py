@@ -52,6 +52,14 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
         "(default: $REDIS_URL or %(default)s)",
     )
     group.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
+    group.add_argument(
+        "--cluster-secret",
+        default=None,
+        metavar="SECRET",
+        help="the secret every role of the cluster shares: workers sign their registry entries "
+        "and require it on gRPC calls (default: $NORI_CLUSTER_SECRET, else the file "
+        "$NORI_CLUSTER_SECRET_FILE; none: an open cluster, for one trusted host only)",
+    )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
         "--otlp-traces-endpoint",
@@ -235,8 +243,16 @@ def _worker_options(args: argparse.Namespace) -> WorkerOptions:
     from nori.worker.runtime import WorkerOptions
 
     return settings_from(
-        WorkerOptions, args, served_model_name=served_model_name(args.model, args.served_model_name)
+        WorkerOptions,
+        args,
+        served_model_name=served_model_name(args.model, args.served_model_name),
+        cluster_secret=cluster_secret(args),
     )
+
+
+def cluster_secret(args: argparse.Namespace) -> str | None:
+    """--cluster-secret, else the environment's (read here, so --help never prints it)."""
+    return args.cluster_secret or Environment.read().cluster_secret
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -291,6 +307,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         served_model_name=served_model_name(args.model, args.served_model_name),
         # From the environment rather than a flag's default: --help must not print the key.
         api_key=args.api_key or Environment.read().api_key,
+        cluster_secret=cluster_secret(args),
     )
     asyncio.run(serve_gateway(options))
     return 0

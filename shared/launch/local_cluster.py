@@ -253,6 +253,9 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": self.spec.redis_url}
         if role == "gateway" and self.spec.api_key:
             env["NORI_API_KEY"] = self.spec.api_key
+        if self.spec.cluster_secret:
+            # In the environment, not on the command line, where `ps` would show it.
+            env["NORI_CLUSTER_SECRET"] = self.spec.cluster_secret
         plan = self.spec.cpu_plan
         if plan is not None:
             ordinal = sum(1 for p in self.processes if p.role == role)

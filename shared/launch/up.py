@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nori.cli.engine_args import changed_engine_flags, worker_args
     from nori.cli.serve import served_model_name
+    from nori.cluster_auth import generate_secret
     from nori.launch.local_cluster import ClusterSpec, LocalCluster, check_port_free
     from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
@@ -175,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_args=prefill_args,
         decode_args=decode_args,
         api_key=args.api_key or Environment.read().api_key,
+        # The cluster's own secret: $NORI_CLUSTER_SECRET, else a fresh one for this run.
+        cluster_secret=Environment.read().cluster_secret or generate_secret(),
     )
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
