@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nori.cluster_auth import generate_secret
 from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
 from nori.launch.redis_server import redis_for_cluster
 from nori.models.demo import resolve_model
@@ -51,6 +52,8 @@ def start_bench_cluster(stack: ExitStack, options: BenchCluster) -> LocalCluster
         colocated=options.colocated,
         worker_args=options.worker_args,
         log_dir=options.log_dir,
+        # Authenticated as `nori up` runs it: the benchmark pays what users pay.
+        cluster_secret=generate_secret(),
     )
     cluster = stack.enter_context(LocalCluster(spec))
     cluster.start(timeout_s=options.startup_timeout_s)

@@ -29,6 +29,7 @@ from nori.bench.compare_report import MEDIAN_BY, SHORT_CLASS, SIDES, compare_run
 from nori.bench.serve.result import ServeBenchResult
 from nori.bench.serve.runner import run_benchmark_sync
 from nori.bench.serve.settings import ServeBenchSettings, json_number
+from nori.cluster_auth import generate_secret
 from nori.launch.cpu_plan import (
     CpuPlan,
     CpuRequest,
@@ -216,6 +217,8 @@ def _cluster_spec(
         worker_args=settings.worker_args,
         log_dir=log_dir,
         cpu_plan=plan,
+        # Authenticated as `nori up` runs it: the benchmark pays what users pay.
+        cluster_secret=generate_secret(),
     )
 
 

@@ -11,7 +11,9 @@ Environment variables Nori reads, all here (`Environment.read`):
 - `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token;
 - `NORI_CLUSTER_SECRET`: the secret every role of a cluster shares (`--cluster-secret`), from
   which the internal credentials derive (`nori.cluster_auth`); `NORI_CLUSTER_SECRET_FILE`: a
-  file holding it (a Compose secret, /run/secrets/...), read when the variable is unset.
+  file holding it (a Compose secret, /run/secrets/...), read when the variable is unset;
+- `NORI_REDIS_PASSWORD` / `NORI_REDIS_PASSWORD_FILE`: the Redis password, used when the Redis URL
+  carries none (Compose passes a secret file; the URL then names only the user).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Environment:
     cpu_kernels: bool = True
     api_key: str | None = None
     cluster_secret: str | None = field(default=None, repr=False)
+    redis_password: str | None = field(default=None, repr=False)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
@@ -63,6 +66,7 @@ class Environment:
             cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
             api_key=env.get("NORI_API_KEY") or None,
             cluster_secret=_secret(env, "NORI_CLUSTER_SECRET"),
+            redis_password=_secret(env, "NORI_REDIS_PASSWORD"),
         )
 
 

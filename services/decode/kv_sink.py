@@ -1,23 +1,24 @@
 """Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease.
 
 Runs on the worker's event loop (the transport and the gRPC servicer both call it there), so it
-needs no locks. A transfer is accepted only for a request whose lease is live right now, into
-exactly its reserved block ids, with exactly the expected byte sizes: a late, duplicate or
-malformed transfer is refused and can never write into blocks that belong to someone else. When a
-lease runs out is `lease.py`'s business; this file keeps the leases and wakes their waiters.
+needs no locks. A transfer is accepted only for a request whose lease is live right now, from a
+sender that carries the reservation's transfer token, into exactly its reserved block ids, with
+exactly the expected byte sizes: a late, duplicate, forged or malformed transfer is refused and
+can never write into blocks that belong to someone else, nor free them. When a lease runs out is
+`lease.py`'s business; this file keeps the leases and wakes their waiters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import secrets
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from nori.cluster_auth import random_token
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
@@ -49,22 +50,28 @@ class DecodeKVSink:
         self._transfer_timeout_s = transfer_timeout_s
         self._queue_timeout_s = queue_timeout_s
         self._leases: dict[str, Lease] = {}
-        # Reservation epochs, unique for this worker's life (and random across restarts, so a
-        # sender that knew an earlier process cannot match a new reservation by chance).
-        self._epochs = itertools.count(secrets.randbits(48) + 1)
         self.bytes_received = 0
         self.transfers_completed = 0
         self.checksum_failures = 0
 
-    def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> int:
-        """Reserves `block_ids` for the request's KV under a lease; returns the reservation's
-        epoch, which the sender's header must name."""
+    def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> Lease:
+        """Reserves `block_ids` for the request's KV under a lease; returns the lease, whose
+        epoch and transfer token the sender's header must carry (its KVDestination).
+
+        Both are random: an epoch (62 bits) names the reservation, so a late sender of an
+        earlier one never matches; the token (128 bits) is the reservation's secret, known only
+        to whom the destination is handed (the gateway, the prefill worker it picks)."""
         policy = LeasePolicy(lease_s, self._queue_timeout_s, self._transfer_timeout_s)
-        epoch = next(self._epochs)
-        self._leases[request_id] = Lease.reserve(
-            request_id, block_ids, policy, time.monotonic(), epoch
+        lease = Lease.reserve(
+            request_id,
+            block_ids,
+            policy,
+            time.monotonic(),
+            epoch=secrets.randbits(62),
+            transfer_token=random_token(),
         )
-        return epoch
+        self._leases[request_id] = lease
+        return lease
 
     def renew(self, request_id: str, started: bool) -> bool:
         """The prefill worker holding the prompt is alive (and has `started` computing it).
@@ -137,6 +144,13 @@ class DecodeKVSink:
                 f"request {header.request_id!r} has no reserved blocks here "
                 "(unknown, finished, or its lease expired)"
             )
+        # First, before any state changes or anything about the reservation is told: a sender
+        # without the reservation's token is refused, and the lease stays as it was.
+        if not lease.admits(header.hand_off.destination.transfer_token):
+            raise TransferRejected(
+                f"the transfer of request {header.request_id!r} does not carry its "
+                "reservation's transfer token"
+            )
         if lease.state not in (LeaseState.QUEUED, LeaseState.COMPUTING):
             raise TransferRejected(f"request {header.request_id!r} is already {lease.state.value}")
         now = time.monotonic()
@@ -181,8 +195,8 @@ class DecodeKVSink:
         TransferRejected, so the sender's acknowledgement is a refusal: the prefill worker must
         not answer token one for KV this worker threw away."""
         self.bytes_received += nbytes
-        lease = self._leases.get(header.request_id)
-        if lease is None or lease.state is not LeaseState.RECEIVING:
+        lease = self._receiving(header)
+        if lease is None:
             return  # expired or failed meanwhile: its blocks are gone or going
         problem = (
             f"{nbytes} bytes arrived, {header.total_nbytes} expected"
@@ -203,8 +217,20 @@ class DecodeKVSink:
         lease.done.set()
 
     def failed(self, header: TransferHeader, error: str) -> None:
-        lease = self._leases.get(header.request_id)
+        lease = self._receiving(header)
         if lease is not None:
             lease.state = LeaseState.FAILED
             lease.error = error
             lease.done.set()
+
+    def _receiving(self, header: TransferHeader) -> Lease | None:
+        """The lease a transfer this sink accepted is landing in; None for any other header,
+        so that only the accepted sender's own transfer can complete or fail a reservation."""
+        lease = self._leases.get(header.request_id)
+        if (
+            lease is None
+            or lease.state is not LeaseState.RECEIVING
+            or not lease.admits(header.hand_off.destination.transfer_token)
+        ):
+            return None
+        return lease

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -81,8 +82,11 @@ class Lease:
     # When the last byte arrived (time.monotonic()) and how many came.
     arrived_at: float = 0.0
     nbytes: int = 0
-    # Which reservation this is (unique per worker); the sender's header must name it.
+    # Which reservation this is (random); the sender's header must name it.
     epoch: int = 0
+    # The reservation's secret (`nori.cluster_auth.random_token()`), handed out only in its
+    # KVDestination: a transfer must carry it to be accepted.
+    transfer_token: str = field(default="", repr=False)
     # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
     buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
     expected_checksums: tuple[int, ...] = ()
@@ -95,10 +99,30 @@ class Lease:
 
     @classmethod
     def reserve(
-        cls, request_id: str, block_ids: list[int], policy: LeasePolicy, now: float, epoch: int = 0
+        cls,
+        request_id: str,
+        block_ids: list[int],
+        policy: LeasePolicy,
+        now: float,
+        epoch: int = 0,
+        transfer_token: str = "",
     ) -> Lease:
         return cls(
-            request_id, list(block_ids), policy, reserved_at=now, renewed_at=now, epoch=epoch
+            request_id,
+            list(block_ids),
+            policy,
+            reserved_at=now,
+            renewed_at=now,
+            epoch=epoch,
+            transfer_token=transfer_token,
+        )
+
+    def admits(self, transfer_token: str) -> bool:
+        """Whether a transfer carrying `transfer_token` was sent by someone this reservation
+        was handed to (compared in constant time: no timing tells how much of a guess was
+        right)."""
+        return bool(self.transfer_token) and hmac.compare_digest(
+            transfer_token.encode(), self.transfer_token.encode()
         )
 
     @property

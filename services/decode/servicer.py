@@ -89,14 +89,15 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                         grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker"
                     )
                 assert self._sink is not None and block_ids is not None
-                epoch = self._sink.expect(request_id, block_ids, self._lease_s)
+                lease = self._sink.expect(request_id, block_ids, self._lease_s)
                 yield decode_pb2.GenerateResponse(
                     reservation=KVDestination(
                         worker_id=self._worker_id,
                         transfer_address=self._transfer_address,
                         block_ids=block_ids,
                         lease_seconds=self._lease_s,
-                        lease_epoch=epoch,
+                        lease_epoch=lease.epoch,
+                        transfer_token=lease.transfer_token,
                     )
                 )
                 hand_off = await self._receive(request_id, context, record)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import grpc
 
@@ -20,6 +21,7 @@ from nori.state.requests import RequestStateStore
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
+from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import decode_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.kv_layout import BlockLayout
@@ -27,6 +29,27 @@ from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
 
 logger = logging.getLogger(__name__)
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def kv_listen_host(host: str, advertise_host: str) -> str:
+    """Where the KV receiver listens: `--host`, or, when that is a wildcard, the advertised
+    address if it is one of this machine's own. Senders only ever come to the advertised
+    address (it is what the reservation names), so nothing needs the other interfaces; an
+    advertised address this machine cannot bind (a NAT's, a load balancer's) keeps `--host`."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            advertise_host, 0, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind((address[0], 0))
+    except OSError:
+        return host
+    return str(address[0])
 
 
 class DecodeWorker(Worker):
@@ -79,11 +102,14 @@ class DecodeWorker(Worker):
                 queue_timeout_s=self.queue_timeout_s,
                 transfer_timeout_s=self.transfer_timeout_s,
             )
+            # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
+            confine_ucx_to(self.options.host)
             self._receiver = make_receiver(self.transport, self._sink)
+            advertise_host = self.options.resolved_advertise_host()
             self.transfer_address = await self._receiver.start(
-                host=self.options.host,
+                host=kv_listen_host(self.options.host, advertise_host),
                 port=self.transfer_port,
-                advertise_host=self.options.resolved_advertise_host(),
+                advertise_host=advertise_host,
             )
         self._servicer = DecodeServicer(
             worker_id=self.worker_id,

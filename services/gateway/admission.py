@@ -26,8 +26,9 @@ last few seconds (1 s when it has not drained anything yet), clamped to [1, 60] 
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from nori.gateway.backend import QueueFullError
@@ -98,8 +99,11 @@ class PromptQueue:
             return 1.0
         return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / rate)))
 
-    def _leave(self, num_tokens: int, now: float | None, group: str | None) -> None:
-        self.queued_tokens -= num_tokens
+    def _leave(
+        self, num_tokens: int, now: float | None, group: str | None, counted: bool = True
+    ) -> None:
+        if counted:
+            self.queued_tokens -= num_tokens
         if group is not None:
             self._groups[group] -= 1
             if not self._groups[group]:
@@ -116,15 +120,256 @@ class QueuedPrompt:
         self.num_tokens = num_tokens
         self._group = group
         self._left = False
+        self._paused = False
+
+    def pause(self) -> None:
+        """Out of the token count while it waits for a decode share (it is not queued on any
+        worker then), still a member of its group."""
+        if not self._left and not self._paused:
+            self._paused = True
+            self._queue.queued_tokens -= self.num_tokens
+
+    def resume(self) -> None:
+        if not self._left and self._paused:
+            self._paused = False
+            self._queue.queued_tokens += self.num_tokens
 
     def prefilled(self, now: float) -> None:
         """Its first token came back: the prompt no longer waits (and counts for the drain rate)."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, now, self._group)
+            self._queue._leave(self.num_tokens, now, self._group, not self._paused)
 
     def abandon(self) -> None:
         """Failed or cancelled before its first token."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, None, self._group)
+            self._queue._leave(self.num_tokens, None, self._group, not self._paused)
+
+
+# ---------------------------------------------------------------------- fair shares of the decode pool
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """What the decode (or colocated) workers hold at once, summed over the pool, as each
+    reports it in GetStats: running batch rows (`--max-num-seqs`) and calls served at once
+    (the batch plus its bounded queue, past which a worker answers RESOURCE_EXHAUSTED)."""
+
+    rows: int
+    calls: int
+
+
+class ShareRefusedError(QueueFullError):
+    """No decode share for the request now: the pool is full, or its owner holds its share."""
+
+
+class DecodeShares:
+    """Who holds the decode pool's calls, so that one request or one client cannot take it all.
+
+    Every member (one prompt's one choice) holds a share from its routing to its end. Owners
+    are its request (`group`: the HTTP request) and its `client` (the API key, else the client
+    address). A member may start when
+
+    - the pool has a call free (`calls`: more never go out, so a batch of thousands never
+      floods a worker's gRPC server, see `cluster.py`), and
+    - each of its owners holds fewer than its limit: the pool's running batch (`rows`) when it
+      is the only owner active (work-conserving: a lone request fills every row, and the calls
+      beyond the rows, the workers' queues, stay free for a newcomer, whose first token then
+      comes at once), or `max_share` of the rows while another owner holds or waits.
+
+    Members that may not start wait here, not on a worker, and a freed call goes to the waiter
+    whose client, then request, holds the least (first come on ties): a single request of
+    another user goes before the next member of a big batch. With no capacity known (no
+    worker has said), nothing is limited.
+    """
+
+    def __init__(self, max_share: float = 0.5) -> None:
+        if not 0 < max_share <= 1:
+            raise ValueError(f"--max-decode-share must be in (0, 1], got {max_share}")
+        self.max_share = max_share
+        self.capacity: PoolCapacity | None = None
+        self.num_held = 0
+        # Members held per owner key, and members held or waiting per owner key ("active").
+        self._held: Counter[str] = Counter()
+        self._active: Counter[str] = Counter()
+        self._num_active_groups = 0
+        self._num_active_clients = 0
+        # Waiters in arrival order, one line per (request, client): a freed call looks at the
+        # first of each line only, so a batch of thousands waiting costs one look, not one each.
+        self._waiters: dict[tuple[str, str], deque[_ShareWaiter]] = {}
+        self._arrivals = 0
+
+    def set_capacity(self, capacity: PoolCapacity | None) -> None:
+        self.capacity = capacity
+        self._grant_waiters()
+
+    def limit(self, key: str, num_active_owners: int) -> int:
+        """The most members owner `key` may hold now."""
+        assert self.capacity is not None
+        others_active = num_active_owners > 1 or (num_active_owners == 1 and not self._active[key])
+        if not others_active:
+            return max(1, self.capacity.rows)
+        return max(1, math.floor(self.max_share * self.capacity.rows))
+
+    def may_start(self, group: str, client: str) -> bool:
+        if self.capacity is None:
+            return True
+        g, c = _group_key(group), _client_key(client)
+        return (
+            self.num_held < self.capacity.calls
+            and self._held[g] < self.limit(g, self._num_active_groups)
+            and self._held[c] < self.limit(c, self._num_active_clients)
+        )
+
+    def try_take(self, group: str, client: str) -> DecodeShare | None:
+        """A share at once, or None (the caller waits or refuses)."""
+        if not self.may_start(group, client):
+            return None
+        self._enter(group, client)
+        return self._grant(group, client)
+
+    async def take(self, group: str, client: str, wait_s: float) -> DecodeShare:
+        """A share, waiting at most `wait_s` for it; ShareRefusedError (429) past that."""
+        share = self.try_take(group, client)
+        if share is not None:
+            return share
+        if wait_s <= 0:
+            raise self._refusal(group, client)
+        self._enter(group, client)
+        self._arrivals += 1
+        waiter = _ShareWaiter(
+            group, client, self._arrivals, asyncio.get_running_loop().create_future()
+        )
+        self._waiters.setdefault((group, client), deque()).append(waiter)
+        try:
+            async with asyncio.timeout(wait_s):
+                return await waiter.future
+        except BaseException as error:
+            if waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().release()  # granted just as the wait ended
+            else:
+                self._drop_waiter(waiter)
+                self._leave_active(group, client)
+            if isinstance(error, TimeoutError):
+                raise self._refusal(group, client) from None
+            raise
+
+    def _refusal(self, group: str, client: str) -> ShareRefusedError:
+        assert self.capacity is not None
+        if self.num_held >= self.capacity.calls:
+            message = (
+                f"the decode pool is full: {self.num_held} requests hold its "
+                f"{self.capacity.calls} calls"
+            )
+        else:
+            message = (
+                "this client or request holds its share of the decode pool "
+                f"({self.max_share:g} of its {self.capacity.rows} running slots) while others wait"
+            )
+        return ShareRefusedError(
+            message + "; retry after the time in Retry-After", retry_after_s=1.0
+        )
+
+    def _enter(self, group: str, client: str) -> None:
+        g, c = _group_key(group), _client_key(client)
+        if not self._active[g]:
+            self._num_active_groups += 1
+        if not self._active[c]:
+            self._num_active_clients += 1
+        self._active[g] += 1
+        self._active[c] += 1
+
+    def _leave_active(self, group: str, client: str) -> None:
+        for key in (_group_key(group), _client_key(client)):
+            self._active[key] -= 1
+            if self._active[key] <= 0:
+                del self._active[key]
+                if key.startswith("g:"):
+                    self._num_active_groups -= 1
+                else:
+                    self._num_active_clients -= 1
+
+    def _grant(self, group: str, client: str) -> DecodeShare:
+        self.num_held += 1
+        self._held[_group_key(group)] += 1
+        self._held[_client_key(client)] += 1
+        return DecodeShare(self, group, client)
+
+    def _release(self, group: str, client: str) -> None:
+        self.num_held -= 1
+        for key in (_group_key(group), _client_key(client)):
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
+        self._leave_active(group, client)
+        self._grant_waiters()
+
+    def _drop_waiter(self, waiter: _ShareWaiter) -> None:
+        line = self._waiters.get((waiter.group, waiter.client))
+        if line is not None and waiter in line:
+            line.remove(waiter)
+            if not line:
+                del self._waiters[(waiter.group, waiter.client)]
+
+    def _grant_waiters(self) -> None:
+        """Freed calls to the waiters whose client, then request, holds the least (first come
+        on ties), while any may start."""
+        while self._waiters:
+            # A waiter whose task was cancelled leaves its line when that task next runs; until
+            # then its future is done (cancelled) and it must not be granted anything.
+            for line in list(self._waiters.values()):
+                while line and line[0].future.done():
+                    self._drop_waiter(line[0])
+            heads = [
+                line[0]
+                for line in self._waiters.values()
+                if self.may_start(line[0].group, line[0].client)
+            ]
+            if not heads:
+                return
+            chosen = min(
+                heads,
+                key=lambda w: (
+                    self._held[_client_key(w.client)],
+                    self._held[_group_key(w.group)],
+                    w.arrival,
+                ),
+            )
+            self._drop_waiter(chosen)
+            chosen.future.set_result(self._grant(chosen.group, chosen.client))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(line) for line in self._waiters.values())
+
+
+def _group_key(group: str) -> str:
+    return f"g:{group}"
+
+
+def _client_key(client: str) -> str:
+    return f"c:{client}"
+
+
+@dataclass
+class _ShareWaiter:
+    group: str
+    client: str
+    arrival: int
+    future: asyncio.Future[DecodeShare]
+
+
+class DecodeShare:
+    """One member's hold on the decode pool; released exactly once (which may start a waiter)."""
+
+    def __init__(self, shares: DecodeShares, group: str, client: str) -> None:
+        self._shares = shares
+        self.group = group
+        self.client = client
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._shares._release(self.group, self.client)

@@ -21,7 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from nori.gateway.api_key import ApiKeyMiddleware
 from nori.gateway.backend import Backend
-from nori.gateway.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from nori.gateway.body_limit import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    BodyLimitMiddleware,
+    prompt_body_limit,
+)
 from nori.gateway.context import ServingContext
 from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
 from nori.gateway.errors import APIError, as_api_error, install_error_handlers
@@ -36,6 +40,7 @@ from nori.gateway.protocol import (
 )
 from nori.gateway.request_id import EchoRequestIdMiddleware
 from nori.gateway.tokenize import detokenize, tokenize
+from nori.sampling.chat_template import TemplateLimits
 from nori.sampling.tokenizer import Tokenizer
 
 logger = logging.getLogger("nori.gateway")
@@ -51,6 +56,9 @@ METRICS_PATH = "/metrics"
 # Token id -> text lookups are repeated for every logprob; the cache is bounded by the
 # vocabulary in practice, and by this in the worst case.
 _TOKEN_TEXT_CACHE_SIZE = 1 << 18
+# Template steps per token of context (a conversation that fits takes far fewer), with a floor.
+_TEMPLATE_STEPS_PER_TOKEN = 8
+_MIN_TEMPLATE_STEPS = TemplateLimits.max_steps
 
 
 def create_app(
@@ -75,6 +83,13 @@ def create_app(
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    max_token_bytes = max(
+        (
+            len(tokenizer.decode([i], skip_special_tokens=False).encode())
+            for i in range(tokenizer.vocab_size)
+        ),
+        default=1,
+    )
     metrics = GatewayMetrics(
         frozenset((COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, MODELS_PATH, HEALTH_PATH, METRICS_PATH))
     )
@@ -94,12 +109,12 @@ def create_app(
         metrics=metrics,
         tasks=tasks,
         token_text=token_text,
-        max_token_bytes=max(
-            (
-                len(tokenizer.decode([i], skip_special_tokens=False).encode())
-                for i in range(tokenizer.vocab_size)
-            ),
-            default=1,
+        max_token_bytes=max_token_bytes,
+        # A rendered prompt longer than this many characters cannot fit the context whatever
+        # it tokenizes to (see prompts.refuse_hopeless_text), so no template needs to write more.
+        template_limits=TemplateLimits(
+            max_steps=max(_MIN_TEMPLATE_STEPS, _TEMPLATE_STEPS_PER_TOKEN * max_model_len),
+            max_output_chars=max(1 << 20, 4 * max_token_bytes * max_model_len),
         ),
     )
     created = int(time.time())
@@ -120,7 +135,15 @@ def create_app(
     app.add_middleware(EchoRequestIdMiddleware)
     # An oversized body is refused before anything reads it, and a request without the key
     # before that (added last = outermost).
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    prompt_limit = prompt_body_limit(max_model_len, max_request_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=max_request_body_bytes,
+        path_limits={
+            path: prompt_limit
+            for path in (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, TOKENIZE_PATH, DETOKENIZE_PATH)
+        },
+    )
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=(HEALTH_PATH, METRICS_PATH))
 
@@ -142,12 +165,16 @@ def create_app(
 
     @app.post(TOKENIZE_PATH)
     async def tokenize_prompt(body: TokenizeRequest, request: Request) -> JSONResponse:
-        answer = await off_loop_if_large(request, tokenize, ctx, body)
+        if body.messages is not None:  # a template renders: never on the event loop
+            answer = await asyncio.to_thread(tokenize, ctx, body)
+        else:
+            answer = await off_loop_if_large(request, tokenize, ctx, body)
         return JSONResponse(answer.model_dump())
 
     @app.post(DETOKENIZE_PATH)
-    async def detokenize_tokens(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(detokenize(ctx, body).model_dump())
+    async def detokenize_tokens(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        answer = await off_loop_if_large(request, detokenize, ctx, body)
+        return JSONResponse(answer.model_dump())
 
     @app.get(MODELS_PATH)
     async def list_models() -> JSONResponse:

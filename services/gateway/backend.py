@@ -24,6 +24,12 @@ class GenerationRequest:
     # The prompts (and choices) of one HTTP request share it: admission takes them as one, so a
     # batch larger than the queue bound is served whole rather than refused forever.
     admission_group: str | None = None
+    # Who sent it (a digest of its API key, else its address): the owner whose share of the
+    # decode pool it counts against (nori.gateway.admission.DecodeShares).
+    client: str = ""
+    # The HTTP request's members (prompts x n) and its n: what the gateway's caps check.
+    group_size: int = 1
+    num_choices: int = 1
 
 
 @dataclass(frozen=True)

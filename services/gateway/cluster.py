@@ -2,6 +2,9 @@
 
 Admission (`admission.py`) refuses a request with 429 when the prompt tokens already queued for
 the pool would make its first token too late, or when the gateway has `max_in_flight` requests.
+Each admitted member then holds a share of the decode pool (`DecodeShares`): no more calls go
+out than the workers serve at once, and one request or client keeps to its share while others
+wait.
 A decode worker is picked by free blocks and load (`router.py`); one that answers that its KV pool
 is full is replaced by another, up to `decode_attempts`, as long as the client has seen nothing.
 What happens on the workers is `request_flow.py`; who the workers are, `worker_pool.py`.
@@ -9,6 +12,8 @@ What happens on the workers is `request_flow.py`; who the workers are, `worker_p
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,12 +24,20 @@ from opentelemetry import trace
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from nori.gateway.admission import PromptQueue, QueuedPrompt
+from nori.cluster_auth import ClusterAuth
+from nori.gateway.admission import (
+    DecodeShare,
+    DecodeShares,
+    PoolCapacity,
+    PromptQueue,
+    QueuedPrompt,
+)
 from nori.gateway.backend import (
     BackendError,
     BackendHealth,
     GenerationChunk,
     GenerationRequest,
+    InvalidRequestError,
     QueueFullError,
     SaturatedError,
 )
@@ -53,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How often the gateway reads the decode pool's capacity (GetStats) for its fair shares.
+CAPACITY_REFRESH_S = 2.0
+
 
 @dataclass(frozen=True)
 class ClusterOptions(RoleSettings):
@@ -73,6 +89,14 @@ class ClusterOptions(RoleSettings):
     # room the rest need, so a batch larger than the cluster's queues is served in waves.
     # 0: no waiting (429 at once, like a single request).
     group_wait_s: float = 600.0
+    # The share of the decode pool's running slots one request (its members) or one client
+    # (API key, else address) may hold while another waits or runs (admission.DecodeShares);
+    # alone, either may fill every running slot.
+    max_decode_share: float = 0.5
+    # Choices per prompt (n), and choices of one request (prompts x n), past which a request is
+    # refused with 400; the API itself takes n up to 64 (request_params.MAX_N).
+    max_n: int = 64
+    max_request_members: int = 4096
     # A worker stream silent this long counts as lost, and its request moves on. Longer than
     # any legitimate silence: a prompt's wait in a bounded queue, a long prompt's compute.
     stream_stall_timeout_s: float = 300.0
@@ -82,6 +106,12 @@ class ClusterOptions(RoleSettings):
             raise ValueError(
                 f"--stream-stall-timeout-s must be positive, got {self.stream_stall_timeout_s}"
             )
+        if not 1 <= self.max_n <= 64:
+            raise ValueError(f"--max-n must be in [1, 64], got {self.max_n}")
+        if self.max_request_members < 1:
+            raise ValueError(f"--max-request-members must be >= 1, got {self.max_request_members}")
+        if not 0 < self.max_decode_share <= 1:
+            raise ValueError(f"--max-decode-share must be in (0, 1], got {self.max_decode_share}")
 
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.
@@ -100,14 +130,22 @@ class ClusterBackend:
         self._flow: RequestFlow | None = None
         self._num_in_flight = 0
         self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
+        self.decode_shares = DecodeShares(options.max_decode_share)
+        self._capacity_watch: asyncio.Task[None] | None = None
+        # Every call to a worker carries the cluster's token (nori.rpc.auth).
+        self.rpc_metadata = ClusterAuth.from_text(options.cluster_secret).rpc_metadata()
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
         self._redis = connect(self.options.redis_url)
+        # With a cluster secret, only entries that verify are routed to (nori.state.registry).
+        auth = ClusterAuth.from_text(self.options.cluster_secret)
         self._pool = WorkerPool(
-            WorkerRegistry(self._redis, keys), self.options.block_size, self.options.refresh_s
+            WorkerRegistry(self._redis, keys, auth=auth),
+            self.options.block_size,
+            self.options.refresh_s,
         )
         self._directory = BlockDirectory(self._redis, keys)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
@@ -118,12 +156,14 @@ class ClusterBackend:
             self._states,
             self._tracer,
             self.options.stream_stall_timeout_s,
+            rpc_metadata=self.rpc_metadata,
         )
         try:
             await self._redis.ping()
         except (RedisError, OSError) as error:
             raise unreachable(self.options.redis_url, error) from None
         await self._pool.start()
+        self._capacity_watch = asyncio.create_task(self._watch_capacity())
 
     @property
     def pool(self) -> WorkerPool:
@@ -136,6 +176,10 @@ class ClusterBackend:
         return self._flow
 
     async def close(self) -> None:
+        if self._capacity_watch is not None:
+            self._capacity_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._capacity_watch
         if self._pool is not None:
             await self._pool.close()
         if self._states is not None:
@@ -148,11 +192,27 @@ class ClusterBackend:
 
     async def worker_stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
         """Live figures from every registered worker (for /metrics)."""
-        return await self.pool.stats(timeout_s)
+        return await self.pool.stats(timeout_s, metadata=self.rpc_metadata)
 
     # ------------------------------------------------------------------ requests
 
+    def _check_fan_out(self, request: GenerationRequest) -> None:
+        """A 400 for a request wider than the caps: a batch of more members than the gateway
+        takes in flight could never be served whole, only 429 for ever."""
+        if request.num_choices > self.options.max_n:
+            raise InvalidRequestError(
+                f"n is {request.num_choices}, more than this server allows ({self.options.max_n}, "
+                "--max-n)"
+            )
+        limit = min(self.options.max_request_members, self.options.max_in_flight)
+        if request.group_size > limit:
+            raise InvalidRequestError(
+                f"the request has {request.group_size} choices (prompts x n), more than this "
+                f"server allows in one request ({limit}, --max-request-members)"
+            )
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self._check_fan_out(request)
         if self._num_in_flight >= self.options.max_in_flight:
             raise QueueFullError(
                 f"the gateway has {self._num_in_flight} requests in flight (the limit)"
@@ -171,7 +231,9 @@ class ClusterBackend:
         self._num_in_flight += 1
         outcome = "cancelled"
         num_output_tokens = 0
+        share: DecodeShare | None = None
         try:
+            share = await self._decode_share(request, queued)
             async for chunk in self._route(request, queued):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
@@ -184,9 +246,59 @@ class ClusterBackend:
             raise
         finally:
             queued.abandon()  # a no-op once its first token came
+            if share is not None:
+                share.release()
             self._num_in_flight -= 1
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
+
+    async def _decode_share(self, request: GenerationRequest, queued: QueuedPrompt) -> DecodeShare:
+        """The request's hold on the decode pool (`DecodeShares`). A batch member beyond its
+        share waits for one here (up to `group_wait_s`, its tokens out of the prompt queue
+        meanwhile); a single request without one gets 429 at once, as from a full worker."""
+        group = request.admission_group or request.request_id
+        share = self.decode_shares.try_take(group, request.client)
+        if share is not None:
+            return share
+        wait_s = self.options.group_wait_s if request.admission_group else 0.0
+        queued.pause()
+        try:
+            return await self.decode_shares.take(group, request.client, wait_s)
+        finally:
+            queued.resume()
+
+    async def _watch_capacity(self) -> None:
+        """Keeps `decode_shares` told what the decode pool holds, from the workers' GetStats:
+        a worker that joins, leaves or drains changes it."""
+        # Each worker's last figures (rows, calls): one whose GetStats timed out (busy) keeps
+        # them rather than dropping out of the sum.
+        figures: dict[str, tuple[int, int]] = {}
+        while True:
+            try:
+                for stats in await self.worker_stats():
+                    if stats.max_open_calls > 0:
+                        figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
+                routable = [
+                    figures[w.worker_id]
+                    for w in self.pool.workers
+                    if w.role in ("decode", "colocated")
+                    and not w.draining
+                    and w.worker_id in figures
+                ]
+                self.decode_shares.set_capacity(
+                    PoolCapacity(
+                        rows=sum(rows for rows, _ in routable),
+                        calls=sum(calls for _, calls in routable),
+                    )
+                    if routable
+                    else None
+                )
+                live = {w.worker_id for w in self.pool.workers}
+                for gone in set(figures) - live:
+                    del figures[gone]
+            except Exception as error:  # the next round tries again
+                logger.debug("reading the decode pool's capacity failed: %s", error)
+            await asyncio.sleep(CAPACITY_REFRESH_S)
 
     async def _route(
         self, request: GenerationRequest, queued: QueuedPrompt
@@ -251,8 +363,15 @@ class ClusterBackend:
                 if isinstance(error, PrefillFailedError) and error.unreachable:
                     self.pool.mark_failed(error.worker_id)
                 restarts += 1
-                if streamed.token_ids or restarts >= self.options.prefill_attempts:
+                if streamed.token_ids:
                     raise
+                if restarts >= self.options.prefill_attempts:
+                    # Workers failed, not the request: a 503 the client may retry, not a 500.
+                    raise SaturatedError(
+                        f"the prompt's prefill failed {restarts} times ({error}); retry after "
+                        "the time in Retry-After",
+                        retry_after_s=1.0,
+                    ) from error
                 logger.warning("request %s: %s; computing it again", request.request_id, error)
             except (WorkerUnreachableError, WorkerLostError) as error:
                 # The decode worker died or hung up: continue on another one from what the

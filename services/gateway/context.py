@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nori.gateway.backend import Backend
 from nori.gateway.metrics import GatewayMetrics
+from nori.sampling.chat_template import TemplateLimits
 from nori.sampling.tokenizer import Tokenizer
 
 
@@ -26,3 +27,5 @@ class ServingContext:
     # The most UTF-8 bytes one token's text has: a text of B bytes has at least
     # B / max_token_bytes tokens, so a hopeless prompt is refused without tokenizing it.
     max_token_bytes: int = 64
+    # What one chat template render may do (steps, size, time), the request's or the server's.
+    template_limits: TemplateLimits = field(default_factory=TemplateLimits)

@@ -50,7 +50,7 @@ from nori.gateway.request_params import (
     sample_params,
 )
 from nori.gateway.responder import chunk_event, respond
-from nori.gateway.session import Session
+from nori.gateway.session import Session, client_identity
 from nori.gateway.tracing import describe_request
 from nori.sampling.logprobs import TokenLogprobs
 
@@ -61,12 +61,12 @@ _Result = TypeVar("_Result")
 
 
 async def off_loop_if_large(request: Request, work: Callable[..., _Result], *args: Any) -> _Result:
-    """`work(*args)`, on a thread when the request body is large (small ones stay inline: a
-    thread hop costs more than tokenizing a short prompt)."""
+    """`work(*args)`, on a thread when the request body is large or of unstated size (small
+    ones stay inline: a thread hop costs more than tokenizing a short prompt)."""
     size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > LARGE_BODY_BYTES:
-        return await asyncio.to_thread(work, *args)
-    return work(*args)
+    if size.isdigit() and int(size) <= LARGE_BODY_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 async def create_completion(
@@ -98,7 +98,15 @@ async def create_completion(
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [f"{base}-{index}" for index in range(len(prompts))]
     span = describe_request("text_completion", ctx.model_name, params[0], completion_id)
-    session = Session(ctx, request_ids, prompts, params, samples_per_prompt=n, span=span)
+    session = Session(
+        ctx,
+        request_ids,
+        prompts,
+        params,
+        samples_per_prompt=n,
+        span=span,
+        client=client_identity(request.scope),
+    )
     form = CompletionFormat(ctx, body, completion_id, session, echo)
     return await respond(session, request, form, body.stream)
 
@@ -109,7 +117,8 @@ async def create_chat_completion(
     check_model(ctx, body.model)
     check_chat(body)
     check_token_ids(body, ctx.vocab_size)
-    prompt = await off_loop_if_large(request, chat_prompt, ctx, body)
+    # Always on a thread: the template (perhaps the request's own) runs up to its time limit.
+    prompt = await asyncio.to_thread(chat_prompt, ctx, body)
     requested, param = chat_max_tokens_field(body)
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
     client_id = client_request_id(request.scope)
@@ -119,7 +128,13 @@ async def create_chat_completion(
     params = sample_params(chat_sampling_params(body, max_tokens), body.n)
     span = describe_request("chat", ctx.model_name, params[0], completion_id)
     session = Session(
-        ctx, request_ids, [prompt] * body.n, params, samples_per_prompt=body.n, span=span
+        ctx,
+        request_ids,
+        [prompt] * body.n,
+        params,
+        samples_per_prompt=body.n,
+        span=span,
+        client=client_identity(request.scope),
     )
     form = ChatFormat(ctx, body, completion_id)
     return await respond(session, request, form, body.stream)

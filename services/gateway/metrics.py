@@ -110,3 +110,15 @@ class RequestMetricsMiddleware:
         finally:
             gauge.dec()
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+def refused_worker_entries_text(counts: dict[str, int]) -> str:
+    """The worker registry entries the gateway refused (unsigned, forged or expired: see
+    `nori.state.registry`), each write counted once, in the Prometheus text format."""
+    name = "nori_gateway_refused_worker_entries_total"
+    lines = [
+        f"# HELP {name} Worker registry entries refused by their signature check, by reason.",
+        f"# TYPE {name} counter",
+    ]
+    lines += [f'{name}{{reason="{reason}"}} {count}' for reason, count in sorted(counts.items())]
+    return "\n".join(lines) + "\n"

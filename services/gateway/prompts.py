@@ -11,6 +11,11 @@ from nori.gateway.context import ServingContext
 from nori.gateway.errors import APIError, bad_request
 from nori.gateway.protocol import ChatMessage, TextContentPart
 
+# The longest chat template a request may bring. Real ones are a few kB (Llama 3.1's about 5,
+# the largest tool-calling ones under 16); compiling costs time in proportion to the text
+# (about a second for 32 KiB of dense tags on a loaded CPU), before any step limit applies.
+MAX_REQUEST_TEMPLATE_CHARS = 32 * 1024
+
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
@@ -127,23 +132,35 @@ class ChatInput(Protocol):
 def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
     """Chat messages through the template (the request's, else the model's), as token ids."""
     messages = request.messages or ()
+    if (
+        request.chat_template is not None
+        and len(request.chat_template) > MAX_REQUEST_TEMPLATE_CHARS
+    ):
+        raise bad_request(
+            f"chat_template is {len(request.chat_template)} characters, more than this server's "
+            f"limit of {MAX_REQUEST_TEMPLATE_CHARS}",
+            "chat_template",
+        )
     rendered = [_message_for_template(m) for m in messages]
     extra = {
         key: value
         for key, value in (request.chat_template_kwargs or {}).items()
-        if key not in ("messages", "add_generation_prompt", "chat_template")
+        if key not in ("messages", "add_generation_prompt", "chat_template", "template_limits")
     }
     try:
         text = ctx.tokenizer.apply_chat_template(
             rendered,
             add_generation_prompt=request.add_generation_prompt,
             chat_template=request.chat_template,
+            template_limits=ctx.template_limits,
             **extra,
         )
     except (ValueError, TypeError) as error:
-        # ChatTemplateError (no template, raise_exception, render failure) is a ValueError;
-        # a TypeError comes from template code meeting content of an unexpected shape.
-        raise bad_request(str(error), "messages") from error
+        # ChatTemplateError (no template, raise_exception, any failure of the template's code,
+        # a limit passed) is a ValueError; a TypeError comes from a chat_template_kwargs key
+        # the renderer takes itself.
+        param = "chat_template" if request.chat_template is not None else "messages"
+        raise bad_request(str(error), param) from error
     refuse_hopeless_text(ctx, text, "messages")
     # The template writes BOS itself; adding special tokens again would double it.
     return check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")

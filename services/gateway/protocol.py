@@ -7,20 +7,29 @@ clients that send newer fields keep working; fields we know but cannot honour (`
 ignored.
 
 Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
-naming the field helps more than a silent coercion.
+naming the field helps more than a silent coercion. Every integer is bounded by the type it
+travels as to the workers (`Int32`: proto int32 fields; token ids are checked against the
+vocabulary in code, a tighter bound with a clearer message), so no value a client sends fails
+later in the proto conversion; floats must be finite (Python's JSON reads `Infinity` and
+`NaN`, and 1e999 as infinity).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit value; keep to the signed range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - 1
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
 
-_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+# An integer that travels to the workers as a proto int32 (SamplingParams in common.proto).
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _lone_surrogate_path(value: Any, path: str) -> str | None:
@@ -72,7 +81,7 @@ class SamplingFields(_TextChecked):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None
@@ -81,14 +90,14 @@ class SamplingFields(_TextChecked):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM extension: logprob tokens as "token_id:123", exact even for partial UTF-8 bytes.
     return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int32 = 1
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -96,17 +105,17 @@ class SamplingFields(_TextChecked):
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, one tokenized prompt, or a batch of tokenized prompts.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     # The prompt before the completion (its token logprobs too, with `logprobs`); with
     # max_tokens 0, the prompt alone: how evaluation harnesses score a text (vLLM's semantics).
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int32 | None = None
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = _REQUEST_CONFIG
 
     type: Literal["text"]
     text: str
@@ -114,7 +123,7 @@ class TextContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_call_id, ...) go to the chat template untouched, as in vLLM.
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
@@ -122,12 +131,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     # The newer OpenAI name; wins over `max_tokens` when both are given.
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
+    # Tool calling is not served: a request naming tools is refused (request_params.py).
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM extensions.
     add_generation_prompt: bool = True

@@ -36,6 +36,7 @@ from nori.gateway.backend import (
 )
 from nori.gateway.router import Router
 from nori.gateway.worker_calls import (
+    CallDroppedError,
     DecodeFullError,
     PrefillFailedError,
     UpstreamTimeoutError,
@@ -97,8 +98,12 @@ class RequestFlow:
         states: StateRecorder | None,
         tracer: trace.Tracer | None = None,
         stall_timeout_s: float = 300.0,
+        rpc_metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
+        # What every worker call carries besides its trace context: the cluster's token
+        # (`ClusterAuth.rpc_metadata()`; none in an open cluster).
+        self._rpc_metadata = rpc_metadata
         # The longest wait for a worker stream's next message (see worker_calls.read).
         self._stall_timeout_s = stall_timeout_s
         self._lookup_failures = RepeatedFailureLog(
@@ -120,16 +125,23 @@ class RequestFlow:
         streamed before it died (migration); this one computes it with the prompt and goes on."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
-            worker, request, compute_prompt=True, metadata=grpc_metadata(), resumed=resumed
+            worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
         )
         self._record(request.request_id, "decoding", decode_worker=worker.worker_id)
+        answered = False
         try:
             async for message in messages(call, worker.worker_id, self._stall_timeout_s):
+                answered = True
                 queued.prefilled(time.monotonic())
                 yield chunk_from_delta(message.delta)
         except WorkerFullError as error:
             # Refused at the call's start (its queue is full): nothing ran, another may take it.
             raise DecodeFullError(str(error), error.retry_after_s) from None
+        except CallDroppedError as error:
+            if answered:
+                raise
+            # Dropped from its gRPC backlog before it was served: nothing ran there.
+            raise DecodeFullError(str(error), retry_after_s=1.0) from None
         finally:
             call.cancel()
 
@@ -139,11 +151,15 @@ class RequestFlow:
         # The prefill worker is chosen before the reservation is taken: the lease starts with
         # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
         # Both workers' spans are children of the request's (the current) span.
-        metadata = grpc_metadata()
+        metadata = self._call_metadata()
         with self._tracer.start_as_current_span("route") as span:
             slot = await self._take_prefill_slot(request, span)
             span.set_attribute("nori.decode.worker", decode.worker_id)
-        decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
+        try:
+            decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
+        except BaseException:
+            slot.release()  # the slot is counted from the pick: no path may leave it held
+            raise
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
         try:
             # 1. reserve
@@ -192,6 +208,9 @@ class RequestFlow:
             message = await read(decode_call, decode.worker_id, self._stall_timeout_s)
         except SaturatedError as error:
             raise DecodeFullError(str(error), error.retry_after_s) from None
+        except CallDroppedError as error:
+            # Dropped from its gRPC backlog before it was served: nothing ran there.
+            raise DecodeFullError(str(error), retry_after_s=1.0) from None
         if message is None or not message.HasField("reservation"):
             raise BackendError(f"{decode.worker_id} did not answer with a reservation")
         destination = KVDestination()
@@ -291,6 +310,10 @@ class RequestFlow:
             ),
             metadata=metadata,
         )
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """A worker call's metadata: the cluster's token and the current trace context."""
+        return (*self._rpc_metadata, *grpc_metadata())
 
     def _record(self, request_id: str, state: str, **fields: str) -> None:
         if self._states is not None:

@@ -15,6 +15,10 @@ from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, Samp
 from nori.sampling.params import SamplingParams, choice_params
 
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+# repetition_penalty divides (or multiplies) logits: 1e-300 makes them infinite and the output
+# empty. vLLM takes any value > 0; this keeps to what changes sampling without breaking it.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 # Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.
 MAX_N = 64
 
@@ -32,6 +36,13 @@ def check_common(request: SamplingFields) -> None:
         raise bad_request("stream_options can only be set when stream is true", "stream_options")
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    penalty = request.repetition_penalty
+    if penalty is not None and not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
+        raise bad_request(
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}] (1 disables it), got {penalty!r}",
+            "repetition_penalty",
+        )
 
 
 def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
@@ -58,6 +69,14 @@ def check_chat(request: ChatCompletionRequest) -> None:
         raise bad_request("messages must contain at least one message", "messages")
     if request.tools:
         raise bad_request("tool calling is not supported by this server", "tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        # "required" or a named tool asks for a tool call this server never makes; "auto"
+        # without tools is no tool call, as is "none".
+        raise bad_request(
+            "tool calling is not supported by this server: tool_choice may only be 'none' or "
+            f"'auto' (without tools), got {request.tool_choice!r}",
+            "tool_choice",
+        )
     if request.response_format is not None and request.response_format.get("type") != "text":
         raise bad_request(
             "response_format other than {'type': 'text'} is not supported by this server",

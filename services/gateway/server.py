@@ -11,6 +11,7 @@ import uvicorn
 
 from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.metrics import refused_worker_entries_text
 from nori.gateway.tracing import instrument
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
@@ -47,6 +48,12 @@ class GatewayOptions(RoleSettings):
     stream_stall_timeout_s: float = 300.0
     # A batch member's wait for room when every worker is full (ClusterOptions.group_wait_s).
     group_wait_s: float = 600.0
+    # One request's or client's share of the decode pool while others wait (admission.DecodeShares).
+    max_decode_share: float = 0.5
+    # Caps on n and on a request's choices, prompts x n (ClusterOptions.max_n and
+    # max_request_members).
+    max_n: int = 64
+    max_request_members: int = 4096
     # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
     api_key: str | None = None
 
@@ -96,6 +103,10 @@ async def serve_gateway(options: GatewayOptions) -> None:
             migration_limit=options.migration_limit,
             stream_stall_timeout_s=options.stream_stall_timeout_s,
             group_wait_s=options.group_wait_s,
+            max_decode_share=options.max_decode_share,
+            max_n=options.max_n,
+            max_request_members=options.max_request_members,
+            cluster_secret=options.cluster_secret,
         ),
         tracing.tracer,
     )
@@ -107,7 +118,17 @@ async def serve_gateway(options: GatewayOptions) -> None:
             "# TYPE nori_gateway_queued_prompt_tokens gauge\n"
             f"nori_gateway_queued_prompt_tokens {queued}\n"
         )
-        return admission + worker_metrics_text(await backend.worker_stats())
+        shares = backend.decode_shares
+        admission += (
+            "# TYPE nori_gateway_decode_shares_held gauge\n"
+            f"nori_gateway_decode_shares_held {shares.num_held}\n"
+            "# TYPE nori_gateway_decode_shares_waiting gauge\n"
+            f"nori_gateway_decode_shares_waiting {shares.num_waiting}\n"
+            "# TYPE nori_gateway_decode_pool_calls gauge\n"
+            f"nori_gateway_decode_pool_calls {shares.capacity.calls if shares.capacity else 0}\n"
+        )
+        refused = refused_worker_entries_text(backend.pool.refused_entries)
+        return admission + refused + worker_metrics_text(await backend.worker_stats())
 
     app = create_app(
         backend,

@@ -6,12 +6,13 @@ concurrently. The endpoints read the session chunk by chunk (streaming) or drain
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from nori.gateway.backend import BackendError, GenerationChunk, GenerationRequest
 from nori.gateway.context import ServingContext
@@ -19,6 +20,18 @@ from nori.gateway.protocol import PromptTokensDetails, Usage
 from nori.gateway.streams import GenerationRun
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
+
+
+def client_identity(scope: Scope) -> str:
+    """Who sent a request, for fair shares: its API key (a digest: the key itself is never
+    kept), else its address. Behind a proxy every keyless client is one address, and clients
+    sharing one key are one owner; the request's own share bounds them still."""
+    header = dict(scope.get("headers", [])).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip()).hexdigest()[:16]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:unknown"
 
 
 @dataclass
@@ -61,9 +74,11 @@ class Session:
         params: Sequence[SamplingParams],
         samples_per_prompt: int = 1,
         span: trace.Span = trace.INVALID_SPAN,
+        client: str = "",
     ) -> None:
         """`prompts[i]` is choice i's prompt; with n > 1 each prompt stands n times in a row
-        (`samples_per_prompt`), and its tokens count once in the usage."""
+        (`samples_per_prompt`), and its tokens count once in the usage. `client`: who sent it
+        (`client_identity`), the owner its share of the decode pool counts against."""
         self.ctx = ctx
         # The request's server span: the usage and finish reasons go on it at the end.
         self._span = span
@@ -75,7 +90,15 @@ class Session:
         self._first_token_seen = False
         group = self._request_ids[0] if len(prompts) > 1 else None
         requests = [
-            GenerationRequest(request_id, prompt, p, admission_group=group)
+            GenerationRequest(
+                request_id,
+                prompt,
+                p,
+                admission_group=group,
+                client=client,
+                group_size=len(prompts),
+                num_choices=samples_per_prompt,
+            )
             for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
         ]
         self.run = GenerationRun(ctx.backend, requests, ctx.tasks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nori.gateway.context import ServingContext
 from nori.gateway.errors import bad_request
-from nori.gateway.prompts import chat_prompt, check_model, check_token_ids
+from nori.gateway.prompts import chat_prompt, check_model, check_token_ids, refuse_hopeless_text
 from nori.gateway.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,6 +22,8 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
         tokens = chat_prompt(ctx, body)
     else:
         assert body.prompt is not None
+        # Text that cannot fit the context is not tokenized: its count would only say so.
+        refuse_hopeless_text(ctx, body.prompt, "prompt")
         tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     token_strs = None
     if body.return_token_strs:

@@ -56,6 +56,14 @@ class WorkerLostError(BackendError):
     can continue on another worker (migration)."""
 
 
+class CallDroppedError(WorkerLostError):
+    """The worker's gRPC server ended the call with CANCELLED, which the gateway never asked
+    for: gRPC core cancels calls that wait unserved in a server's backlog past
+    `grpc.server.max_pending_requests` (1,000, random early drop up to 3,000), before any
+    handler runs. Before the call's first message nothing ran there: another try may
+    succeed (the flow makes it a DecodeFullError); later, the stream is lost."""
+
+
 class TransferFailedError(BackendError):
     """A decode worker refused or lost a prompt's KV transfer (a sender that died mid-way, bytes
     that failed their checksum): its blocks are freed; the request may start over."""
@@ -86,6 +94,8 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
         return WorkerUnreachableError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
     if code is grpc.StatusCode.ABORTED:
         return TransferFailedError(f"{worker}: {details}")
+    if code is grpc.StatusCode.CANCELLED:
+        return CallDroppedError(f"{worker} dropped the call (CANCELLED): {details}")
     return BackendError(f"{worker} failed ({code.name}): {details}")
 
 

@@ -7,6 +7,10 @@ It also settles the cluster's KV block size, which the gateway needs to hash pro
 block directory: the size the workers state in the registry (or `--block-size`, when given). A
 worker that states another size would be told prompts it cannot look up, and its transfers would
 be refused, so it is left out, with one log line saying why.
+In a cluster with a secret the registry lists only entries whose signature verifies and that have
+not expired (`nori.state.registry`); the pool logs each refused worker id once and counts every
+refused write in `refused_entries` (the gateway's /metrics:
+nori_gateway_refused_worker_entries_total).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import grpc
 from nori.gateway.backend import BackendHealth
 from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.channels import ChannelCache
-from nori.state.registry import WorkerInfo, WorkerRegistry
+from nori.state.registry import RefusedEntry, WorkerInfo, WorkerRegistry
 from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -37,6 +41,9 @@ FAILED_WORKER_PAUSE_S = 3.0
 # empty), those are still serving: they stay this long (about the heartbeat TTL, by when each has
 # re-registered), rather than requests being refused until their next heartbeats.
 REGISTRY_LOSS_GRACE_S = 3.0
+# Refused worker ids remembered so that each is logged once; past this many (a flood of forged
+# entries), further ids are only counted, with a line per 10 s saying so.
+MAX_LOGGED_REFUSALS = 1024
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,11 @@ class WorkerPool:
         self._kept: list[WorkerInfo] = []
         self._kept_until = 0.0
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
+        # Entries refused by their signature check, by reason, each write counted once.
+        self.refused_entries: dict[str, int] = {}
+        self._refused_versions: set[tuple[str, str]] = set()
+        self._logged_refusals: set[str] = set()
+        self._unlogged_refusals = RepeatedFailureLog(logger, "refusing unverified worker entries")
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -143,11 +155,14 @@ class WorkerPool:
     async def refresh(self) -> None:
         """Reads the registry: workers join and leave while the gateway runs."""
         try:
-            listed = await self._registry.list_workers()
+            listing = await self._registry.list_entries()
         except Exception:
             self._unread = True  # Redis may come back empty: see _bridge_loss
             raise
-        agreement = agree_on_kv_layout(self._bridge_loss(listed), self._expected_block_size)
+        self._note_refused(listing.refused)
+        agreement = agree_on_kv_layout(
+            self._bridge_loss(listing.workers), self._expected_block_size
+        )
         self.workers = agreement.members
         self.block_size = agreement.block_size
         self._log_refusals(agreement)
@@ -179,6 +194,33 @@ class WorkerPool:
         if not missing:
             self._kept_until = 0.0  # all back
         return sorted([*listed, *missing], key=lambda w: w.worker_id)
+
+    def _note_refused(self, refused: list[RefusedEntry]) -> None:
+        """Counts each refused write once and logs each refused worker id once: a forged
+        entry stays in Redis and is read twice a second, a line each time would flood the log."""
+        versions = {(entry.worker_id, entry.version) for entry in refused}
+        for entry in refused:
+            if (entry.worker_id, entry.version) in self._refused_versions:
+                continue
+            self.refused_entries[entry.reason] = self.refused_entries.get(entry.reason, 0) + 1
+            if entry.worker_id in self._logged_refusals:
+                continue
+            if len(self._logged_refusals) >= MAX_LOGGED_REFUSALS:
+                self._unlogged_refusals.failed(ValueError(f"{entry.worker_id}: {entry.reason}"))
+                continue
+            self._logged_refusals.add(entry.worker_id)
+            logger.error(
+                "refusing worker entry %s: %s (not signed with this cluster's secret, or out "
+                "of date); nothing is routed to it",
+                entry.worker_id,
+                {
+                    "unsigned": "it carries no signature",
+                    "forged": "its signature does not verify",
+                    "expired": "it has expired",
+                }[entry.reason],
+            )
+        # Only the entries still there: one written again later counts again.
+        self._refused_versions = versions
 
     def _log_refusals(self, agreement: KVLayoutAgreement) -> None:
         refused = {(w.worker_id, w.block_size, w.kv_cache_dtype) for w in agreement.refused}
@@ -228,8 +270,11 @@ class WorkerPool:
         detail = "" if healthy else "waiting for prefill and decode workers to register"
         return BackendHealth(healthy=healthy, workers=counts, detail=detail)
 
-    async def stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
-        """Live figures from every worker in the pool (for /metrics)."""
+    async def stats(
+        self, timeout_s: float = 2.0, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> list[common_pb2.WorkerStats]:
+        """Live figures from every worker in the pool (for /metrics); `metadata`: the
+        cluster's token (`ClusterAuth.rpc_metadata()`)."""
 
         async def one(worker: WorkerInfo) -> common_pb2.WorkerStats | None:
             channel = self.channel(worker.grpc_address)
@@ -240,7 +285,7 @@ class WorkerPool:
                 stub = decode_pb2_grpc.DecodeServiceStub(channel)
             try:
                 stats: common_pb2.WorkerStats = await stub.GetStats(
-                    common_pb2.StatsRequest(), timeout=timeout_s
+                    common_pb2.StatsRequest(), timeout=timeout_s, metadata=metadata
                 )
                 return stats
             except grpc.aio.AioRpcError:

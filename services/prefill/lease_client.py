@@ -18,8 +18,11 @@ CHANNEL_IDLE_S = 300.0
 
 
 class LeaseRenewalClient:
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """`metadata`: what every renewal carries, the cluster's token
+        (`ClusterAuth.rpc_metadata()`)."""
         self._worker_id = worker_id
+        self._metadata = metadata
         self._channels = ChannelCache()
         self._last_used: dict[str, float] = {}
 
@@ -37,7 +40,7 @@ class LeaseRenewalClient:
             ],
         )
         response: decode_pb2.RenewLeasesResponse = await stub.RenewLeases(
-            request, timeout=timeout_s
+            request, timeout=timeout_s, metadata=self._metadata
         )
         return list(response.unknown_request_ids)
 

@@ -16,6 +16,7 @@ import time
 
 import grpc
 
+from nori.cluster_auth import ClusterAuth
 from nori.engine.block_manager import BlockEvent
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
@@ -26,6 +27,7 @@ from nori.prefill.start_watch import StartWatch
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
+from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import prefill_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.output_streams import OutputStreams
@@ -57,7 +59,9 @@ class PrefillWorker(Worker):
         )
         self._events_lock = threading.Lock()
         self._publisher: asyncio.Task[None] | None = None
-        self._lease_client = LeaseRenewalClient(self.worker_id)
+        self._lease_client = LeaseRenewalClient(
+            self.worker_id, ClusterAuth.from_text(options.cluster_secret).rpc_metadata()
+        )
         self._leases = LeaseKeeper(self._lease_client.renew, self._engine_responsive)
         self._lease_renewer: asyncio.Task[None] | None = None
         self._start_watch: StartWatch | None = None
@@ -70,6 +74,8 @@ class PrefillWorker(Worker):
         self._start_watch = StartWatch(loop, self._leases.started)
         self._engine = EngineThread(engine, loop, streams.dispatch, on_step=self._on_step)
         self._engine.start()
+        # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
+        confine_ucx_to(self.options.host)
         self._sender = make_sender(self.transport)
         self._servicer = PrefillServicer(
             worker_id=self.worker_id,

@@ -25,9 +25,11 @@ from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from nori.cluster_auth import ClusterAuth
+from nori.rpc.auth import server_interceptors
 from nori.rpc.options import GRPC_OPTIONS
 from nori.settings import RoleSettings
-from nori.state.connection import connect, unreachable
+from nori.state.connection import connect, wait_for_redis
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
@@ -83,6 +85,8 @@ class WorkerOptions(RoleSettings):
         return socket.gethostbyname(socket.gethostname())
 
 
+# How long a starting worker waits for Redis' first answer before loading its engine anyway.
+REDIS_CHECK_S = 0.5
 # How often a busy worker logs its load (vLLM logs its throughput line as often).
 LOAD_LOG_INTERVAL_S = 10.0
 
@@ -192,16 +196,26 @@ class Worker(ABC):
             loop.add_signal_handler(signum, self.request_stop)
 
         redis = self.redis = connect(self.options.redis_url)
-        try:
-            await redis.ping()
-        except (RedisError, OSError) as error:
+        # Redis away: wait for it (one log line, a try every 0.25 s) while the engine loads,
+        # rather than exit into a restart backoff; registered as soon as it answers. Refused
+        # credentials fail at once (within REDIS_CHECK_S), before any engine is loaded.
+        redis_ready = asyncio.create_task(wait_for_redis(redis, self.options.redis_url))
+        await asyncio.wait([redis_ready], timeout=REDIS_CHECK_S)
+        if redis_ready.done() and redis_ready.exception() is not None:
             await redis.aclose()
-            raise unreachable(self.options.redis_url, error) from None
-        registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s)
+            redis_ready.result()
+        # With a cluster secret, every entry this worker writes is signed (nori.state.registry).
+        auth = ClusterAuth.from_text(self.options.cluster_secret)
+        registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s, auth=auth)
         await self.start_role()
         metrics_server = self._serve_metrics()
 
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        # Calls without the cluster's token are refused (nori.rpc.auth); an open cluster
+        # installs no interceptor.
+        server = grpc.aio.server(
+            options=GRPC_OPTIONS,
+            interceptors=server_interceptors(ClusterAuth.from_text(self.options.cluster_secret)),
+        )
         self.add_servicers(server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -213,8 +227,17 @@ class Worker(ABC):
         for name in ("", *self.service_names):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+        if not redis_ready.done():
+            logger.warning(
+                "%s worker %s ready; waiting for Redis to register", self.role, self.worker_id
+            )
+        await redis_ready
         heartbeat = Heartbeat(registry, self.info)
-        await registry.register(self.info())
+        try:
+            await registry.register(self.info())
+        except (RedisError, OSError) as error:
+            # Redis went away while the engine loaded: the heartbeat registers when it returns.
+            logger.warning("registering in Redis failed (%s); the heartbeat retries", error)
         heartbeat.start()
         load_logger = asyncio.create_task(self._log_load_forever())
         logger.info(

@@ -72,6 +72,8 @@ class EngineServicer:
             num_requests=self.num_requests,
             draining=bool(self._is_draining()),
             num_requests_holding_blocks=load.num_requests_holding_blocks,
+            max_num_seqs=self._engine.engine.config.max_num_seqs,
+            max_open_calls=self._max_open_calls,
             **transfer_counts,
         )
 

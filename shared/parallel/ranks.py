@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,15 +93,21 @@ class FollowerRanks:
                 "a tensor-parallel engine is already running in this process (torch.distributed "
                 "has one group per process): close() it before starting another"
             )
-        # The rendezvous store binds a port of its own choosing (0) before any rank starts, so
-        # no other process can take it in between (picking a free port first raced others).
+        # The rendezvous store listens on a port bound here (0: the kernel's choice) before any
+        # rank starts, so no other process can take it in between (picking a free port first
+        # raced others), and on loopback only: TCPStore itself binds every interface, and the
+        # ranks all run on this host. Gloo's own sockets stay on loopback too (the followers
+        # inherit the environment); an operator's GLOO_SOCKET_IFNAME wins.
+        listener = socket.create_server(("127.0.0.1", 0))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.TCPStore(
             "127.0.0.1",
-            0,
+            listener.getsockname()[1],
             world_size,
             is_master=True,
             wait_for_workers=False,
             timeout=COLLECTIVE_TIMEOUT,
+            master_listen_fd=listener.detach(),
         )
         # The cores this engine was given, shared out: N ranks of T/N intra-op threads each.
         threads = max(1, torch.get_num_threads() // world_size)

@@ -23,7 +23,12 @@ from typing import Any
 
 import tokenizers
 
-from nori.sampling.chat_template import ChatTemplateError, render_chat_template, select_template
+from nori.sampling.chat_template import (
+    ChatTemplateError,
+    TemplateLimits,
+    render_chat_template,
+    select_template,
+)
 
 # sentencepiece-style byte-fallback pieces, one per byte value.
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -181,6 +186,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        template_limits: TemplateLimits | None = None,
         **extra: Any,
     ) -> str:
         """Renders a conversation to prompt text (tokenize it with `add_special_tokens=False`,
@@ -199,4 +205,5 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             special_tokens=self.special_tokens,
             extra=extra,
+            limits=template_limits,
         )

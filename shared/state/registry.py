@@ -3,20 +3,33 @@
 Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a worker that
 dies (or loses Redis) drops out of the cluster by itself; nobody has to clean up after it. Workers
 join and leave at run time just by starting and stopping their Heartbeat.
+
+In a cluster with a secret (`nori.cluster_auth`), every entry is signed: an HMAC under the
+secret's "worker-entry" key over all of its fields, and those include `expires_at` (the write's
+time plus the TTL). The gateway routes only to entries that verify and have not expired
+(`list_entries`), so whoever can write to Redis but lacks the secret cannot join the cluster, and
+a genuine entry copied later (a replay) is refused once its expiry passes. Signing everything,
+the load figures too, costs one HMAC per heartbeat and leaves nothing to reason about: a
+forger can neither add a worker nor steer load between real ones. Without a secret nothing is
+signed or checked (an open cluster, as before).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
+from redis.asyncio import Redis
 from redis.typing import EncodableT
 
+from nori.cluster_auth import ClusterAuth
 from nori.state.codec import RawMapping, as_str, as_str_mapping
+from nori.state.keys import Keys
 from nori.state.store import RedisStore
 
 logger = logging.getLogger(__name__)
@@ -52,6 +65,8 @@ class WorkerInfo:
     kv_cache_dtype: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
+    # Past it the entry is stale (signed: refused); updated_at + the TTL, stamped with it.
+    expires_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -109,13 +124,100 @@ def _parse_bool(name: str, text: str) -> bool:
     raise ValueError(f"field {name!r}: {text!r} is not a boolean")
 
 
+# The HMAC purpose of registry entries, and the hash field their signature is stored in.
+ENTRY_PURPOSE = "worker-entry"
+SIGNATURE_FIELD = "signature"
+# How far the gateway's clock may run ahead of a worker's before the worker's fresh entries look
+# expired (hosts kept by NTP differ by milliseconds); it lengthens a replay's window as much.
+CLOCK_SKEW_S = 2.0
+
+RefusalReason = Literal["unsigned", "forged", "expired"]
+
+
+def entry_message(mapping: Mapping[str, str]) -> bytes:
+    """What an entry's signature covers: every field but the signature, as canonical JSON.
+
+    All the fields, not just those this version knows, so a field a newer writer adds is
+    covered as well; JSON, so no choice of field values can make two entries read the same.
+    """
+    covered = {name: value for name, value in mapping.items() if name != SIGNATURE_FIELD}
+    return json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_entry(auth: ClusterAuth, mapping: Mapping[str, str]) -> dict[str, str]:
+    """`mapping` with its signature field added (unchanged in an open cluster)."""
+    if not auth.enabled:
+        return dict(mapping)
+    return {**mapping, SIGNATURE_FIELD: auth.sign(ENTRY_PURPOSE, entry_message(mapping))}
+
+
+def check_entry(
+    auth: ClusterAuth, worker_id: str, mapping: Mapping[str, str], now: float
+) -> RefusalReason | None:
+    """Why the entry stored under `worker_id`'s key must not be routed to; None: it may.
+
+    It must carry a signature, the signature must verify, the id it names must be its key's
+    (a genuine entry copied under another id is forged), and it must not have expired.
+    Always None in an open cluster.
+    """
+    if not auth.enabled:
+        return None
+    signature = mapping.get(SIGNATURE_FIELD)
+    if not signature:
+        return "unsigned"
+    # compare_digest takes only ASCII text; no genuine signature is anything else.
+    if not signature.isascii() or not auth.verify(ENTRY_PURPOSE, entry_message(mapping), signature):
+        return "forged"
+    if mapping.get("worker_id") != worker_id:
+        return "forged"
+    try:
+        expires_at = float(mapping.get("expires_at", ""))
+    except ValueError:
+        return "forged"
+    if expires_at + CLOCK_SKEW_S < now:
+        return "expired"
+    return None
+
+
+@dataclass(frozen=True)
+class RefusedEntry:
+    """A registry entry that failed its check: which worker id it claimed, and why."""
+
+    worker_id: str
+    reason: RefusalReason
+    # Tells one write of the entry from the next (its signature, else its updated_at), so a
+    # refused entry is counted once per write, not once per read of the registry.
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerListing:
+    """The registry as read: the workers that may be routed to and the entries refused."""
+
+    workers: list[WorkerInfo]
+    refused: list[RefusedEntry] = field(default_factory=list)
+
+
 def _fields(mapping: dict[str, str]) -> dict[EncodableT, EncodableT]:
     # redis-py types hset's mapping with an invariant key type; widen it explicitly.
     return dict(mapping.items())
 
 
 class WorkerRegistry(RedisStore):
+    """The registry; with a secret in `auth`, a worker signs what it writes and a reader lists
+    only entries that verify."""
+
     default_ttl_s = 5.0
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        ttl_s: float | None = None,
+        auth: ClusterAuth | None = None,
+    ) -> None:
+        super().__init__(redis, keys, ttl_s)
+        self.auth = auth if auth is not None else ClusterAuth.open()
 
     async def register(self, info: WorkerInfo) -> WorkerInfo:
         """Writes a fresh record (dropping fields a previous run of this id left behind)."""
@@ -126,13 +228,17 @@ class WorkerRegistry(RedisStore):
         return await self._write(info, fresh=False)
 
     async def _write(self, info: WorkerInfo, *, fresh: bool) -> WorkerInfo:
-        stamped = replace(info, updated_at=time.time())
+        now = time.time()
+        stamped = replace(info, updated_at=now, expires_at=now + self.ttl_s)
         key = self._keys.worker(info.worker_id)
+        mapping = sign_entry(self.auth, stamped.to_mapping())
         # MULTI/EXEC: the hash never exists, even for an instant, without its expiry.
         async with self._redis.pipeline(transaction=True) as pipe:
-            if fresh:
+            # A signed entry is rewritten whole: a field left over from another writer would
+            # be covered by no signature, and make the entry fail its check.
+            if fresh or self.auth.enabled:
                 pipe.delete(key)
-            pipe.hset(key, mapping=_fields(stamped.to_mapping()))
+            pipe.hset(key, mapping=_fields(mapping))
             pipe.pexpire(key, self._ttl_ms)
             await pipe.execute()
         return stamped
@@ -147,11 +253,17 @@ class WorkerRegistry(RedisStore):
         return WorkerInfo.from_mapping(raw)
 
     async def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
-        """Live workers (optionally of one role), sorted by worker_id.
+        """Live workers (optionally of one role) whose entries pass their check, by worker_id."""
+        listing = await self.list_entries()
+        return [w for w in listing.workers if role is None or w.role == role]
+
+    async def list_entries(self) -> WorkerListing:
+        """Live workers, sorted by worker_id, and the entries refused by their check.
 
         SCAN rather than a members set: a set would need its own cleanup of dead workers, while
         expired hashes simply vanish. A record that does not parse (a much newer or corrupt
-        writer) is logged and skipped so that one bad worker cannot hide the others.
+        writer) is logged and skipped so that one bad worker cannot hide the others; one that
+        fails its signature check (`check_entry`) is returned among the refused.
         """
         keys: set[str] = set()  # SCAN may return a key more than once
         async for key in self._redis.scan_iter(
@@ -159,28 +271,47 @@ class WorkerRegistry(RedisStore):
         ):
             keys.add(as_str(key))
         if not keys:
-            return []
+            return WorkerListing([])
         ordered = sorted(keys)
         async with self._redis.pipeline(transaction=False) as pipe:
             for key in ordered:
                 pipe.hgetall(key)
             replies = await pipe.execute(raise_on_error=False)
         workers: list[WorkerInfo] = []
+        refused: list[RefusedEntry] = []
+        now = time.time()
         for key, raw in zip(ordered, replies, strict=True):
             if isinstance(raw, Exception):
                 logger.warning("reading worker record %s failed: %s", key, raw)
                 continue
             if not raw:
                 continue  # expired (or deregistered) between SCAN and HGETALL
+            worker_id = self._keys.worker_id_of(key)
             try:
-                info = WorkerInfo.from_mapping(raw)
+                mapping = as_str_mapping(raw)
+            except ValueError as error:  # not UTF-8
+                if self.auth.enabled:  # no signature of ours covers it: refused, logged once
+                    refused.append(RefusedEntry(worker_id, "forged"))
+                else:
+                    logger.warning("skipping unreadable worker record %s: %s", key, error)
+                continue
+            try:
+                reason = check_entry(self.auth, worker_id, mapping, now)
+                if reason is not None:
+                    version = mapping.get(SIGNATURE_FIELD) or mapping.get("updated_at", "")
+                    refused.append(RefusedEntry(worker_id, reason, version))
+                    continue
+                info = WorkerInfo.from_mapping(mapping)
             except (ValueError, TypeError) as error:
                 logger.warning("skipping unreadable worker record %s: %s", key, error)
                 continue
-            if role is None or info.role == role:
-                workers.append(info)
+            workers.append(info)
         workers.sort(key=lambda w: w.worker_id)
-        return workers
+        return WorkerListing(workers, refused)
+
+
+# How often a failing heartbeat tries again (at most its interval).
+FAILING_RETRY_S = 0.25
 
 
 class Heartbeat:
@@ -203,6 +334,9 @@ class Heartbeat:
         self.interval_s = interval_s if interval_s is not None else registry.ttl_s / 3
         if self.interval_s <= 0:
             raise ValueError("interval_s must be positive")
+        # While beats fail (Redis away), tries come this often: a Redis that returns (empty,
+        # after a restart) has the worker back within a fraction of a second.
+        self.retry_s = min(self.interval_s, FAILING_RETRY_S)
         self._task: asyncio.Task[None] | None = None
         self._last_worker_id: str | None = None
         self.beats = 0  # successful writes, for tests and metrics
@@ -270,10 +404,10 @@ class Heartbeat:
                     logger.warning(
                         "heartbeat for worker %s failed; retrying every %.2fs",
                         self._last_worker_id,
-                        self.interval_s,
+                        self.retry_s,
                         exc_info=True,
                     )
                 else:
                     logger.debug("heartbeat still failing", exc_info=True)
                 failing = True
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.retry_s if failing else self.interval_s)

@@ -209,7 +209,9 @@ class TcpReceiver(conversation.ReceiverStats):
     ) -> str:
         if self._listener is not None:
             raise RuntimeError("the receiver is already started")
-        listener = socket.create_server((host, port), backlog=128)
+        # Only on `host` (the worker's --host, or its advertised address): an IPv6 one too.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family, backlog=128)
         listener.setblocking(False)
         self._listener = listener
         bound_port = listener.getsockname()[1]

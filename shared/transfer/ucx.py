@@ -124,8 +124,11 @@ class _UcxChannel:
 class UcxReceiver(ReceiverStats):
     """Listens for UCX senders and receives their transfers into the sink's tensors.
 
-    ucxx listens on every interface: `host` is accepted for the interface's sake but only
-    "0.0.0.0" (the default) is meaningful; `advertise_host` is what the address carries.
+    ucxx's listener binds every interface: its Python API (ucxx 0.52) takes no address, only a
+    port (libucxx's ListenerBuilder has one, unexposed). So `host` is accepted for the
+    interface's sake, and a transfer is accepted only with its reservation's token
+    (`DecodeKVSink`); UCX's own TCP sockets stay on the loopback device for a loopback `host`
+    (`ucx_env.confine_ucx_to`). `advertise_host` is what the address carries.
     """
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:

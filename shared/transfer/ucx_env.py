@@ -8,7 +8,9 @@ ucxx, before the rest of the transport's tuning).
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from types import MappingProxyType
 
 UCX_ENV_DEFAULTS = MappingProxyType(
@@ -36,3 +38,33 @@ UCX_ENV_DEFAULTS = MappingProxyType(
 def apply_ucx_env_defaults() -> None:
     for name, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+# Linux's loopback interface, as UCX names network devices.
+LOOPBACK_DEVICE = "lo"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def confine_ucx_to(host: str) -> None:
+    """Keeps UCX's own sockets on the loopback interface when the worker binds there.
+
+    UCX opens a listening TCP socket on every network device it uses (its TCP transport), on
+    top of the listener the receiver asks for; a worker told `--host 127.0.0.1` (as `nori up`
+    starts them) would still listen on the host's external interfaces. For such a worker only
+    `lo` is used (UCX_NET_DEVICES; the shared-memory transports are not network devices, so
+    KV between workers on one host still moves through shared memory). A default, as the
+    others: an operator's UCX_NET_DEVICES wins. Call it before UCX starts (the first receiver
+    or sender).
+    """
+    names = {name for _, name in socket.if_nameindex()}
+    if is_loopback(host) and LOOPBACK_DEVICE in names:
+        os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_DEVICE)

@@ -1,6 +1,7 @@
 """Faults with real processes: a prefill worker killed under load (its prompts are computed
 again on the other one), a decode worker killed under load (its streams continue on the other
-one, token-exact for greedy requests); no request fails and no KV block is lost."""
+one, token-exact for greedy requests); no request fails and no KV block is lost. With no prefill
+worker left, requests get a 503 with Retry-After, never a 500."""
 
 from __future__ import annotations
 
@@ -71,28 +72,31 @@ def two_prefill_cluster(
     yield from running_cluster(redis_url, checkpoint, tmp_path_factory, num_prefill=2, num_decode=1)
 
 
+# ~100 tokens: 16 of them fit the decode worker's 256 blocks with room to spare.
+LONG_PROMPT = "Once upon a time there was a little cat who liked to play. " * 8
+
+
+def complete(cluster: LocalCluster, index: int) -> httpx.Response:
+    return httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={
+            "model": model_name(cluster),
+            "prompt": f"{index} {LONG_PROMPT}",
+            "max_tokens": 8,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
+
+
 def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
     two_prefill_cluster: LocalCluster,
 ) -> None:
     cluster = two_prefill_cluster
     baseline = idle_free_blocks(cluster)["decode-0"]
-    # ~100 tokens: 16 of them fit the decode worker's 256 blocks with room to spare.
-    prompt = "Once upon a time there was a little cat who liked to play. " * 8
-
-    def complete(index: int) -> httpx.Response:
-        return httpx.post(
-            f"{cluster.url}/v1/completions",
-            json={
-                "model": model_name(cluster),
-                "prompt": f"{index} {prompt}",
-                "max_tokens": 8,
-                "ignore_eos": True,
-            },
-            timeout=120,
-        )
 
     with ThreadPoolExecutor(max_workers=16) as pool:
-        futures = [pool.submit(complete, index) for index in range(16)]
+        futures = [pool.submit(complete, cluster, index) for index in range(16)]
         time.sleep(0.5)  # prompts are queued, computing and in transfer on both workers
         victim = cluster.worker("prefill-0").process
         os.kill(victim.pid, signal.SIGKILL)
@@ -104,7 +108,41 @@ def test_a_prefill_worker_killed_under_load_loses_no_request_and_no_block(
         r.json() for r in responses if r.json()["usage"]["completion_tokens"] != 8
     ]
     # After the kill, requests go to the surviving worker straight away.
-    assert complete(99).status_code == 200
+    assert complete(cluster, 99).status_code == 200
+    assert idle_free_blocks(cluster)["decode-0"] == baseline
+
+
+def test_with_no_prefill_worker_left_requests_get_503_with_retry_after(
+    two_prefill_cluster: LocalCluster,
+) -> None:
+    """The last prefill worker (or both, run alone) killed under load: each request in flight
+    completes or gets a 503 with Retry-After, and so does each new one, at once; not the 500
+    "prefill-0 is unavailable" of issue 22. No decode block is lost."""
+    cluster = two_prefill_cluster
+    baseline = idle_free_blocks(cluster)["decode-0"]
+    victims = [
+        p.process for p in cluster.processes if p.role == "prefill" and p.process.poll() is None
+    ]
+    assert victims
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = [pool.submit(complete, cluster, index) for index in range(16)]
+        time.sleep(0.5)
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+        in_flight = [future.result() for future in futures]
+        started = time.monotonic()
+        new = list(pool.map(lambda index: complete(cluster, index), range(100, 108)))
+        new_s = time.monotonic() - started
+    for victim in victims:
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+    answers = [(r.status_code, r.headers.get("retry-after"), r.text[:200]) for r in in_flight + new]
+    print([answer[:2] for answer in answers], f"{new_s:.2f} s for the new ones")
+    assert all(
+        status == 200 or (status == 503 and retry_after and int(retry_after) >= 1)
+        for status, retry_after, _ in answers
+    ), answers
+    assert all(r.status_code == 503 for r in new), answers
+    assert new_s < 10.0
     assert idle_free_blocks(cluster)["decode-0"] == baseline
 
 

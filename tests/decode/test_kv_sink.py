@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from nori.cluster_auth import random_token
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
-from nori.decode.lease import LeaseState
+from nori.decode.lease import Lease, LeaseState
+from nori.decode.worker import kv_listen_host
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.transfer.integrity import buffer_checksums
+from nori.transfer.tcp import TcpReceiver, TcpSender
 from nori.worker.kv_layout import BlockLayout, destination_buffers, source_buffers
 
 
@@ -19,6 +24,13 @@ def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.T
     cache = torch.zeros(2, 2, 8, 4, 1, 2)
     on_receiving = receiving.append if receiving is not None else None
     return DecodeKVSink((cache,), transfer_timeout_s=1.0, on_receiving=on_receiving), cache
+
+
+def reservation_of(lease: Lease | None) -> KVDestination:
+    """The destination a reservation hands out: its epoch and transfer token."""
+    if lease is None:
+        return KVDestination()
+    return KVDestination(lease_epoch=lease.epoch, transfer_token=lease.transfer_token)
 
 
 def header(
@@ -29,11 +41,11 @@ def header(
     fill: float = 0.0,
     checksums: bool = True,
 ) -> TransferHeader:
-    """A sender's header for `block_ids`: sizes, the reservation's epoch (from `sink`), and the
-    checksums of buffers holding `fill`."""
+    """A sender's header for `block_ids`: sizes, the reservation's epoch and transfer token
+    (from `sink`; none without it), and the checksums of buffers holding `fill`."""
     buffers = destination_buffers((cache,), block_ids)
     lease = sink.lease(request_id) if sink is not None else None
-    destination = KVDestination(lease_epoch=lease.epoch if lease is not None else 0)
+    destination = reservation_of(lease)
     return TransferHeader.of(
         request_id,
         block_ids,
@@ -54,12 +66,16 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
         sink.destinations(header("other", [3, 4], cache))
     with pytest.raises(TransferRejected, match="differ from the reservation"):
         sink.destinations(header("r1", [3, 5], cache, sink))
-    epoch = KVDestination(lease_epoch=sink.lease("r1").epoch)  # type: ignore[union-attr]
-    bad_sizes = TransferHeader.of("r1", [3, 4], [1, 2, 3], destination=epoch)
+    reserved = reservation_of(sink.lease("r1"))
+    bad_sizes = TransferHeader.of("r1", [3, 4], [1, 2, 3], destination=reserved)
     with pytest.raises(TransferRejected, match="buffer sizes"):
         sink.destinations(bad_sizes)
-    with pytest.raises(TransferRejected, match="names reservation 0"):
+    with pytest.raises(TransferRejected, match="transfer token"):
         sink.destinations(header("r1", [3, 4], cache))  # an earlier reservation's sender
+    other_epoch = KVDestination(lease_epoch=reserved.lease_epoch ^ 1)
+    other_epoch.transfer_token = reserved.transfer_token
+    with pytest.raises(TransferRejected, match="names reservation"):
+        sink.destinations(TransferHeader.of("r1", [3, 4], [], destination=other_epoch))
     with pytest.raises(TransferRejected, match="0 checksums for 4 buffers"):
         sink.destinations(header("r1", [3, 4], cache, sink, checksums=False))
 
@@ -149,7 +165,7 @@ async def test_a_transfer_is_refused_once_the_deadline_passed_even_before_the_wa
     sink.expect("r1", [0], lease_s=0.05)
     await asyncio.sleep(0.1)  # nobody waits: the lease is past its deadline but still listed
     with pytest.raises(TransferRejected, match="has expired"):
-        sink.destinations(header("r1", [0], cache))
+        sink.destinations(header("r1", [0], cache, sink))
     assert sink.renew("unknown", started=True) is False
 
 
@@ -189,7 +205,7 @@ async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_on
         [6, 2, 3],
         [b.nbytes for b in sent],
         output_token_ids=[7],
-        destination=KVDestination(lease_epoch=sink.lease("r1").epoch),  # type: ignore[union-attr]
+        destination=reservation_of(sink.lease("r1")),
         buffer_checksums=buffer_checksums(sent),
     )
     buffers = sink.destinations(good)
@@ -209,3 +225,122 @@ async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_on
     )
     assert sink.staged_blocks("r1") is None  # handed over once
     assert not cache.any()
+
+
+def forgeries(
+    request_id: str, block_ids: list[int], cache: torch.Tensor, sink: DecodeKVSink
+) -> Iterator[TransferHeader]:
+    """Headers for `request_id`'s blocks from senders that were never handed its reservation:
+    no token, another reservation's, a random one, the right one off by a character, and the
+    right epoch without the token."""
+    lease = sink.lease(request_id)
+    assert lease is not None
+    other = sink.lease("r1" if request_id != "r1" else "r2")
+    assert other is not None
+    right = lease.transfer_token
+    near = right[:-1] + ("0" if right[-1] != "0" else "1")
+    for destination in (
+        KVDestination(),
+        reservation_of(other),
+        KVDestination(lease_epoch=lease.epoch, transfer_token=random_token()),
+        KVDestination(lease_epoch=lease.epoch, transfer_token=near),
+        KVDestination(lease_epoch=lease.epoch),
+        KVDestination(lease_epoch=lease.epoch, transfer_token="é" * 32),
+    ):
+        buffers = destination_buffers((cache,), block_ids)
+        yield TransferHeader.of(
+            request_id,
+            block_ids,
+            [b.nbytes for b in buffers],
+            output_token_ids=[9],
+            destination=destination,
+            buffer_checksums=buffer_checksums([torch.full_like(b, 5.0) for b in buffers]),
+        )
+
+
+async def test_a_transfer_without_its_reservations_token_is_refused_and_frees_nothing() -> None:
+    """A forger that knows a request id and its block ids (not its token) writes into no block,
+    and fails, frees or delays neither that request nor any other: both still take their own
+    KV afterwards, into exactly their blocks."""
+    receiving: list[str] = []
+    sink, cache = make_sink(receiving)
+    sink.expect("r1", [1, 2], lease_s=5)
+    sink.expect("r2", [5, 6], lease_s=5)
+    waiters = {rid: asyncio.ensure_future(sink.wait(rid)) for rid in ("r1", "r2")}
+    for victim, blocks in (("r2", [5, 6]), ("r1", [1, 2])):
+        for forged in forgeries(victim, blocks, cache, sink):
+            with pytest.raises(TransferRejected, match="transfer token"):
+                sink.destinations(forged)
+            # The transport tells the sink of a failure only after destinations() handed some
+            # out; a forger may still try it: the lease does not move.
+            sink.failed(forged, "forged")
+    await asyncio.sleep(0.05)
+    assert receiving == [] and not cache.any()
+    assert not any(waiter.done() for waiter in waiters.values())
+    for rid, blocks in (("r1", [1, 2]), ("r2", [5, 6])):
+        lease = sink.lease(rid)
+        assert lease is not None and lease.state is LeaseState.QUEUED and lease.block_ids == blocks
+    # The real senders, after the forgers: accepted, into their blocks only.
+    for rid, blocks, fill in (("r2", [5, 6], 2.0), ("r1", [1, 2], 1.0)):
+        good = header(rid, blocks, cache, sink, fill=fill)
+        for buffer in sink.destinations(good):
+            buffer.fill_(fill)
+        sink.completed(good, sum(good.buffer_nbytes))
+    assert [list((await waiters[rid]).output_token_ids) for rid in ("r1", "r2")] == [[7], [7]]
+    assert cache[:, :, 1:3].eq(1).all() and cache[:, :, 5:7].eq(2).all()
+    untouched = [b for b in range(cache.shape[2]) if b not in (1, 2, 5, 6)]
+    assert not cache[:, :, untouched].any()
+    assert sink.transfers_completed == 2 and sink.checksum_failures == 0
+
+
+async def test_a_forged_transfer_over_tcp_is_refused_and_the_real_one_lands() -> None:
+    """The same through a real receiver and sender (TCP sockets, the transfer conversation)."""
+    sink, cache = make_sink()
+    sink.expect("r1", [1, 2], lease_s=5)
+    sink.expect("r2", [5, 6], lease_s=5)
+    receiver = TcpReceiver(sink)
+    sender = TcpSender()
+    address = await receiver.start(host="127.0.0.1", port=0)
+    try:
+        for forged in forgeries("r2", [5, 6], cache, sink):
+            data = [torch.full_like(b, 5.0) for b in destination_buffers((cache,), [5, 6])]
+            with pytest.raises(TransferRejected, match="transfer token"):
+                await sender.send(address, forged, data)
+        assert sink.state("r1") is LeaseState.QUEUED and sink.state("r2") is LeaseState.QUEUED
+        assert not cache.any()
+        good = header("r2", [5, 6], cache, sink, fill=2.0)
+        data = [torch.full_like(b, 2.0) for b in destination_buffers((cache,), [5, 6])]
+        await sender.send(address, good, data)
+        assert list((await sink.wait("r2")).output_token_ids) == [7]
+        assert cache[:, :, 5:7].eq(2).all() and not cache[:, :, :5].any()
+        assert sink.state("r1") is LeaseState.QUEUED
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_reservations_get_random_epochs_and_tokens() -> None:
+    """Neither can be guessed from an earlier reservation: no counter behind the epochs, a fresh
+    128-bit token each time."""
+    sink, _ = make_sink()
+    leases = [sink.expect(f"r{i}", [i % 8], lease_s=5) for i in range(64)]
+    epochs = [lease.epoch for lease in leases]
+    tokens = [lease.transfer_token for lease in leases]
+    assert len(set(epochs)) == len(epochs) and len(set(tokens)) == len(tokens)
+    steps = {b - a for a, b in itertools.pairwise(epochs)}
+    assert 1 not in steps and len(steps) == len(epochs) - 1, "epochs follow a pattern"
+    assert all(0 <= epoch < 1 << 62 for epoch in epochs)
+    assert all(len(token) == 32 and int(token, 16) >= 0 for token in tokens)
+    assert sink.lease("r0") is leases[0] and leases[0].admits(tokens[0])
+    assert not leases[0].admits(tokens[1]) and not leases[0].admits("")
+    assert not Lease.reserve("x", [0], leases[0].policy, 0.0).admits("")  # no token: nothing
+
+
+def test_the_kv_receiver_listens_where_it_is_advertised() -> None:
+    """--host names the address; a wildcard --host narrows to the advertised address when it
+    is this machine's own, and stays a wildcard for one it cannot bind (behind a NAT)."""
+    assert kv_listen_host("127.0.0.1", "10.0.0.9") == "127.0.0.1"
+    assert kv_listen_host("0.0.0.0", "127.0.0.1") == "127.0.0.1"
+    assert kv_listen_host("0.0.0.0", "localhost") in ("127.0.0.1", "::1")
+    assert kv_listen_host("0.0.0.0", "198.51.100.7") == "0.0.0.0"  # TEST-NET-2: not ours
+    assert kv_listen_host("", "no-such-host.invalid") == ""

@@ -4,13 +4,16 @@ Each Nori service's command runs as `python -m nori.cli.main ...` with the servi
 environment, after Compose's `${VAR:-default}` interpolation. Service names resolve to
 127.0.0.1 (here: rewritten in the environment), every port a command listens on is remapped to
 a free one (replicas of a scaled service each get their own), and the third-party services are
-stood in for: Redis by a local redis-server, Jaeger by the test's OTLP receiver.
+stood in for: Redis by the redis service's own script run here (its ACL file written from the
+secret files, then redis-server; `compose_redis`), Jaeger by the test's OTLP receiver. Secret
+files are made as the file's comment says, in a folder that stands in for /run/secrets.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -127,3 +130,50 @@ def wait_healthy(check: list[str], env: dict[str, str], timeout_s: float) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"{check} still unhealthy: {done.stderr}")
         time.sleep(1)
+
+
+def make_secrets(document: dict[str, Any], folder: Path) -> Path:
+    """Each secret compose.yaml declares, as its comment says to make them (mode 0600)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in document["secrets"]:
+        path = folder / name
+        path.write_text(secrets.token_urlsafe(32) + "\n")
+        path.chmod(0o600)
+    return folder
+
+
+def _container_paths(text: str, secrets_dir: Path, data_dir: Path) -> str:
+    """A script of the redis service, as it runs here: Compose's `$$` unescaped, its secret and
+    data folders moved."""
+    return (
+        text.replace("$$", "$")
+        .replace("/run/secrets/", f"{secrets_dir}/")
+        .replace("/data/", f"{data_dir}/")
+    )
+
+
+def compose_redis(
+    document: dict[str, Any], binary: str, port: int, secrets_dir: Path, data_dir: Path, log: Path
+) -> subprocess.Popen[bytes]:
+    """The redis service's command (`sh -c SCRIPT`) run here, on 127.0.0.1:`port`; the image's
+    entrypoint (which only drops root) is left out."""
+    command = list(document["services"]["redis"]["command"])
+    assert command[:2] == ["sh", "-c"], command
+    script = _container_paths(command[2], secrets_dir, data_dir).replace(
+        "docker-entrypoint.sh redis-server", f"{binary} --port {port} --bind 127.0.0.1"
+    )
+    with log.open("wb") as out:
+        return subprocess.Popen(["sh", "-c", script], stdout=out, stderr=subprocess.STDOUT)
+
+
+def compose_redis_health(
+    document: dict[str, Any], port: int, secrets_dir: Path, data_dir: Path
+) -> bool:
+    """The redis service's own health check, against the server on `port`."""
+    test = document["services"]["redis"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL", test
+    script = _container_paths(test[1], secrets_dir, data_dir).replace(
+        "redis-cli", f"redis-cli -p {port}"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "REDISCLI_AUTH"}
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True).returncode == 0

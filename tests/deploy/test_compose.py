@@ -36,7 +36,7 @@ def test_compose_file_matches_the_compose_specification() -> None:
     # Workers must register an address that reaches this replica, not the service name.
     for role in WORKERS:
         assert services[role]["environment"]["NORI_ADVERTISE_HOST"] == "auto"
-        assert services[role]["environment"]["REDIS_URL"].startswith("redis://redis:")
+        assert services[role]["environment"]["REDIS_URL"].startswith("redis://nori-")
         assert services[role]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == (
             "http://jaeger:4317"
         )
@@ -128,3 +128,67 @@ def test_schema_check_rejects_a_broken_file() -> None:
     broken = {"services": {"generate": {"image": "nori", "comand": ["generate"]}}}
     with pytest.raises(jsonschema.ValidationError, match="comand"):
         validator(SCHEMA).validate(broken)
+
+
+# The Redis user of each Nori service, and the secret holding its password.
+REDIS_USERS = {
+    "gateway": "nori-gateway",
+    "prefill": "nori-prefill",
+    "prefill-gpu": "nori-prefill",
+    "decode": "nori-decode",
+    "decode-gpu": "nori-decode",
+    "colocated": "nori-decode",
+}
+
+
+def test_every_role_gets_the_cluster_secret_and_only_its_own_redis_password() -> None:
+    document = _document()
+    services = document["services"]
+    declared = document["secrets"]
+    for name in (
+        "cluster_secret",
+        "redis_password",
+        *(f"redis_{u[5:]}_password" for u in set(REDIS_USERS.values())),
+    ):
+        # File secrets, from one folder a variable can move.
+        assert declared[name] == {"file": f"${{NORI_SECRETS_DIR:-./secrets}}/{name}"}, name
+    for name, user in REDIS_USERS.items():
+        service, password = services[name], f"redis_{user.removeprefix('nori-')}_password"
+        environment = service["environment"]
+        assert environment["REDIS_URL"] == f"redis://{user}@redis:6379/0", name
+        assert environment["NORI_REDIS_PASSWORD_FILE"] == f"/run/secrets/{password}", name
+        assert environment["NORI_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", name
+        # No other role's password, nor Redis' own: a role can log in only as itself.
+        assert sorted(service["secrets"]) == sorted(["cluster_secret", password]), name
+        assert not any("PASSWORD=" in str(v) or "SECRET=" in str(v) for v in environment), name
+    redis = services["redis"]
+    assert sorted(redis["secrets"]) == sorted(
+        ["redis_password", *(f"redis_{u[5:]}_password" for u in set(REDIS_USERS.values()))]
+    )
+    # The health check logs in (without the password on a command line).
+    assert redis["healthcheck"]["test"][0] == "CMD-SHELL"
+    assert "REDISCLI_AUTH=" in redis["healthcheck"]["test"][1]
+
+
+def compose_acl_rules(document: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The ACL rules of each role user in the redis service's script (after `on >PASSWORD`),
+    with the script's shared `$rules` spelled out."""
+    script = document["services"]["redis"]["command"][2]
+    shared = re.search(r'^rules="([^"]*)"$', script, re.M)
+    assert shared is not None, script
+    rules = {}
+    for user, rest in re.findall(r'echo "user (nori-\w+) on >\$\$\(cat \S+\) (.*)"$', script, re.M):
+        rules[user] = tuple(rest.replace("$$rules", shared.group(1)).split())
+    return rules
+
+
+def test_compose_redis_users_have_the_rules_of_nori_up() -> None:
+    from nori.launch.redis_server import ROLE_COMMANDS, role_acl_rules
+
+    expected = {
+        user: (*rules, *ROLE_COMMANDS) for user, rules in role_acl_rules("nori", (7, 0)).items()
+    }
+    assert compose_acl_rules(_document()) == expected
+    # The gateway's registry and directory patterns are read-only (redis:7 has %R~).
+    assert "%R~nori:worker:*" in expected["nori-gateway"]
+    assert _document()["services"]["redis"]["image"].startswith("redis:7")

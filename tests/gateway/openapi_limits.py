@@ -81,7 +81,8 @@ def _sampling(vocab_size: int) -> dict[str, Schema]:
         "stop_token_ids": _nullable(_array(token, 2)),
         "presence_penalty": _nullable(_number(-2, 2)),
         "frequency_penalty": _nullable(_number(-2, 2)),
-        "repetition_penalty": _nullable(_number(0, 2, exclusive_low=True)),
+        # request_params.MIN_REPETITION_PENALTY: below it, logits blow up.
+        "repetition_penalty": _nullable(_number(0.01, 2)),
         # At most max_tokens, which is at least 1.
         "min_tokens": _integer(0, 1),
         "n": _integer(1, 2),
@@ -121,6 +122,7 @@ def _chat() -> dict[str, Schema]:
         # Only with logprobs: true.
         "top_logprobs": NULL,
         "tools": NULL,
+        "tool_choice": _nullable({"enum": ["none", "auto"]}),
         "response_format": _nullable(
             {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}
         ),

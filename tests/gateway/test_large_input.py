@@ -7,18 +7,24 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from nori.gateway.body_limit import (
+    MIN_PROMPT_BODY_BYTES,
+    PROMPT_BODY_BYTES_PER_TOKEN,
+    prompt_body_limit,
+)
 from nori.sampling.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from tests.gateway.app_helpers import MAX_MODEL_LEN, assert_error, client, make_app, post
 from tests.gateway.helpers import FakeBackend
 
 
 @pytest.mark.asyncio
-async def test_a_10_mb_prompt_is_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
+async def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
     backend = FakeBackend()
-    prompt = "Once upon a time there was a cat. " * 300_000  # 10 MB
+    prompt = "Once upon a time there was a cat. " * 25_000  # 850 kB: under the body bound
     for path, body in (
         ("/v1/completions", {"prompt": prompt, "max_tokens": 4}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+        ("/tokenize", {"prompt": prompt}),
     ):
         error = assert_error(
             await post(make_app(tokenizer, backend), path, body),
@@ -28,6 +34,30 @@ async def test_a_10_mb_prompt_is_refused_before_tokenizing(tokenizer: Tokenizer)
         )
         assert error["param"] in ("prompt", "messages")
     assert backend.requests == []
+
+
+@pytest.mark.asyncio
+async def test_prompt_endpoints_take_bodies_only_as_large_as_the_context_needs(
+    tokenizer: Tokenizer,
+) -> None:
+    """10 MB of text or 10 M token ids: refused from the body's size (the context of 64 tokens
+    needs far less than the 1 MiB floor), before anything parses it; other paths keep the
+    server's bound."""
+    backend = FakeBackend()
+    app = make_app(tokenizer, backend)
+    text = "Once upon a time there was a cat. " * 300_000  # 10 MB
+    ids = json.dumps({"prompt": [1] * 10_000_000, "max_tokens": 4}).encode()
+    for path, body in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 4}),
+        ("/v1/completions", ids),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ("/tokenize", {"prompt": text}),
+        ("/detokenize", {"tokens": [1] * 10_000_000}),
+    ):
+        assert_error(await post(app, path, body), 413, f"{path}'s limit of {MIN_PROMPT_BODY_BYTES}")
+    assert backend.requests == []
+    assert prompt_body_limit(1 << 17, 32 << 20) == PROMPT_BODY_BYTES_PER_TOKEN << 17
+    assert prompt_body_limit(1 << 20, 32 << 20) == 32 << 20  # never over the server's bound
 
 
 @pytest.mark.asyncio

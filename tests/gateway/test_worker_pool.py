@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from nori.gateway.worker_pool import WorkerPool, agree_on_kv_layout
-from nori.state.registry import WorkerInfo
+from nori.state.registry import WorkerInfo, WorkerListing
 
 
 def worker(
@@ -91,10 +91,10 @@ class ListedRegistry:
     def __init__(self) -> None:
         self.listing: list[WorkerInfo] | None = []
 
-    async def list_workers(self) -> list[WorkerInfo]:
+    async def list_entries(self) -> WorkerListing:
         if self.listing is None:
             raise ConnectionError("Redis is away")
-        return list(self.listing)
+        return WorkerListing(list(self.listing))
 
 
 async def refreshed(

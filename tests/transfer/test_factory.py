@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ from nori.transfer.buffers import check_destinations, check_sources
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.tcp import TcpReceiver
+from nori.transfer.ucx_env import LOOPBACK_DEVICE, confine_ucx_to, is_loopback
 from tests.transfer.receiver_process import CacheSink
 
 # Runs in a fresh interpreter where `import ucxx` fails, as on a machine without it.
@@ -153,3 +155,37 @@ def test_buffer_checks() -> None:
         check_destinations(header, [torch.zeros(4)])
     with pytest.raises(TransferRejected, match="not a contiguous tensor"):
         check_destinations(header, [torch.zeros(2, 4).t()])
+
+
+def test_a_loopback_worker_keeps_ucx_on_the_loopback_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`nori up`'s workers (--host 127.0.0.1): UCX's own TCP sockets on `lo` only; a worker on
+    another address, or an operator's own UCX_NET_DEVICES, is left alone."""
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    confine_ucx_to("0.0.0.0")
+    confine_ucx_to("10.1.2.3")
+    confine_ucx_to("decode-0.internal")
+    assert "UCX_NET_DEVICES" not in os.environ
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert is_loopback(host)
+        monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+        confine_ucx_to(host)
+        assert os.environ["UCX_NET_DEVICES"] == LOOPBACK_DEVICE
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    confine_ucx_to("127.0.0.1")
+    assert os.environ["UCX_NET_DEVICES"] == "mlx5_0:1"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_a_tcp_receiver_listens_on_its_host_only(host: str) -> None:
+    receiver = TcpReceiver(CacheSink({}))
+    try:
+        await receiver.start(host=host, port=0)
+    except OSError as error:
+        pytest.skip(f"no {host} here: {error}")
+    try:
+        listener = receiver._listener
+        assert listener is not None and listener.getsockname()[0] == host
+    finally:
+        await receiver.close()

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVDestination(_message.Message):
-    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds", "lease_epoch")
+    __slots__ = ("worker_id", "transfer_address", "block_ids", "grpc_address", "lease_seconds", "lease_epoch", "transfer_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transfer_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     grpc_address: str
     lease_seconds: float
     lease_epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., lease_epoch: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class HandOff(_message.Message):
     __slots__ = ("request_id", "destination", "output_token_ids", "generator_state", "trace_context")

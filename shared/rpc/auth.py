@@ -1,0 +1,86 @@
+"""Workers accept internal gRPC calls only from holders of the cluster secret.
+
+Every internal call (gateway -> workers: Generate, Prefill, GetStats; prefill -> decode:
+RenewLeases) carries `ClusterAuth.rpc_token()` in its metadata under `RPC_TOKEN_METADATA`, added
+by the caller to the metadata it already sends (`ClusterAuth.rpc_metadata()`), so no client
+interceptor touches every streamed message. The worker's server checks it once per call with
+`ClusterTokenInterceptor` and answers a call without it, or with a wrong one, UNAUTHENTICATED
+before any handler runs: no engine work, no reservation, nothing a caller could learn from.
+
+The standard health service stays open (`nori health HOST:PORT`, the containers' healthchecks,
+holds no secret); it says SERVING or not and nothing else. An open cluster (no secret) installs
+no interceptor at all, so it costs nothing there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from nori.cluster_auth import RPC_TOKEN_METADATA, ClusterAuth
+
+# Methods open to callers without the token: the standard health service only.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+
+DENIED_MESSAGE = (
+    "this Nori worker takes internal calls only with the cluster's credential (metadata "
+    f"{RPC_TOKEN_METADATA!r}, derived from --cluster-secret / NORI_CLUSTER_SECRET): missing or wrong"
+)
+
+
+def call_token(metadata: tuple[Any, ...] | None) -> str | None:
+    """The cluster token in a call's invocation metadata, if any."""
+    for key, value in metadata or ():
+        if key == RPC_TOKEN_METADATA:
+            return value if isinstance(value, str) else None
+    return None
+
+
+async def _deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED_MESSAGE)
+
+
+def denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind (unary or streaming either way) that only aborts with
+    UNAUTHENTICATED: gRPC must be given a handler of the method's own kind, or a streaming
+    caller would wait on a call the server answers wrongly."""
+    options: dict[str, Any] = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_deny, **options)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_deny, **options)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_deny, **options)
+    return grpc.unary_unary_rpc_method_handler(_deny, **options)
+
+
+class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but the health service's without this cluster's token."""
+
+    def __init__(self, auth: ClusterAuth) -> None:
+        if not auth.enabled:
+            raise ValueError("an open cluster checks no tokens (install no interceptor)")
+        self._auth = auth
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        token = call_token(handler_call_details.invocation_metadata)
+        if self._auth.check_rpc_token(token):
+            return handler
+        return denying_handler(handler)
+
+
+def server_interceptors(auth: ClusterAuth) -> tuple[grpc.aio.ServerInterceptor, ...]:
+    """What a worker's gRPC server installs: the token check, or nothing in an open cluster."""
+    return (ClusterTokenInterceptor(auth),) if auth.enabled else ()

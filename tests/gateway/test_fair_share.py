@@ -1,0 +1,214 @@
+"""DecodeShares: who may hold the decode pool's calls (pure logic, exact counts)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from nori.gateway.admission import DecodeShares, PoolCapacity, PromptQueue, ShareRefusedError
+from nori.gateway.backend import GenerationRequest, InvalidRequestError
+from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.session import client_identity
+from nori.gateway.worker_calls import CallDroppedError, WorkerLostError, error_from_rpc
+from nori.sampling.params import SamplingParams
+
+
+def shares(rows: int = 8, calls: int = 10, max_share: float = 0.5) -> DecodeShares:
+    pool = DecodeShares(max_share)
+    pool.set_capacity(PoolCapacity(rows=rows, calls=calls))
+    return pool
+
+
+def test_no_capacity_known_limits_nothing() -> None:
+    pool = DecodeShares(0.5)
+    held = [pool.try_take("big", "a") for _ in range(1000)]
+    assert all(share is not None for share in held)
+
+
+def test_a_lone_request_fills_the_rows_and_leaves_the_queues_free() -> None:
+    pool = shares(rows=8, calls=10)
+    held = [pool.try_take("big", "a") for _ in range(8)]
+    assert all(held)
+    assert pool.try_take("big", "a") is None  # the rows are full: the rest waits
+    # Another client's single request gets one of the calls beyond the rows at once.
+    assert pool.try_take("single-1", "b") is not None
+    assert pool.try_take("single-2", "c") is not None
+    assert pool.try_take("single-3", "d") is None  # every call is out
+    assert pool.num_held == 10
+
+
+def test_while_others_are_active_a_request_keeps_to_its_share() -> None:
+    pool = shares(rows=8, calls=10, max_share=0.5)
+    held = [pool.try_take("big", "a") for _ in range(8)]
+    single = pool.try_take("single", "b")
+    assert single is not None
+    # The big request holds 8 > 4 (half the rows) while another is active: none of its
+    # members starts until it is back under 4, even with calls free.
+    for share in held[:4]:
+        assert share is not None
+        share.release()
+    assert pool.num_held == 5
+    assert pool.try_take("big", "a") is None
+    held[4].release()  # type: ignore[union-attr]
+    assert pool.try_take("big", "a") is not None  # 3 + 1 = 4
+    assert pool.try_take("big", "a") is None
+    single.release()  # alone again: the rows are its to fill
+    assert pool.try_take("big", "a") is not None
+
+
+def test_one_clients_requests_share_one_limit() -> None:
+    pool = shares(rows=8, calls=20, max_share=0.5)
+    for i in range(8):
+        assert pool.try_take(f"r{i}", "a") is not None
+    assert pool.try_take("r8", "a") is None  # the client fills the rows with its singles
+    assert pool.try_take("other", "b") is not None
+    assert pool.try_take("r9", "a") is None
+
+
+async def test_a_freed_call_goes_to_the_waiter_holding_least() -> None:
+    pool = shares(rows=4, calls=4, max_share=0.5)
+    held = [pool.try_take("big", "a") for _ in range(4)]
+    big_next = asyncio.ensure_future(pool.take("big", "a", wait_s=10))
+    newcomer = asyncio.ensure_future(pool.take("batch-of-b", "b", wait_s=10))
+    await asyncio.sleep(0)
+    assert pool.num_waiting == 2
+    held[0].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert newcomer.done() and not big_next.done()  # b holds nothing, a holds 3
+    # a holds 3 > 2 (its share while b is active): freed calls do not go to it.
+    held[1].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert not big_next.done()
+    held[2].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert big_next.done()  # a holds 1 < 2
+    assert pool.num_held == 3
+    newcomer.result().release()
+    big_next.result().release()
+    held[3].release()  # type: ignore[union-attr]
+    assert pool.num_held == 0
+    assert pool._held == {} and pool._active == {}  # nothing left behind
+
+
+async def test_a_wait_that_runs_out_is_a_429_and_leaves_nothing() -> None:
+    pool = shares(rows=1, calls=1)
+    held = pool.try_take("first", "a")
+    with pytest.raises(ShareRefusedError) as refused:
+        await pool.take("second", "b", wait_s=0.01)
+    assert refused.value.status_code == 429
+    assert "decode pool is full" in str(refused.value)
+    with pytest.raises(ShareRefusedError):
+        await pool.take("single", "c", wait_s=0)  # no wait at all
+    assert pool.num_waiting == 0
+    assert held is not None
+    held.release()
+    assert pool._held == {} and pool._active == {}
+
+
+async def test_a_cancelled_waiter_leaves_nothing() -> None:
+    pool = shares(rows=1, calls=1)
+    held = pool.try_take("first", "a")
+    waiter = asyncio.ensure_future(pool.take("second", "b", wait_s=10))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert held is not None
+    held.release()
+    assert pool.num_held == 0 and pool.num_waiting == 0
+    assert pool._held == {} and pool._active == {}
+
+
+async def test_a_call_freed_as_a_waiter_is_cancelled_goes_to_no_one() -> None:
+    """A batch whose client left: its waiters' tasks are cancelled while its running members
+    release their shares, before the cancelled tasks have run again."""
+    pool = shares(rows=1, calls=1)
+    held = pool.try_take("batch", "a")
+    waiter = asyncio.ensure_future(pool.take("batch", "a", wait_s=10))
+    await asyncio.sleep(0)
+    waiter.cancel()  # its future is cancelled now, its task runs later
+    assert held is not None
+    held.release()  # must not grant the cancelled waiter (the share would never come back)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert pool.num_held == 0 and pool.num_waiting == 0
+    assert pool._held == {} and pool._active == {}
+    assert pool.try_take("next", "b") is not None
+
+
+def test_a_share_is_released_once() -> None:
+    pool = shares(rows=2, calls=2)
+    share = pool.try_take("r", "a")
+    assert share is not None
+    share.release()
+    share.release()
+    assert pool.num_held == 0
+
+
+def test_share_bounds() -> None:
+    with pytest.raises(ValueError, match="max-decode-share"):
+        DecodeShares(0)
+    with pytest.raises(ValueError, match="max-decode-share"):
+        DecodeShares(1.5)
+
+
+def test_a_paused_prompt_is_out_of_the_token_count_but_keeps_its_group_admitted() -> None:
+    queue = PromptQueue(max_tokens_per_worker=10)
+    first = queue.admit(8, 1, now=0.0, group="batch")
+    second = queue.admit(8, 1, now=0.0, group="batch")  # joins its group past the bound
+    assert queue.queued_tokens == 16
+    second.pause()  # waits for a decode share: not queued on any worker
+    assert queue.queued_tokens == 8
+    second.resume()
+    assert queue.queued_tokens == 16
+    second.pause()
+    second.abandon()  # failed while paused: its tokens are not taken off twice
+    first.prefilled(1.0)
+    assert queue.queued_tokens == 0
+
+
+def test_a_call_the_worker_cancelled_is_dropped_not_failed() -> None:
+    """gRPC core cancels calls left in a server's backlog (CANCELLED, no handler ran): the
+    flow retries them, where it used to answer 500 "decode-1 failed (CANCELLED)"."""
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "CANCELLED"
+    )
+    dropped = error_from_rpc(error, "decode-1")
+    assert isinstance(dropped, CallDroppedError)
+    assert isinstance(dropped, WorkerLostError)  # mid-stream: lost, the request migrates
+    assert "decode-1 dropped the call" in str(dropped)
+
+
+def test_requests_wider_than_the_caps_are_400s() -> None:
+    backend = ClusterBackend(ClusterOptions(max_n=8, max_request_members=100, max_in_flight=50))
+    params = SamplingParams()
+
+    def member(group_size: int, n: int) -> GenerationRequest:
+        return GenerationRequest("r-0", [1, 2], params, "r", "c", group_size, n)
+
+    backend._check_fan_out(member(50, 8))  # at the caps: fine
+    with pytest.raises(InvalidRequestError, match=r"n is 9, more than this server allows \(8"):
+        backend._check_fan_out(member(9, 9))
+    # Past --max-in-flight too: such a batch could never be in flight whole.
+    with pytest.raises(InvalidRequestError, match=r"51 choices .* \(50, --max-request-members"):
+        backend._check_fan_out(member(51, 1))
+    with pytest.raises(ValueError, match="--max-n"):
+        ClusterOptions(max_n=65)
+    with pytest.raises(ValueError, match="--max-decode-share"):
+        ClusterOptions(max_decode_share=0)
+
+
+def test_clients_are_told_apart_by_key_else_by_address() -> None:
+    def scope(authorization: bytes | None, host: str = "10.0.0.1") -> dict[str, object]:
+        headers = [(b"authorization", authorization)] if authorization is not None else []
+        return {"type": "http", "headers": headers, "client": (host, 5555)}
+
+    alice = client_identity(scope(b"Bearer alice-key"))
+    assert alice == client_identity(scope(b"bearer alice-key", host="10.0.0.2"))
+    assert alice != client_identity(scope(b"Bearer bob-key"))
+    assert "alice-key" not in alice  # a digest: the key itself is never kept
+    assert client_identity(scope(None)) == "addr:10.0.0.1"
+    assert client_identity(scope(b"Basic xyz")) == "addr:10.0.0.1"
+    assert client_identity({"type": "http", "headers": []}) == "addr:unknown"
