@@ -85,6 +85,14 @@ class WorkerOptions(RoleSettings):
         return socket.gethostbyname(socket.gethostname())
 
 
+# gRPC core cancels calls that arrive while the server is too busy to take them (1,000 pending
+# by default, random drops up to 3,000): CANCELLED, before any handler runs, nothing logged. A
+# burst of thousands of members (60 prompts x n=64) met that. Allow far more, so that every call
+# reaches `_open` and gets the worker's own answer (RESOURCE_EXHAUSTED past its queue bound).
+SERVER_BACKLOG_OPTIONS = [
+    ("grpc.server.max_pending_requests", 16_384),
+    ("grpc.server.max_pending_requests_hard_limit", 16_384),
+]
 # How long a starting worker waits for Redis' first answer before loading its engine anyway.
 REDIS_CHECK_S = 0.5
 # How often a busy worker logs its load (vLLM logs its throughput line as often).
@@ -213,8 +221,7 @@ class Worker(ABC):
         # Calls without the cluster's token are refused (nori.rpc.auth); an open cluster
         # installs no interceptor.
         server = grpc.aio.server(
-            options=GRPC_OPTIONS,
-            interceptors=server_interceptors(ClusterAuth.from_text(self.options.cluster_secret)),
+            options=[*GRPC_OPTIONS, *SERVER_BACKLOG_OPTIONS], interceptors=server_interceptors(auth)
         )
         self.add_servicers(server)
         health = health_aio.HealthServicer()
