@@ -132,18 +132,18 @@ class ClusterBackend:
         self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
         self.decode_shares = DecodeShares(options.max_decode_share)
         self._capacity_watch: asyncio.Task[None] | None = None
-        # Every call to a worker carries the cluster's token (nori.rpc.auth).
-        self.rpc_metadata = ClusterAuth.from_text(options.cluster_secret).rpc_metadata()
+        # Registry entries are checked against it (nori.state.registry), and every call to a
+        # worker carries its token (nori.rpc.auth).
+        self._auth = ClusterAuth.from_text(options.cluster_secret)
+        self.rpc_metadata = self._auth.rpc_metadata()
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
         self._redis = connect(self.options.redis_url)
-        # With a cluster secret, only entries that verify are routed to (nori.state.registry).
-        auth = ClusterAuth.from_text(self.options.cluster_secret)
         self._pool = WorkerPool(
-            WorkerRegistry(self._redis, keys, auth=auth),
+            WorkerRegistry(self._redis, keys, auth=self._auth),
             self.options.block_size,
             self.options.refresh_s,
         )
