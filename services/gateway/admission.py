@@ -257,10 +257,18 @@ class DecodeShares:
 
     def _refusal(self, group: str, client: str) -> ShareRefusedError:
         assert self.capacity is not None
+        g, c = _group_key(group), _client_key(client)
+        at_rows = max(1, self.capacity.rows)
         if self.num_held >= self.capacity.calls:
             message = (
                 f"the decode pool is full: {self.num_held} requests hold its "
                 f"{self.capacity.calls} calls"
+            )
+        elif self._held[g] >= at_rows or self._held[c] >= at_rows:
+            # Alone, an owner may fill every running slot, and it has: the pool is full for it.
+            message = (
+                f"the decode pool is full: this client's requests hold all of its "
+                f"{self.capacity.rows} running slots"
             )
         else:
             message = (
