@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     decode_args = worker_args(args.decode_args, "--decode-args")
     # Create the demo checkpoint once here, not concurrently in every process.
     resolve_model(args.model)
+    _build_cpu_kernels()
     # A private Redis has a password and a user per role (each role's URL names its own).
     redis_url, redis_server = redis_for_cluster(args.namespace)
     role_redis_urls = redis_server.role_urls() if redis_server is not None else {}
@@ -219,6 +220,18 @@ def run(args: argparse.Namespace) -> int:
             redis_server.stop()
     print("nori: stopped", flush=True)
     return 0
+
+
+def _build_cpu_kernels() -> None:
+    """Compiles the C++ CPU kernels here, on every CPU this process may use, before any worker
+    starts. On a fresh machine (an empty torch extensions folder) each worker would otherwise
+    build them on first use on its one pinned CPU, the others waiting on its lock: minutes,
+    past the startup timeout. Already built, this only loads them."""
+    from nori.kernels.cpu_build import cpu_kernels
+
+    if Environment.read().cpu_kernels:
+        print("nori: loading the C++ CPU kernels (built on first use: a few minutes)", flush=True)
+        cpu_kernels()
 
 
 class RedisSupervisor:
