@@ -1,7 +1,8 @@
 """Fair shares of the decode pool on a real cluster (issue 22, "Fairness").
 
 One cluster for the module: 1 prefill and 2 decode workers of the demo shape, each decode worker
-with 32 running slots and 40 calls (the pool: 64 rows, 80 calls).
+with 32 running slots and 40 calls (the pool: 64 rows, 80 calls), on the CPUs `nori up` gives them
+(its default plan: each role its own CPUs and threads), as the fairness figures are meant for.
 
 - A batch of 60 prompts x n=64 (3,840 members) used to fail with 500 "decode-N failed
   (CANCELLED)": the members flooded the workers' gRPC servers, whose backlog of unserved calls
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nori.launch.cpu_plan import CpuRequest, plan_cpus
 from nori.launch.local_cluster import LocalCluster
 from tests.cluster.conftest import running_cluster
 
@@ -33,7 +36,8 @@ pytestmark = pytest.mark.slow
 def fair_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    yield from running_cluster(redis_url, checkpoint, tmp_path_factory)
+    plan = plan_cpus(os.sched_getaffinity(0), CpuRequest(num_prefill=1, num_decode=2))
+    yield from running_cluster(redis_url, checkpoint, tmp_path_factory, cpu_plan=plan)
 
 
 def model_name(base_url: str) -> str:
@@ -93,7 +97,8 @@ def test_single_requests_go_first_while_a_big_n_request_runs(
 
     async def scenario() -> tuple[list[tuple[int, float]], list[tuple[int, float]], int]:
         async with httpx.AsyncClient(base_url=fair_cluster.url, timeout=300) as client:
-            await first_token_s(client, model, "warm-up")
+            # The first burst after start is the cold one (first batch shapes): not "alone".
+            await burst(client)
             alone = await burst(client)
             big_body = {
                 "model": model,
