@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from nori.engine.outputs import RequestOutput
 from nori.telemetry.propagation import context_from_carrier, context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
+from nori.transfer.address import brief_address
 from nori.worker.metrics import WorkerMetrics
 
 
@@ -125,7 +126,10 @@ class CallRecord:
         span = self._tracer.start_span(
             "kv_send",
             context=trace.set_span_in_context(self.span),
-            attributes={"nori.kv.destination": destination, "nori.kv.blocks": num_blocks},
+            attributes={
+                "nori.kv.destination": brief_address(destination),
+                "nori.kv.blocks": num_blocks,
+            },
         )
         return span, current_carrier(span)
 

@@ -33,6 +33,7 @@ from nori.state.connection import connect, wait_for_redis
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
+from nori.transfer.address import brief_address
 from nori.worker.metrics import WorkerMetrics
 from nori.worker.request_telemetry import WorkerTelemetry
 
@@ -252,7 +253,7 @@ class Worker(ABC):
             self.role,
             self.worker_id,
             self.grpc_address,
-            self.transfer_address or "none",
+            brief_address(self.transfer_address) if self.transfer_address else "none",
             f"http://{self.metrics_address}/metrics" if self.metrics_address else "none",
         )
         try:

@@ -10,14 +10,16 @@ RDMA needs a system UCX. Importing this module applies the UCX settings in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from nori.transfer.address import parse_address
+from nori.transfer.address import Address, parse_address, worker_peer
 from nori.transfer.base import KVSink, TransferConfig, TransferError
 from nori.transfer.buffers import check_sources
 from nori.transfer.conversation import (
@@ -30,13 +32,22 @@ from nori.transfer.conversation import (
 )
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.pool import ConnectionPool
+from nori.transfer.ucx_env import is_loopback
 from nori.transfer.ucx_worker import (
+    MAX_HELLO_BYTES,
+    ConnectionTags,
+    PeerWatch,
     Poster,
     Request,
     UcxProgress,
     abort,
+    accept_hello,
     connect,
+    connect_to_worker,
     create_listener,
+    welcome,
+    worker_address,
+    worker_addresses_supported,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,15 +68,26 @@ def _ucx_buffer(view: torch.Tensor) -> object:
 
 
 class _UcxChannel:
-    def __init__(self, endpoint: Any, progress: UcxProgress) -> None:
+    """One connection: a listener's endpoint pair, or (with `tags`) two one-way endpoints
+    between worker addresses, whose ends say bye when they close."""
+
+    def __init__(
+        self,
+        endpoint: Any,
+        progress: UcxProgress,
+        tags: ConnectionTags | None = None,
+        peer: PeerWatch | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self._progress = progress
         self._poster = Poster(endpoint)
+        self._tags = tags
+        self._peer = peer
         self._closed = False
 
     @property
     def alive(self) -> bool:
-        return not self._closed and not self._endpoint.closed
+        return not self._closed and not self._endpoint.closed and not self._peer_said_bye()
 
     async def _transport(self, operation: Awaitable[T], what: str) -> T:
         """Runs a ucxx operation; its failures (ucxx's own exception types) become TransferError."""
@@ -80,10 +102,17 @@ class _UcxChannel:
 
     async def send_message(self, payload: bytes) -> None:
         message = np.frombuffer(payload, dtype=np.uint8)
-        await self._transport(self._progress.run(self._endpoint.send(message)), "send")
+        if self._tags is None:
+            await self._transport(self._progress.run(self._endpoint.send(message)), "send")
+        else:
+            # A message the peer never takes (it left) must not wait for ever.
+            sent = self._progress.wait_all([self._poster.send(message)], self._peer)
+            await self._transport(sent, "send")
 
     async def recv_message(self, max_bytes: int) -> bytes:
-        length = await self._transport(self._progress.wait_message(self._endpoint), "receive")
+        length = await self._transport(
+            self._progress.wait_message(self._endpoint, self._peer), "receive"
+        )
         if length is None:
             raise ConnectionClosed("the peer closed the connection")
         if length > max_bytes:
@@ -92,6 +121,9 @@ class _UcxChannel:
         # The public recv: it still finds a message that arrived just before the peer left.
         await self._transport(self._progress.run(self._endpoint.recv(message)), "receive")
         return message.tobytes()
+
+    def _peer_said_bye(self) -> bool:
+        return self._peer is not None and self._peer()
 
     async def _post_all(self, views: list[torch.Tensor], send: bool) -> None:
         post = self._poster.send if send else self._poster.recv
@@ -103,7 +135,8 @@ class _UcxChannel:
                 if view.numel()
             )
             self._progress.poll()
-        await self._progress.wait_all(requests)
+        # Two one-way endpoints: a peer that leaves mid-transfer says so only with its bye.
+        await self._progress.wait_all(requests, self._peer)
 
     async def send_buffers(self, views: list[torch.Tensor]) -> None:
         await self._transport(self._post_all(views, send=True), "send")
@@ -115,6 +148,8 @@ class _UcxChannel:
         if not self._closed:
             self._closed = True
             try:
+                if self._tags is not None and not self._peer_said_bye():
+                    self._progress.say_bye(self._endpoint, self._tags.send_bye)
                 abort(self._endpoint)
             except Exception as error:
                 logger.debug("UCX endpoint abort failed: %s", error)
@@ -122,13 +157,15 @@ class _UcxChannel:
 
 
 class UcxReceiver(ReceiverStats):
-    """Listens for UCX senders and receives their transfers into the sink's tensors.
+    """Receives UCX senders' transfers into the sink's tensors.
 
-    ucxx's listener binds every interface: its Python API (ucxx 0.52) takes no address, only a
-    port (libucxx's ListenerBuilder has one, unexposed). So `host` is accepted for the
-    interface's sake, and a transfer is accepted only with its reservation's token
-    (`DecodeKVSink`); UCX's own TCP sockets stay on the loopback device for a loopback `host`
-    (`ucx_env.confine_ucx_to`). `advertise_host` is what the address carries.
+    Bound to a loopback `host` (as `nori up` starts every worker), it opens no socket of its
+    own: its address carries its UCX worker address, senders say hello to it by that, and UCX's
+    own TCP sockets stay on the loopback device (`ucx_env.confine_ucx_to`). Otherwise (or on a
+    ucxx without the internals that takes, `worker_addresses_supported`) it listens
+    with ucxx's listener, which binds every interface: its Python API (ucxx 0.52) takes a port
+    but no address. Either way a transfer is accepted only with its reservation's token
+    (`DecodeKVSink`). `advertise_host` is what the address carries.
     """
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
@@ -137,15 +174,24 @@ class UcxReceiver(ReceiverStats):
         self._config = config or TransferConfig()
         self._progress: UcxProgress | None = None
         self._listener: Any = None
+        # Worker-address mode: the task reading hellos and one task per connection it serves.
+        self._accepting: asyncio.Future[None] | None = None
+        self._serving: set[asyncio.Future[None]] = set()
         self._channels: set[_UcxChannel] = set()
         self._closing = False
 
     async def start(
         self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
     ) -> str:
-        if self._listener is not None or self._closing:
+        if self._progress is not None or self._closing:
             raise RuntimeError("a UcxReceiver starts once")
         self._progress = UcxProgress()
+        if is_loopback(host) and worker_addresses_supported():
+            hello_tag = secrets.randbits(64)
+            peer = worker_peer(hello_tag, worker_address())
+            self._accepting = asyncio.ensure_future(self._accept_hellos(hello_tag))
+            self._address = str(Address("ucx", advertise_host, 0, peer))
+            return self._address
         try:
             self._listener = create_listener(self._handle, port, self._config.connect_timeout_s)
         except Exception as error:
@@ -155,11 +201,38 @@ class UcxReceiver(ReceiverStats):
         self._address = f"ucx://{advertise_host}:{self._listener.port}"
         return self._address
 
+    async def _accept_hellos(self, hello_tag: int) -> None:
+        assert self._progress is not None
+        while True:
+            hello = await self._progress.next_tagged(hello_tag, MAX_HELLO_BYTES)
+            if hello is None:
+                continue
+            try:
+                endpoint, tags, peer = accept_hello(self._progress, hello)
+            except ValueError as error:
+                logger.debug("UcxReceiver dropped a hello: %s", error)
+                continue
+            channel = _UcxChannel(endpoint, self._progress, tags, peer)
+            task = asyncio.ensure_future(self._welcome(channel))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _welcome(self, channel: _UcxChannel) -> None:
+        try:
+            await asyncio.wait_for(channel.send_message(welcome()), self._config.connect_timeout_s)
+        except (TransferError, TimeoutError) as error:
+            logger.debug("UcxReceiver could not welcome a sender: %s", error)
+            await channel.close()
+            return
+        await self._serve(channel)
+
     async def _handle(self, endpoint: Any) -> None:
         # ucxx runs this coroutine per accepted connection and counts it as a live handler
         # until it returns: it serves the connection for as long as it lasts.
         assert self._progress is not None
-        channel = _UcxChannel(endpoint, self._progress)
+        await self._serve(_UcxChannel(endpoint, self._progress))
+
+    async def _serve(self, channel: _UcxChannel) -> None:
         if self._closing:
             await channel.close()
             return
@@ -170,26 +243,34 @@ class UcxReceiver(ReceiverStats):
             self._channels.discard(channel)
 
     async def close(self) -> None:
-        """Stops listening and drops every connection; transfers in flight fail on both ends."""
+        """Stops taking connections and drops every one; transfers in flight fail on both ends."""
         if self._closing:
             return
         self._closing = True
         listener, progress = self._listener, self._progress
-        if listener is None or progress is None:
+        if progress is None:
             return
-        listener.close()  # no new connections
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if listener is not None:
+            listener.close()  # no new connections
         for channel in list(self._channels):
             await channel.close()
         # Dropping the listener while ucxx still runs a handler makes ucxx warn ("client
         # handler(s) still alive") and leaves that handler's endpoint behind: wait them out.
-        deadline = asyncio.get_running_loop().time() + _CLOSE_WAIT_S
-        while listener.active_clients and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _CLOSE_WAIT_S
+        while (listener is not None and listener.active_clients) and loop.time() < deadline:
             progress.wake()
             await asyncio.sleep(0.005)
-        if listener.active_clients:
+        if listener is not None and listener.active_clients:
             logger.warning(
                 "UcxReceiver closed with %d connection(s) still open", listener.active_clients
             )
+        if self._serving:
+            await asyncio.wait(list(self._serving), timeout=_CLOSE_WAIT_S)
         self._listener = None
         progress.close()
 
@@ -222,19 +303,26 @@ class UcxSender:
         target = parse_address(address)
         progress = self._progress_here()
         timeout = self._config.connect_timeout_s
+        tags: ConnectionTags | None = None
+        peer: PeerWatch | None = None
         try:
-            # ucxx bounds its handshake by connect_timeout; wait_for also bounds the rest.
-            endpoint = await asyncio.wait_for(
-                connect(progress, target.host, target.port, timeout), timeout + 1.0
-            )
+            if target.peer:
+                endpoint, tags, peer = await asyncio.wait_for(
+                    connect_to_worker(progress, target.worker_address, target.hello_tag), timeout
+                )
+            else:
+                # ucxx bounds its handshake by connect_timeout; wait_for also bounds the rest.
+                endpoint = await asyncio.wait_for(
+                    connect(progress, target.host, target.port, timeout), timeout + 1.0
+                )
         except asyncio.CancelledError:
             raise
         except Exception as error:
             reason = "timed out" if isinstance(error, TimeoutError) else str(error)
             raise TransferError(
-                f"cannot connect to {address}: {reason or type(error).__name__}"
+                f"cannot connect to {target.brief}: {reason or type(error).__name__}"
             ) from error
-        return _UcxChannel(endpoint, progress)
+        return _UcxChannel(endpoint, progress, tags, peer)
 
     async def send(self, address: str, header: TransferHeader, buffers: list[torch.Tensor]) -> None:
         if parse_address(address).scheme != "ucx":

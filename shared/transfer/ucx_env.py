@@ -57,9 +57,9 @@ def is_loopback(host: str) -> bool:
 def confine_ucx_to(host: str) -> None:
     """Keeps UCX's own sockets on the loopback interface when the worker binds there.
 
-    UCX opens a listening TCP socket on every network device it uses (its TCP transport), on
-    top of the listener the receiver asks for; a worker told `--host 127.0.0.1` (as `nori up`
-    starts them) would still listen on the host's external interfaces. For such a worker only
+    UCX opens a listening TCP socket on every network device it uses (its TCP transport); a
+    worker told `--host 127.0.0.1` (as `nori up` starts them) would still listen on the host's
+    external interfaces (its receiver opens none: senders reach it by its worker address). For such a worker only
     `lo` is used (UCX_NET_DEVICES; the shared-memory transports are not network devices, so
     KV between workers on one host still moves through shared memory). A default, as the
     others: an operator's UCX_NET_DEVICES wins. Call it before UCX starts (the first receiver

@@ -19,6 +19,15 @@ It watches the worker's fd through its own epoll object, so any number of sender
 receivers in one process coexist without sharing state, and ucxx's own reader on the fd is
 left as it is.
 
+A receiver bound to loopback opens no listening socket of its own (ucxx 0.52's listener takes a
+port but no address, so it would bind every interface): senders reach it by its UCX *worker
+address*, and a connection starts with a hello on the receiver's tag (`connect_to_worker`,
+`accept_hello`): the sender's connection tags, process and worker address, answered by a welcome
+over an endpoint back to the sender. Such endpoints are two one-way UCX endpoints, so neither
+side learns of the other closing from UCX: a channel's `close` sends a bye on a tag of its own,
+which the peer reads as the end (`wait_message`), and a peer process that dies (SIGKILL) is seen
+gone from /proc (`PeerWatch`): UCX itself reports neither on such endpoints.
+
 Bulk data is posted straight on the endpoint (`tag_send`/`tag_recv`), one request per buffer,
 with no coroutine per request: that per-request coroutine was most of the cost of small KV
 blocks (32 KiB blocks: 1.5 GB/s through `ep.send`, 5.4 GB/s posted directly). These use ucxx's
@@ -30,16 +39,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import select
+import struct
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from nori.transfer.ucx_env import apply_ucx_env_defaults
 
 apply_ucx_env_defaults()
 
+import numpy as np  # noqa: E402
 import ucxx  # noqa: E402 - UCX reads the environment set just above when ucxx initialises
+from ucxx._lib import libucxx as ucx_api  # noqa: E402
+from ucxx._lib_async.endpoint import Endpoint  # noqa: E402
 from ucxx.types import Tag, TagMaskFull  # noqa: E402
 
 try:
@@ -114,6 +129,177 @@ class Poster:
         return _Posted(self._raw.tag_recv(Array(buffer), self._recv_tag, TagMaskFull), buffer)
 
 
+# ------------------------------------------------------------------ worker-address connections
+
+# A hello: this magic, the sender's connection tag base (8 bytes), its process (`PeerProcess`),
+# then its worker address. The welcome: WELCOME and the receiver's process.
+_HELLO_MAGIC = b"NORIUCX1"
+WELCOME = b"nori-ucx-welcome"
+# How often a connection looks whether its peer's process still runs.
+_PEER_CHECK_S = 0.2
+# Larger hellos are read and dropped: a worker address is a few hundred bytes.
+MAX_HELLO_BYTES = 8192
+# The four tags of a connection are its base with these low bits.
+_SENDER_TO_RECEIVER, _RECEIVER_TO_SENDER, _SENDER_BYE, _RECEIVER_BYE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ConnectionTags:
+    """One side's tags: what it sends on, receives on, and the two byes."""
+
+    send: int
+    recv: int
+    send_bye: int
+    recv_bye: int
+
+    @classmethod
+    def of(cls, base: int, sender: bool) -> ConnectionTags:
+        if sender:
+            ends = (_SENDER_TO_RECEIVER, _RECEIVER_TO_SENDER, _SENDER_BYE, _RECEIVER_BYE)
+        else:
+            ends = (_RECEIVER_TO_SENDER, _SENDER_TO_RECEIVER, _RECEIVER_BYE, _SENDER_BYE)
+        return cls(*(base | end for end in ends))
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat); None if it is not
+    seen, or is dead and not yet reaped (a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class PeerProcess:
+    """The process at the other end of a worker-address connection, as its pid and start time
+    (a reused pid has another). A loopback peer runs on this host: when it dies, UCX's own
+    keepalive does not tell this end (two one-way endpoints, no connection manager), this does.
+    """
+
+    pid: int
+    start_ticks: int
+
+    _FORMAT = "<IQ"
+    SIZE = struct.calcsize(_FORMAT)
+
+    @classmethod
+    def this(cls) -> PeerProcess:
+        return cls(os.getpid(), _start_ticks(os.getpid()) or 0)
+
+    def pack(self) -> bytes:
+        return struct.pack(self._FORMAT, self.pid, self.start_ticks)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> PeerProcess:
+        return cls(*struct.unpack(cls._FORMAT, data[: cls.SIZE]))
+
+    def visible(self) -> bool:
+        """Whether this host shows the process (not in another pid namespace, say)."""
+        return self.start_ticks != 0 and _start_ticks(self.pid) == self.start_ticks
+
+    def gone(self) -> bool:
+        return _start_ticks(self.pid) != self.start_ticks
+
+
+class PeerWatch:
+    """Says whether a connection's peer left: its bye, or (where visible) its process gone,
+    looked at no more often than every `_PEER_CHECK_S`."""
+
+    def __init__(self, progress: UcxProgress, bye_tag: int, peer: PeerProcess) -> None:
+        self._progress = progress
+        self._bye_tag = bye_tag
+        self._peer = peer if peer.visible() else None
+        self._next_check = 0.0
+        self.left = False
+
+    def __call__(self) -> bool:
+        if not self.left:
+            self.left = self._progress.take_bye(self._bye_tag)
+        if not self.left and self._peer is not None:
+            now = time.monotonic()
+            if now >= self._next_check:
+                self._next_check = now + _PEER_CHECK_S
+                self.left = self._peer.gone()
+        return self.left
+
+
+def worker_addresses_supported() -> bool:
+    """Whether this ucxx has the internals worker-address connections use (0.52 has)."""
+    return (
+        Array is not None
+        and hasattr(ucx_api, "UCXAddress")
+        and hasattr(ucx_api.UCXWorker, "tag_recv_with_handle")
+    )
+
+
+def worker_address() -> bytes:
+    """This process's UCX worker address: what a sender needs to reach it (no socket)."""
+    return bytes(ucx_api.UCXAddress.create_from_worker(ucxx.core._get_ctx().worker))
+
+
+def _endpoint_to(address: bytes, tags: ConnectionTags) -> Any:
+    """An ucxx Endpoint to the worker at `address` whose send/recv use `tags`."""
+    context = ucxx.core._get_ctx()
+    buffer = np.frombuffer(address, dtype=np.uint8)
+    raw = ucx_api.UCXEndpoint.create_from_worker_address(
+        context.worker, ucx_api.UCXAddress.create_from_buffer(buffer), True
+    )
+    return Endpoint(raw, context, tags={"msg_send": tags.send, "msg_recv": tags.recv})
+
+
+async def connect_to_worker(
+    progress: UcxProgress, address: bytes, receiver_tag: int
+) -> tuple[Any, ConnectionTags, PeerWatch]:
+    """A connection to the receiver listening for hellos on `receiver_tag` at worker `address`:
+    the hello, then its welcome. The caller bounds the wait (a receiver that is gone never
+    answers)."""
+    tags = ConnectionTags.of(secrets.randbits(64) & ~3, sender=True)
+    endpoint = _endpoint_to(address, tags)
+    try:
+        hello = (
+            _HELLO_MAGIC
+            + struct.pack("<Q", tags.send)
+            + PeerProcess.this().pack()
+            + worker_address()
+        )
+        await progress.post_send(endpoint, hello, receiver_tag)
+        length = await progress.wait_message(endpoint, lambda: progress.take_bye(tags.recv_bye))
+        if length is None or length != len(WELCOME) + PeerProcess.SIZE:
+            raise ConnectionError("the receiver did not welcome the connection")
+        welcome = np.empty(length, dtype=np.uint8)
+        await progress.run(endpoint.recv(welcome))
+        if not welcome.tobytes().startswith(WELCOME):
+            raise ConnectionError("the receiver answered the hello with something else")
+    except BaseException:
+        abort(endpoint)
+        raise
+    receiver = PeerProcess.unpack(welcome.tobytes()[len(WELCOME) :])
+    return endpoint, tags, PeerWatch(progress, tags.recv_bye, receiver)
+
+
+def accept_hello(progress: UcxProgress, hello: bytes) -> tuple[Any, ConnectionTags, PeerWatch]:
+    """The endpoint back to a hello's sender (its welcome, `welcome()`, is the caller's to
+    send); ValueError for anything that is not a hello."""
+    head = len(_HELLO_MAGIC) + 8 + PeerProcess.SIZE
+    if len(hello) <= head or not hello.startswith(_HELLO_MAGIC):
+        raise ValueError("not a hello")
+    (base,) = struct.unpack("<Q", hello[8:16])
+    tags = ConnectionTags.of(base & ~3, sender=False)
+    sender = PeerProcess.unpack(hello[16:head])
+    try:
+        endpoint = _endpoint_to(hello[head:], tags)
+    except Exception as error:  # ucxx's own error types for an unusable worker address
+        raise ValueError(f"a hello with an unusable worker address: {error}") from error
+    return endpoint, tags, PeerWatch(progress, tags.recv_bye, sender)
+
+
+def welcome() -> bytes:
+    return WELCOME + PeerProcess.this().pack()
+
+
 def create_listener(handler: Any, port: int, connect_timeout_s: float) -> Any:
     return ucxx.create_listener(
         handler, port, endpoint_error_handling=True, connect_timeout=connect_timeout_s
@@ -133,6 +319,8 @@ class UcxProgress:
         # and this object only waits (progressing from two threads is not allowed).
         self._drives = context.progress_mode == "blocking"
         self._waiters: set[asyncio.Future[None]] = set()
+        # Requests nobody awaits (byes), kept with their buffers until UCX is done with them.
+        self._kept: list[_Posted] = []
         self._rearm_scheduled = False
         self._epoll: select.epoll | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -205,9 +393,12 @@ class UcxProgress:
             self._waiters.discard(waiter)
             waiter.cancel()
 
-    async def wait_message(self, endpoint: Any) -> int | None:
+    async def wait_message(
+        self, endpoint: Any, peer_left: Callable[[], bool] | None = None
+    ) -> int | None:
         """Waits, without spinning, until a message is ready on `endpoint`; returns its length,
-        or None once the endpoint is closed (messages that arrived first are still returned)."""
+        or None once the endpoint is closed or `peer_left` says so (messages that arrived
+        first are still returned)."""
         attempt = 0
         while True:
             try:
@@ -217,7 +408,7 @@ class UcxProgress:
                 return None
             if probe.matched:
                 return int(probe.length)
-            if endpoint.closed:
+            if endpoint.closed or (peer_left is not None and peer_left()):
                 return None
             if self._drives:
                 await self._sleep(_IDLE_TIMEOUT_S)
@@ -225,7 +416,9 @@ class UcxProgress:
                 await asyncio.sleep(min(0.005, 50e-6 * 2**attempt))
             attempt += 1
 
-    async def wait_all(self, requests: Sequence[Request]) -> None:
+    async def wait_all(
+        self, requests: Sequence[Request], peer_left: Callable[[], bool] | None = None
+    ) -> None:
         """Waits for every request; raises the first failure.
 
         Each loop turn progresses the worker, and a turn that found nothing to do also yields
@@ -237,6 +430,8 @@ class UcxProgress:
         waiting for free FIFO slots gets no event). Only after `_QUIET_SLEEP_S` without any
         progress (a stalled peer, not a descheduled one) does it sleep on the fd, briefly.
         Requests finish roughly in order, so only the oldest unfinished one is checked per turn.
+        `peer_left` is asked on every turn without progress: once it says so, ConnectionError
+        (a peer whose bye UCX cannot turn into an endpoint error, see the module doc).
         """
         quiet_since: float | None = None
         for request in requests:
@@ -245,7 +440,17 @@ class UcxProgress:
                     await asyncio.sleep(0)
                 elif self._worker.progress_once():
                     quiet_since = None
-                elif quiet_since is None:
+                    continue
+                if peer_left is not None and peer_left():
+                    # Posted requests still reference their buffers until the caller aborts
+                    # the endpoint (which cancels them): keep those alive until then.
+                    for pending in requests:
+                        if isinstance(pending, _Posted) and not pending.done():
+                            self._kept.append(pending)
+                    raise ConnectionError("the peer closed the connection")
+                if not self._drives:
+                    continue
+                if quiet_since is None:
                     quiet_since = time.monotonic()
                     await asyncio.sleep(0)
                 elif time.monotonic() - quiet_since < _QUIET_SLEEP_S:
@@ -254,6 +459,47 @@ class UcxProgress:
                 else:
                     await self._sleep(_BUSY_TIMEOUT_S, request)
             request.result()
+
+    def take_bye(self, tag: int) -> bool:
+        """Whether a bye came on `tag`; reads it (a byte) if so."""
+        probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
+        if not probe.matched:
+            return False
+        buffer = np.empty(max(1, int(probe.length)), dtype=np.uint8)
+        self._keep(_Posted(self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
+        return True
+
+    def say_bye(self, endpoint: Any, tag: int) -> None:
+        """Posts a one-byte bye on `tag` (best effort: the endpoint may close right after)."""
+        buffer = np.zeros(1, dtype=np.uint8)
+        self._keep(_Posted(endpoint._ep.tag_send(Array(buffer), Tag(tag)), buffer))
+        self.poll()
+
+    def _keep(self, request: _Posted) -> None:
+        """Holds a request's buffer until UCX is done with it (nobody awaits it)."""
+        self._kept = [kept for kept in self._kept if not kept.done()]
+        if not request.done():
+            self._kept.append(request)
+
+    async def post_send(self, endpoint: Any, payload: bytes, tag: int) -> None:
+        """Sends `payload` on a tag of the caller's choosing and waits until it is out."""
+        buffer = np.frombuffer(payload, dtype=np.uint8)
+        await self.wait_all([_Posted(endpoint._ep.tag_send(Array(buffer), Tag(tag)), buffer)])
+
+    async def next_tagged(self, tag: int, max_bytes: int) -> bytes | None:
+        """The next message on `tag` to this worker (from any endpoint), waiting without
+        spinning; None for one longer than `max_bytes` (read and dropped)."""
+        while True:
+            probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
+            if probe.matched:
+                buffer = np.empty(max(1, int(probe.length)), dtype=np.uint8)
+                posted = _Posted(self._worker.tag_recv_with_handle(Array(buffer), probe), buffer)
+                await self.wait_all([posted])
+                return buffer[: int(probe.length)].tobytes() if probe.length <= max_bytes else None
+            if self._drives:
+                await self._sleep(_IDLE_TIMEOUT_S)
+            else:
+                await asyncio.sleep(0.005)
 
     async def run(self, awaitable: Awaitable[T]) -> T:
         """Awaits a ucxx coroutine (handshake, control message) while progressing the worker."""

@@ -8,8 +8,8 @@ without the token, and answers with it; the health service answers anyone; the g
 calls (Generate, Prefill, GetStats) and the prefill worker's lease renewals carry the token, so
 requests are served. A KV sender without a reservation's token is refused by the decode worker,
 which keeps that reservation's blocks. Then the kernel's socket table: every listening socket of
-every process of the cluster is on loopback, but for ucxx's listener (an expected failure: its
-Python API binds every interface).
+every process of the cluster is on loopback (the decode workers' UCX receivers open none: senders
+reach them by their UCX worker addresses).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from nori.launch.local_cluster import LocalCluster
 from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
 from nori.state.keys import Keys
+from nori.transfer.address import parse_address
 from nori.transfer.base import TransferRejected
 from nori.transfer.factory import make_sender
 from nori.transfer.handoff import KVDestination, TransferHeader
@@ -324,45 +325,34 @@ def cluster_listeners(cluster: LocalCluster) -> dict[str, list[Listener]]:
     return found
 
 
-def ucx_receiver_ports(cluster: LocalCluster) -> set[int]:
-    """The ports of the decode workers' UCX listeners (their registered transfer addresses)."""
+def transfer_addresses(cluster: LocalCluster) -> list[str]:
+    """The decode workers' registered KV transfer addresses."""
     client = redis.Redis.from_url(cluster.spec.redis_url)
     try:
-        addresses = [
-            client.hget(Keys(cluster.spec.namespace).worker(process.name), "transfer_address")
+        return [
+            client.hget(
+                Keys(cluster.spec.namespace).worker(process.name), "transfer_address"
+            ).decode()
             for process in cluster.processes
             if process.role == "decode"
         ]
     finally:
         client.close()
-    return {
-        int(address.decode().rsplit(":", 1)[1])
-        for address in addresses
-        if isinstance(address, bytes) and address.startswith(b"ucx://")
-    }
 
 
 def test_every_listener_of_a_nori_up_cluster_is_on_loopback(cluster: LocalCluster) -> None:
-    """The gateway's HTTP, each worker's gRPC and /metrics, a TCP KV receiver, and UCX's own
-    sockets (its TCP transport's, one per network device it uses); the UCX receiver's listener
-    is the next test's."""
-    ucx_listeners = ucx_receiver_ports(cluster)
+    """The gateway's HTTP, each worker's gRPC and /metrics, the KV receivers, and UCX's own
+    sockets (its TCP transport's, one per network device it uses: `lo` only here)."""
     wide = {
         name: [f"{entry.address}:{entry.port}" for entry in entries]
         for name, entries in cluster_listeners(cluster).items()
-        if any(not is_loopback(e.address) and e.port not in ucx_listeners for e in entries)
+        if any(not is_loopback(e.address) for e in entries)
     }
     assert not wide, f"listening beyond loopback: {wide}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ucxx 0.52's Python create_listener takes a port only and binds every interface "
-    "(libucxx's ListenerBuilder::host is not exposed); transfers still need their token",
-)
-def test_the_ucx_receivers_listener_is_on_loopback(cluster: LocalCluster) -> None:
-    ports = ucx_receiver_ports(cluster)
-    if not ports:
+def test_the_ucx_receivers_are_reached_by_worker_address_not_a_port(cluster: LocalCluster) -> None:
+    addresses = [parse_address(address) for address in transfer_addresses(cluster)]
+    if not all(address.scheme == "ucx" for address in addresses):
         pytest.skip("the cluster moves KV over TCP")
-    entries = [e for es in cluster_listeners(cluster).values() for e in es if e.port in ports]
-    assert entries and all(is_loopback(entry.address) for entry in entries), entries
+    assert addresses and all(a.peer and a.port == 0 for a in addresses), addresses

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from nori.transfer.address import Address, parse_address
+from nori.transfer.address import Address, brief_address, parse_address, worker_peer
 from nori.transfer.base import TransferRejected
 from nori.transfer.buffers import check_destinations, check_sources
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
@@ -117,6 +117,31 @@ def test_addresses() -> None:
     assert parse_address("tcp://[::1]:80") == Address("tcp", "::1", 80)
     assert str(Address("tcp", "::1", 80)) == "tcp://[::1]:80"
     for bad in ("10.0.0.7:1", "http://a:1", "tcp://a", "tcp://a:0", "tcp://a:x", "tcp://:5"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def test_worker_addresses() -> None:
+    """A loopback UCX receiver's address: its hello tag and UCX worker address, no port."""
+    peer = worker_peer(0x0123456789ABCDEF, b"\x01\x02\xff")
+    assert peer == "0123456789abcdef-0102ff"
+    parsed = parse_address(f"ucx://127.0.0.1/{peer}")
+    assert parsed == Address("ucx", "127.0.0.1", 0, peer)
+    assert (parsed.hello_tag, parsed.worker_address) == (0x0123456789ABCDEF, b"\x01\x02\xff")
+    assert str(parsed) == f"ucx://127.0.0.1/{peer}"
+    assert parsed.brief == "ucx://127.0.0.1/0123456789abcdef"
+    assert brief_address("tcp://[::1]:80") == "tcp://[::1]:80"
+    assert brief_address("not an address") == "not an address"
+    for bad in (
+        "ucx://127.0.0.1/xyz",
+        "ucx://127.0.0.1/0123-0102",  # a short tag
+        "ucx://127.0.0.1/0123456789abcdef-010",  # half a byte
+        "ucx://127.0.0.1/0123456789abcdef-",
+        "ucx://127.0.0.1/0123456789abcdeg-0102",
+        "ucx:///0123456789abcdef-0102",
+        "tcp://127.0.0.1/0123456789abcdef-0102",
+        f"ucx://h/0123456789abcdef-{'ab' * 5000}",
+    ):
         with pytest.raises(ValueError):
             parse_address(bad)
 

@@ -336,3 +336,105 @@ async def test_ucx_works_through_the_public_ucxx_api_too(monkeypatch: pytest.Mon
         await _still_serves("ucx", receiver, caches)
     finally:
         await receiver.close()
+
+
+# ------------------------------------------------------------ UCX receivers on loopback
+
+_SENDER_THEN_SLEEP = """
+import asyncio, sys, torch
+from nori.transfer.buffers import check_sources
+from nori.transfer.ucx import UcxSender
+from tests.transfer.helpers import kv_blocks
+
+async def main():
+    sender = UcxSender()
+    channel = await sender._connect(sys.argv[1])
+    header, buffers, _ = kv_blocks("killed", [2, 3], torch.float32, seed=8)
+    await channel.send_message(header.to_bytes())
+    await channel.recv_message(65536)  # accepted
+    await channel.send_buffers(check_sources(header, buffers)[:3])  # 3 of 8 buffers
+    print("sent", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
+async def test_a_loopback_ucx_receiver_is_reached_by_its_worker_address() -> None:
+    """No listening socket of its own: the address names the receiver's UCX worker."""
+    from nori.transfer.address import parse_address
+    from nori.transfer.ucx import UcxReceiver
+
+    caches = _local_caches()
+    receiver = make_receiver("ucx", CacheSink(caches))
+    assert isinstance(receiver, UcxReceiver)
+    address = await receiver.start(host="127.0.0.1", advertise_host="127.0.0.1")
+    try:
+        parsed = parse_address(address)
+        assert parsed.peer and parsed.port == 0 and parsed.host == "127.0.0.1"
+        assert receiver._listener is None
+        await _still_serves("ucx", receiver, caches)
+    finally:
+        await receiver.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
+async def test_junk_hellos_are_dropped_and_the_receiver_serves_on() -> None:
+    from nori.transfer.address import parse_address
+    from nori.transfer.ucx_worker import ConnectionTags, UcxProgress, _endpoint_to, abort
+
+    caches = _local_caches()
+    receiver = make_receiver("ucx", CacheSink(caches))
+    target = parse_address(await receiver.start(host="127.0.0.1"))
+    progress = UcxProgress()
+    endpoint = _endpoint_to(target.worker_address, ConnectionTags.of(4, sender=True))
+    try:
+        for junk in (
+            b"junk",
+            b"NORIUCX1" + struct.pack("<Q", 8) + b"\x00" * 40,  # no usable worker address
+            b"x" * 20000,  # longer than any hello
+        ):
+            await progress.post_send(endpoint, junk, target.hello_tag)
+        await asyncio.sleep(0.2)
+        await _still_serves("ucx", receiver, caches)
+    finally:
+        abort(endpoint)
+        progress.close()
+        await receiver.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
+async def test_a_sender_process_killed_mid_transfer_ends_its_connection_on_the_receiver() -> None:
+    """Two one-way endpoints carry no disconnect: UCX's keepalive finds the dead process, the
+    transfer fails on the sink and the connection ends, within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    caches = _local_caches()
+    sink = CacheSink(caches)
+    receiver = make_receiver("ucx", sink)
+    address = await receiver.start(host="127.0.0.1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SENDER_THEN_SLEEP, address],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+        assert line.strip() == b"sent"
+        await _eventually(lambda: receiver._channels)
+        child.send_signal(signal.SIGKILL)
+        await _eventually(lambda: sink.events and not receiver._channels, timeout_s=10.0)
+        assert [event[:2] for event in sink.events] == [("failed", "killed")]
+        await _still_serves("ucx", receiver, caches)
+    finally:
+        child.kill()
+        child.wait()
+        await receiver.close()
