@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -118,6 +118,23 @@ class ClusterOptions(RoleSettings):
     max_queued_prompt_tokens: int = 8192
 
 
+def pool_capacity(
+    figures: Mapping[str, tuple[int, int]], worker_ids: Sequence[str]
+) -> PoolCapacity | None:
+    """The decode pool's capacity from its workers' (rows, calls). A worker that joined since
+    the last GetStats round has not said yet: it counts as the mean of the others (workers of
+    one pool run one configuration), not as nothing, which would hold a lone client to the
+    first worker's share for up to a round. None while no worker has said."""
+    known = [figures[worker_id] for worker_id in worker_ids if worker_id in figures]
+    if not known:
+        return None
+    scale = len(worker_ids) / len(known)
+    return PoolCapacity(
+        rows=round(sum(rows for rows, _ in known) * scale),
+        calls=round(sum(calls for _, calls in known) * scale),
+    )
+
+
 class ClusterBackend:
     def __init__(self, options: ClusterOptions, tracer: trace.Tracer | None = None) -> None:
         self.options = options
@@ -131,6 +148,9 @@ class ClusterBackend:
         self._num_in_flight = 0
         self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
         self.decode_shares = DecodeShares(options.max_decode_share)
+        # Each decode worker's last (rows, calls) from GetStats: one whose GetStats timed out
+        # (busy) keeps them rather than dropping out of the pool's capacity.
+        self._capacity_figures: dict[str, tuple[int, int]] = {}
         self._capacity_watch: asyncio.Task[None] | None = None
         # Registry entries are checked against it (nori.state.registry), and every call to a
         # worker carries its token (nori.rpc.auth).
@@ -257,6 +277,7 @@ class ClusterBackend:
         share waits for one here (up to `group_wait_s`, its tokens out of the prompt queue
         meanwhile); a single request without one gets 429 at once, as from a full worker."""
         group = request.admission_group or request.request_id
+        self._refresh_capacity()
         share = self.decode_shares.try_take(group, request.client)
         if share is not None:
             return share
@@ -267,32 +288,28 @@ class ClusterBackend:
         finally:
             queued.resume()
 
+    def _refresh_capacity(self) -> None:
+        """The fair shares' capacity for the decode pool as the registry has it now: a worker
+        that joined or left since the last GetStats round counts at once (see `pool_capacity`)."""
+        decode_pool = [
+            w.worker_id
+            for w in self.pool.workers
+            if w.role in ("decode", "colocated") and not w.draining
+        ]
+        capacity = pool_capacity(self._capacity_figures, decode_pool)
+        if capacity != self.decode_shares.capacity:
+            self.decode_shares.set_capacity(capacity)
+
     async def _watch_capacity(self) -> None:
         """Keeps `decode_shares` told what the decode pool holds, from the workers' GetStats:
         a worker that joins, leaves or drains changes it."""
-        # Each worker's last figures (rows, calls): one whose GetStats timed out (busy) keeps
-        # them rather than dropping out of the sum.
-        figures: dict[str, tuple[int, int]] = {}
+        figures = self._capacity_figures
         while True:
             try:
                 for stats in await self.worker_stats():
                     if stats.max_open_calls > 0:
                         figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
-                routable = [
-                    figures[w.worker_id]
-                    for w in self.pool.workers
-                    if w.role in ("decode", "colocated")
-                    and not w.draining
-                    and w.worker_id in figures
-                ]
-                self.decode_shares.set_capacity(
-                    PoolCapacity(
-                        rows=sum(rows for rows, _ in routable),
-                        calls=sum(calls for _, calls in routable),
-                    )
-                    if routable
-                    else None
-                )
+                self._refresh_capacity()
                 live = {w.worker_id for w in self.pool.workers}
                 for gone in set(figures) - live:
                     del figures[gone]

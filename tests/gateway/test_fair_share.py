@@ -9,7 +9,7 @@ import pytest
 
 from nori.gateway.admission import DecodeShares, PoolCapacity, PromptQueue, ShareRefusedError
 from nori.gateway.backend import GenerationRequest, InvalidRequestError
-from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.cluster import ClusterBackend, ClusterOptions, pool_capacity
 from nori.gateway.session import client_identity
 from nori.gateway.worker_calls import CallDroppedError, WorkerLostError, error_from_rpc
 from nori.sampling.params import SamplingParams
@@ -212,3 +212,16 @@ def test_clients_are_told_apart_by_key_else_by_address() -> None:
     assert client_identity(scope(None)) == "addr:10.0.0.1"
     assert client_identity(scope(b"Basic xyz")) == "addr:10.0.0.1"
     assert client_identity({"type": "http", "headers": []}) == "addr:unknown"
+
+
+def test_the_pool_capacity_counts_a_worker_that_has_not_said_yet_as_the_mean_of_the_others() -> (
+    None
+):
+    # Found by test_queue_bounds: right after start the gateway had one decode worker's
+    # figures of two, and held a lone client to 2 running slots of 4.
+    assert pool_capacity({}, ["decode-0"]) is None
+    assert pool_capacity({"decode-0": (2, 3)}, ["decode-0", "decode-1"]) == PoolCapacity(4, 6)
+    both = {"decode-0": (2, 3), "decode-1": (32, 40)}
+    assert pool_capacity(both, ["decode-0", "decode-1"]) == PoolCapacity(34, 43)
+    # A worker that left (drained, or gone from the registry) is not counted.
+    assert pool_capacity(both, ["decode-1"]) == PoolCapacity(32, 40)
