@@ -132,9 +132,9 @@ class Poster:
 # ------------------------------------------------------------------ worker-address connections
 
 # A hello: this magic, the sender's connection tag base (8 bytes), its process (`PeerProcess`),
-# then its worker address. The welcome: WELCOME and the receiver's process.
+# then its worker address. The welcome: _WELCOME and the receiver's process.
 _HELLO_MAGIC = b"NORIUCX1"
-WELCOME = b"nori-ucx-welcome"
+_WELCOME = b"nori-ucx-welcome"
 # How often a connection looks whether its peer's process still runs.
 _PEER_CHECK_S = 0.2
 # Larger hellos are read and dropped: a worker address is a few hundred bytes.
@@ -267,16 +267,17 @@ async def connect_to_worker(
         )
         await progress.post_send(endpoint, hello, receiver_tag)
         length = await progress.wait_message(endpoint, lambda: progress.take_bye(tags.recv_bye))
-        if length is None or length != len(WELCOME) + PeerProcess.SIZE:
+        if length is None or length != len(_WELCOME) + PeerProcess.SIZE:
             raise ConnectionError("the receiver did not welcome the connection")
-        welcome = np.empty(length, dtype=np.uint8)
-        await progress.run(endpoint.recv(welcome))
-        if not welcome.tobytes().startswith(WELCOME):
+        buffer = np.empty(length, dtype=np.uint8)
+        await progress.run(endpoint.recv(buffer))
+        answer = buffer.tobytes()
+        if not answer.startswith(_WELCOME):
             raise ConnectionError("the receiver answered the hello with something else")
     except BaseException:
         abort(endpoint)
         raise
-    receiver = PeerProcess.unpack(welcome.tobytes()[len(WELCOME) :])
+    receiver = PeerProcess.unpack(answer[len(_WELCOME) :])
     return endpoint, tags, PeerWatch(progress, tags.recv_bye, receiver)
 
 
@@ -297,7 +298,7 @@ def accept_hello(progress: UcxProgress, hello: bytes) -> tuple[Any, ConnectionTa
 
 
 def welcome() -> bytes:
-    return WELCOME + PeerProcess.this().pack()
+    return _WELCOME + PeerProcess.this().pack()
 
 
 def create_listener(handler: Any, port: int, connect_timeout_s: float) -> Any:
@@ -460,14 +461,23 @@ class UcxProgress:
                     await self._sleep(_BUSY_TIMEOUT_S, request)
             request.result()
 
-    def take_bye(self, tag: int) -> bool:
-        """Whether a bye came on `tag`; reads it (a byte) if so."""
+    def _take(self, tag: int) -> tuple[_Posted, np.ndarray] | None:
+        """The receive of a message that came on `tag` to this worker (from any endpoint), into
+        a buffer of its size; None when none came."""
         probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
         if not probe.matched:
-            return False
-        buffer = np.empty(max(1, int(probe.length)), dtype=np.uint8)
-        self._keep(_Posted(self._worker.tag_recv_with_handle(Array(buffer), probe), buffer))
-        return True
+            return None
+        length = int(probe.length)
+        buffer = np.empty(max(1, length), dtype=np.uint8)  # ucxx takes no empty buffer
+        posted = _Posted(self._worker.tag_recv_with_handle(Array(buffer), probe), buffer)
+        return posted, buffer[:length]
+
+    def take_bye(self, tag: int) -> bool:
+        """Whether a bye came on `tag`; reads it (a byte) if so."""
+        taken = self._take(tag)
+        if taken is not None:
+            self._keep(taken[0])
+        return taken is not None
 
     def say_bye(self, endpoint: Any, tag: int) -> None:
         """Posts a one-byte bye on `tag` (best effort: the endpoint may close right after)."""
@@ -490,12 +500,11 @@ class UcxProgress:
         """The next message on `tag` to this worker (from any endpoint), waiting without
         spinning; None for one longer than `max_bytes` (read and dropped)."""
         while True:
-            probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
-            if probe.matched:
-                buffer = np.empty(max(1, int(probe.length)), dtype=np.uint8)
-                posted = _Posted(self._worker.tag_recv_with_handle(Array(buffer), probe), buffer)
+            taken = self._take(tag)
+            if taken is not None:
+                posted, buffer = taken
                 await self.wait_all([posted])
-                return buffer[: int(probe.length)].tobytes() if probe.length <= max_bytes else None
+                return buffer.tobytes() if len(buffer) <= max_bytes else None
             if self._drives:
                 await self._sleep(_IDLE_TIMEOUT_S)
             else:
