@@ -170,13 +170,17 @@ def run_offline_benchmark(
     compare_static: bool,
     show_progress: bool,
     repeats: int = 1,
+    workload: Workload | None = None,
 ) -> dict[str, object]:
+    """`workload`: these requests (`--batch-file`) instead of random ones."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     runner = ModelRunner(config, resolve_model(config.model))  # ignore_eos: no EOS masking
-    workload = make_workload(
-        num_prompts, input_range, output_range, runner.model_config.vocab_size, config.seed
-    )
+    if workload is None:
+        workload = make_workload(
+            num_prompts, input_range, output_range, runner.model_config.vocab_size, config.seed
+        )
+    num_prompts = len(workload.prompts)
     check_fits(workload, runner.max_model_len)
     # Warm-up (kernel compilation, allocator) outside the timed runs.
     warmup = make_workload(4, (8, 32), (4, 8), runner.model_config.vocab_size, config.seed + 1)

@@ -8,7 +8,7 @@ dir="${1:-${NORI_SECRETS_DIR:-./secrets}}"
 mkdir -p "$dir"
 umask 077
 for name in cluster_secret redis_password redis_gateway_password redis_prefill_password \
-  redis_decode_password; do
+  redis_decode_password redis_batch_password; do
   [ -s "$dir/$name" ] || python3 -c 'import secrets; print(secrets.token_urlsafe(32))' >"$dir/$name"
 done
 echo "secrets in $dir"

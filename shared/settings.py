@@ -32,6 +32,8 @@ DEFAULT_BLOCK_SIZE = 16
 # How long a decode worker holds blocks reserved for a prompt without word from its prefill
 # worker (renewals extend it while the prompt waits and is computed).
 DEFAULT_KV_LEASE_S = 10.0
+# The priority batch lines carry (vLLM's field: lower values are served first; 0 is interactive).
+BATCH_PRIORITY = 1000
 
 
 @dataclass(frozen=True, kw_only=True)

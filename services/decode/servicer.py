@@ -23,7 +23,7 @@ from nori.transfer.handoff import HandOff, KVDestination
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.worker.engine_thread import EngineThread
 from nori.worker.grpc_calls import call_engine
-from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.output_streams import OutputStreams, next_output, next_output_coalesced
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.servicer_base import EngineServicer
 
@@ -76,13 +76,16 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                         params,
                         output_token_ids=resumed,
                         num_emitted_chars=request.resumed_text_chars,
+                        priority=request.priority,
                     ),
                 )
             else:
                 block_ids = await call_engine(
                     self._engine,
                     context,
-                    lambda engine: engine.reserve_prompt(request_id, prompt, params),
+                    lambda engine: engine.reserve_prompt(
+                        request_id, prompt, params, request.priority
+                    ),
                 )
                 if block_ids is None:
                     await context.abort(
@@ -121,8 +124,16 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                         request_id, first_tokens, generator_state
                     ),
                 )
+            coalesce_s = request.coalesce_ms / 1000
+            first = True
             while not finished:
-                output = await next_output(queue)
+                # The first output at once (it ends the prompt's wait in the gateway's
+                # admission); the rest merged per coalesce_ms when the caller asked for that.
+                if coalesce_s > 0 and not first:
+                    output = await next_output_coalesced(queue, coalesce_s)
+                else:
+                    output = await next_output(queue)
+                first = False
                 record.output(output, computed_prompt=request.compute_prompt)
                 finished = output.finished
                 if finished:
@@ -139,7 +150,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             raise
         finally:
             record.finish(outcome, finish_reason, error)
-            self._streams.close(request_id)
+            self._close(request_id)
             if self._sink is not None:
                 self._sink.forget(request_id)
             if not finished:

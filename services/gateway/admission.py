@@ -36,6 +36,8 @@ from nori.gateway.backend import QueueFullError
 # Prefills completed this recently set the drain rate behind Retry-After.
 DRAIN_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60.0
+# Entries of `PromptQueue._room_waiters` past which ended waits are dropped.
+ROOM_WAITERS_PRUNE_AT = 1024
 
 
 @dataclass
@@ -43,10 +45,15 @@ class PromptQueue:
     # 0: no bound (every request is admitted).
     max_tokens_per_worker: int = 8192
     queued_tokens: int = 0
+    # Of those, the tokens of background (batch) prompts.
+    background_tokens: int = 0
     # (time, prompt tokens) of recent prefills: the drain rate.
     _drained: deque[tuple[float, int]] = field(default_factory=deque)
     # Admission groups with members admitted and still waiting: how many.
     _groups: dict[str, int] = field(default_factory=dict)
+    # Prompts waiting for room (batch lines, see `room_freed`), oldest first: (tokens, future).
+    _room_waiters: deque[tuple[int, asyncio.Future[None]]] = field(default_factory=deque)
+    _room_waiters_prune_at: int = ROOM_WAITERS_PRUNE_AT
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_worker < 0:
@@ -60,29 +67,37 @@ class PromptQueue:
         return self.max_tokens_per_worker * num_workers
 
     def admit(
-        self, num_tokens: int, num_workers: int, now: float, group: str | None = None
+        self,
+        num_tokens: int,
+        num_workers: int,
+        now: float,
+        group: str | None = None,
+        background: bool = False,
     ) -> QueuedPrompt:
         """Counts the prompt in, or raises QueueFullError (429 with Retry-After). A prompt of a
-        `group` that already has members waiting is admitted with them."""
+        `group` that already has members waiting is admitted with them.
+
+        Priorities: an interactive prompt is measured against the interactive prompts ahead of
+        it only (the workers compute it before any batch prompt, see the engine's scheduler),
+        so a queue full of batch work never refuses it; a `background` one (a batch line)
+        against everything queued, so batch work fills the room interactive work leaves."""
         bound = self.bound(num_workers)
         joins_group = group is not None and self._groups.get(group, 0) > 0
-        if (
-            not joins_group
-            and bound is not None
-            and self.queued_tokens > 0
-            and self.queued_tokens + num_tokens > bound
-        ):
-            excess = self.queued_tokens + num_tokens - bound
+        ahead = self.queued_tokens if background else self.queued_tokens - self.background_tokens
+        if not joins_group and bound is not None and ahead > 0 and ahead + num_tokens > bound:
+            excess = ahead + num_tokens - bound
             raise QueueFullError(
-                f"the prefill queue is full: {self.queued_tokens} prompt tokens are waiting "
+                f"the prefill queue is full: {ahead} prompt tokens are waiting "
                 f"(limit {bound} for {num_workers} worker(s)) and this prompt has {num_tokens}; "
                 "retry after the time in Retry-After",
                 retry_after_s=self.retry_after_s(excess, now),
             )
         self.queued_tokens += num_tokens
+        if background:
+            self.background_tokens += num_tokens
         if group is not None:
             self._groups[group] = self._groups.get(group, 0) + 1
-        return QueuedPrompt(self, num_tokens, group)
+        return QueuedPrompt(self, num_tokens, group, background)
 
     def drain_rate(self, now: float) -> float | None:
         """Prompt tokens prefilled per second lately; None when none were."""
@@ -99,11 +114,43 @@ class PromptQueue:
             return 1.0
         return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / rate)))
 
+    def room_freed(self, num_tokens: int) -> asyncio.Future[None]:
+        """A future done when room frees for a prompt of `num_tokens` that was just refused:
+        a waiting batch line tries again the moment the queue drains, not at its next poll
+        (a poll every second left the prefill workers idle between waves). Waiters are woken
+        oldest first, as many as the freed tokens cover; the caller cancels the future when it
+        stops waiting."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if len(self._room_waiters) >= self._room_waiters_prune_at:
+            # Waits that ended (timed out, cancelled) leave their entries: drop them, so the
+            # deque holds about the waiting prompts, however long they wait (amortized: the
+            # next pruning waits for twice the entries that stayed).
+            self._room_waiters = deque((n, f) for n, f in self._room_waiters if not f.done())
+            self._room_waiters_prune_at = max(ROOM_WAITERS_PRUNE_AT, 2 * len(self._room_waiters))
+        self._room_waiters.append((num_tokens, future))
+        return future
+
+    def _count(self, num_tokens: int, background: bool) -> None:
+        self.queued_tokens += num_tokens
+        if background:
+            self.background_tokens += num_tokens
+        freed = -num_tokens
+        while freed > 0 and self._room_waiters:
+            waiting_tokens, future = self._room_waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                freed -= waiting_tokens
+
     def _leave(
-        self, num_tokens: int, now: float | None, group: str | None, counted: bool = True
+        self,
+        num_tokens: int,
+        now: float | None,
+        group: str | None,
+        counted: bool = True,
+        background: bool = False,
     ) -> None:
         if counted:
-            self.queued_tokens -= num_tokens
+            self._count(-num_tokens, background)
         if group is not None:
             self._groups[group] -= 1
             if not self._groups[group]:
@@ -115,10 +162,17 @@ class PromptQueue:
 class QueuedPrompt:
     """One admitted prompt's place in the count; leaves it exactly once."""
 
-    def __init__(self, queue: PromptQueue, num_tokens: int, group: str | None = None) -> None:
+    def __init__(
+        self,
+        queue: PromptQueue,
+        num_tokens: int,
+        group: str | None = None,
+        background: bool = False,
+    ) -> None:
         self._queue = queue
         self.num_tokens = num_tokens
         self._group = group
+        self._background = background
         self._left = False
         self._paused = False
 
@@ -127,24 +181,28 @@ class QueuedPrompt:
         worker then), still a member of its group."""
         if not self._left and not self._paused:
             self._paused = True
-            self._queue.queued_tokens -= self.num_tokens
+            self._queue._count(-self.num_tokens, self._background)
 
     def resume(self) -> None:
         if not self._left and self._paused:
             self._paused = False
-            self._queue.queued_tokens += self.num_tokens
+            self._queue._count(self.num_tokens, self._background)
 
     def prefilled(self, now: float) -> None:
         """Its first token came back: the prompt no longer waits (and counts for the drain rate)."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, now, self._group, not self._paused)
+            self._queue._leave(
+                self.num_tokens, now, self._group, not self._paused, self._background
+            )
 
     def abandon(self) -> None:
         """Failed or cancelled before its first token."""
         if not self._left:
             self._left = True
-            self._queue._leave(self.num_tokens, None, self._group, not self._paused)
+            self._queue._leave(
+                self.num_tokens, None, self._group, not self._paused, self._background
+            )
 
 
 # ---------------------------------------------------------------------- fair shares of the decode pool
@@ -212,26 +270,33 @@ class DecodeShares:
             return max(1, self.capacity.rows)
         return max(1, math.floor(self.max_share * self.capacity.rows))
 
-    def may_start(self, group: str, client: str) -> bool:
+    def may_start(self, group: str, client: str, priority: int = 0) -> bool:
+        """Background members (a priority above 0: batch lines) may fill the running rows but
+        never the calls beyond them, the workers' queues, which stay free for interactive
+        newcomers: a batch cannot make an interactive request's share a 429."""
         if self.capacity is None:
             return True
         g, c = _group_key(group), _client_key(client)
+        calls = (
+            self.capacity.calls if priority <= 0 else min(self.capacity.calls, self.capacity.rows)
+        )
         return (
-            self.num_held < self.capacity.calls
+            self.num_held < calls
             and self._held[g] < self.limit(g, self._num_active_groups)
             and self._held[c] < self.limit(c, self._num_active_clients)
         )
 
-    def try_take(self, group: str, client: str) -> DecodeShare | None:
+    def try_take(self, group: str, client: str, priority: int = 0) -> DecodeShare | None:
         """A share at once, or None (the caller waits or refuses)."""
-        if not self.may_start(group, client):
+        if not self.may_start(group, client, priority):
             return None
         self._enter(group, client)
         return self._grant(group, client)
 
-    async def take(self, group: str, client: str, wait_s: float) -> DecodeShare:
-        """A share, waiting at most `wait_s` for it; ShareRefusedError (429) past that."""
-        share = self.try_take(group, client)
+    async def take(self, group: str, client: str, wait_s: float, priority: int = 0) -> DecodeShare:
+        """A share, waiting at most `wait_s` for it; ShareRefusedError (429) past that. Freed
+        shares go to waiters of the lowest `priority` value first (interactive before batch)."""
+        share = self.try_take(group, client, priority)
         if share is not None:
             return share
         if wait_s <= 0:
@@ -239,7 +304,7 @@ class DecodeShares:
         self._enter(group, client)
         self._arrivals += 1
         waiter = _ShareWaiter(
-            group, client, self._arrivals, asyncio.get_running_loop().create_future()
+            group, client, self._arrivals, asyncio.get_running_loop().create_future(), priority
         )
         self._waiters.setdefault((group, client), deque()).append(waiter)
         try:
@@ -321,8 +386,8 @@ class DecodeShares:
                 del self._waiters[(waiter.group, waiter.client)]
 
     def _grant_waiters(self) -> None:
-        """Freed calls to the waiters whose client, then request, holds the least (first come
-        on ties), while any may start."""
+        """Freed calls to the waiters of the most urgent priority, then whose client, then
+        request, holds the least (first come on ties), while any may start."""
         while self._waiters:
             # A waiter whose task was cancelled leaves its line when that task next runs; until
             # then its future is done (cancelled) and it must not be granted anything.
@@ -332,13 +397,14 @@ class DecodeShares:
             heads = [
                 line[0]
                 for line in self._waiters.values()
-                if self.may_start(line[0].group, line[0].client)
+                if self.may_start(line[0].group, line[0].client, line[0].priority)
             ]
             if not heads:
                 return
             chosen = min(
                 heads,
                 key=lambda w: (
+                    w.priority,
                     self._held[_client_key(w.client)],
                     self._held[_group_key(w.group)],
                     w.arrival,
@@ -366,6 +432,7 @@ class _ShareWaiter:
     client: str
     arrival: int
     future: asyncio.Future[DecodeShare]
+    priority: int = 0
 
 
 class DecodeShare:

@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from functools import lru_cache
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -72,6 +72,8 @@ def create_app(
     close_backend_on_shutdown: bool = True,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     api_keys: Sequence[str] = (),
+    routers: Sequence[APIRouter] = (),
+    path_body_limits: Mapping[str, int] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for one served model.
 
@@ -79,7 +81,8 @@ def create_app(
     refused with a 400 before they reach the backend. `vocab_size`: prompt token ids must be
     below it (default: the tokenizer's size; pass the model's when its embedding is larger).
     `extra_metrics`: awaited on each GET /metrics; its Prometheus text is appended (the cluster
-    backend's per-worker figures).
+    backend's per-worker figures). `routers`: more routes (the Batch API), behind the same
+    middleware; `path_body_limits`: their own body bounds, by path.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -142,7 +145,8 @@ def create_app(
         path_limits={
             path: prompt_limit
             for path in (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, TOKENIZE_PATH, DETOKENIZE_PATH)
-        },
+        }
+        | dict(path_body_limits or {}),
     )
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=(HEALTH_PATH, METRICS_PATH))
@@ -211,6 +215,9 @@ def create_app(
     async def metrics_text() -> PlainTextResponse:
         text = await metrics.render(extra_metrics)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+
+    for router in routers:
+        app.include_router(router)
 
     return app
 

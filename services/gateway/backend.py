@@ -30,6 +30,12 @@ class GenerationRequest:
     # The HTTP request's members (prompts x n) and its n: what the gateway's caps check.
     group_size: int = 1
     num_choices: int = 1
+    # vLLM's `priority`: lower values are served first (0 = interactive); batch lines carry
+    # BATCH_PRIORITY. Admission, the workers' queues and preemption all order by it.
+    priority: int = 0
+    # Outputs the caller only needs at the end (not streamed to anyone): the decode worker sends
+    # them merged, one message per this many milliseconds after the first token; 0: as they come.
+    coalesce_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -240,12 +241,7 @@ class ClusterBackend:
         num_prompt_workers = sum(
             1 for w in self.pool.workers if w.role in ("prefill", "colocated") and not w.draining
         )
-        queued = self.prompt_queue.admit(
-            len(request.prompt_token_ids),
-            num_prompt_workers,
-            time.monotonic(),
-            request.admission_group,
-        )
+        queued = await self._admit(request, num_prompt_workers)
         request_id = request.request_id
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
         self._num_in_flight += 1
@@ -272,19 +268,42 @@ class ClusterBackend:
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
 
+    async def _admit(self, request: GenerationRequest, num_prompt_workers: int) -> QueuedPrompt:
+        """The prompt into the admission count. A background request (a batch line, priority
+        above interactive) is never refused for a full queue: it waits for room, up to
+        `group_wait_s`, while interactive requests are measured against interactive work."""
+        background = request.priority > 0
+        wait = GroupWait(self.options.group_wait_s if background else 0.0)
+        while True:
+            try:
+                return self.prompt_queue.admit(
+                    len(request.prompt_token_ids),
+                    num_prompt_workers,
+                    time.monotonic(),
+                    request.admission_group,
+                    background,
+                )
+            except QueueFullError:
+                woken = self.prompt_queue.room_freed(len(request.prompt_token_ids))
+                if not await wait.turn(woken):
+                    raise
+
     async def _decode_share(self, request: GenerationRequest, queued: QueuedPrompt) -> DecodeShare:
         """The request's hold on the decode pool (`DecodeShares`). A batch member beyond its
         share waits for one here (up to `group_wait_s`, its tokens out of the prompt queue
         meanwhile); a single request without one gets 429 at once, as from a full worker."""
         group = request.admission_group or request.request_id
+        # Batch lines are an owner of their own, apart from the same key's interactive work.
+        client = f"{request.client}#background" if request.priority > 0 else request.client
         self._refresh_capacity()
-        share = self.decode_shares.try_take(group, request.client)
+        share = self.decode_shares.try_take(group, client, request.priority)
         if share is not None:
             return share
-        wait_s = self.options.group_wait_s if request.admission_group else 0.0
+        waits = request.admission_group is not None or request.priority > 0
+        wait_s = self.options.group_wait_s if waits else 0.0
         queued.pause()
         try:
-            return await self.decode_shares.take(group, request.client, wait_s)
+            return await self.decode_shares.take(group, client, wait_s, request.priority)
         finally:
             queued.resume()
 
@@ -325,15 +344,18 @@ class ClusterBackend:
         tried: list[str] = []
         restarts = migrations = full_prefills = 0
         streamed = Resumed([])
-        wait = GroupWait(self.options.group_wait_s if request.admission_group else 0.0)
+        waits = request.admission_group is not None or request.priority > 0
+        wait = GroupWait(self.options.group_wait_s if waits else 0.0)
         while True:
             routable = self.pool.routable()
             decode = self.router.pick_decode(routable, exclude=tried)
             if decode is None:
                 if migrations:
-                    raise BackendError(
+                    # Workers failed, not the request: a 503 the client may retry.
+                    raise SaturatedError(
                         f"the decode worker streaming request {request.request_id} failed and "
-                        "no other decode worker is left to continue it"
+                        "no other decode worker is left to continue it; retry after the time in "
+                        "Retry-After"
                     )
                 if tried and not streamed.token_ids and await wait.turn():
                     tried.clear()  # a batch member: try them all again
@@ -390,6 +412,10 @@ class ClusterBackend:
                         retry_after_s=1.0,
                     ) from error
                 logger.warning("request %s: %s; computing it again", request.request_id, error)
+                # A fresh id for the workers: the cancelled attempt's may still be open on the
+                # decode worker a moment longer (it would refuse the same id as in use).
+                base_id = request.request_id.rsplit("~", 1)[0]
+                request = dataclasses.replace(request, request_id=f"{base_id}~{restarts}")
             except (WorkerUnreachableError, WorkerLostError) as error:
                 # The decode worker died or hung up: continue on another one from what the
                 # client has (migration), or start over if it has nothing yet.
@@ -397,7 +423,12 @@ class ClusterBackend:
                 tried.append(decode.worker_id)
                 migrations += 1
                 if migrations > self.options.migration_limit:
-                    raise
+                    # Workers failed, not the request: a 503 the client (a batch runner) retries.
+                    raise SaturatedError(
+                        f"request {request.request_id}: {error}; it moved to another decode "
+                        f"worker {self.options.migration_limit} times (--migration-limit); retry "
+                        "after the time in Retry-After"
+                    ) from error
                 logger.warning(
                     "request %s: %s; continuing on another decode worker after %d tokens",
                     request.request_id,

@@ -106,6 +106,8 @@ async def create_completion(
         samples_per_prompt=n,
         span=span,
         client=client_identity(request.scope),
+        priority=body.priority,
+        streamed=bool(body.stream),
     )
     form = CompletionFormat(ctx, body, completion_id, session, echo)
     return await respond(session, request, form, body.stream)
@@ -135,6 +137,8 @@ async def create_chat_completion(
         samples_per_prompt=body.n,
         span=span,
         client=client_identity(request.scope),
+        priority=body.priority,
+        streamed=bool(body.stream),
     )
     form = ChatFormat(ctx, body, completion_id)
     return await respond(session, request, form, body.stream)

@@ -24,15 +24,24 @@ class GroupWait:
         self._deadline: float | None = None
         self._delay_s = FIRST_DELAY_S
 
-    async def turn(self) -> bool:
-        """Waits before the next try; False (without waiting) once the time is up."""
-        if self._limit_s <= 0:
-            return False
-        now = self._clock()
-        if self._deadline is None:
-            self._deadline = now + self._limit_s
-        if now >= self._deadline:
-            return False
-        await asyncio.sleep(min(self._delay_s, self._deadline - now))
-        self._delay_s = min(self._delay_s * 2, MAX_DELAY_S)
-        return True
+    async def turn(self, woken: asyncio.Future[None] | None = None) -> bool:
+        """Waits before the next try, or until `woken` is done (room freed), whichever comes
+        first; False (without waiting) once the time is up. `woken` is cancelled either way."""
+        try:
+            if self._limit_s <= 0:
+                return False
+            now = self._clock()
+            if self._deadline is None:
+                self._deadline = now + self._limit_s
+            if now >= self._deadline:
+                return False
+            delay_s = min(self._delay_s, self._deadline - now)
+            if woken is None:
+                await asyncio.sleep(delay_s)
+            else:
+                await asyncio.wait([woken], timeout=delay_s)
+            self._delay_s = min(self._delay_s * 2, MAX_DELAY_S)
+            return True
+        finally:
+            if woken is not None:
+                woken.cancel()

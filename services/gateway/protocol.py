@@ -26,7 +26,8 @@ _SEED_MAX = 2**63 - 1
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
-# An integer that travels to the workers as a proto int32 (SamplingParams in common.proto).
+# An integer that travels to the workers as a proto int32 (SamplingParams in common.proto, or a
+# request's priority).
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -100,6 +101,9 @@ class SamplingFields(_TextChecked):
     n: Int32 = 1
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM extension: lower values are served first (admission, the workers' queues,
+    # preemption); 0 is interactive, batch lines carry nori.settings.BATCH_PRIORITY.
+    priority: Int32 = 0
 
 
 class CompletionRequest(SamplingFields):

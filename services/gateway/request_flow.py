@@ -237,6 +237,7 @@ class RequestFlow:
                 prompt_token_ids=request.prompt_token_ids,
                 params=params_to_proto(request.params),
                 destination=destination,
+                priority=request.priority,
             ),
             metadata=metadata,
         )
@@ -307,6 +308,8 @@ class RequestFlow:
                 compute_prompt=compute_prompt,
                 resumed_output_token_ids=resumed.token_ids if resumed is not None else (),
                 resumed_text_chars=resumed.num_chars if resumed is not None else 0,
+                priority=request.priority,
+                coalesce_ms=request.coalesce_ms,
             ),
             metadata=metadata,
         )

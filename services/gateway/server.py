@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import uvicorn
 
+from nori.batch.jobs import BatchJobs
+from nori.batch.store import BatchStatus, BatchStore
 from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
+from nori.gateway.batch_api import FILES_PATH, batch_routes, batch_status_counts
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
 from nori.gateway.metrics import refused_worker_entries_text
 from nori.gateway.tracing import instrument
@@ -18,6 +23,8 @@ from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
 from nori.settings import RoleSettings
+from nori.state.connection import connect
+from nori.state.keys import Keys
 from nori.telemetry.tracing import Tracing
 from nori.v1 import common_pb2
 
@@ -56,6 +63,9 @@ class GatewayOptions(RoleSettings):
     max_request_members: int = 4096
     # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
     api_key: str | None = None
+    # OpenAI's Files and Batch API, its files and batches kept here; None: off.
+    batch_dir: str | None = None
+    max_batch_file_mib: float = 200.0
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -128,7 +138,21 @@ async def serve_gateway(options: GatewayOptions) -> None:
             f"nori_gateway_decode_pool_calls {shares.capacity.calls if shares.capacity else 0}\n"
         )
         refused = refused_worker_entries_text(backend.pool.refused_entries)
-        return admission + refused + worker_metrics_text(await backend.worker_stats())
+        batches = ""
+        if batch_store is not None:
+            by_status = await asyncio.to_thread(batch_status_counts, batch_store)
+            batches = "# TYPE nori_gateway_batches gauge\n" + "".join(
+                f'nori_gateway_batches{{status="{status}"}} {by_status.get(status, 0)}\n'
+                for status in get_args(BatchStatus)
+            )
+        return admission + refused + batches + worker_metrics_text(await backend.worker_stats())
+
+    batch_store = BatchStore(Path(options.batch_dir)) if options.batch_dir else None
+    batch_redis = connect(options.redis_url) if batch_store is not None else None
+    routers = []
+    if batch_store is not None and batch_redis is not None:
+        jobs = BatchJobs(batch_redis, Keys(options.namespace))
+        routers.append(batch_routes(batch_store, jobs))
 
     app = create_app(
         backend,
@@ -139,6 +163,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
         extra_metrics=extra_metrics,
         max_request_body_bytes=int(options.max_request_body_mib * 1024 * 1024),
         api_keys=[options.api_key] if options.api_key else [],
+        routers=routers,
+        path_body_limits={FILES_PATH: int(options.max_batch_file_mib * 1024 * 1024)},
     )
     instrument(app, tracing, untraced_paths=(HEALTH_PATH, METRICS_PATH))
     config = uvicorn.Config(
@@ -157,4 +183,6 @@ async def serve_gateway(options: GatewayOptions) -> None:
     try:
         await uvicorn.Server(config).serve()
     finally:
+        if batch_redis is not None:
+            await batch_redis.aclose()
         tracing.shutdown()

@@ -34,6 +34,11 @@ def client_identity(scope: Scope) -> str:
     return f"addr:{client[0]}" if client else "addr:unknown"
 
 
+# A non-streamed request's outputs come from the decode worker at most this often after its
+# first token: per-token messages would cost the worker and the gateway for nobody.
+COALESCE_MS = 1000
+
+
 @dataclass
 class Choice:
     """What one prompt has produced so far."""
@@ -75,10 +80,14 @@ class Session:
         samples_per_prompt: int = 1,
         span: trace.Span = trace.INVALID_SPAN,
         client: str = "",
+        priority: int = 0,
+        streamed: bool = True,
     ) -> None:
         """`prompts[i]` is choice i's prompt; with n > 1 each prompt stands n times in a row
         (`samples_per_prompt`), and its tokens count once in the usage. `client`: who sent it
-        (`client_identity`), the owner its share of the decode pool counts against."""
+        (`client_identity`), the owner its share of the decode pool counts against.
+        `priority`: the body's (vLLM's; lower first), every choice's. Not `streamed`: the answer
+        is one body at the end, so the workers send their outputs merged (`COALESCE_MS`)."""
         self.ctx = ctx
         # The request's server span: the usage and finish reasons go on it at the end.
         self._span = span
@@ -98,6 +107,8 @@ class Session:
                 client=client,
                 group_size=len(prompts),
                 num_choices=samples_per_prompt,
+                priority=priority,
+                coalesce_ms=0 if streamed else COALESCE_MS,
             )
             for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
         ]

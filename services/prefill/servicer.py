@@ -51,8 +51,11 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         leases: LeaseKeeper,
         telemetry: WorkerTelemetry,
         max_open_calls: int,
+        max_background_calls: int | None = None,
     ) -> None:
-        super().__init__(worker_id, engine, streams, is_draining, telemetry, max_open_calls)
+        super().__init__(
+            worker_id, engine, streams, is_draining, telemetry, max_open_calls, max_background_calls
+        )
         self._sender = sender
         self._leases = leases
         self.kv_bytes_sent = 0
@@ -76,7 +79,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             await call_engine(
                 self._engine,
                 context,
-                lambda engine: engine.add_request(request_id, prompt, params, prefill_only=True),
+                lambda engine: engine.add_request(
+                    request_id, prompt, params, prefill_only=True, priority=request.priority
+                ),
             )
             output = await queue.get()
             record.output(output, computed_prompt=True)
@@ -108,7 +113,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             record.finish(outcome, finish_reason, error)
             # Sent, failed or cancelled: nothing left to vouch for.
             self._leases.release(request_id)
-            self._streams.close(request_id)
+            self._close(request_id)
             if not done:
                 self._engine.submit(lambda engine: engine.abort_request(request_id))
 

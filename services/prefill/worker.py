@@ -86,6 +86,10 @@ class PrefillWorker(Worker):
             leases=self._leases,
             telemetry=self.telemetry,
             max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
+            # A batch may fill the running batch; the queue beyond it stays for interactive work.
+            # (A decode worker needs no such reserve: the gateway's decode shares hold one
+            # client, the batch runner too, to its share of the rows while another waits.)
+            max_background_calls=self.engine_config.max_num_seqs,
         )
         self._lease_renewer = asyncio.create_task(self._leases.run())
         assert self.redis is not None

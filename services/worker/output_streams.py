@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from nori.engine.outputs import RequestOutput
 
@@ -19,6 +20,31 @@ async def next_output(queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
     return output
 
 
+class OutputQueue(asyncio.Queue[RequestOutput]):
+    """One request's outputs, and whether its last one is in (`finished`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished = asyncio.Event()
+
+
+async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> RequestOutput:
+    """The request's next output merged with every further one for `interval_s`, or until it
+    finishes: one message per interval for a caller that needs only the whole completion.
+
+    Between its first output and the end of the interval the consumer sleeps: the steps' outputs
+    pile up in the queue without waking it (one wake-up per interval, not per step: with
+    hundreds of rows, per-step wake-ups take the event loop, and the GIL, from the engine)."""
+    output = await next_output(queue)
+    if not output.finished:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await queue.finished.wait()
+        while not output.finished and not queue.empty():
+            output = output.followed_by(queue.get_nowait())
+    return output
+
+
 class OutputStreams:
     """One queue per open request, filled on the event loop from EngineThread.on_outputs.
 
@@ -27,12 +53,12 @@ class OutputStreams:
     """
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
 
-    def open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+    def open(self, request_id: str) -> OutputQueue:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = OutputQueue()
         self._queues[request_id] = queue
         return queue
 
@@ -44,6 +70,8 @@ class OutputStreams:
             queue = self._queues.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
+                if output.finished:
+                    queue.finished.set()
 
     def __len__(self) -> int:
         return len(self._queues)

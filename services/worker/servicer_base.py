@@ -3,18 +3,16 @@ and the figures every worker reports in GetStats."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
 import grpc
 
-from nori.engine.outputs import RequestOutput
 from nori.rpc.convert import params_from_proto
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
 from nori.worker.engine_thread import EngineThread
-from nori.worker.output_streams import OutputStreams
+from nori.worker.output_streams import OutputQueue, OutputStreams
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 
 
@@ -24,6 +22,7 @@ class _PromptRequest(Protocol):
     request_id: str
     prompt_token_ids: Iterable[int]
     params: common_pb2.SamplingParams
+    priority: int
 
 
 class OpenedRequest(NamedTuple):
@@ -32,7 +31,7 @@ class OpenedRequest(NamedTuple):
 
     params: SamplingParams
     prompt: list[int]
-    queue: asyncio.Queue[RequestOutput]
+    queue: OutputQueue
     record: CallRecord
 
 
@@ -45,9 +44,17 @@ class EngineServicer:
         is_draining: Callable[[], bool],
         telemetry: WorkerTelemetry,
         max_open_calls: int,
+        max_background_calls: int | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._max_open_calls = max_open_calls
+        # Background calls (priority > 0: batch lines) may hold this many of the open calls; the
+        # rest stay free for interactive ones, so a batch that fills the worker never turns an
+        # interactive request away (it waits its turn in the queue instead). None: no reserve.
+        self._max_background_calls = (
+            max_open_calls if max_background_calls is None else max_background_calls
+        )
+        self._background_request_ids: set[str] = set()
         self._telemetry = telemetry
         self._engine = engine
         self._streams = streams
@@ -91,14 +98,29 @@ class EngineServicer:
                 f"{self._worker_id} is full: {len(self._streams)} requests running or queued "
                 f"(the limit, max-num-seqs + max-queued-requests)",
             )
+        is_background = request.priority > 0
+        if is_background and len(self._background_request_ids) >= self._max_background_calls:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._worker_id} is full for background work: "
+                f"{len(self._background_request_ids)} background requests running or queued "
+                f"(the limit; the rest of its queue is kept for interactive requests)",
+            )
         try:
             params = params_from_proto(request.params)
             queue = self._streams.open(request.request_id)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if is_background:
+            self._background_request_ids.add(request.request_id)
         self.num_requests += 1
         prompt = list(request.prompt_token_ids)
         record = self._telemetry.start(
             span_name, request.request_id, len(prompt), context.invocation_metadata()
         )
         return OpenedRequest(params, prompt, queue, record)
+
+    def _close(self, request_id: str) -> None:
+        """Ends the call's hold on this worker: its output stream and its background slot."""
+        self._streams.close(request_id)
+        self._background_request_ids.discard(request_id)

@@ -42,10 +42,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="timed runs per policy, taking turns; the median run is reported",
     )
+    offline.add_argument(
+        "--batch-file",
+        default=None,
+        metavar="FILE",
+        help="the requests of this batch file (`nori bench batch-file`: token-id prompts, "
+        "greedy, ignore_eos) instead of random ones: the same work `nori run-batch` does",
+    )
     offline.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_arg(offline)
     add_engine_args(offline)
     offline.set_defaults(handler=run_offline)
+
+    batch_file = commands.add_parser(
+        "batch-file",
+        help="ShareGPT conversations as an OpenAI batch file (for `nori run-batch` and "
+        "`nori bench offline --batch-file`)",
+    )
+    batch_file.add_argument("--dataset-path", required=True, help="a ShareGPT JSON file")
+    batch_file.add_argument("-o", "--output-file", required=True)
+    batch_file.add_argument("--num-prompts", type=int, default=1000)
+    batch_file.add_argument(
+        "--max-tokens-cap", type=int, default=256, help="max_tokens: the answer's length, capped"
+    )
+    batch_file.add_argument("--model", default="demo", help="whose tokenizer encodes the prompts")
+    batch_file.add_argument("--served-model-name", default=None)
+    batch_file.add_argument("--seed", type=int, default=0)
+    batch_file.set_defaults(handler=run_batch_file)
 
     transfer = commands.add_parser(
         "transfer", help="KV block transfer bandwidth: UCX vs our TCP, a plain socket, memcpy"
@@ -183,6 +206,13 @@ def run_offline(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    workload = None
+    if args.batch_file is not None:
+        from pathlib import Path
+
+        from nori.bench.batch_file import workload_from_batch_file
+
+        workload = workload_from_batch_file(Path(args.batch_file))
     report = run_offline_benchmark(
         engine_config_from_args(args),
         num_prompts=args.num_prompts,
@@ -191,8 +221,28 @@ def run_offline(args: argparse.Namespace) -> int:
         compare_static=args.compare_static,
         show_progress=show_progress(args),
         repeats=args.repeats,
+        workload=workload,
     )
     _print_report(report, args.json)
+    return 0
+
+
+def run_batch_file(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nori.bench.batch_file import write_sharegpt_batch_file
+    from nori.cli.serve import served_model_name
+
+    count = write_sharegpt_batch_file(
+        Path(args.dataset_path),
+        Path(args.output_file),
+        args.model,
+        served_model_name(args.model, args.served_model_name),
+        args.num_prompts,
+        args.max_tokens_cap,
+        args.seed,
+    )
+    print(f"nori: {count} requests in {args.output_file}")
     return 0
 
 

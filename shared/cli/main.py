@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from nori.cli import bench, generate, health, model, serve
+from nori.cli import bench, generate, health, model, run_batch, serve
 from nori.launch import up
 from nori.launch.parent_death import die_with_parent
 
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     serve.register(subparsers)
     up.register(subparsers)
+    run_batch.register(subparsers)
     health.register(subparsers)
     return parser
 

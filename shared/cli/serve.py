@@ -1,4 +1,4 @@
-"""`nori serve gateway|prefill|decode`: run one role of a cluster (what a container runs)."""
+"""`nori serve gateway|prefill|decode|batch`: run one role of a cluster (what a container runs)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nori.cli.engine_args import add_engine_args, engine_config_from_args
+from nori.cli.engine_args import (
+    SERVING_BACKGROUND_PREFILL_BUDGET,
+    add_engine_args,
+    engine_config_from_args,
+)
 from nori.settings import (
     DEFAULT_KV_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -128,7 +132,11 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
         help="serve Prometheus /metrics on this port (0: a free one, logged and stated in the "
         "registry; -1: none)",
     )
-    add_engine_args(parser, prefill_budget_with_decodes=SERVING_PREFILL_BUDGET)
+    add_engine_args(
+        parser,
+        prefill_budget_with_decodes=SERVING_PREFILL_BUDGET,
+        background_prefill_budget=SERVING_BACKGROUND_PREFILL_BUDGET,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -224,7 +232,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "tokens per prefill (or colocated) worker wait for their first token; about TTFT target "
         "x prefill tokens/s; 0 = no bound (default %(default)s: four 2048-token steps)",
     )
+    gateway.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="serve OpenAI's Files and Batch API (/v1/files, /v1/batches), keeping files and "
+        "batches in DIR (shared with the batch runners; a volume in Compose); none: off",
+    )
+    gateway.add_argument(
+        "--max-batch-file-mib",
+        type=float,
+        default=200.0,
+        help="larger uploads to /v1/files are refused with 413 (default %(default)s, OpenAI's)",
+    )
     gateway.set_defaults(handler=run_gateway)
+
+    batch = roles.add_parser(
+        "batch", help="a batch runner: runs the lines of the batches in --batch-dir"
+    )
+    _add_cluster_args(batch, default_port=0)
+    batch.add_argument(
+        "--batch-dir", required=True, metavar="DIR", help="the gateway's --batch-dir"
+    )
+    batch.add_argument(
+        "--gateway-url",
+        default="http://127.0.0.1:8000",
+        help="where the lines go: the gateway's routing, at the lowest priority",
+    )
+    batch.add_argument("--runner-id", default="", help="default: HOSTNAME-PID (unique per runner)")
+    batch.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=512,
+        help="lines sent at once (the gateway queues what its pools cannot start yet)",
+    )
+    batch.add_argument(
+        "--lease-s",
+        type=float,
+        default=10.0,
+        help="a line this runner stops renewing is taken over by another runner after this long",
+    )
+    batch.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus /metrics here; 0: none"
+    )
+    batch.set_defaults(handler=run_batch_runner)
 
     prefill = roles.add_parser("prefill", help="a prefill worker")
     _add_worker_args(prefill, default_port=50061)
@@ -313,6 +364,32 @@ def run_decode(args: argparse.Namespace) -> int:
         transfer_timeout_s=args.kv_transfer_timeout_s,
     )
     run_worker(worker)
+    return 0
+
+
+def run_batch_runner(args: argparse.Namespace) -> int:
+    _bind(args, "batch", default_threads=1, uses_torch=False)
+    import asyncio
+
+    from nori.batch.runner import RunnerOptions, serve_batch
+    from nori.telemetry.tracing import Tracing
+
+    if args.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be at least 1, got {args.max_in_flight}")
+    if args.lease_s <= 0:
+        raise ValueError(f"--lease-s must be positive, got {args.lease_s}")
+    options = settings_from(
+        RunnerOptions,
+        args,
+        metrics_host=args.host,
+        api_key=Environment.read().api_key,
+        cluster_secret=cluster_secret(args),
+    )
+    tracing = Tracing.for_role("batch", args.otlp_traces_endpoint)
+    try:
+        asyncio.run(serve_batch(options, tracing.tracer))
+    finally:
+        tracing.shutdown()
     return 0
 
 

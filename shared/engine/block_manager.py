@@ -15,8 +15,8 @@ takes from its front, evicting the hash of a cached block it takes.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from nori.engine.block_hash import extend_block_hashes
@@ -124,6 +124,33 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def num_missing_blocks(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[int] = ()
+    ) -> int:
+        """How many more blocks the pool would have to free for `allocate` with the same
+        arguments to succeed (0: it would)."""
+        num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = needed - len(request.block_ids) - len(cached_prefix)
+        # Hits that sit in the free queue stop being available once we take them.
+        prefix_from_queue = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        return max(num_new_blocks - (len(self._free_queue) - prefix_from_queue), 0)
+
+    def blocks_freed_by(
+        self, requests: Iterable[Request], keep: Collection[int] = ()
+    ) -> Iterator[int]:
+        """After each of `requests` in turn: how many blocks would join the free queue if it
+        and those before it gave theirs back (a shared block only once every holder is among
+        them). Blocks in `keep` are not counted: a cached prefix about to be taken again."""
+        holders: Counter[int] = Counter()
+        freed = 0
+        for request in requests:
+            for block_id in request.block_ids:
+                holders[block_id] += 1
+                if holders[block_id] == self.blocks[block_id].ref_count and block_id not in keep:
+                    freed += 1
+            yield freed
+
     # ---------------------------------------------------------------------------- changes
 
     def allocate(
@@ -138,13 +165,11 @@ class BlockManager:
         prefix = list(cached_prefix)
         if prefix and request.block_ids:
             raise ValueError("a cached prefix can only start an empty block table")
+        if self.num_missing_blocks(request, num_new_tokens, prefix):
+            return False
         num_computed = request.num_computed_tokens + len(prefix) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = needed - len(request.block_ids) - len(prefix)
-        # Hits that sit in the free queue stop being available once we take them.
-        prefix_from_queue = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
-        if num_new_blocks > len(self._free_queue) - prefix_from_queue:
-            return False
         for block_id in prefix:
             self._touch(block_id)
         request.block_ids.extend(prefix)

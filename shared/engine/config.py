@@ -43,6 +43,11 @@ class EngineConfig:
     # step_cost.py; what serving workers use), or None: no cap beyond max_num_batched_tokens,
     # the offline throughput setting.
     prefill_budget_with_decodes: int | str | None = None
+    # Prompt tokens of background requests (a priority above 0: batch lines) a step may carry;
+    # None: no cap beyond the step's. Serving workers cap them (SERVING_BACKGROUND_PREFILL_BUDGET)
+    # so that an interactive prompt arriving beside a batch waits for a short step, not one of
+    # max_num_batched_tokens batch prompt tokens, and shares its own step with few of them.
+    background_prefill_budget: int | None = None
     # Longest prompt + output; None means the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -72,6 +77,9 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_budget_with_decodes must be an int >= 1, 'auto' or None, got {budget!r}"
             )
+        background = self.background_prefill_budget
+        if background is not None and background < 1:
+            raise ValueError(f"background_prefill_budget must be >= 1 or None, got {background}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

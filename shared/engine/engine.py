@@ -67,6 +67,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
             prefill_budget_with_decodes=AUTO_PREFILL_BUDGET_START if budget == "auto" else budget,  # type: ignore[arg-type]
+            background_prefill_budget=config.background_prefill_budget,
         )
         self._scheduler = Scheduler(scheduler_config, self._block_manager)
         # The requests this engine knows, from add (or reserve) until they finish or leave.
@@ -83,6 +84,7 @@ class LLMEngine:
         prefill_only: bool = False,
         output_token_ids: Sequence[int] = (),
         num_emitted_chars: int = 0,
+        priority: int = 0,
     ) -> None:
         """Queues a request. Raises ValueError for input the engine can never serve.
 
@@ -90,6 +92,9 @@ class LLMEngine:
         the tokens it had sampled, already streamed with `num_emitted_chars` of their text. They
         are computed with the prompt and count as output (max_tokens, penalties, stop checks);
         sampling goes on after the last.
+
+        `priority`: vLLM's; lower values are served first, in arrival order among equals, and a
+        request may preempt running ones of a larger value when the KV pool has no room for it.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -102,6 +107,7 @@ class LLMEngine:
             arrival_index=next(self._arrivals),
             prefill_only=prefill_only,
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
+            priority=priority,
         )
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first token has none; the rest as computed
@@ -206,6 +212,7 @@ class LLMEngine:
             num_computed_tokens=request.num_computed_tokens,
             block_size=self.config.block_size,
             generator_state=generator_state(request.generator),
+            priority=request.priority,
         )
         blocks = self._runner.read_blocks(request.block_ids[: state.num_blocks])
         return KVExport(state=state, blocks=blocks)
@@ -219,8 +226,14 @@ class LLMEngine:
     def reserve_request(self, state: TransferState) -> list[int] | None:
         """Allocates blocks for a request whose K/V another engine computed.
 
-        Returns the block ids to write into, in order, or None when the pool has no room now.
+        Returns the block ids to write into, in order, or None when the pool has no room now,
+        not even after preempting running requests less important than it (`state.priority`).
         """
+        return self._reserve(state, num_next_tokens=0)
+
+    def _reserve(self, state: TransferState, num_next_tokens: int) -> list[int] | None:
+        """`reserve_request`, where preemption frees room for `num_next_tokens` more tokens too:
+        those the caller allocates next (`reserve_prompt`'s first sampled token)."""
         if state.block_size != self.config.block_size:
             raise ValueError(
                 f"block size {state.block_size} of the sender differs from {self.config.block_size}"
@@ -234,12 +247,16 @@ class LLMEngine:
             list(state.prompt_token_ids),
             params,
             arrival_index=next(self._arrivals),
+            priority=state.priority,
         )
         for token_id in state.output_token_ids:
             request.append_token(token_id)
         # The blocks also cover the next token, which is computed right after activation.
         if not self._block_manager.allocate(request, request.num_tokens):
-            return None
+            if not self._scheduler.preempt_for(request, request.num_tokens + num_next_tokens):
+                return None
+            allocated = self._block_manager.allocate(request, request.num_tokens)
+            assert allocated, "preemption freed fewer blocks than it counted"
         request.num_computed_tokens = state.num_computed_tokens
         self._track(request, state.generator_state)
         add_known_tokens(request, state.output_token_ids)
@@ -247,13 +264,19 @@ class LLMEngine:
         return list(request.block_ids[: state.num_blocks])
 
     def reserve_prompt(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> list[int] | None:
         """Decode side of a transfer, before the prefill has run: blocks for the prompt's K/V.
 
         The reservation also covers the first sampled token, computed right after activation.
         Returns the block ids the prompt's K/V goes into, in order, or None when the pool has no
-        room now. `complete_transfer` finishes the hand-over; `abort_request` frees the blocks.
+        room now, not even after preempting running requests less important than it
+        (`priority`, as in `add_request`). `complete_transfer` finishes the hand-over;
+        `abort_request` frees the blocks.
         """
         state = TransferState(
             request_id=request_id,
@@ -262,14 +285,18 @@ class LLMEngine:
             sampling_params=params,
             num_computed_tokens=len(prompt_token_ids),
             block_size=self.config.block_size,
+            priority=priority,
         )
-        if self.reserve_request(state) is None:
+        if self._reserve(state, num_next_tokens=1) is None:
             return None
         request = self._requests[request_id]
-        # reserve_request sized for the known tokens; leave room for the first sampled one too.
+        # _reserve sized for the known tokens; leave room for the first sampled one too.
         if not self._block_manager.allocate(request, 1):
-            self.abort_request(request_id)
-            return None
+            if not self._scheduler.preempt_for(request, 1):
+                self.abort_request(request_id)
+                return None
+            allocated = self._block_manager.allocate(request, 1)
+            assert allocated, "preemption freed fewer blocks than it counted"
         return list(request.block_ids[: state.num_blocks])
 
     def complete_transfer(

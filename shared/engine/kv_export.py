@@ -20,6 +20,8 @@ class TransferState:
     block_size: int
     # The seeded sampler's RNG state, so a seeded request samples the same tokens after moving.
     generator_state: bytes | None = None
+    # Request.priority: the receiving engine serves and preempts by it as the sender did.
+    priority: int = 0
 
     @property
     def num_blocks(self) -> int:

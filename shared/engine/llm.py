@@ -57,11 +57,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion: one output per prompt, in the prompts' order, with
-        `sampling_params.n` completions each. `use_tqdm` draws a progress bar on stderr."""
+        `sampling_params.n` completions each. `use_tqdm` draws a progress bar on stderr.
+        `priority`: one per prompt, as vLLM's (lower values first; all 0 when None)."""
         batch = [self._prompt(prompt) for prompt in _as_prompt_list(prompts)]
-        return self._generate(batch, _as_params_list(sampling_params, len(batch)), use_tqdm)
+        params = _as_params_list(sampling_params, len(batch))
+        if priority is None:
+            return self._generate(batch, params, use_tqdm)
+        if len(priority) != len(batch):
+            raise ValueError(f"{len(priority)} priorities for {len(batch)} prompts")
+        return self._generate(batch, params, use_tqdm, list(priority))
 
     def chat(
         self,
@@ -109,14 +116,19 @@ class LLM:
         return _Prompt(None, list(prompt))
 
     def _generate(
-        self, prompts: list[_Prompt], params: list[SamplingParams], use_tqdm: UseTqdm
+        self,
+        prompts: list[_Prompt],
+        params: list[SamplingParams],
+        use_tqdm: UseTqdm,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         # Each prompt's id, and the engine requests of its completions: one keeps the prompt's
         # id, n of them are "{i}_{id}" (as vLLM names them).
         plan: list[tuple[str, list[str]]] = []
         added: list[str] = []
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, prompt_params in zip(prompts, params, strict=True):
+            for prompt, prompt_params, priority in zip(prompts, params, priorities, strict=True):
                 request_id = f"offline-{next(self._ids)}"
                 choices = choice_params(prompt_params, prompt_params.n)
                 ids = (
@@ -126,7 +138,7 @@ class LLM:
                 )
                 plan.append((request_id, ids))
                 for engine_id, choice in zip(ids, choices, strict=True):
-                    self.engine.add_request(engine_id, prompt.token_ids, choice)
+                    self.engine.add_request(engine_id, prompt.token_ids, choice, priority=priority)
                     added.append(engine_id)
             finished = self._run(added, use_tqdm)
         finally:

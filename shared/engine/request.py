@@ -50,6 +50,9 @@ class Request:
     sampling_params: SamplingParams
     # Monotonic arrival number: FCFS order and preemption victim choice (newest first).
     arrival_index: int = 0
+    # vLLM's `priority`: lower values are served first; FIFO among equal values (0: interactive,
+    # nori.settings.BATCH_PRIORITY: batch lines). Preemption takes the largest value first.
+    priority: int = 0
     # Stop after the first sampled token and keep the blocks for export to a decode engine.
     prefill_only: bool = False
     # The most tokens it may generate (max_tokens, capped by the model's length): the static

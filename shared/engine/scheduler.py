@@ -2,19 +2,24 @@
 
 Pure Python. Each step has a token budget shared by every scheduled request: running requests
 come first (a decode costs one token, an unfinished chunked prefill up to the rest of the budget),
-then waiting requests in arrival order. When decodes run, prompt work in the step can be capped
-separately (`prefill_budget_with_decodes`): a step's time grows with its prompt tokens, and every
-running stream waits for the whole step, so a small cap keeps inter-token latency near the pure
-decode step while long prompts are cut into chunks that ride along, step after step. When the KV pool runs dry, the newest running request is
-preempted: it gives back its blocks and returns to the front of the waiting queue, to be recomputed
-(cheaply, when its prefix is still cached).
+then waiting requests in order of priority (vLLM's `priority`: lower values first), in arrival
+order within one. When decodes run, prompt work in the step can be capped separately
+(`prefill_budget_with_decodes`): a step's time grows with its prompt tokens, and every running
+stream waits for the whole step, so a small cap keeps inter-token latency near the pure decode
+step while long prompts are cut into chunks that ride along, step after step. When the KV pool
+runs dry, the least important running request (the largest priority value; the newest among
+equals) is preempted: it gives back its blocks and returns to the waiting queue, in front of its
+equals, to be recomputed (cheaply, when its prefix is still cached). A waiting request that
+cannot get blocks may likewise preempt running requests of a strictly larger priority value
+(`preempt_for`). With every priority equal (0), priorities change nothing.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableSequence, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.request import Request, RequestStatus
@@ -43,6 +48,17 @@ class SchedulerConfig:
     # run in it; None: only max_num_batched_tokens bounds them (offline throughput). Serving
     # sets a small value so a long prompt never stalls the running streams for long.
     prefill_budget_with_decodes: int | None = None
+    # Prompt tokens of background requests (a priority above 0) a step may carry while
+    # interactive work is about (see `background_cap_linger_steps`); None: no cap of their own.
+    # A step's length is its prompt tokens, and an interactive prompt that arrives waits for the
+    # step in progress and then shares its own step with background prompts: a small cap keeps
+    # both short while a batch runs. With no interactive request about, a batch alone fills
+    # whole steps, as offline.
+    background_prefill_budget: int | None = None
+    # How many steps the background cap outlasts the last interactive request the scheduler
+    # knew (waiting, running, or held): the next one of a steady interactive load then arrives
+    # during short steps too. The first after a quiet spell waits for one uncapped step.
+    background_cap_linger_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -91,16 +107,37 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def _queue_behind_equals(queue: MutableSequence[Request], request: Request) -> None:
+    """Queues `request` behind every request of its priority or a more urgent one: ahead of
+    less urgent ones (a larger value), never ahead of its equals (FIFO within a priority)."""
+    if not queue or queue[-1].priority <= request.priority:
+        queue.append(request)  # every priority equal: a plain append
+        return
+    index = next(i for i, queued in enumerate(queue) if queued.priority > request.priority)
+    queue.insert(index, request)
+
+
+def _queue_ahead_of_equals(queue: MutableSequence[Request], request: Request) -> None:
+    """Queues `request` in front of every request of its priority (a preempted request resumes
+    before its equals), behind more urgent ones."""
+    index = next(
+        (i for i, queued in enumerate(queue) if queued.priority >= request.priority), len(queue)
+    )
+    queue.insert(index, request)
+
+
 @dataclass
 class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
+    # Both sorted by priority, then arrival (see `_queue_behind_equals`): the waiting queue is
+    # served from its front, and the running batch's last request is the preemption victim.
     waiting: deque[Request] = field(default_factory=deque, init=False)
     running: list[Request] = field(default_factory=list, init=False)
     # Requests whose blocks are reserved or held outside the running batch (RESERVED, PREFILLED).
     held: dict[str, Request] = field(default_factory=dict, init=False)
     # Requests whose K/V is in place (a finished transfer) waiting for a row in the running
-    # batch, in arrival order; they keep their blocks and join as decodes when one frees up.
+    # batch, by priority then arrival; they keep their blocks and join as decodes when one frees.
     ready: deque[Request] = field(default_factory=deque, init=False)
     # Static policy: finished members that keep their row until the whole batch is done.
     padding_rows: set[str] = field(default_factory=set, init=False)
@@ -109,15 +146,19 @@ class Scheduler:
     prefill_budget_with_decodes: int | None = field(init=False)
     # Preemptions since the scheduler was made (a request preempted twice counts twice).
     num_preemptions: int = field(default=0, init=False)
+    # Steps since one with an interactive request (priority <= 0) about: it gates the cap on
+    # background prompt tokens. Starts past the linger: a batch alone is never capped.
+    steps_since_interactive: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.prefill_budget_with_decodes = self.config.prefill_budget_with_decodes
+        self.steps_since_interactive = self.config.background_cap_linger_steps + 1
 
     # ------------------------------------------------------------------------- requests
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        _queue_behind_equals(self.waiting, request)
 
     def hold(self, request: Request, status: RequestStatus) -> None:
         """Keeps a request's blocks while it is outside the running batch."""
@@ -132,7 +173,7 @@ class Scheduler:
         transfers arriving faster than streams finish cannot stretch every stream's step."""
         request = self.held.pop(request_id)
         request.status = RequestStatus.READY
-        self.ready.append(request)
+        _queue_behind_equals(self.ready, request)
         self._run_ready()
         return request
 
@@ -140,7 +181,7 @@ class Scheduler:
         while self.ready and len(self.running) < self.config.max_num_seqs:
             request = self.ready.popleft()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            _queue_behind_equals(self.running, request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is and frees its blocks at once.
@@ -196,6 +237,7 @@ class Scheduler:
         self._run_ready()
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
+        background_budget = self._background_budget(budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -204,8 +246,11 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_uncomputed_tokens, budget)
             if num_new > 1:
-                # An unfinished prompt: its next chunk shares the prompt-token budget.
+                # An unfinished prompt: its next chunk shares the prompt-token budget (and a
+                # background prompt the background one too).
                 num_new = min(num_new, prefill_budget)
+                if request.priority > 0:
+                    num_new = min(num_new, background_budget)
                 if num_new == 0:
                     index += 1
                     continue
@@ -220,46 +265,141 @@ class Scheduler:
                 budget -= num_new
                 if num_new > 1:
                     prefill_budget -= num_new
+                    if request.priority > 0:
+                        background_budget -= num_new
                 index += 1
 
         # Admitting new work while others were just preempted would only thrash the pool.
         if not preempted:
             if self.config.policy == "continuous":
-                self._admit_waiting(min(budget, prefill_budget), scheduled)
+                self._admit_waiting(
+                    min(budget, prefill_budget), background_budget, scheduled, preempted
+                )
             elif not self.running:
                 self._admit_static_batch(budget, scheduled)
 
         scheduled.sort(key=lambda s: s.num_new_tokens > 1)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
 
+    def _background_budget(self, budget: int) -> int:
+        """Background prompt tokens this step may carry: capped while interactive work is about
+        (now, or within the last `background_cap_linger_steps` steps)."""
+        cap = self.config.background_prefill_budget
+        if cap is None:
+            return budget
+        if any(request.priority <= 0 for request in self.requests()):
+            self.steps_since_interactive = 0
+        else:
+            self.steps_since_interactive += 1
+        return (
+            cap
+            if self.steps_since_interactive <= self.config.background_cap_linger_steps
+            else budget
+        )
+
     def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may carry: capped when it will also run decodes."""
+        """Prompt tokens this step may carry: capped when it will also run decodes that someone
+        reads token by token. Background decodes (a priority above 0: batch lines, read whole
+        at the end) need no such care: beside them alone, prompts take the whole budget, as
+        offline, and the batch fills its rows sooner."""
         cap = self.prefill_budget_with_decodes
         if cap is None or self.config.policy != "continuous":
             return budget
-        decodes = any(request.num_uncomputed_tokens == 1 for request in self.running)
+        decodes = any(
+            request.num_uncomputed_tokens == 1 and request.priority <= 0 for request in self.running
+        )
         return min(cap, budget) if decodes else budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit_waiting(
+        self,
+        budget: int,
+        background_budget: int,
+        scheduled: list[ScheduledRequest],
+        preempted: list[Request],
+    ) -> None:
+        # Once requests were preempted for a more urgent one, only requests more urgent than all
+        # of them may start in this step: the others would take the freed blocks straight back.
+        floor: int | None = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if floor is not None and request.priority >= floor:
+                break
+            if request.priority > 0:
+                # The queue is in priority order: everything from here on is background work.
+                budget = min(budget, background_budget)
+                if budget <= 0:
+                    break
             prefix = self.block_manager.find_cached_prefix(request)
             num_computed = request.num_computed_tokens + len(prefix) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if self.running and not self._leaves_watermark(num_computed + num_new, prefix):
+            if self.running and not self._leaves_watermark(request, num_computed + num_new, prefix):
                 break
             if not self.block_manager.allocate(request, num_new, prefix):
-                break
+                victims = self.preempt_for(request, num_new, prefix)
+                if not victims:
+                    break
+                # A victim may have been scheduled earlier in this step: it no longer runs in it
+                # (the budget it had is simply left unused).
+                scheduled[:] = [item for item in scheduled if item.request not in victims]
+                preempted.extend(victims)
+                floor = min(victim.priority for victim in preempted)
+                allocated = self.block_manager.allocate(request, num_new, prefix)
+                assert allocated, "preemption freed fewer blocks than it counted"
             self.waiting.popleft()
             self._start(request, num_new, scheduled)
             budget -= num_new
+            if request.priority > 0:
+                background_budget -= num_new
 
-    def _leaves_watermark(self, num_tokens: int, prefix: list[int]) -> bool:
-        """Whether admitting still leaves the running requests blocks to grow into."""
+    def _leaves_watermark(self, request: Request, num_tokens: int, prefix: list[int]) -> bool:
+        """Whether admitting still leaves the running requests blocks to grow into.
+
+        The blocks of running requests less important than `request` count as room: when the
+        pool runs dry they are the ones preempted, whoever needs the blocks.
+        """
         manager = self.block_manager
         needed = manager.blocks_needed(num_tokens) - len(prefix)
         watermark = int(self.config.admission_watermark * manager.num_blocks)
-        return manager.num_free_blocks - needed >= watermark
+        room = manager.num_free_blocks - needed
+        if room >= watermark:
+            return True
+        outranked = self._outranked(request)
+        if not outranked:
+            return False
+        *_, reclaimable = manager.blocks_freed_by(outranked, keep=set(prefix))
+        return room + reclaimable >= watermark
+
+    def _outranked(self, request: Request) -> list[Request]:
+        """The running requests less important than `request` (a strictly larger priority
+        value), in preemption order: the least important first, the newest among equals."""
+        return list(takewhile(lambda r: r.priority > request.priority, reversed(self.running)))
+
+    def preempt_for(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[int] = ()
+    ) -> list[Request]:
+        """Preempts running requests less important than `request` (never `request` itself)
+        until the pool can give it `num_new_tokens` more tokens' blocks after `cached_prefix`:
+        the fewest in preemption order, and none when all of them together would free too few.
+        Returns those preempted; like any preempted request they lose nothing but time, being
+        recomputed later (from the prefix cache, while their blocks stay there).
+
+        The continuous policy only: a static batch keeps its members to the end.
+        """
+        if self.config.policy != "continuous":
+            return []
+        manager = self.block_manager
+        missing = manager.num_missing_blocks(request, num_new_tokens, cached_prefix)
+        if missing == 0:
+            return []
+        candidates = self._outranked(request)
+        freed_after = manager.blocks_freed_by(candidates, keep=set(cached_prefix))
+        for count, freed in enumerate(freed_after, start=1):
+            if freed >= missing:
+                victims = candidates[:count]
+                for victim in victims:
+                    self._preempt(victim)
+                return victims
+        return []
 
     def _admit_static_batch(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         manager = self.block_manager
@@ -291,7 +431,7 @@ class Scheduler:
 
     def _start(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        _queue_behind_equals(self.running, request)
         if num_new > 0:
             scheduled.append(ScheduledRequest(request, num_new))
 
@@ -306,7 +446,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        _queue_ahead_of_equals(self.waiting, request)
 
     # ---------------------------------------------------------------------- after a step
 

@@ -10,6 +10,7 @@ and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/M
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -98,6 +99,12 @@ class ClusterSpec(RoleSettings):
     # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
     # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
     role_redis_urls: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # The Batch API's directory (the gateway's --batch-dir) and the batch runners working it;
+    # None: no Batch API, no runner.
+    batch_dir: Path | None = None
+    num_batch_runners: int = 1
+    # Extra flags for every batch runner (`nori serve batch --help`).
+    batch_runner_args: tuple[str, ...] = ()
 
     def redis_url_of(self, role: str) -> str:
         return dict(self.role_redis_urls).get(role, self.redis_url)
@@ -150,6 +157,8 @@ class LocalCluster:
 
     def _gateway_options(self) -> list[str]:
         options = []
+        if self.spec.batch_dir is not None:
+            options += ["--batch-dir", str(self.spec.batch_dir)]
         if self.spec.max_model_len is not None:
             options += ["--max-model-len", str(self.spec.max_model_len)]
         if self.spec.chat_template is not None:
@@ -186,6 +195,9 @@ class LocalCluster:
                 *self._common_args(),
             ],
         )
+        if self.spec.batch_dir is not None:
+            for index in range(self.spec.num_batch_runners):
+                self.add_batch_runner(f"batch-{index}")
         expected = (
             {"colocated": 1}
             if self.spec.colocated
@@ -224,6 +236,24 @@ class LocalCluster:
             args += ["--kv-transfer-timeout-s", str(self.spec.kv_transfer_timeout_s)]
         return self._spawn(worker_id, role, [*args, *extra_args])
 
+    def add_batch_runner(self, name: str, extra_args: Sequence[str] = ()) -> RoleProcess:
+        """Starts one more batch runner on the cluster's batch directory."""
+        assert self.spec.batch_dir is not None
+        args = [
+            "serve",
+            "batch",
+            "--batch-dir",
+            str(self.spec.batch_dir),
+            "--gateway-url",
+            self.url,
+            # Its log names it; its result logs are named after it (one per incarnation).
+            "--runner-id",
+            f"{name}-{len(self.processes)}",
+            *self._common_args(),
+            *self.spec.batch_runner_args,
+        ]
+        return self._spawn(name, "batch", [*args, *extra_args])
+
     def worker(self, name: str) -> RoleProcess:
         """A worker process, with its gRPC address as it states it in the registry."""
         found = next(p for p in self.processes if p.name == name)
@@ -258,7 +288,7 @@ class LocalCluster:
         log_path = self._log_dir / f"{name}.log"
         redis_url = self.spec.redis_url_of(role)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": redis_url}
-        if role == "gateway" and self.spec.api_key:
+        if role in ("gateway", "batch") and self.spec.api_key:
             env["NORI_API_KEY"] = self.spec.api_key
         if self.spec.cluster_secret:
             # In the environment, not on the command line, where `ps` would show it.
@@ -267,6 +297,9 @@ class LocalCluster:
         if plan is not None:
             ordinal = sum(1 for p in self.processes if p.role == role)
             placement = plan.placement(name, role, ordinal)
+            if role == "batch":  # an HTTP client: beside the gateway, one thread
+                gateway = plan.placement("gateway", "gateway")
+                placement = dataclasses.replace(placement, cpus=gateway.cpus, threads=1)
             args = [*args, *placement.serve_args()]
             env.update(placement.env())
         argv = [
@@ -354,9 +387,10 @@ class LocalCluster:
     # ------------------------------------------------------------------ stop
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        runners = [p for p in self.processes if p.role == "batch"]
         gateways = [p for p in self.processes if p.name == "gateway"]
-        workers = [p for p in self.processes if p.name != "gateway"]
-        for group in (gateways, workers):
+        workers = [p for p in self.processes if p.name != "gateway" and p.role != "batch"]
+        for group in (runners, gateways, workers):
             for role in group:
                 if role.process.poll() is None:
                     role.process.send_signal(signal.SIGTERM)

@@ -136,6 +136,7 @@ ROLE_USERS: Mapping[str, str] = {
     "prefill": "nori-prefill",
     "decode": "nori-decode",
     "colocated": "nori-decode",
+    "batch": "nori-batch",
 }
 
 
@@ -145,7 +146,9 @@ def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[
     - gateway: reads the worker registry (SCAN, HGETALL) and the block directory (SMEMBERS),
       writes request states (`nori.state.requests`);
     - prefill: writes its registry entry and the block directory (`nori.state.block_directory`);
-    - decode (and colocated): writes its registry entry and request states.
+    - decode (and colocated): writes its registry entry and request states;
+    - batch (the runners): writes the batches' work queues and counts (`nori.batch.jobs`), which
+      the gateway only reads.
 
     From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`): it cannot
     write a worker entry (NOPERM). Before 7.0 a key pattern grants both, so the gateway may
@@ -154,16 +157,24 @@ def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[
     (`nori.state.registry`). A worker never gets the other worker role's families.
     """
     keys = Keys(namespace)
-    worker, request, block = (
+    worker, request, block, batch = (
         keys.worker("*"),
         keys.request("*"),
         f"{namespace}:block:*",
+        keys.batch_pattern(),
     )
     read = "%R~" if version >= READ_ONLY_PATTERNS_SINCE else "~"
     return {
-        "nori-gateway": ("resetkeys", f"~{request}", f"{read}{worker}", f"{read}{block}"),
+        "nori-gateway": (
+            "resetkeys",
+            f"~{request}",
+            f"{read}{worker}",
+            f"{read}{block}",
+            f"{read}{batch}",
+        ),
         "nori-prefill": ("resetkeys", f"~{worker}", f"~{block}"),
         "nori-decode": ("resetkeys", f"~{worker}", f"~{request}"),
+        "nori-batch": ("resetkeys", f"~{batch}"),
     }
 
 

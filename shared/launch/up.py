@@ -9,11 +9,14 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from nori.cli.engine_args import add_engine_args
+from nori.cli.engine_args import SERVING_BACKGROUND_PREFILL_BUDGET, add_engine_args
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from nori.launch.cpu_plan import CpuPlan
+    from nori.launch.local_cluster import ClusterSpec
     from nori.launch.redis_server import RedisServer
 
 
@@ -21,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "up", help="run a local cluster: gateway, prefill and decode workers as processes"
     )
+    add_up_args(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> None:
+    """The cluster's flags (`nori up`'s, and `nori run-batch`'s for the cluster it starts)."""
     parser.add_argument(
         "model_tag",
         nargs="?",
@@ -59,6 +68,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-queue-timeout-s", type=float, default=60.0)
     add_cluster_args(parser)
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="prefix of every Redis key")
+    parser.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="the Batch API's files and batches (default: ~/.cache/nori/batches, or "
+        "$NORI_CACHE_DIR/batches): kept across runs, so a batch survives a restart",
+    )
+    parser.add_argument(
+        "--batch-runners",
+        type=int,
+        default=1,
+        help="batch runner processes (`nori serve batch`); 0: no Batch API",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     parser.add_argument("--log-dir", default=None, help="where each process writes its log")
     for role in ("prefill", "decode"):
@@ -71,8 +93,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
     _add_cpu_args(parser)
     # The engine options of `nori serve`, passed to every worker (before --worker-args).
-    engine_actions = add_engine_args(parser, "auto", with_model=False)
-    parser.set_defaults(handler=run, engine_actions=engine_actions)
+    engine_actions = add_engine_args(
+        parser,
+        "auto",
+        background_prefill_budget=SERVING_BACKGROUND_PREFILL_BUDGET,
+        with_model=False,
+    )
+    parser.set_defaults(engine_actions=engine_actions)
 
 
 def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -137,16 +164,18 @@ def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
     return plan_cpus(os.sched_getaffinity(0), request)
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer | None]:
+    """The cluster `nori up`'s flags describe, and its private Redis (started; None when
+    REDIS_URL names one). Checks the flags first, and builds what every worker would otherwise
+    build at once (the demo checkpoint, the C++ CPU kernels). Shared with `nori run-batch`."""
     from pathlib import Path
 
     from nori.cli.engine_args import changed_engine_flags, worker_args
     from nori.cli.serve import served_model_name
     from nori.cluster_auth import generate_secret
-    from nori.launch.local_cluster import ClusterSpec, LocalCluster, check_port_free
+    from nori.launch.local_cluster import ClusterSpec, check_port_free
     from nori.launch.redis_server import redis_for_cluster
     from nori.models.demo import resolve_model
-    from nori.state.connection import redacted
 
     if args.model_tag is not None:
         if args.model not in ("demo", args.model_tag):
@@ -154,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    if args.batch_runners < 0:
+        raise ValueError(f"--batch-runners must be at least 0, got {args.batch_runners}")
     # Before anything starts: a busy port would otherwise show only once the workers are up.
     check_port_free(args.port, args.host)
     cpu_plan = cpu_plan_from_args(args)
@@ -183,7 +214,18 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or Environment.read().api_key,
         # The cluster's own secret: $NORI_CLUSTER_SECRET, else a fresh one for this run.
         cluster_secret=Environment.read().cluster_secret or generate_secret(),
+        batch_dir=default_batch_dir(args.batch_dir) if args.batch_runners else None,
+        num_batch_runners=args.batch_runners,
     )
+    return spec, redis_server
+
+
+def run(args: argparse.Namespace) -> int:
+    from nori.launch.local_cluster import LocalCluster
+    from nori.state.connection import redacted
+
+    spec, redis_server = prepare_cluster(args)
+    redis_url = spec.redis_url
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -193,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"nori: Redis at {redacted(redis_url)} ({where}); starting the cluster...", flush=True
         )
-        print(_describe_plan(cpu_plan), flush=True)
+        print(_describe_plan(spec.cpu_plan), flush=True)
         cluster.start(timeout_s=args.startup_timeout_s)
         name = spec.served_model_name
         print(
@@ -220,6 +262,16 @@ def run(args: argparse.Namespace) -> int:
             redis_server.stop()
     print("nori: stopped", flush=True)
     return 0
+
+
+def default_batch_dir(flag: str | None) -> Path:
+    """--batch-dir, else batches/ beside the built-in models' cache."""
+    from pathlib import Path
+
+    if flag:
+        return Path(flag).expanduser()
+    cache = Environment.read().cache_dir
+    return (cache / "batches") if cache else Path.home() / ".cache" / "nori" / "batches"
 
 
 def _build_cpu_kernels() -> None:

@@ -52,10 +52,20 @@ class PackedBf16Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight=bfloat16 (oneDNN packed)"
 
 
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN's bf16 GEMM runs on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT. On an AVX2-only host (some AMD EPYC hosts of this kind) its weight reorder
+    raises; bfloat16 layers stay plain nn.Linear there (torch's own, slower, bf16 path)."""
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def pack_bf16_linears(model: CausalLM) -> int:
     """Prepacks every nn.Linear left in a bfloat16 CPU model, the head included (as
-    `model.head_module`); returns how many. A no-op (0) where oneDNN is not built in."""
-    if not torch.backends.mkldnn.is_available():
+    `model.head_module`); returns how many. A no-op (0) where oneDNN is not built in or its
+    bf16 GEMM does not run on this CPU (`bf16_packing_supported`)."""
+    if not bf16_packing_supported():
         return 0
     with torch.no_grad():
         packed = replace_linears(

@@ -100,9 +100,7 @@ class CpuInt8Linear(nn.Module):
         # A decode step's few rows take the C++ GEMV instead (int8_gemv_cpu.cpp), which reads
         # the plain int8 rows: kept beside the GEMM's packed copy (one more byte a weight).
         self._gemv_weight = (qweight, scale, weight_row_sums(qweight))
-        # Without VNNI the kernel sums pairs of u8 x s8 products in int16, which saturates
-        # unless activations keep 7 bits; with VNNI (this CPU) they keep all 8.
-        self._reduce_range = not _cpu_has_vnni()
+        self._reduce_range = cpu_int8_activation_bits() == 7
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.float().reshape(-1, self.in_features).contiguous()
@@ -157,9 +155,10 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
 
 
 @functools.cache
-def _cpu_has_vnni() -> bool:
+def cpu_int8_activation_bits() -> int:
+    """The bits an activation keeps in torch's x86 int8 GEMM on this CPU. Without VNNI
+    (AVX-512 VNNI or AVX-VNNI) the kernel sums pairs of u8 x s8 products in int16, which
+    saturates unless activations keep 7 bits (`reduce_range`); with VNNI they keep all 8."""
     cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return False
-    flags = cpuinfo.read_text()
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return 8 if "avx512_vnni" in flags or "avx_vnni" in flags else 7

@@ -47,6 +47,13 @@ class Keys:
         # Hex keeps keys printable (redis-cli, logs); the hashes are only 16 bytes.
         return f"{self.namespace}:block:{block_hash.hex()}"
 
+    def batch(self, batch_id: str, part: str) -> str:
+        """One of a batch's work keys (`nori.batch.jobs`)."""
+        return f"{self.namespace}:batch:{batch_id}:{part}"
+
+    def batch_pattern(self) -> str:
+        return f"{self.namespace}:batch:*"
+
     def pattern(self) -> str:
         """SCAN MATCH pattern for every key of this namespace (tests, cleanup)."""
         return f"{self.namespace}:*"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
+from nori.launch.redis_server import RedisServer
 from nori.models.init_checkpoint import init_checkpoint
 from nori.transfer.factory import ucx_available
 
@@ -29,6 +30,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("cluster") / "demo-llama"
     init_checkpoint(folder, "demo", seed=11)
     return folder
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server for a module whose tests kill it and start it again on the
+    same port (empty)."""
+    server = RedisServer(port=free_port()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def start_cluster(

@@ -222,7 +222,9 @@ def test_up_restarts_a_role_that_dies_and_lets_a_drained_worker_leave(
             while _pids(namespace, pattern) in ([], [killed]):  # running again, a new process
                 assert time.monotonic() < deadline, f"{role} was not restarted"
                 time.sleep(0.2)
-        assert all(seconds < 10 for seconds in recovered.values()), recovered
+        # A restart is a new process: Python, torch, the weights, UCX. Seconds on an idle host;
+        # 11.6 s was seen on a 2-core CI host busy with the rest of the suite.
+        assert all(seconds < 30 for seconds in recovered.values()), recovered
         # SIGTERM to one worker alone: it drains and leaves for good; the rest serve on.
         drained = _pid(namespace, "--worker-id decode-1")
         os.kill(drained, signal.SIGTERM)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from nori.launch.local_cluster import LocalCluster, free_port
+from nori.launch.local_cluster import LocalCluster
 from nori.launch.redis_server import RedisServer
 from nori.state.keys import Keys
 from tests.cluster.conftest import start_cluster
@@ -47,16 +47,6 @@ class Outcome:
     # timeout); "broken" (anything else: a dropped connection, a stream without [DONE]).
     kind: str
     detail: str = ""
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    # A private server on a fixed port: it is restarted on the same port mid-test.
-    server = RedisServer(port=free_port()).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

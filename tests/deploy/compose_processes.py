@@ -86,6 +86,8 @@ def plan_replicas(
     for name, service in nori_services(document).items():
         for index in range(scale.get(name, 1)):
             argv = [interpolate(part, environ) for part in service["command"]]
+            for compose_address, local_address in hosts.items():
+                argv = [part.replace(compose_address, local_address) for part in argv]
             ports = {}
             for position, part in enumerate(argv[:-1]):
                 if part in PORT_FLAGS:

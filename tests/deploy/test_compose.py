@@ -79,7 +79,7 @@ def test_prometheus_scrapes_every_role_by_dns() -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert jobs["nori-gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
-    for role in ("prefill", "decode", "colocated"):
+    for role in ("prefill", "decode", "colocated", "batch"):
         discovery = jobs[f"nori-{role}"]["dns_sd_configs"][0]
         assert role in discovery["names"] and discovery["port"] == 9400
 
@@ -138,6 +138,7 @@ REDIS_USERS = {
     "decode": "nori-decode",
     "decode-gpu": "nori-decode",
     "colocated": "nori-decode",
+    "batch": "nori-batch",
 }
 
 

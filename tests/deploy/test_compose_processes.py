@@ -7,6 +7,7 @@ passes with the password and fails without."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -69,6 +70,7 @@ def _serve_through_compose(
             "redis:6379": f"127.0.0.1:{redis_port}",
             "http://jaeger:4317": jaeger.endpoint,
             "/run/secrets/": f"{secrets_dir}/",
+            "/var/lib/nori/batches": str(tmp_path / "batches"),
         }
         replicas = plan_replicas(
             document,
@@ -77,7 +79,18 @@ def _serve_through_compose(
             environ={},  # the file's own defaults: NORI_MODEL=demo, NORI_PORT=8000, ...
             log_dir=tmp_path,
         )
-        assert sorted(r.service for r in replicas) == ["decode", "decode", "gateway", "prefill"]
+        assert sorted(r.service for r in replicas) == [
+            "batch",
+            "decode",
+            "decode",
+            "gateway",
+            "prefill",
+        ]
+        gateway = next(r for r in replicas if r.service == "gateway")
+        runner = next(r for r in replicas if r.service == "batch")
+        runner.argv[runner.argv.index("--gateway-url") + 1] = (
+            f"http://127.0.0.1:{gateway.ports['--port']}"
+        )
         for replica in replicas:
             # Export spans at once instead of every 5 s.
             replica.env["OTEL_BSP_SCHEDULE_DELAY"] = "100"
@@ -110,6 +123,44 @@ def _serve_through_compose(
                 ),
             )
             assert {s.trace_id for s in spans} == {trace_id}
+            # The batch runner works the gateway's batches from the shared volume.
+            line = {
+                "custom_id": "a",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "demo", "prompt": "Once", "max_tokens": 4},
+            }
+            uploaded = client.files.create(
+                file=("in.jsonl", json.dumps(line).encode()), purpose="batch"
+            )
+            batch = client.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+            )
+            deadline = time.monotonic() + 120
+            while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
+                time.sleep(0.2)
+                batch = client.batches.retrieve(batch.id)
+            assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+            # Its line is a span of the runner's, linked to the span that created the batch,
+            # and the gateway's handling of the line is that span's child.
+            created = next(
+                s for s in jaeger.spans() if s.name == "POST /v1/batches" and s.kind == 2
+            )
+            deadline = time.monotonic() + 30
+            while not any(s.name == "batch line" for s in jaeger.spans()):
+                assert time.monotonic() < deadline, "no span of the batch line"
+                time.sleep(0.1)
+            line_span = next(s for s in jaeger.spans() if s.name == "batch line")
+            assert line_span.service == "nori-batch"
+            assert (created.trace_id, created.span_id) in line_span.links
+            assert line_span.attributes["nori.batch.id"] == batch.id
+            jaeger.wait_for(
+                line_span.trace_id,
+                lambda found: any(
+                    s.service == "nori-gateway" and s.parent_span_id == line_span.span_id
+                    for s in found
+                ),
+            )
         except BaseException:
             for replica in replicas:
                 print(f"--- {replica.service} ({replica.argv})\n{replica.log()}")

@@ -107,7 +107,7 @@ class LocalEngineBackend:
             )
         thread = self._engine_thread()
         request_id = request.request_id
-        prompt, params = list(request.prompt_token_ids), request.params
+        prompt, params, priority = list(request.prompt_token_ids), request.params, request.priority
         try:
             queue = self._streams.open(request_id)
         except ValueError as error:
@@ -116,7 +116,9 @@ class LocalEngineBackend:
         finished = False
         try:
             try:
-                await thread.call(lambda engine: engine.add_request(request_id, prompt, params))
+                await thread.call(
+                    lambda engine: engine.add_request(request_id, prompt, params, priority=priority)
+                )
             except ValueError as error:
                 finished = True
                 raise InvalidRequestError(str(error)) from None

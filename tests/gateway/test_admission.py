@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nori.gateway.admission import PromptQueue
+from nori.gateway.admission import ROOM_WAITERS_PRUNE_AT, PromptQueue
 from nori.gateway.backend import QueueFullError
 
 
@@ -75,3 +75,56 @@ def test_the_prompts_of_one_request_are_admitted_together() -> None:
     for _ in range(2):
         with pytest.raises(QueueFullError):
             queue.admit(600, num_workers=1, now=2.0, group="cmpl-3")
+
+
+def test_batch_prompts_never_refuse_an_interactive_one_and_fill_what_it_leaves() -> None:
+    queue = PromptQueue(max_tokens_per_worker=1000)
+    batch = [queue.admit(400, num_workers=1, now=0.0, background=True) for _ in range(2)]
+    assert (queue.queued_tokens, queue.background_tokens) == (800, 800)
+    # A batch prompt is measured against everything queued: refused (it waits, see cluster.py).
+    with pytest.raises(QueueFullError):
+        queue.admit(300, num_workers=1, now=0.0, background=True)
+    # An interactive one only against interactive work: admitted past the batch's tokens.
+    chat = queue.admit(900, num_workers=1, now=0.0)
+    with pytest.raises(QueueFullError, match="900 prompt tokens are waiting"):
+        queue.admit(200, num_workers=1, now=0.0)
+    assert (queue.queued_tokens, queue.background_tokens) == (1700, 800)
+    # Paused (waiting for a decode share) and back: both counts move together.
+    batch[0].pause()
+    assert (queue.queued_tokens, queue.background_tokens) == (1300, 400)
+    batch[0].resume()
+    for prompt in (*batch, chat):
+        prompt.prefilled(now=1.0)
+    assert (queue.queued_tokens, queue.background_tokens) == (0, 0)
+
+
+async def test_freed_room_wakes_waiting_prompts_oldest_first_as_many_as_it_covers() -> None:
+    queue = PromptQueue(max_tokens_per_worker=100)
+    first = queue.admit(60, 1, now=0.0, background=True)
+    second = queue.admit(40, 1, now=0.0, background=True)
+    waiters = [queue.room_freed(30), queue.room_freed(30), queue.room_freed(30)]
+    gone = queue.room_freed(10)
+    gone.cancel()  # its wait ended: skipped, and covers nothing
+    second.prefilled(now=1.0)  # 40 tokens free: the first waiter (30), then the second (30)
+    assert [w.done() for w in waiters] == [True, True, False]
+    first.abandon()  # 60 more: the third
+    assert all(w.done() and not w.cancelled() for w in waiters)
+    assert queue.queued_tokens == 0
+
+
+async def test_a_paused_prompt_frees_room_too() -> None:
+    queue = PromptQueue(max_tokens_per_worker=10)
+    queued = queue.admit(10, 1, now=0.0, background=True)
+    waiter = queue.room_freed(5)
+    queued.pause()  # out of the count while it waits for a decode share
+    assert waiter.done()
+
+
+async def test_ended_waits_are_pruned() -> None:
+    queue = PromptQueue(max_tokens_per_worker=10)
+    queue.admit(10, 1, now=0.0, background=True)
+    for _ in range(5000):
+        queue.room_freed(5).cancel()  # waits that timed out, one per retry
+    live = queue.room_freed(5)
+    assert len(queue._room_waiters) <= ROOM_WAITERS_PRUNE_AT
+    assert not live.done()

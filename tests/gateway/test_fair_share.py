@@ -225,3 +225,51 @@ def test_the_pool_capacity_counts_a_worker_that_has_not_said_yet_as_the_mean_of_
     assert pool_capacity(both, ["decode-0", "decode-1"]) == PoolCapacity(34, 43)
     # A worker that left (drained, or gone from the registry) is not counted.
     assert pool_capacity(both, ["decode-1"]) == PoolCapacity(32, 40)
+
+
+async def test_a_freed_call_goes_to_an_interactive_waiter_before_batch_ones() -> None:
+    pool = shares(rows=2, calls=2, max_share=1.0)
+    held = [pool.try_take("line-0", "runner#background"), pool.try_take("line-1", "c")]
+    batch_waiters = [
+        asyncio.ensure_future(pool.take(f"line-{i}", "runner#background", 10, priority=1000))
+        for i in (2, 3)
+    ]
+    await asyncio.sleep(0)
+    interactive = asyncio.ensure_future(pool.take("chat", "d", 10, priority=0))
+    await asyncio.sleep(0)
+    held[0].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    # The interactive request came last and holds nothing more than the others: it goes first.
+    assert interactive.done() and not any(w.done() for w in batch_waiters)
+    interactive.result().release()
+    await asyncio.sleep(0)
+    assert batch_waiters[0].done() and not batch_waiters[1].done()
+    for waiter in batch_waiters[1:]:
+        waiter.cancel()
+    batch_waiters[0].result().release()
+    held[1].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert pool.num_held == 0
+
+
+async def test_batch_lines_fill_the_rows_but_leave_the_workers_queues_to_interactive_work() -> None:
+    pool = shares(rows=4, calls=6, max_share=1.0)
+    batch = [pool.try_take(f"line-{i}", "r#background", priority=1000) for i in range(5)]
+    assert [share is not None for share in batch] == [True] * 4 + [False]
+    waiter = asyncio.ensure_future(pool.take("line-9", "r#background", 10, priority=1000))
+    await asyncio.sleep(0)
+    # The calls beyond the rows are an interactive request's, at once.
+    chats = [pool.try_take(f"chat-{i}", "c") for i in range(2)]
+    assert all(share is not None for share in chats) and not waiter.done()
+    batch[0].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert not waiter.done()  # 5 calls held, 4 rows: no room for a batch line
+    chats[0].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert not waiter.done()  # batch lines start while fewer calls than rows are held
+    chats[1].release()  # type: ignore[union-attr]
+    await asyncio.sleep(0)
+    assert waiter.done()
+    for share in [*batch[1:4], waiter.result()]:
+        share.release()  # type: ignore[union-attr]
+    assert pool.num_held == 0

@@ -61,7 +61,19 @@ def test_redis_for_cluster_makes_a_server_with_role_users_and_restarts_it_as_it_
         urls = server.role_urls()
         assert urlsplit(urls["gateway"]).username == "nori-gateway"
         assert urls["colocated"] == urls["decode"]
-        assert len({urlsplit(u).password for u in urls.values()}) == 3
+        assert len({urlsplit(u).password for u in urls.values()}) == 4
+        # The batch runners write the batches' work keys, which the gateway only reads.
+        batch, gateway = (redis.Redis.from_url(urls[r], retry=None) for r in ("batch", "gateway"))
+        try:
+            batch.xadd("ns:batch:b:lines", {"i": 0})
+            assert gateway.xlen("ns:batch:b:lines") == 1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                gateway.xadd("ns:batch:b:lines", {"i": 1})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                batch.hset("ns:worker:w", "role", "decode")
+        finally:
+            batch.close()
+            gateway.close()
         port = server.port
         os.kill(server.pid, signal.SIGKILL)
         server._process.wait()  # type: ignore[union-attr]

@@ -37,6 +37,8 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict[str, Any]
+    # (trace id, span id) of each span it links to.
+    links: tuple[tuple[str, str], ...] = ()
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
@@ -62,6 +64,9 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                             start_ns=span.start_time_unix_nano,
                             end_ns=span.end_time_unix_nano,
                             attributes={a.key: _value(a.value) for a in span.attributes},
+                            links=tuple(
+                                (link.trace_id.hex(), link.span_id.hex()) for link in span.links
+                            ),
                         )
                     )
         return trace_service_pb2.ExportTraceServiceResponse()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nori.engine.outputs import RequestOutput
-from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.output_streams import OutputStreams, next_output, next_output_coalesced
 
 
 def _output(step: int, finished: bool = False) -> RequestOutput:
@@ -57,3 +57,26 @@ def test_outputs_of_different_requests_do_not_merge() -> None:
     other = RequestOutput("s", [1], [5], "x", [5], "x", False)
     with pytest.raises(ValueError, match="cannot merge"):
         _output(0).followed_by(other)
+
+
+async def test_coalesced_outputs_leave_once_per_interval_or_at_the_end() -> None:
+    streams = OutputStreams()
+    queue = streams.open("r")
+
+    async def produce(steps: range, finish_at: int | None) -> None:
+        for step in steps:
+            await asyncio.sleep(0.01)
+            streams.dispatch([_output(step, finished=step == finish_at)])
+
+    producer = asyncio.ensure_future(produce(range(30), None))
+    first = await next_output_coalesced(queue, 0.15)
+    # Many steps in one message, not one message per step, and not all of them.
+    assert 5 <= len(first.new_token_ids) < 30 and not first.finished
+    await producer
+    producer = asyncio.ensure_future(produce(range(30, 35), 34))
+    started = asyncio.get_running_loop().time()
+    last = await next_output_coalesced(queue, 10.0)
+    # The end does not wait for the interval, and nothing is lost or repeated.
+    assert last.finished and asyncio.get_running_loop().time() - started < 5
+    assert first.new_token_ids + last.new_token_ids == list(range(10, 45))
+    await producer

@@ -9,20 +9,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "compute_prompt", "resumed_output_token_ids", "resumed_text_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "compute_prompt", "resumed_output_token_ids", "resumed_text_chars", "priority", "coalesce_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    COALESCE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     compute_prompt: bool
     resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resumed_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compute_prompt: _Optional[bool] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_chars: _Optional[int] = ...) -> None: ...
+    priority: int
+    coalesce_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compute_prompt: _Optional[bool] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_chars: _Optional[int] = ..., priority: _Optional[int] = ..., coalesce_ms: _Optional[int] = ...) -> None: ...
 
 class LeaseRenewal(_message.Message):
     __slots__ = ("request_id", "started")

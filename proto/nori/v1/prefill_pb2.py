@@ -26,7 +26,7 @@ from nori.v1 import common_pb2 as nori_dot_v1_dot_common__pb2
 from nori.v1 import handoff_pb2 as nori_dot_v1_dot_handoff__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nori/v1/prefill.proto\x12\x07nori.v1\x1a\x14nori/v1/common.proto\x1a\x15nori/v1/handoff.proto\"\x94\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.nori.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x16.nori.v1.KVDestination\"\x7f\n\x0fPrefillResponse\x12\"\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x13.nori.v1.TokenDelta\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x32\x87\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.nori.v1.PrefillRequest\x1a\x18.nori.v1.PrefillResponse\x12\x37\n\x08GetStats\x12\x15.nori.v1.StatsRequest\x1a\x14.nori.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nori/v1/prefill.proto\x12\x07nori.v1\x1a\x14nori/v1/common.proto\x1a\x15nori/v1/handoff.proto\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.nori.v1.SamplingParams\x12+\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x16.nori.v1.KVDestination\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\x7f\n\x0fPrefillResponse\x12\"\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x13.nori.v1.TokenDelta\x12\x15\n\rkv_bytes_sent\x18\x02 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x32\x87\x01\n\x0ePrefillService\x12<\n\x07Prefill\x12\x17.nori.v1.PrefillRequest\x1a\x18.nori.v1.PrefillResponse\x12\x37\n\x08GetStats\x12\x15.nori.v1.StatsRequest\x1a\x14.nori.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nori.v1.prefill_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=80
-  _globals['_PREFILLREQUEST']._serialized_end=228
-  _globals['_PREFILLRESPONSE']._serialized_start=230
-  _globals['_PREFILLRESPONSE']._serialized_end=357
-  _globals['_PREFILLSERVICE']._serialized_start=360
-  _globals['_PREFILLSERVICE']._serialized_end=495
+  _globals['_PREFILLREQUEST']._serialized_end=246
+  _globals['_PREFILLRESPONSE']._serialized_start=248
+  _globals['_PREFILLRESPONSE']._serialized_end=375
+  _globals['_PREFILLSERVICE']._serialized_start=378
+  _globals['_PREFILLSERVICE']._serialized_end=513
 # @@protoc_insertion_point(module_scope)

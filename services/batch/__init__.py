@@ -1,0 +1,1 @@
+"""Batch jobs: the batch directory, its Redis work queue, the runner role."""

@@ -1,0 +1,460 @@
+"""The batch runner role (`nori serve batch`): runs the lines of every batch in the directory.
+
+Any number of runners share the work (`nori.batch.jobs`: a Redis stream per batch, read by one
+consumer group, each claim a lease the runner renews). Each turn of `BatchRunner.run`:
+
+1. tends every batch not yet final, oldest first: validates a new one (`input_file.py`), seeds
+   its queue in Redis when Redis does not have it (a new batch, or a Redis restarted empty),
+   stops its lines when it is cancelled or expired, and finalizes it when every line is done;
+2. claims lines up to `max_in_flight` and sends each through the gateway (`line_client.py`);
+3. renews the leases of the lines it holds.
+
+A finished line's result is appended to this runner's log in the batch folder and fsync'd
+(`AppendLog`: one fsync for whatever finished meanwhile), and only then acknowledged in Redis:
+a runner killed at any moment loses no result, and a line it held runs again elsewhere once
+its lease runs out. Finalizing keeps each line's first result, so the output holds every line
+exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from redis.asyncio import Redis
+
+from nori.batch.input_file import check_input
+from nori.batch.jobs import BatchJobs, Claim
+from nori.batch.line_client import LineOutcome, error_record, send_line
+from nori.batch.store import AppendLog, BatchStore, LineResult, RequestCounts, ValidLine
+from nori.settings import RoleSettings
+from nori.state.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+# How long a cancelled or expired batch waits for every runner to stop its lines before it is
+# finalized (each runner stops them at its next turn).
+STOP_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class RunnerOptions(RoleSettings):
+    batch_dir: str = "nori-batches"
+    gateway_url: str = "http://127.0.0.1:8000"
+    # Unique among the runners of a directory: its result logs are named after it.
+    runner_id: str = ""
+    # Lines sent at once; the gateway queues what its pools cannot start yet.
+    max_in_flight: int = 512
+    # A held line not renewed for this long is taken over by another runner.
+    lease_s: float = 10.0
+    poll_s: float = 0.5
+    # The runner's Prometheus figures on this port; 0: none.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    # The gateway's API key, if it requires one ($NORI_API_KEY).
+    api_key: str | None = field(default=None, repr=False)
+
+
+def default_runner_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RunnerMetrics:
+    """The runner's Prometheus figures, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lines = Counter(
+            "nori_batch_lines", "batch lines done, by outcome", ["outcome"], registry=self.registry
+        )
+        self.retries = Counter(
+            "nori_batch_line_retries",
+            "batch line retries (429, 503, a lost worker)",
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "nori_batch_output_tokens",
+            "completion tokens of finished batch lines",
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "nori_batch_lines_in_flight",
+            "batch lines this runner has sent and not finished",
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "nori_batch_lines_queued",
+            "lines of active batches not done yet (all runners)",
+            registry=self.registry,
+        )
+
+
+@dataclass
+class _Batch:
+    """What a runner keeps of one active batch."""
+
+    batch_id: str
+    endpoint: str
+    expires_at: float
+    link: Link | None
+    # Lines in the input (invalid ones included), and the valid ones.
+    total: int = 0
+    lines: list[ValidLine] = field(default_factory=list)
+    log: AppendLog | None = None
+    # The lines this runner holds: entry id -> its task.
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    stopping: bool = False
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        options: RunnerOptions,
+        redis: Redis,
+        tracer: trace.Tracer | None = None,
+        metrics: RunnerMetrics | None = None,
+    ) -> None:
+        self.options = options
+        self.runner_id = options.runner_id or default_runner_id()
+        self.store = BatchStore(Path(options.batch_dir))
+        self.jobs = BatchJobs(redis, Keys(options.namespace), int(options.lease_s * 1000))
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or RunnerMetrics()
+        self._batches: dict[str, _Batch] = {}
+        self._wake = asyncio.Event()
+        self._renewed_at = 0.0
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(b.tasks) for b in self._batches.values())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        headers = (
+            {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        )
+        connector = aiohttp.TCPConnector(limit=self.options.max_in_flight)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, headers=headers
+        ) as session:
+            self._session = session
+            try:
+                while not stop.is_set():
+                    try:
+                        await self.turn()
+                    except Exception as error:  # Redis away, a disk hiccup: next turn
+                        logger.warning("batch runner turn failed: %s", error)
+                    self._wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.options.poll_s)
+            finally:
+                await self._stop_all()
+
+    async def turn(self) -> None:
+        queued = 0
+        active = self.store.active_batch_ids()
+        for batch_id in set(self._batches) - set(active):  # finalized by another runner
+            batch = self._batches.pop(batch_id)
+            await self._stop_lines(batch)
+            if batch.log is not None:
+                batch.log.close()
+        for batch_id in active:
+            queued += await self._tend(batch_id)
+        self.metrics.queued.set(queued)
+        await self._fill()
+        if time.monotonic() - self._renewed_at > self.options.lease_s / 3:
+            self._renewed_at = time.monotonic()
+            for batch in self._batches.values():
+                await self.jobs.renew(batch.batch_id, self.runner_id, list(batch.tasks))
+
+    # ------------------------------------------------------------------ one batch's state
+
+    async def _tend(self, batch_id: str) -> int:
+        """Moves the batch along; the number of its lines not done yet."""
+        store = self.store
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            request = store.batch_request(batch_id)
+            if not store.is_validated(batch_id):
+                await self._validate(batch_id, request)
+                return 0
+            batch = self._open(batch_id, request)
+        cancelling_at = store.cancelling_at(batch_id)
+        expired = time.time() >= batch.expires_at
+        if cancelling_at is not None or expired:
+            await self._stop_lines(batch)
+            since = time.time() - (cancelling_at if cancelling_at is not None else batch.expires_at)
+            if since >= STOP_GRACE_S:
+                await self._finalize(batch, "cancelled" if cancelling_at is not None else "expired")
+            return 0
+        if not await self.jobs.is_seeded(batch_id):
+            await self.jobs.seed(batch_id, store)
+            return len(batch.lines)
+        queued = await self.jobs.num_queued(batch_id)
+        if queued == 0 and not batch.tasks:
+            counts = await self.jobs.counts(batch_id, batch.total)
+            if counts is not None and counts.completed + counts.failed >= counts.total:
+                await self._finalize(batch, "completed")
+        return queued
+
+    def _open(self, batch_id: str, request: dict[str, Any]) -> _Batch:
+        link = None
+        context = request.get("trace")
+        if context:
+            link = Link(
+                SpanContext(
+                    int(context["trace_id"], 16),
+                    int(context["span_id"], 16),
+                    is_remote=True,
+                    trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                )
+            )
+        validated = self.store.validated(batch_id) or {"total": 0, "lines": []}
+        batch = _Batch(
+            batch_id,
+            request["endpoint"],
+            float(request["expires_at"]),
+            link,
+            int(validated["total"]),
+            [ValidLine(*entry) for entry in validated["lines"]],
+        )
+        self._batches[batch_id] = batch
+        return batch
+
+    async def _validate(self, batch_id: str, request: dict[str, Any]) -> None:
+        if not await self.jobs.lock(batch_id, "validate", 300_000):
+            return
+        try:
+            if self.store.is_validated(batch_id):
+                return
+            path = self.store.file_path(request["input_file_id"])
+            checked = await asyncio.to_thread(check_input, path, request["endpoint"])
+            if checked.batch_errors:
+                now = int(time.time())
+                self.store.write_final(
+                    batch_id,
+                    {
+                        "status": "failed",
+                        "failed_at": now,
+                        "errors": checked.batch_errors,
+                        "request_counts": RequestCounts(0, 0, 0).as_dict(),
+                    },
+                )
+                logger.info("batch %s failed validation: %s", batch_id, checked.batch_errors[0])
+                return
+            self.store.write_validated(batch_id, checked.total, checked.lines, checked.line_errors)
+            logger.info(
+                "batch %s: %d lines, %d invalid", batch_id, checked.total, len(checked.line_errors)
+            )
+        except FileNotFoundError:
+            logger.warning("batch %s: its input file is gone", batch_id)
+        finally:
+            await self.jobs.unlock(batch_id, "validate")
+
+    # ------------------------------------------------------------------ lines
+
+    async def _fill(self) -> None:
+        room = self.options.max_in_flight - self.num_in_flight
+        for batch in list(self._batches.values()):
+            if room <= 0:
+                return
+            if batch.stopping:
+                continue
+            claims = await self.jobs.claim(batch.batch_id, self.runner_id, room)
+            done: dict[int, LineResult] | None = None
+            for claim in claims:
+                line = batch.lines[claim.index]
+                if claim.entry_id in batch.tasks:
+                    continue
+                if claim.reclaimed:
+                    # Another runner held it: it may have made its result durable and died
+                    # before acknowledging it.
+                    done = done if done is not None else self.store.read_results(batch.batch_id)
+                    if line.line in done:
+                        await self.jobs.done(
+                            batch.batch_id, claim.entry_id, line.line, done[line.line].ok
+                        )
+                        continue
+                room -= 1
+                batch.tasks[claim.entry_id] = asyncio.create_task(self._run_line(batch, claim))
+        self.metrics.in_flight.set(self.num_in_flight)
+
+    async def _run_line(self, batch: _Batch, claim: Claim) -> None:
+        line = batch.lines[claim.index]
+        record_id = _record_id(batch.batch_id, line.line)
+        try:
+            with self.tracer.start_as_current_span(
+                "batch line",
+                links=[batch.link] if batch.link else None,
+                attributes={
+                    "nori.batch.id": batch.batch_id,
+                    "nori.batch.line": line.line,
+                    "nori.batch.custom_id": line.custom_id,
+                },
+            ) as span:
+                raw = await asyncio.to_thread(self.store.read_line, batch.batch_id, line)
+                body = json.loads(raw)["body"]
+                outcome = await send_line(
+                    self._session,
+                    self.options.gateway_url.rstrip("/") + batch.endpoint,
+                    body,
+                    record_id=record_id,
+                    custom_id=line.custom_id,
+                    request_id=f"{batch.batch_id}-{line.line}",
+                    deadline=time.monotonic() + (batch.expires_at - time.time()),
+                    span=span,
+                )
+                span.set_attribute("nori.batch.retries", outcome.retries)
+                status = (outcome.record.get("response") or {}).get("status_code")
+                if status is not None:
+                    span.set_attribute("http.response.status_code", status)
+            await self._record(batch, claim, line, outcome)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a line that cannot even be read: its own error
+            logger.warning("batch %s line %d: %s", batch.batch_id, line.line, error)
+            outcome = LineOutcome(
+                False, error_record(record_id, line.custom_id, "internal_error", str(error))
+            )
+            await self._record(batch, claim, line, outcome)
+        finally:
+            batch.tasks.pop(claim.entry_id, None)
+            self.metrics.in_flight.set(self.num_in_flight)
+            self._wake.set()
+
+    async def _record(
+        self, batch: _Batch, claim: Claim, line: ValidLine, outcome: LineOutcome
+    ) -> None:
+        if batch.log is None:
+            batch.log = AppendLog(self.store.result_log(batch.batch_id, self.runner_id))
+        result = LineResult(line.line, outcome.ok, outcome.record)
+        await batch.log.append(result.to_json())
+        await self.jobs.done(batch.batch_id, claim.entry_id, line.line, outcome.ok)
+        self.metrics.lines.labels("completed" if outcome.ok else "failed").inc()
+        self.metrics.retries.inc(outcome.retries)
+        self.metrics.output_tokens.inc(outcome.completion_tokens)
+
+    async def _stop_lines(self, batch: _Batch) -> None:
+        """Cancels the lines this runner holds: their HTTP calls close, so the gateway aborts
+        them and their KV blocks are freed."""
+        batch.stopping = True
+        tasks = list(batch.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stop_all(self) -> None:
+        for batch in self._batches.values():
+            await self._stop_lines(batch)
+            if batch.log is not None:
+                batch.log.close()
+
+    # ------------------------------------------------------------------ the end
+
+    async def _finalize(self, batch: _Batch, status: str) -> None:
+        """Writes the output and error files and final.json; one runner does it. Idempotent:
+        the files' ids come from the batch's, so a runner killed halfway is simply redone."""
+        batch_id = batch.batch_id
+        if not await self.jobs.lock(batch_id, "finalize", 300_000):
+            return
+        try:
+            if self.store.final(batch_id) is not None:
+                return
+            finalizing_at = int(time.time())
+            final = await asyncio.to_thread(self._write_outputs, batch, status, finalizing_at)
+            self.store.write_final(batch_id, final)
+            logger.info("batch %s %s: %s", batch_id, status, final["request_counts"])
+        finally:
+            await self.jobs.unlock(batch_id, "finalize")
+        await self.jobs.forget(batch_id)
+        if batch.log is not None:
+            batch.log.close()
+        self._batches.pop(batch_id, None)
+
+    def _write_outputs(self, batch: _Batch, status: str, finalizing_at: int) -> dict[str, Any]:
+        store, batch_id = self.store, batch.batch_id
+        validated = store.validated(batch_id) or {"errors": [], "total": 0}
+        results = store.read_results(batch_id)
+        by_line: list[tuple[int, bool, dict[str, Any]]] = []
+        for error in validated["errors"]:
+            record = error_record(
+                _record_id(batch_id, error["line"]),
+                error["custom_id"],
+                error["code"],
+                error["message"],
+            )
+            by_line.append((int(error["line"]), False, record))
+        for line in batch.lines:
+            result = results.get(line.line)
+            if result is not None:
+                by_line.append((line.line, result.ok, result.record))
+            elif status == "expired":
+                record = error_record(
+                    _record_id(batch_id, line.line),
+                    line.custom_id,
+                    "batch_expired",
+                    "this request could not be executed before the completion window expired",
+                )
+                by_line.append((line.line, False, record))
+        by_line.sort(key=lambda entry: entry[0])
+        outputs = [record for _, ok, record in by_line if ok]
+        errors = [record for _, ok, record in by_line if not ok]
+        final: dict[str, Any] = {
+            "status": status,
+            "finalizing_at": finalizing_at,
+            f"{status}_at": int(time.time()),
+            "output_file_id": None,
+            "error_file_id": None,
+            "request_counts": RequestCounts(
+                int(validated["total"]), len(outputs), len(errors)
+            ).as_dict(),
+        }
+        for kind, records in (("output", outputs), ("error", errors)):
+            if records or (kind == "output" and status == "completed"):
+                file_id = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+                lines = (json.dumps(record).encode() + b"\n" for record in records)
+                store.create_file(f"{batch_id}_{kind}.jsonl", "batch_output", lines, file_id)
+                final[f"{kind}_file_id"] = file_id
+        return final
+
+
+def _record_id(batch_id: str, line: int) -> str:
+    return f"batch_req_{hashlib.sha256(f'{batch_id}/{line}'.encode()).hexdigest()[:24]}"
+
+
+async def serve_batch(options: RunnerOptions, tracer: trace.Tracer | None = None) -> None:
+    """The role's process: runs until SIGINT/SIGTERM, then stops its lines (they run again
+    elsewhere once their leases run out)."""
+    import signal
+
+    from nori.state.connection import connect
+
+    redis = connect(options.redis_url)
+    metrics = RunnerMetrics()
+    if options.metrics_port:
+        start_http_server(options.metrics_port, options.metrics_host, registry=metrics.registry)
+    runner = BatchRunner(options, redis, tracer, metrics)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    logger.info(
+        "batch runner %s: %s -> %s", runner.runner_id, options.batch_dir, options.gateway_url
+    )
+    try:
+        await runner.run(stop)
+    finally:
+        await redis.aclose()
