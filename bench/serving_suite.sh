@@ -10,6 +10,9 @@
 #   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating
 #   tracing   demo, disaggregated, random 128/128 at concurrency 16, tracing off and on (spans
 #             to a local OTLP/gRPC receiver, bench/otlp_sink.py), 3 alternating runs a side
+#   real      SmolLM2-135M-Instruct (a real model), colocated, random 128/128: 64 prompts at
+#             concurrency 16, then the batch regime (256 at 64); REAL_WORKER_ARGS picks the type
+#             (e.g. '--dtype bfloat16', '--dtype bfloat16 --quantization int8'): 3 runs each
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 name=$1 out=$2
@@ -126,6 +129,18 @@ tracing)
         kill -INT "$sink" && wait "$sink" || true
       fi
     done
+  done
+  ;;
+real)
+  up "$out/cluster.log" --model smollm2-135m-instruct --colocated \
+    --worker-args="${REAL_WORKER_ARGS:-}"
+  for run in 1 2 3; do
+    serve "$out/interactive-$run.json" --seed "$run" --dataset random --random-input-len 128 \
+      --random-output-len 128 --random-range-ratio 0 --prompt-format token-ids --num-prompts 64 \
+      --max-concurrency 16 --ignore-eos --num-warmups 16
+    serve "$out/batch-$run.json" --seed "$((run + 10))" --dataset random --random-input-len 128 \
+      --random-output-len 128 --random-range-ratio 0 --prompt-format token-ids --num-prompts 256 \
+      --max-concurrency 64 --ignore-eos --num-warmups 16
   done
   ;;
 *)

