@@ -6,8 +6,6 @@ use: `demo` (the default everywhere) and `small` (a 24M-parameter shape for serv
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
@@ -17,6 +15,7 @@ from nori.models.gguf_checkpoint import (
     is_gguf_path,
     packaged_gguf,
 )
+from nori.models.model_cache import build_once
 from nori.settings import Environment
 
 DEMO_NAME = "demo"
@@ -55,29 +54,12 @@ def ensure_demo_checkpoint(cache_dir: Path) -> Path:
 
 
 def ensure_builtin_checkpoint(cache_dir: Path, name: str) -> Path:
-    """Creates a built-in checkpoint atomically: built in a temporary sibling folder, then renamed.
+    """Creates a built-in checkpoint once (see `build_once`: concurrent first uses are safe)."""
 
-    Concurrent first uses each build their own copy; one rename wins and the others discard
-    theirs, so no reader ever sees a half-written folder.
-    """
-    folder_name = f"{name}-seed0"
-    target = cache_dir / folder_name
-    if (target / "config.json").is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=cache_dir))
-    try:
+    def write(folder: Path) -> None:
         # Writing weights needs torch; finding an existing checkpoint (the gateway) must not.
         from nori.models.init_checkpoint import init_checkpoint
 
-        init_checkpoint(staging, name, seed=0)
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another process renamed its copy first; theirs is identical, keep it.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+        init_checkpoint(folder, name, seed=0)
+
+    return build_once(cache_dir / f"{name}-seed0", write)

