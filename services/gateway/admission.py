@@ -248,6 +248,8 @@ class DecodeShares:
         self.max_share = max_share
         self.capacity: PoolCapacity | None = None
         self.num_held = 0
+        # Of those, members of background (batch) work.
+        self.num_background_held = 0
         # Members held per owner key, and members held or waiting per owner key ("active").
         self._held: Counter[str] = Counter()
         self._active: Counter[str] = Counter()
@@ -272,16 +274,19 @@ class DecodeShares:
 
     def may_start(self, group: str, client: str, priority: int = 0) -> bool:
         """Background members (a priority above 0: batch lines) may fill the running rows but
-        never the calls beyond them, the workers' queues, which stay free for interactive
-        newcomers: a batch cannot make an interactive request's share a 429."""
+        never the calls beyond them, the workers' queues. An interactive member is measured
+        against the interactive members held only, as the workers measure its call (see
+        `EngineServicer._open`) and the engine schedules it, ahead of every batch line: a
+        batch cannot make an interactive request's share a 429."""
         if self.capacity is None:
             return True
         g, c = _group_key(group), _client_key(client)
-        calls = (
-            self.capacity.calls if priority <= 0 else min(self.capacity.calls, self.capacity.rows)
-        )
+        if priority <= 0:
+            num_held, calls = self.num_held - self.num_background_held, self.capacity.calls
+        else:
+            num_held, calls = self.num_held, min(self.capacity.calls, self.capacity.rows)
         return (
-            self.num_held < calls
+            num_held < calls
             and self._held[g] < self.limit(g, self._num_active_groups)
             and self._held[c] < self.limit(c, self._num_active_clients)
         )
@@ -291,7 +296,7 @@ class DecodeShares:
         if not self.may_start(group, client, priority):
             return None
         self._enter(group, client)
-        return self._grant(group, client)
+        return self._grant(group, client, priority)
 
     async def take(self, group: str, client: str, wait_s: float, priority: int = 0) -> DecodeShare:
         """A share, waiting at most `wait_s` for it; ShareRefusedError (429) past that. Freed
@@ -300,7 +305,7 @@ class DecodeShares:
         if share is not None:
             return share
         if wait_s <= 0:
-            raise self._refusal(group, client)
+            raise self._refusal(group, client, priority)
         self._enter(group, client)
         self._arrivals += 1
         waiter = _ShareWaiter(
@@ -317,17 +322,22 @@ class DecodeShares:
                 self._drop_waiter(waiter)
                 self._leave_active(group, client)
             if isinstance(error, TimeoutError):
-                raise self._refusal(group, client) from None
+                raise self._refusal(group, client, priority) from None
             raise
 
-    def _refusal(self, group: str, client: str) -> ShareRefusedError:
+    def _refusal(self, group: str, client: str, priority: int) -> ShareRefusedError:
         assert self.capacity is not None
         g, c = _group_key(group), _client_key(client)
         at_rows = max(1, self.capacity.rows)
-        if self.num_held >= self.capacity.calls:
+        if priority <= 0 and self.num_held - self.num_background_held >= self.capacity.calls:
             message = (
-                f"the decode pool is full: {self.num_held} requests hold its "
-                f"{self.capacity.calls} calls"
+                f"the decode pool is full: {self.num_held - self.num_background_held} "
+                f"interactive requests hold its {self.capacity.calls} calls"
+            )
+        elif priority > 0 and self.num_held >= min(self.capacity.calls, self.capacity.rows):
+            message = (
+                f"the decode pool is full for background work: {self.num_held} requests hold "
+                f"its {min(self.capacity.calls, self.capacity.rows)} running slots"
             )
         elif self._held[g] >= at_rows or self._held[c] >= at_rows:
             # Alone, an owner may fill every running slot, and it has: the pool is full for it.
@@ -363,14 +373,18 @@ class DecodeShares:
                 else:
                     self._num_active_clients -= 1
 
-    def _grant(self, group: str, client: str) -> DecodeShare:
+    def _grant(self, group: str, client: str, priority: int) -> DecodeShare:
         self.num_held += 1
+        if priority > 0:
+            self.num_background_held += 1
         self._held[_group_key(group)] += 1
         self._held[_client_key(client)] += 1
-        return DecodeShare(self, group, client)
+        return DecodeShare(self, group, client, priority)
 
-    def _release(self, group: str, client: str) -> None:
+    def _release(self, group: str, client: str, priority: int) -> None:
         self.num_held -= 1
+        if priority > 0:
+            self.num_background_held -= 1
         for key in (_group_key(group), _client_key(client)):
             self._held[key] -= 1
             if self._held[key] <= 0:
@@ -411,7 +425,7 @@ class DecodeShares:
                 ),
             )
             self._drop_waiter(chosen)
-            chosen.future.set_result(self._grant(chosen.group, chosen.client))
+            chosen.future.set_result(self._grant(chosen.group, chosen.client, chosen.priority))
 
     @property
     def num_waiting(self) -> int:
@@ -438,13 +452,14 @@ class _ShareWaiter:
 class DecodeShare:
     """One member's hold on the decode pool; released exactly once (which may start a waiter)."""
 
-    def __init__(self, shares: DecodeShares, group: str, client: str) -> None:
+    def __init__(self, shares: DecodeShares, group: str, client: str, priority: int = 0) -> None:
         self._shares = shares
         self.group = group
         self.client = client
+        self.priority = priority
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._shares._release(self.group, self.client)
+            self._shares._release(self.group, self.client, self.priority)

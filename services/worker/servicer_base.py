@@ -48,9 +48,10 @@ class EngineServicer:
     ) -> None:
         self._worker_id = worker_id
         self._max_open_calls = max_open_calls
-        # Background calls (priority > 0: batch lines) may hold this many of the open calls; the
-        # rest stay free for interactive ones, so a batch that fills the worker never turns an
-        # interactive request away (it waits its turn in the queue instead). None: no reserve.
+        # Background calls (priority > 0: batch lines) may hold this many of the open calls, and
+        # no more than the open calls less the interactive ones; interactive calls count against
+        # each other only, so a batch that fills the worker never turns an interactive request
+        # away (it waits its turn in the queue, ahead of the batch). None: no reserve.
         self._max_background_calls = (
             max_open_calls if max_background_calls is None else max_background_calls
         )
@@ -92,14 +93,19 @@ class EngineServicer:
         Bad parameters or a request id already in use end the call with INVALID_ARGUMENT; a
         worker whose queue is full ends it with RESOURCE_EXHAUSTED, before any work.
         """
-        if len(self._streams) >= self._max_open_calls:
+        is_background = request.priority > 0
+        num_background = len(self._background_request_ids)
+        # An interactive call is measured against the interactive calls only: the engine runs
+        # it before every background one, so batch work queued here neither delays it nor turns
+        # it away (the open calls stay bounded: max_open_calls + max_background_calls).
+        num_counted = len(self._streams) - (0 if is_background else num_background)
+        if num_counted >= self._max_open_calls:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._worker_id} is full: {len(self._streams)} requests running or queued "
+                f"{self._worker_id} is full: {num_counted} requests running or queued "
                 f"(the limit, max-num-seqs + max-queued-requests)",
             )
-        is_background = request.priority > 0
-        if is_background and len(self._background_request_ids) >= self._max_background_calls:
+        if is_background and num_background >= self._max_background_calls:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._worker_id} is full for background work: "

@@ -258,18 +258,23 @@ async def test_batch_lines_fill_the_rows_but_leave_the_workers_queues_to_interac
     assert [share is not None for share in batch] == [True] * 4 + [False]
     waiter = asyncio.ensure_future(pool.take("line-9", "r#background", 10, priority=1000))
     await asyncio.sleep(0)
-    # The calls beyond the rows are an interactive request's, at once.
-    chats = [pool.try_take(f"chat-{i}", "c") for i in range(2)]
-    assert all(share is not None for share in chats) and not waiter.done()
+    # Interactive members count against each other only, as the workers count their calls:
+    # every call of the pool is theirs at once, whatever the batch holds.
+    chats = [pool.try_take(f"chat-{i}", f"c{i}") for i in range(7)]
+    assert [share is not None for share in chats] == [True] * 6 + [False]
+    with pytest.raises(ShareRefusedError, match="6 interactive requests hold its 6 calls"):
+        await pool.take("chat-7", "c7", 0)
+    assert pool.num_held == 10 and pool.num_background_held == 4 and not waiter.done()
     batch[0].release()  # type: ignore[union-attr]
     await asyncio.sleep(0)
-    assert not waiter.done()  # 5 calls held, 4 rows: no room for a batch line
-    chats[0].release()  # type: ignore[union-attr]
+    assert not waiter.done()  # 9 calls held, 4 rows: no room for a batch line
+    for share in chats[:5]:
+        share.release()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert not waiter.done()  # batch lines start while fewer calls than rows are held
-    chats[1].release()  # type: ignore[union-attr]
+    chats[5].release()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert waiter.done()
     for share in [*batch[1:4], waiter.result()]:
         share.release()  # type: ignore[union-attr]
-    assert pool.num_held == 0
+    assert pool.num_held == 0 and pool.num_background_held == 0

@@ -198,24 +198,31 @@ async def test_background_calls_leave_the_prefill_queue_to_interactive_ones() ->
         )
         return asyncio.ensure_future(servicer.Prefill(request, Context()))  # type: ignore[arg-type]
 
+    async def refused(request_id: str, priority: int) -> None:
+        with pytest.raises(Aborted) as aborted:
+            await call(request_id, priority)
+        assert aborted.value.args == (grpc.StatusCode.RESOURCE_EXHAUSTED,)
+
     batch = [call("b0", 1), call("b1", 1)]
-    refused = call("b2", 1)
     await asyncio.sleep(0)
-    with pytest.raises(Aborted) as aborted:
-        await refused
-    assert aborted.value.args == (grpc.StatusCode.RESOURCE_EXHAUSTED,)
-    interactive = [call("i0", 0), call("i1", 0)]  # the queue beyond the batch's share
+    await refused("b2", 1)  # the batch's share of the worker is taken
+    # Interactive calls count against each other only: the batch queued here takes none of
+    # their room (the engine runs them first anyway).
+    interactive = [call(f"i{i}", 0) for i in range(4)]
     await asyncio.sleep(0)
-    with pytest.raises(Aborted):  # the worker itself is full now, for everyone
-        await call("i2", 0)
-    assert servicer.num_active_requests == 4
-    engine.finish("b0")  # a background call ends: its slot is a background slot again
+    await refused("i4", 0)  # max_open_calls interactive calls: full for interactive work
+    assert servicer.num_active_requests == 6
+    engine.finish("b0")  # a background call ends, but the open calls are still past the limit
     assert (await batch[0]).first.finished
-    taken = call("b3", 1)
+    await refused("b3", 1)
+    for request_id in ("i0", "i1", "i2"):
+        engine.finish(request_id)
+    await asyncio.gather(*interactive[:3])
+    taken = call("b4", 1)  # 3 open calls now: a background slot again
     await asyncio.sleep(0)
     assert not taken.done()
-    for request_id in ("b1", "b3", "i0", "i1"):
+    for request_id in ("b1", "b4", "i3"):
         engine.finish(request_id)
-    await asyncio.gather(batch[1], taken, *interactive)
+    await asyncio.gather(batch[1], taken, interactive[3])
     assert servicer.num_active_requests == 0
-    assert [priority for _, priority in engine.calls] == [1, 1, 0, 0, 1]
+    assert [priority for _, priority in engine.calls] == [1, 1, 0, 0, 0, 0, 1]
