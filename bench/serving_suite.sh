@@ -2,7 +2,8 @@
 # The README's serving benchmarks, one per name; each writes JSON (and plots) under OUT_DIR.
 #
 # Usage: bench/serving_suite.sh NAME OUT_DIR
-#   latency   small model, colocated, random 512/128 at concurrency 16: 3 runs on one cluster
+#   latency   small model, colocated, prefill budget auto, random 512/128 at concurrency 16:
+#             3 runs on one cluster
 #   compare   nori bench compare on the mixed workload (small model), 3 alternating runs a side
 #   sweep     the same comparison over request rates of the short requests
 #   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
@@ -51,8 +52,10 @@ mixed=(--dataset mixed --random-input-len 128 --random-output-len 128 --long-inp
 
 case $name in
 latency)
-  # LATENCY_WORKER_ARGS: e.g. '--prefill-budget-with-decodes 0' for the uncapped trade-off.
-  up "$out/cluster.log" --model small --colocated --worker-args="${LATENCY_WORKER_ARGS:-}"
+  # The latency setting (the cap), unless LATENCY_WORKER_ARGS says otherwise: e.g.
+  # '--prefill-budget-with-decodes 0' for the uncapped trade-off (the serving default).
+  up "$out/cluster.log" --model small --colocated \
+    --worker-args="${LATENCY_WORKER_ARGS:---prefill-budget-with-decodes auto}"
   for run in 1 2 3; do
     # A seed per run: the same prompts again would hit the prefix cache of the run before.
     serve "$out/run-$run.json" --seed "$run" --dataset random --random-input-len 512 --random-output-len 128 \

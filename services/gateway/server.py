@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 class GatewayOptions(RoleSettings):
     model: str
     served_model_name: str
+    # Whose tokenizer and chat template to use (a folder, a GGUF file, a built-in name); None:
+    # the model's own. The workers must be given the same (`--tokenizer`).
+    tokenizer: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
     max_model_len: int | None = None
@@ -99,7 +102,8 @@ def gateway_tokenizer(model_dir: Path, chat_template: str | None) -> Tokenizer:
 
 async def serve_gateway(options: GatewayOptions) -> None:
     model_dir = resolve_model(options.model)
-    tokenizer = gateway_tokenizer(model_dir, options.chat_template)
+    tokenizer_dir = model_dir if options.tokenizer is None else resolve_model(options.tokenizer)
+    tokenizer = gateway_tokenizer(tokenizer_dir, options.chat_template)
     model_config = ModelConfig.from_dir(model_dir)
     max_model_len = options.max_model_len or model_config.max_position_embeddings
     tracing = Tracing.for_role("gateway", options.otlp_traces_endpoint)

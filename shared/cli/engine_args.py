@@ -23,6 +23,15 @@ def prefill_budget(text: str) -> int | str | None:
     return tokens or None
 
 
+# Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
+# no cap beyond --max-num-batched-tokens, as vLLM's chunked prefill. Waiting prompts join the
+# running batch at once, which keeps it full: on SmolLM2-135M in bf16 (random 128/128, 64
+# prompts at concurrency 16, colocated) "auto" (prompt chunks of about one decode step's cost,
+# so a long prompt never stalls the running streams for more than about a step) served 18%
+# fewer tokens per second (docs/benchmarks.md). A nightly batch wants the throughput; "auto"
+# stays for those whose streams' inter-token latency matters more.
+SERVING_PREFILL_BUDGET: str | None = None
+
 # A batch's prompt tokens per step on a serving worker (--background-prefill-budget): a step of
 # 256 prompt tokens of the demo model takes about 0.1 s on one core of an AVX2 EPYC, which an
 # interactive prompt arriving beside a batch waits for (2048, the whole step, waited about 1 s).
@@ -58,6 +67,13 @@ def add_engine_args(
             "created on first use: 'demo' (3.7M parameters) or 'small' (24M); their text is "
             "meaningless",
         )
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FOLDER|FILE.gguf|NAME",
+        help="whose tokenizer and chat template to use, as --model takes it (default: the "
+        "model's own; a GGUF file's are its own)",
+    )
     group.add_argument(
         "--dtype",
         default="auto",
@@ -127,7 +143,8 @@ def add_engine_args(
         help="prompt tokens a step may carry while streams decode in it (long prompts are cut "
         "into chunks of this size), so a prefill never stalls the running streams for long; "
         "auto = as many as cost about one decode step, learnt from the steps' timings; "
-        "0 = no cap beyond --max-num-batched-tokens (default: %(default)s)",
+        "0 = no cap beyond --max-num-batched-tokens, the throughput setting (default: "
+        f"{'0' if prefill_budget_with_decodes is None else prefill_budget_with_decodes})",
     )
     group.add_argument(
         "--background-prefill-budget",
@@ -182,6 +199,7 @@ def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     options: dict[str, object] = {
         "model": args.model,
+        "tokenizer": args.tokenizer,
         "dtype": args.dtype,
         "device": args.device,
         "quantization": args.quantization,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import (
     SERVING_BACKGROUND_PREFILL_BUDGET,
+    SERVING_PREFILL_BUDGET,
     add_engine_args,
     engine_config_from_args,
 )
@@ -21,12 +22,6 @@ from nori.settings import (
 
 if TYPE_CHECKING:
     from nori.worker.runtime import WorkerOptions
-
-# Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
-# as many as cost about one decode step, measured as the worker runs (step_cost.py), so a long
-# prompt never stalls the running streams for more than about a step; prefill-only steps (a
-# prefill worker's) still take the whole --max-num-batched-tokens.
-SERVING_PREFILL_BUDGET = "auto"
 
 
 def served_model_name(model: str, override: str | None) -> str:
@@ -146,6 +141,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway = roles.add_parser("gateway", help="the OpenAI-compatible HTTP endpoint")
     _add_cluster_args(gateway, default_port=8000)
     gateway.add_argument("--model", default="demo", help="model folder (for its tokenizer)")
+    gateway.add_argument(
+        "--tokenizer",
+        default=None,
+        help="whose tokenizer and chat template to use, as --model takes it (default: the "
+        "model's); give the workers the same",
+    )
     gateway.add_argument("--max-model-len", type=int, default=None)
     gateway.add_argument(
         "--block-size",

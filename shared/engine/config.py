@@ -15,6 +15,8 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
 class EngineConfig:
     # "demo" (a small random-weight model created on first use) or a local checkpoint folder.
     model: str = "demo"
+    # Whose tokenizer (and chat template) to use, as `model` names a model; None: the model's.
+    tokenizer: str | None = None
     # "auto": float32 on CPU, the checkpoint's half type (else bfloat16) on GPU.
     dtype: str = "auto"
     device: str = "auto"

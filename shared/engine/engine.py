@@ -48,7 +48,9 @@ class LLMEngine:
         """`runner` lets engines share loaded weights (benchmarks comparing policies)."""
         self.config = config
         model_dir = resolve_model(config.model)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(
+            model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
+        )
         self._runner = runner or ModelRunner(config, model_dir, self.tokenizer.eos_token_ids)
         self.model_config = self._runner.model_config
         self.max_model_len = self._runner.max_model_len

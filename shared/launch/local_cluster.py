@@ -82,6 +82,8 @@ class ClusterSpec(RoleSettings):
     verbose: bool = False
     # The gateway's --chat-template (a file or a Jinja template), if any.
     chat_template: str | None = None
+    # The gateway's --tokenizer, if any (`nori up` passes the workers theirs in worker_args).
+    tokenizer: str | None = None
     # The key the gateway's API requires (passed in its environment, not on its command line,
     # where `ps` would show it); None: open.
     api_key: str | None = None
@@ -163,6 +165,8 @@ class LocalCluster:
             options += ["--max-model-len", str(self.spec.max_model_len)]
         if self.spec.chat_template is not None:
             options += ["--chat-template", self.spec.chat_template]
+        if self.spec.tokenizer is not None:
+            options += ["--tokenizer", self.spec.tokenizer]
         return options
 
     # ------------------------------------------------------------------ start

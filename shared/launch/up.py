@@ -9,7 +9,11 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from nori.cli.engine_args import SERVING_BACKGROUND_PREFILL_BUDGET, add_engine_args
+from nori.cli.engine_args import (
+    SERVING_BACKGROUND_PREFILL_BUDGET,
+    SERVING_PREFILL_BUDGET,
+    add_engine_args,
+)
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
 
 if TYPE_CHECKING:
@@ -95,7 +99,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
     # The engine options of `nori serve`, passed to every worker (before --worker-args).
     engine_actions = add_engine_args(
         parser,
-        "auto",
+        SERVING_PREFILL_BUDGET,
         background_prefill_budget=SERVING_BACKGROUND_PREFILL_BUDGET,
         with_model=False,
     )
@@ -192,8 +196,10 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     extra_worker_args = worker_args(shlex.join(engine_flags) + " " + args.worker_args)
     prefill_args = worker_args(args.prefill_args, "--prefill-args")
     decode_args = worker_args(args.decode_args, "--decode-args")
-    # Create the demo checkpoint once here, not concurrently in every process.
+    # Create the demo checkpoint (or convert a GGUF file) once here, not in every process.
     resolve_model(args.model)
+    if args.tokenizer is not None:
+        resolve_model(args.tokenizer)
     _build_cpu_kernels()
     # A private Redis has a password and a user per role (each role's URL names its own).
     redis_url, redis_server = redis_for_cluster(args.namespace)

@@ -90,7 +90,8 @@ class Tokenizer:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise TokenizerLoadError(
-                f"no tokenizer.json in {folder} (only fast tokenizers are supported)"
+                f"no tokenizer.json in {folder} (only fast tokenizers are supported; "
+                "--tokenizer names another folder's)"
             )
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))

@@ -24,9 +24,18 @@ def test_engine_options_given_to_up_reach_every_worker() -> None:
     assert changed_engine_flags(untouched, untouched.engine_actions) == []
 
 
-def test_no_prefill_budget_cap_is_passed_as_zero() -> None:
-    args = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "0"])
-    assert changed_engine_flags(args, args.engine_actions) == ["--prefill-budget-with-decodes", "0"]
+def test_the_prefill_budget_is_uncapped_unless_asked() -> None:
+    """Serving takes prompts uncapped (throughput first); "auto" or a number is passed on."""
+    uncapped = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "0"])
+    assert uncapped.prefill_budget_with_decodes is None
+    assert changed_engine_flags(uncapped, uncapped.engine_actions) == []
+    auto = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "auto"])
+    assert changed_engine_flags(auto, auto.engine_actions) == [
+        "--prefill-budget-with-decodes",
+        "auto",
+    ]
+    serve = build_parser().parse_args(["serve", "decode"])
+    assert serve.prefill_budget_with_decodes is None
 
 
 @pytest.mark.parametrize("argv", [["-v", "up"], ["up", "-v"], ["serve", "decode", "--verbose"]])
