@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's serving benchmarks, one per name; each writes JSON (and plots) under OUT_DIR.
+# The README's serving benchmarks (docs/benchmark-results.md), one per name; each writes JSON (and plots) under OUT_DIR.
 #
 # Usage: bench/serving_suite.sh NAME OUT_DIR
 #   latency   small model, colocated, prefill budget auto, random 512/128 at concurrency 16:

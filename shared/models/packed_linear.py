@@ -11,7 +11,7 @@ from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
 # One row takes the C++ GEMV (bf16_gemv_cpu.cpp) rather than the packed GEMM, whose call
-# costs about 23 us at any size (measured in the README).
+# costs about 23 us at any size (measured in docs/benchmark-results.md).
 GEMV_MAX_ROWS = 1
 
 

@@ -7,7 +7,7 @@ fewer bytes read per decode step, which is what bounds a decode step. The LM hea
 
 - CPU, int8: torch's x86 int8 GEMM (fbgemm/oneDNN, VNNI on this CPU) behind its dynamically
   quantized Linear. Each call also quantizes its activations to 8 bits on the fly: the kernel
-  multiplies int8 by uint8. That is the fast path measured in the README. The kernel takes one
+  multiplies int8 by uint8. That is the fast path measured in docs/benchmark-results.md. The kernel takes one
   activation scale per call; each row is divided by its own largest magnitude first (and the
   output row multiplied back), so every token keeps its 8 bits whatever the other rows hold.
   Up to 8 rows (decode steps at small batch) a C++ int8 GEMV (`nori.kernels.int8_gemv`, VNNI)
@@ -69,7 +69,8 @@ class WeightOnlyLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.qweight.dtype}"
 
 
-# Up to this many rows the C++ GEMV beats torch's int8 GEMM (measured in the README).
+# Up to this many rows the C++ GEMV beats torch's int8 GEMM (docs/benchmark-results.md; on
+# SmolLM2 a step of 16 rows was slower with it, 42.3 against 34.8 ms: docs/benchmarks.md).
 GEMV_MAX_ROWS = 8
 
 
