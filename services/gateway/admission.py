@@ -281,10 +281,7 @@ class DecodeShares:
         if self.capacity is None:
             return True
         g, c = _group_key(group), _client_key(client)
-        if priority <= 0:
-            num_held, calls = self.num_held - self.num_background_held, self.capacity.calls
-        else:
-            num_held, calls = self.num_held, min(self.capacity.calls, self.capacity.rows)
+        num_held, calls = self._calls_for(priority)
         return (
             num_held < calls
             and self._held[g] < self.limit(g, self._num_active_groups)
@@ -325,19 +322,28 @@ class DecodeShares:
                 raise self._refusal(group, client, priority) from None
             raise
 
+    def _calls_for(self, priority: int) -> tuple[int, int]:
+        """(members counted, their limit) for a member of `priority`: an interactive one counts
+        the interactive members against every call; a background one counts all members
+        against the calls up to the running rows."""
+        assert self.capacity is not None
+        if priority <= 0:
+            return self.num_held - self.num_background_held, self.capacity.calls
+        return self.num_held, min(self.capacity.calls, self.capacity.rows)
+
     def _refusal(self, group: str, client: str, priority: int) -> ShareRefusedError:
         assert self.capacity is not None
         g, c = _group_key(group), _client_key(client)
         at_rows = max(1, self.capacity.rows)
-        if priority <= 0 and self.num_held - self.num_background_held >= self.capacity.calls:
+        num_held, calls = self._calls_for(priority)
+        if num_held >= calls and priority <= 0:
             message = (
-                f"the decode pool is full: {self.num_held - self.num_background_held} "
-                f"interactive requests hold its {self.capacity.calls} calls"
+                f"the decode pool is full: {num_held} interactive requests hold its {calls} calls"
             )
-        elif priority > 0 and self.num_held >= min(self.capacity.calls, self.capacity.rows):
+        elif num_held >= calls:
             message = (
-                f"the decode pool is full for background work: {self.num_held} requests hold "
-                f"its {min(self.capacity.calls, self.capacity.rows)} running slots"
+                f"the decode pool is full for background work: {num_held} requests hold "
+                f"its {calls} running slots"
             )
         elif self._held[g] >= at_rows or self._held[c] >= at_rows:
             # Alone, an owner may fill every running slot, and it has: the pool is full for it.
