@@ -5,11 +5,13 @@
 #   nori run-batch --model demo --prefill 1 --decode 1   (disaggregated)
 # taking turns, ROUNDS times; prints the medians and the ratios to offline.
 # Usage: bench/batch_throughput.sh [ROUNDS=3] [OUT=bench/results/batch] [NUM_PROMPTS=1000]
+#                                  [WORKER_ARGS, e.g. '--engine-core thread']
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds="${1:-3}"
 out="${2:-bench/results/batch}"
 num="${3:-1000}"
+worker_args="${4:-}"
 nori=(.venv/bin/python -m nori.cli.main)
 mkdir -p "$out"
 lscpu | grep -E "Model name|^CPU\(s\)|L3" > "$out/host.txt"
@@ -25,7 +27,7 @@ for round in $(seq 1 "$rounds"); do
     [ "$mode" = disaggregated ] && flags=(--prefill 1 --decode 1)
     rm -f "$out/$mode-$round.out.jsonl"
     "${nori[@]}" run-batch -i "$out/requests.jsonl" -o "$out/$mode-$round.out.jsonl" \
-      --model demo "${flags[@]}" --summary-json "$out/$mode-$round.json" --no-progress \
+      --model demo "${flags[@]}" --worker-args "$worker_args" --summary-json "$out/$mode-$round.json" --no-progress \
       --log-dir "$out/logs-$mode-$round" 2> "$out/$mode-$round.log"
     rm -f "$out/$mode-$round.out.jsonl"
   done

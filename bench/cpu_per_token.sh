@@ -5,7 +5,8 @@
 #
 # Starts `nori up` with the options, warms it with 16 prompts, then runs `nori bench serve`
 # (random 128/128 as token ids, 256 prompts at concurrency 16, ignore_eos) while reading the
-# utime + stime of the gateway, every worker and the client; prints each one's CPU seconds and
+# utime + stime of the gateway, every worker (and its engine process, with --engine-core
+# process) and the client; prints each one's CPU seconds and
 # milliseconds per output token, and writes them to OUT_DIR/cpu_per_token.json.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,6 +43,12 @@ def roles() -> dict[str, int]:
         role = words[words.index("serve") + 1]
         name = words[words.index("--worker-id") + 1] if "--worker-id" in words else role
         found[name] = int(pid)
+        # --engine-core process: the worker's engine process, counted apart (its I/O side is
+        # what is left under the worker's own name).
+        children = f"/proc/{pid}/task/{pid}/children"
+        for child in open(children).read().split() if os.path.exists(children) else ():
+            if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                found[f"{name}/engine"] = int(child)
     return found
 
 def cpu_s(pid: int) -> float:

@@ -16,12 +16,13 @@ import grpc
 
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
+from nori.engine.engine import LLMEngine
 from nori.rpc.convert import delta_from_output
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, KVDestination
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from nori.worker.engine_thread import EngineThread
+from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.output_streams import OutputStreams, next_output, next_output_coalesced
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
@@ -34,7 +35,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
         self,
         worker_id: str,
-        engine: EngineThread,
+        engine: EngineCore,
         streams: OutputStreams,
         sink: DecodeKVSink | None,
         states: StateRecorder | None,
@@ -70,22 +71,23 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 await call_engine(
                     self._engine,
                     context,
-                    lambda engine: engine.add_request(
-                        request_id,
-                        prompt,
-                        params,
-                        output_token_ids=resumed,
-                        num_emitted_chars=request.resumed_text_chars,
-                        priority=request.priority,
-                    ),
+                    LLMEngine.add_request,
+                    request_id,
+                    prompt,
+                    params,
+                    output_token_ids=resumed,
+                    num_emitted_chars=request.resumed_text_chars,
+                    priority=request.priority,
                 )
             else:
                 block_ids = await call_engine(
                     self._engine,
                     context,
-                    lambda engine: engine.reserve_prompt(
-                        request_id, prompt, params, request.priority
-                    ),
+                    LLMEngine.reserve_prompt,
+                    request_id,
+                    prompt,
+                    params,
+                    request.priority,
                 )
                 if block_ids is None:
                     await context.abort(
@@ -108,9 +110,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 if staged is not None:
                     # A tensor-parallel engine: each rank takes its heads of the blocks.
                     await call_engine(
-                        self._engine,
-                        context,
-                        lambda engine: engine.write_request_kv(request_id, staged),
+                        self._engine, context, LLMEngine.write_request_kv, request_id, staged
                     )
                 self._record(request_id, "decoding")
                 first_tokens = list(hand_off.output_token_ids)
@@ -120,9 +120,10 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 await call_engine(
                     self._engine,
                     context,
-                    lambda engine: engine.complete_transfer(
-                        request_id, first_tokens, generator_state
-                    ),
+                    LLMEngine.complete_transfer,
+                    request_id,
+                    first_tokens,
+                    generator_state,
                 )
             coalesce_s = request.coalesce_ms / 1000
             first = True
@@ -155,7 +156,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 self._sink.forget(request_id)
             if not finished:
                 # Cancelled, expired or failed: free the blocks now, whatever state they are in.
-                self._engine.submit(lambda engine: engine.abort_request(request_id))
+                self._engine.submit(LLMEngine.abort_request, request_id)
 
     async def _receive(
         self, request_id: str, context: grpc.aio.ServicerContext, record: CallRecord

@@ -6,7 +6,6 @@ transfers (`nori up --colocated`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 
@@ -15,7 +14,6 @@ import grpc
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.servicer import DecodeServicer
 from nori.engine.config import EngineConfig
-from nori.engine.engine import LLMEngine
 from nori.settings import DEFAULT_KV_LEASE_S
 from nori.state.requests import RequestStateStore
 from nori.state.state_recorder import StateRecorder
@@ -23,7 +21,6 @@ from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import decode_pb2_grpc
-from nori.worker.engine_thread import EngineThread
 from nori.worker.kv_layout import BlockLayout
 from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
@@ -79,17 +76,16 @@ class DecodeWorker(Worker):
         self._servicer: DecodeServicer | None = None
 
     async def start_role(self) -> None:
-        engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         streams = OutputStreams()
-        self._engine = EngineThread(engine, asyncio.get_running_loop(), streams.dispatch)
-        self._engine.start()
+        core = await self.start_engine(streams.dispatch)
+        engine = core.facts
         assert self.redis is not None
         states = StateRecorder(RequestStateStore(self.redis, self.keys))
         if not self.colocated:
             # Under tensor parallelism the cache is split over processes: blocks arrive in a
             # staging copy, which the engine then scatters to the ranks.
             staging = (
-                [BlockLayout(dtype, shape) for dtype, shape in engine.kv_block_layouts()]
+                [BlockLayout(dtype, shape) for dtype, shape in engine.kv_block_layouts]
                 if engine.tensor_parallel_size > 1
                 else None
             )
@@ -113,7 +109,7 @@ class DecodeWorker(Worker):
             )
         self._servicer = DecodeServicer(
             worker_id=self.worker_id,
-            engine=self._engine,
+            engine=core,
             streams=streams,
             sink=self._sink,
             states=states,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from nori.engine.engine import LLMEngine
+from nori.engine.kv_cache import read_blocks
 from nori.engine.kv_export import KVExport
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output
@@ -24,7 +25,7 @@ from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import KVDestination, TransferHeader
 from nori.transfer.integrity import buffer_checksums
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from nori.worker.engine_thread import EngineThread
+from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.kv_layout import source_buffers
 from nori.worker.output_streams import OutputStreams
@@ -34,7 +35,7 @@ from nori.worker.servicer_base import EngineServicer
 logger = logging.getLogger(__name__)
 
 
-def _export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
+def export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
     export = engine.export_request(request_id)
     engine.release_request(request_id)
     return export
@@ -44,7 +45,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
         self,
         worker_id: str,
-        engine: EngineThread,
+        engine: EngineCore,
         streams: OutputStreams,
         sender: KVSender,
         is_draining: Callable[[], bool],
@@ -79,9 +80,12 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             await call_engine(
                 self._engine,
                 context,
-                lambda engine: engine.add_request(
-                    request_id, prompt, params, prefill_only=True, priority=request.priority
-                ),
+                LLMEngine.add_request,
+                request_id,
+                prompt,
+                params,
+                prefill_only=True,
+                priority=request.priority,
             )
             output = await queue.get()
             record.output(output, computed_prompt=True)
@@ -93,7 +97,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 done = True  # the first token ended it: nothing to send
                 outcome = finish_reason = output.finish_reason or "stop"
                 return prefill_pb2.PrefillResponse(first=first, prefill_seconds=prefill_seconds)
-            export = await self._engine.call(lambda e: _export_and_release(e, request_id))
+            export = await self._export(request_id)
             done = True  # the blocks are free; what remains is sending the copy
             sent = await self._send(export, destination, context, record)
             outcome = "transferred"
@@ -115,7 +119,20 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             self._leases.release(request_id)
             self._close(request_id)
             if not done:
-                self._engine.submit(lambda engine: engine.abort_request(request_id))
+                self._engine.submit(LLMEngine.abort_request, request_id)
+
+    async def _export(self, request_id: str) -> KVExport:
+        """A copy of the prefilled request's state and blocks, which are then freed. The cache
+        is read here, off the event loop, while the request holds its blocks: an engine
+        process's is in shared memory, so only the block ids cross the pipe. Under tensor
+        parallelism the ranks' heads are gathered by the engine instead."""
+        facts = self._engine.facts
+        if facts.tensor_parallel_size > 1:
+            return await self._engine.call(export_and_release, request_id)
+        state, block_ids = await self._engine.call(LLMEngine.export_state, request_id)
+        blocks = await asyncio.to_thread(read_blocks, facts.kv_cache_tensors, block_ids)
+        self._engine.submit(LLMEngine.release_request, request_id)
+        return KVExport(state=state, blocks=blocks)
 
     async def _send(
         self,

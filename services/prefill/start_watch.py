@@ -1,32 +1,44 @@
-"""Which prompts the engine has begun computing, told to the event loop.
+"""What the prefill engine did in a step that the event loop must hear of: which prompts it has
+begun computing, and which blocks it stored in or evicted from its prefix cache.
 
 A prompt leaves the queue when the scheduler first puts it in the running batch. The engine has no
-callback for that, and its internals are not ours to change, so this looks from outside: after
-every step (`EngineThread.on_step`, on the engine thread) it compares the running batch with the
-previous step's and posts the newcomers to the event loop. A prompt admitted and finished within
-one step is never seen running; its caller learns it started from its output instead.
+callback for that, and its internals are not ours to change, so this looks from outside:
+`probe_step` runs in the engine loop after every step (the engine core's probe, in the engine's
+thread or process) and takes the running batch and the block events; `StartWatch`, on the event
+loop, compares the running batch with the previous step's and reports the newcomers. A prompt
+admitted and finished within one step is never seen running; its caller learns it started from
+its output instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from nori.engine.block_manager import BlockEvent
 from nori.engine.engine import LLMEngine
 
 
-class StartWatch:
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_started: Callable[[set[str]], None]
-    ) -> None:
-        self._loop = loop
-        self._on_started = on_started
-        # Touched on the engine thread only.
-        self._previous: set[str] = set()
+@dataclass(frozen=True)
+class StepProbed:
+    running_request_ids: frozenset[str]
+    block_events: tuple[BlockEvent, ...]
 
-    def on_step(self, engine: LLMEngine) -> None:
-        running = engine.running_request_ids()
-        started = running - self._previous
+
+def probe_step(engine: LLMEngine) -> StepProbed:
+    """In the engine loop, after a step (a module-level function: it goes to an engine process
+    by name)."""
+    return StepProbed(frozenset(engine.running_request_ids()), tuple(engine.drain_block_events()))
+
+
+class StartWatch:
+    def __init__(self, on_started: Callable[[set[str]], None]) -> None:
+        self._on_started = on_started
+        self._previous: frozenset[str] = frozenset()
+
+    def on_running(self, running: frozenset[str]) -> None:
+        """On the event loop, with each step's running batch."""
+        started = set(running - self._previous)
         self._previous = running
         if started:
-            self._loop.call_soon_threadsafe(self._on_started, started)
+            self._on_started(started)

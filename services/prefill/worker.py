@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
 import time
 
 import grpc
@@ -23,13 +22,12 @@ from nori.engine.engine import LLMEngine
 from nori.prefill.lease_client import LeaseRenewalClient
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.servicer import PrefillServicer
-from nori.prefill.start_watch import StartWatch
+from nori.prefill.start_watch import StartWatch, StepProbed, probe_step
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import prefill_pb2_grpc
-from nori.worker.engine_thread import EngineThread
 from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
 
@@ -57,7 +55,6 @@ class PrefillWorker(Worker):
         self._events: collections.deque[BlockEvent] = collections.deque(
             maxlen=MAX_PENDING_BLOCK_EVENTS
         )
-        self._events_lock = threading.Lock()
         self._publisher: asyncio.Task[None] | None = None
         self._lease_client = LeaseRenewalClient(
             self.worker_id, ClusterAuth.from_text(options.cluster_secret).rpc_metadata()
@@ -67,19 +64,20 @@ class PrefillWorker(Worker):
         self._start_watch: StartWatch | None = None
 
     async def start_role(self) -> None:
-        engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        engine.record_block_events()
         streams = OutputStreams()
-        loop = asyncio.get_running_loop()
-        self._start_watch = StartWatch(loop, self._leases.started)
-        self._engine = EngineThread(engine, loop, streams.dispatch, on_step=self._on_step)
-        self._engine.start()
+        self._start_watch = StartWatch(self._leases.started)
+        engine = await self.start_engine(
+            streams.dispatch,
+            setup=LLMEngine.record_block_events,
+            probe=probe_step,
+            on_probe=self._on_probe,
+        )
         # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
         confine_ucx_to(self.options.host)
         self._sender = make_sender(self.transport)
         self._servicer = PrefillServicer(
             worker_id=self.worker_id,
-            engine=self._engine,
+            engine=engine,
             streams=streams,
             sender=self._sender,
             is_draining=lambda: self.draining,
@@ -100,17 +98,11 @@ class PrefillWorker(Worker):
     def _engine_responsive(self) -> bool:
         return self._engine is not None and self._engine.responsive(ENGINE_STALL_S)
 
-    def _on_step(self, engine: LLMEngine) -> None:
-        """On the engine thread, after every step."""
-        self._collect_events(engine)
+    def _on_probe(self, probed: StepProbed) -> None:
+        """On the event loop, after every step: what `probe_step` saw."""
+        self._events.extend(probed.block_events)
         if self._start_watch is not None:
-            self._start_watch.on_step(engine)
-
-    def _collect_events(self, engine: LLMEngine) -> None:
-        events = engine.drain_block_events()
-        if events:
-            with self._events_lock:
-                self._events.extend(events)
+            self._start_watch.on_running(probed.running_request_ids)
 
     async def _publish_blocks(self, directory: BlockDirectory) -> None:
         refresh_every = directory.ttl_s / 3
@@ -122,14 +114,13 @@ class PrefillWorker(Worker):
                 # long-lived prefixes do not fall out of the directory.
                 last_refresh = time.monotonic()
                 assert self._engine is not None
-                held = await self._engine.call(lambda e: e.cached_block_hashes())
+                held = await self._engine.call(LLMEngine.cached_block_hashes)
                 try:
                     await directory.touch(self.worker_id, held)
                 except Exception:
                     logger.warning("could not refresh the block directory", exc_info=True)
-            with self._events_lock:
-                events = list(self._events)
-                self._events.clear()
+            events = list(self._events)
+            self._events.clear()
             if not events:
                 continue
             try:

@@ -16,7 +16,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -38,9 +38,11 @@ from nori.worker.metrics import WorkerMetrics
 from nori.worker.request_telemetry import WorkerTelemetry
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from nori.engine.config import EngineConfig
-    from nori.engine.outputs import EngineLoad
-    from nori.worker.engine_thread import EngineThread
+    from nori.engine.outputs import EngineLoad, RequestOutput
+    from nori.worker.engine_core import EngineCore, EngineCoreMode
     from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class WorkerOptions(RoleSettings):
     # tries another worker, then answers 429), so a queue, and the wait in it, stays bounded.
     # None: a quarter of max_num_seqs (at least 8).
     max_queued_requests: int | None = None
+    # Where the engine loop runs: a process of its own, or a thread of this one (engine_core.py).
+    engine_core: EngineCoreMode = "thread"
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -139,8 +143,8 @@ class Worker(ABC):
         self._stop = asyncio.Event()
         self.redis: Redis | None = None
         self.keys = Keys(options.namespace)
-        # Set by start_role: the engine's thread and the role's gRPC servicer.
-        self._engine: EngineThread | None = None
+        # Set by start_role: the engine core and the role's gRPC servicer.
+        self._engine: EngineCore | None = None
         self._servicer: EngineServicer | None = None
 
     # ------------------------------------------------------------------ for the roles
@@ -151,6 +155,32 @@ class Worker(ABC):
 
     @abstractmethod
     def add_servicers(self, server: grpc.aio.Server) -> None: ...
+
+    async def start_engine(
+        self, on_outputs: Callable[[list[RequestOutput]], None], **hooks: Any
+    ) -> EngineCore:
+        """The role's engine core (`--engine-core`), built from its config; `hooks` are
+        start_engine_core's setup, probe and on_probe."""
+        from nori.worker.engine_core import start_engine_core
+
+        self._engine = await start_engine_core(
+            self.options.engine_core,
+            self.engine_config,
+            on_outputs,
+            on_death=self._engine_died,
+            **hooks,
+        )
+        return self._engine
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine process is gone: this worker can finish nothing it holds, so it exits at
+        once (code 1), before any call is answered otherwise. Its streams break as a killed
+        worker's do, and the gateway moves them (migration), its leases run out, and its
+        registry entry expires; `nori up` (or the container's restart policy) starts it again."""
+        logger.critical("%s; %s worker %s exits", reason, self.role, self.worker_id)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(1)
 
     @abstractmethod
     def transfer_counts(self) -> dict[str, int]:
@@ -191,7 +221,7 @@ class Worker(ABC):
     def _kv_cache_dtype(self) -> str:
         if self._engine is None:
             return ""
-        dtype = self._engine.engine.kv_cache_tensors[0].dtype
+        dtype = self._engine.facts.kv_cache_tensors[0].dtype
         return str(dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ the process

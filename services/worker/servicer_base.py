@@ -11,7 +11,7 @@ import grpc
 from nori.rpc.convert import params_from_proto
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
-from nori.worker.engine_thread import EngineThread
+from nori.worker.engine_core import EngineCore
 from nori.worker.output_streams import OutputQueue, OutputStreams
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 
@@ -39,7 +39,7 @@ class EngineServicer:
     def __init__(
         self,
         worker_id: str,
-        engine: EngineThread,
+        engine: EngineCore,
         streams: OutputStreams,
         is_draining: Callable[[], bool],
         telemetry: WorkerTelemetry,
@@ -80,7 +80,7 @@ class EngineServicer:
             num_requests=self.num_requests,
             draining=bool(self._is_draining()),
             num_requests_holding_blocks=load.num_requests_holding_blocks,
-            max_num_seqs=self._engine.engine.config.max_num_seqs,
+            max_num_seqs=self._engine.facts.config.max_num_seqs,
             max_open_calls=self._max_open_calls,
             **transfer_counts,
         )

@@ -224,9 +224,20 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     return EngineConfig(**options)  # type: ignore[arg-type]
 
 
+def add_engine_core_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--engine-core: a worker's, and so allowed in --worker-args."""
+    parser.add_argument(
+        "--engine-core",
+        default="thread",
+        choices=["process", "thread"],
+        help="where a worker's engine loop runs: a process of its own beside the worker's gRPC "
+        "and transfers (as vLLM's engine core), or a thread of the worker (default %(default)s)",
+    )
+
+
 def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
     """--worker-args (`nori up`, `nori bench compare`; `flag` names another such option in
-    messages): checked against the engine options."""
+    messages): checked against the engine options (and --engine-core)."""
     import shlex
 
     tokens = tuple(shlex.split(text))
@@ -234,6 +245,7 @@ def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
         raise ValueError(f"{flag}: give the model with --model")
     parser = argparse.ArgumentParser(prog=flag, add_help=False, exit_on_error=False)
     add_engine_args(parser)
+    add_engine_core_arg(parser)
     try:
         _, unknown = parser.parse_known_args(tokens)
     except argparse.ArgumentError as error:

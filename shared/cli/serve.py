@@ -10,6 +10,7 @@ from nori.cli.engine_args import (
     SERVING_BACKGROUND_PREFILL_BUDGET,
     SERVING_PREFILL_BUDGET,
     add_engine_args,
+    add_engine_core_arg,
     engine_config_from_args,
 )
 from nori.settings import (
@@ -112,6 +113,7 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
         help="how KV blocks move: auto = UCX (ucxx) when importable, else plain TCP",
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
+    add_engine_core_arg(group)
     group.add_argument(
         "--max-queued-requests",
         type=int,

@@ -203,6 +203,13 @@ class LLMEngine:
 
     def export_request(self, request_id: str) -> KVExport:
         """The state and K/V blocks of a prefill-only request that has sampled its first token."""
+        state, block_ids = self.export_state(request_id)
+        return KVExport(state=state, blocks=self._runner.read_blocks(block_ids))
+
+    def export_state(self, request_id: str) -> tuple[TransferState, list[int]]:
+        """`export_request` without the copy: the state and the cache block ids that hold its
+        K/V (held until `release_request`), for a reader that shares the cache (the worker of
+        an engine process, `read_blocks` over `kv_cache_tensors`; one rank only)."""
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} is not a prefilled request")
@@ -216,8 +223,7 @@ class LLMEngine:
             generator_state=generator_state(request.generator),
             priority=request.priority,
         )
-        blocks = self._runner.read_blocks(request.block_ids[: state.num_blocks])
-        return KVExport(state=state, blocks=blocks)
+        return state, list(request.block_ids[: state.num_blocks])
 
     def release_request(self, request_id: str) -> None:
         """Frees a prefilled request's blocks once its K/V has been sent."""

@@ -90,11 +90,7 @@ class KVCache:
 
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """A copy of the given blocks for every layer, one per `tensors`: [layers, 2, n, ...]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        # Through bytes: index_select has no float8 implementation on CPU.
-        return tuple(
-            _bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in self.tensors
-        )
+        return read_blocks(self.tensors, block_ids)
 
     def write_blocks(self, block_ids: list[int], blocks: tuple[torch.Tensor, ...]) -> None:
         """Writes `read_blocks`' result (of another cache of the same layout) into block_ids."""
@@ -117,3 +113,13 @@ class KVCache:
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """An 8-bit tensor as uint8 (same memory); others as they are."""
     return tensor.view(torch.uint8) if is_quantized(tensor.dtype) else tensor
+
+
+def read_blocks(
+    tensors: tuple[torch.Tensor, ...], block_ids: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """A copy of the given blocks of a cache's `tensors`, each [layers, 2, n, ...] (also from
+    another process's cache in shared memory)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+    # Through bytes: index_select has no float8 implementation on CPU.
+    return tuple(_bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in tensors)

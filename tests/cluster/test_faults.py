@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ import pytest
 from nori.engine.llm import LLM
 from nori.launch.local_cluster import LocalCluster
 from nori.sampling.params import SamplingParams
-from tests.cluster.conftest import running_cluster
+from tests.cluster.conftest import WORKER_ARGS, running_cluster
 from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
 
 pytestmark = pytest.mark.slow
@@ -156,7 +156,60 @@ def two_decode_cluster(
 def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
     two_decode_cluster: LocalCluster, checkpoint: Path
 ) -> None:
-    cluster = two_decode_cluster
+    victim = two_decode_cluster.worker("decode-0").process
+
+    def strike() -> None:
+        os.kill(victim.pid, signal.SIGKILL)
+
+    streams_survive(two_decode_cluster, checkpoint, strike)
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.fixture(scope="module")
+def engine_process_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    yield from running_cluster(
+        redis_url,
+        checkpoint,
+        tmp_path_factory,
+        num_prefill=1,
+        num_decode=2,
+        worker_args=(*WORKER_ARGS, "--engine-core", "process"),
+    )
+
+
+def engine_process_of(worker_pid: int) -> int:
+    """The engine process a worker spawned (`--engine-core process`)."""
+    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    engines = [
+        int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+def test_a_decode_workers_engine_process_killed_ends_the_worker_and_its_streams_move(
+    engine_process_cluster: LocalCluster, checkpoint: Path
+) -> None:
+    """With the engine in its own process: greedy streams are token-exact through UCX into the
+    shared KV cache, and when a decode worker's engine process is killed its worker exits (code
+    1, not a worker that answers nothing) and its streams continue on the other worker."""
+    worker = engine_process_cluster.worker("decode-0").process
+    engine = engine_process_of(worker.pid)
+
+    def strike() -> None:
+        os.kill(engine, signal.SIGKILL)
+
+    streams_survive(engine_process_cluster, checkpoint, strike)
+    assert worker.wait(timeout=15) == 1
+    log = engine_process_cluster.worker("decode-0").log_path.read_text()
+    assert "the engine process ended (exit code -9)" in log
+
+
+def streams_survive(cluster: LocalCluster, checkpoint: Path, strike: Callable[[], None]) -> None:
+    """32 greedy streams over both decode workers; `strike` once each has its first tokens:
+    decode-0's streams must continue on decode-1, token-exact, and no block is lost."""
     baseline = idle_free_blocks(cluster)
     prompts = [f"Story {index}: once upon a time, a little" for index in range(32)]
     max_tokens = 48
@@ -172,10 +225,8 @@ def test_a_decode_worker_killed_under_load_hands_its_streams_to_the_other(
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         futures = [pool.submit(stream, prompt) for prompt in prompts]
         started.wait()  # every stream has its first tokens: half of them on each decode worker
-        victim = cluster.worker("decode-0").process
-        os.kill(victim.pid, signal.SIGKILL)
+        strike()
         results = [future.result() for future in futures]
-    assert victim.wait(timeout=10) == -signal.SIGKILL
     assert [r.text for r in results] == expected  # no token lost, repeated or changed
     assert all(r.completion_tokens == max_tokens for r in results)
     assert max(r.longest_gap_s for r in results) < 10.0

@@ -23,7 +23,7 @@ from nori.gateway.backend import (
     QueueFullError,
 )
 from nori.sampling.tokenizer import Tokenizer
-from nori.worker.engine_thread import EngineThread
+from nori.worker.engine_core import EngineThread
 from nori.worker.output_streams import OutputStreams
 
 _SHUTDOWN = "the local engine is shutting down"
@@ -117,7 +117,7 @@ class LocalEngineBackend:
         try:
             try:
                 await thread.call(
-                    lambda engine: engine.add_request(request_id, prompt, params, priority=priority)
+                    LLMEngine.add_request, request_id, prompt, params, priority=priority
                 )
             except ValueError as error:
                 finished = True

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from types import SimpleNamespace
 
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.start_watch import StartWatch
@@ -93,16 +92,10 @@ async def test_the_loop_renews_at_once_when_a_prompt_arrives_then_every_period()
             await task
 
 
-async def test_start_watch_reports_each_newcomer_to_the_running_batch_once() -> None:
-    loop = asyncio.get_running_loop()
+def test_start_watch_reports_each_newcomer_to_the_running_batch_once() -> None:
     seen: list[set[str]] = []
-    watch = StartWatch(loop, seen.append)
-
-    def engine(*running: str) -> object:
-        return SimpleNamespace(running_request_ids=lambda: set(running))
-
+    watch = StartWatch(seen.append)
     for batch in [(), ("a",), ("a", "b"), ("b",), ("b", "a")]:
-        watch.on_step(engine(*batch))  # type: ignore[arg-type]
-    await asyncio.sleep(0)
+        watch.on_running(frozenset(batch))
     # "a" again after a preemption: harmless, a started prompt stays started.
     assert seen == [{"a"}, {"b"}, {"a"}]

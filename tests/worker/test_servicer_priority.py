@@ -57,16 +57,17 @@ class RecordingEngine:
 
 
 class EngineThread:
-    """Runs operations at once, on the caller's thread."""
+    """Runs operations at once, on the caller's thread: an LLMEngine method the servicer names
+    runs as the recording engine's method of that name."""
 
     def __init__(self, engine: RecordingEngine) -> None:
         self.engine = engine
 
-    async def call(self, operation: Callable[[Any], Any]) -> Any:
-        return operation(self.engine)
+    async def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.engine, function.__name__)(*args, **kwargs)
 
-    def submit(self, operation: Callable[[Any], Any]) -> None:
-        operation(self.engine)
+    def submit(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        getattr(self.engine, function.__name__)(*args, **kwargs)
 
 
 class Aborted(Exception):

@@ -1,0 +1,238 @@
+"""The engine core a worker's gRPC side drives: an LLMEngine on its own thread, or in its own
+process (`--engine-core`).
+
+The engine is not thread-safe and a step can take tens of milliseconds, so one loop owns it and
+alternates between applying queued operations (add, abort, reserve, ...) and stepping. The
+asyncio side never touches the engine: it sends operations with `call(function, *args)` and
+receives each step's outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers
+and Redis heartbeats keep running while the model computes.
+
+- `thread`: the loop is a thread of the worker's process (`EngineThread`, below). Operations and
+  outputs are handed over in memory, but the engine loop and the I/O side share one interpreter
+  and its GIL.
+- `process`: the loop runs in a process of its own (`nori.worker.engine_process`), as vLLM's V1
+  engine core. Operations go over a pipe (so they are named functions, not lambdas: `function`
+  must pickle by reference), and each step's outputs, the answers to the operations it applied,
+  its load and its probe come back as one message. The KV cache lives in shared memory, so a
+  decode worker's transfers still land straight in it.
+
+Both take a `probe`, run in the engine loop after each step, whose result (when not None) is
+handed to `on_probe` on the event loop: how a role learns what only the engine can see (the
+prefill worker's stored blocks and newly started prompts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol, TypeVar
+
+import torch
+
+from nori.engine.config import EngineConfig
+from nori.engine.engine import LLMEngine
+from nori.engine.outputs import EngineLoad, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+EngineCoreMode = Literal["process", "thread"]
+ENGINE_CORE_MODES: tuple[EngineCoreMode, ...] = ("process", "thread")
+
+# Run in the engine loop after each step; what it returns (unless None) goes to `on_probe`.
+StepProbe = Callable[[LLMEngine], object]
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the I/O side needs to know of the engine it drives, fixed once it is built."""
+
+    config: EngineConfig
+    # The paged KV cache's tensors (shared memory for an engine process): where a decode
+    # worker's transfers land. Under tensor parallelism, rank 0's heads only (see LLMEngine).
+    kv_cache_tensors: tuple[torch.Tensor, ...]
+    # Each KV tensor's dtype and per-block shape with every head (a staging receiver's layout).
+    kv_block_layouts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(
+            config=engine.config,
+            kv_cache_tensors=tuple(engine.kv_cache_tensors),
+            kv_block_layouts=tuple(
+                (dtype, tuple(shape)) for dtype, shape in engine.kv_block_layouts()
+            ),
+        )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+
+class EngineCore(Protocol):
+    """What a worker's gRPC side may do with its engine."""
+
+    facts: EngineFacts
+    # The load after the last step or operation; `taken_at` is the engine loop's last sign of
+    # life (time.monotonic, one clock for every process of the machine).
+    load: EngineLoad
+
+    @property
+    def alive(self) -> bool: ...
+
+    def responsive(self, stall_s: float) -> bool: ...
+
+    async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+
+    def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def responsive(core: EngineCore, stall_s: float) -> bool:
+    """Alive, and idle or done with a step within `stall_s`: a step that takes longer is a
+    wedged engine (a worker stops vouching for its requests then, e.g. lease renewals)."""
+    load = core.load
+    return core.alive and (not load.busy or time.monotonic() - load.taken_at < stall_s)
+
+
+async def start_engine_core(
+    mode: EngineCoreMode,
+    config: EngineConfig,
+    on_outputs: Callable[[list[RequestOutput]], None],
+    *,
+    setup: Callable[[LLMEngine], object] | None = None,
+    probe: StepProbe | None = None,
+    on_probe: Callable[[Any], None] | None = None,
+    on_death: Callable[[str], None] | None = None,
+) -> EngineCore:
+    """Builds the engine (`setup` runs on it once, where it lives) and starts its loop.
+    `on_death` hears why an engine process ended while serving (the worker then stops)."""
+    loop = asyncio.get_running_loop()
+    if mode == "process":
+        from nori.worker.engine_process import EngineProcess
+
+        process = EngineProcess(config, loop, on_outputs, setup, probe, on_probe, on_death)
+        await process.start()
+        return process
+    engine = await asyncio.to_thread(LLMEngine, config)
+    if setup is not None:
+        setup(engine)
+    thread = EngineThread(engine, loop, on_outputs, probe, on_probe)
+    thread.start()
+    return thread
+
+
+def result_of_step(
+    engine: LLMEngine, probe: StepProbe | None
+) -> tuple[list[RequestOutput], object | None]:
+    """One step's outputs and its probe: a step that raises fails its batch (a bug, not bad
+    input, which is rejected when added) and the engine keeps serving."""
+    try:
+        outputs = engine.step()
+    except Exception:
+        logger.exception("engine step failed; aborting the running requests")
+        outputs = engine.abort_all()
+    return outputs, probe(engine) if probe is not None else None
+
+
+def load_of(engine: LLMEngine) -> EngineLoad:
+    return replace(engine.load(), taken_at=time.monotonic())
+
+
+class EngineThread:
+    """The engine loop on a thread of the worker's own process."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        probe: StepProbe | None = None,
+        on_probe: Callable[[Any], None] | None = None,
+    ) -> None:
+        """`on_outputs` and `on_probe` run on the event loop; `probe` on the engine thread."""
+        self.engine = engine
+        self.facts = EngineFacts.of(engine)
+        self._loop = loop
+        self._on_outputs = on_outputs
+        self._probe = probe
+        self._on_probe = on_probe
+        self._operations: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future[object]]]
+        self._operations = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nori-engine", daemon=True)
+        self.load = load_of(engine)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
+    def responsive(self, stall_s: float) -> bool:
+        return responsive(self, stall_s)
+
+    async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs `function(engine, *args, **kwargs)` between steps and returns its result."""
+        future: Future[object] = Future()
+        self._operations.put((lambda engine: function(engine, *args, **kwargs), future))
+        result = await asyncio.wrap_future(future, loop=self._loop)
+        return result  # type: ignore[return-value]
+
+    def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """Queues `function(engine, *args, **kwargs)` without waiting (cleanup from a cancelled
+        coroutine)."""
+        self._operations.put((lambda engine: function(engine, *args, **kwargs), Future()))
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._operations.put((lambda engine: None, Future()))  # wake the thread
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._apply_operations(block=not busy)
+            if self._stopping.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            outputs, probed = result_of_step(self.engine, self._probe)
+            self.load = load_of(self.engine)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+            if probed is not None and self._on_probe is not None:
+                self._loop.call_soon_threadsafe(self._on_probe, probed)
+
+    def _apply_operations(self, block: bool) -> None:
+        try:
+            # Idle: sleep until an operation arrives (stop() sends one). Busy: only take what is
+            # already queued.
+            item = self._operations.get() if block else self._operations.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            operation, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(operation(self.engine))
+                except BaseException as error:
+                    future.set_exception(error)
+            try:
+                item = self._operations.get_nowait()
+            except queue.Empty:
+                break
+        self.load = load_of(self.engine)
