@@ -4,7 +4,8 @@ Measured here, each the best of a few tries (the floor is what the hardware allo
 
 - memory read bandwidth: summing a float32 tensor far larger than the caches;
 - GEMM peak per type: a 2048^3 matrix product in float32 and bfloat16, and int8 (torch._int_mm)
-  where this build has it.
+  where this build has it; smaller for a type whose product already takes 0.1 s (a type with no
+  fast path on this CPU).
 
 Then, for the model and the engine options given:
 
@@ -23,7 +24,9 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +41,8 @@ from nori.sampling.params import SamplingParams
 
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB: past any L3 this kind of host reports per VM
 GEMM_SIZE = 2048
+# One product this long is enough to measure a type's peak: no larger size is tried.
+GEMM_BUDGET_S = 0.1
 TRIES = 5
 
 
@@ -89,21 +94,44 @@ def measure_read_bandwidth(num_bytes: int = BANDWIDTH_BYTES) -> float:
 
 
 def measure_gemm_tflops(size: int = GEMM_SIZE) -> dict[str, float]:
-    """TFLOP/s (TOP/s for int8) of one size^3 matrix product per type this build runs."""
-    flops = 2 * size**3
+    """TFLOP/s (TOP/s for int8) of a square matrix product per type this build runs, at `size`
+    or at the size (from 256, doubling) where one product first takes GEMM_BUDGET_S: a type
+    without a fast path here (bfloat16 on an AVX2-only host: 55 s for one 2048^3 product) is
+    measured in seconds, not minutes."""
     peaks: dict[str, float] = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
-        peaks[name] = flops / _best_seconds(lambda a=a, b=b: torch.mm(a, b)) / 1e12
-    a8 = torch.randint(-64, 64, (size, size), dtype=torch.int8)
-    b8 = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+        peaks[name] = _product_tflops(partial(_float_pair, dtype=dtype), torch.mm, size)
     try:
-        torch._int_mm(a8, b8)
+        torch._int_mm(*_int8_pair(32))
     except (RuntimeError, NotImplementedError):
         return peaks  # no int8 matrix product on this CPU build
-    peaks["int8"] = flops / _best_seconds(lambda: torch._int_mm(a8, b8)) / 1e12
+    peaks["int8"] = _product_tflops(_int8_pair, torch._int_mm, size)
     return peaks
+
+
+def _float_pair(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+
+
+def _int8_pair(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.randint(-64, 64, (n, n), dtype=torch.int8),
+        torch.randint(-64, 64, (n, n), dtype=torch.int8),
+    )
+
+
+def _product_tflops(
+    make: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    size: int,
+) -> float:
+    n = min(256, size)
+    while True:
+        a, b = make(n)
+        seconds = _best_seconds(lambda a=a, b=b: product(a, b))
+        if n >= size or seconds >= GEMM_BUDGET_S:
+            return 2 * n**3 / seconds / 1e12
+        n = min(2 * n, size)
 
 
 def measure_host() -> HostLimits:

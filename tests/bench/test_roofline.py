@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from nori.bench import roofline
 from nori.bench.roofline import (
     HostLimits,
     measure_gemm_tflops,
@@ -75,6 +76,24 @@ def test_host_measurements_are_positive() -> None:
     assert measure_read_bandwidth(1 << 24) > 0
     peaks = measure_gemm_tflops(128)
     assert peaks["float32"] > 0 and peaks["bfloat16"] > 0
+
+
+def test_a_slow_type_is_measured_at_a_smaller_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A type whose product takes the budget at 256 stops there (bfloat16 on an AVX2-only
+    host took 55 s at 2048); a fast one doubles up to the size asked for."""
+    sizes: list[int] = []
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sizes.append(n)
+        return torch.ones(1), torch.ones(1)
+
+    monkeypatch.setattr(roofline, "_best_seconds", lambda run: 0.5)
+    assert roofline._product_tflops(make, torch.mul, 2048) == 2 * 256**3 / 0.5 / 1e12
+    assert sizes == [256]
+    sizes.clear()
+    monkeypatch.setattr(roofline, "_best_seconds", lambda run: 0.001)
+    roofline._product_tflops(make, torch.mul, 2048)
+    assert sizes == [256, 512, 1024, 2048]
 
 
 def test_the_demo_model_against_its_floors() -> None:
