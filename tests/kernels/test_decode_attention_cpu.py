@@ -92,6 +92,35 @@ def test_half_precision_caches(dtype: torch.dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 8), (7, 1), (32, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_query_over_a_bfloat16_cache(
+    head_dim: int, num_heads: int, num_kv_heads: int, threads: int
+) -> None:
+    """bf16 on both sides takes the AVX-512 BF16 task where the CPU has it: 16-token tiles (the
+    lengths cross their edges), output rows in registers 8 / (head_dim / 32) query heads at a time
+    (the groups leave every remainder), left padding, and both task splits (by kv head at 6 rows,
+    by sequence at 40). Against the float32 reference over the same bf16 values: only the
+    output's rounding to bf16 may differ."""
+    lengths = [1, 15, 16, 17, 33, 200] + [(i * 37) % 61 + 1 for i in range(34)] * (threads - 1)
+    ctx = random_paged_context(lengths, num_kv_heads, head_dim, 16, dtype=torch.bfloat16)
+    query = _query(len(lengths), num_heads, head_dim).bfloat16()
+    starts = torch.tensor([0, 0, 3, 16, 1, 150] + [0] * (len(lengths) - 6), dtype=torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context_starts in (None, starts):
+            paged = (ctx.block_tables, ctx.seq_lens, SCALE, context_starts)
+            out = paged_decode_attention_cpu(query, ctx.k_cache, ctx.v_cache, *paged)
+            exact = (query.float(), ctx.k_cache.float(), ctx.v_cache.float())
+            expected = paged_decode_attention_reference(*exact, *paged)
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=8e-3)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_input_is_an_error_not_a_crash() -> None:
     ctx = random_paged_context([5, 9], 2, 8, 4)
     query = _query(2, 4, 8)

@@ -85,3 +85,20 @@ def test_left_padded_prompts_take_the_reference() -> None:
         query, k_cache, v_cache, tables, starts, lens, SCALE, context_starts
     )
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_bfloat16_prompts_match_the_float32_reference_over_the_same_values() -> None:
+    """bf16 query, key and value run the whole-prompt attention in bf16 (float32 sums): as close
+    to the float32 reference over the same bf16 values as the bf16 output's rounding allows."""
+    rows = [(0, 40)] * 3 + [(0, 7), (16, 9)]
+    query, key, value, k_cache, v_cache, tables, starts, lens, _ = _case(rows, 8, 2)
+    as_bf16 = [t.bfloat16() for t in (query, key, value, k_cache, v_cache)]
+    plan = plan_cpu_prefill(starts, lens, None)
+    assert [g.num_prompts for g in plan.fresh] == [3, 1] and plan.others == (4,)
+    out = run_cpu_prefill(*as_bf16, tables, starts, lens, SCALE, plan)
+    assert out.dtype == torch.bfloat16
+    exact = [t.float() for t in as_bf16]
+    expected = paged_prefill_attention_reference(
+        exact[0], exact[3], exact[4], tables, starts, lens, SCALE
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
