@@ -15,6 +15,8 @@ and Redis heartbeats keep running while the model computes.
   must pickle by reference), and each step's outputs, the answers to the operations it applied,
   its load and its probe come back as one message. The KV cache lives in shared memory, so a
   decode worker's transfers still land straight in it.
+- `auto` (the default): `process` on CPU, with one rank, for a worker given two CPUs or more;
+  `thread` otherwise (`resolve_engine_core`).
 
 Both take a `probe`, run in the engine loop after each step, whose result (when not None) is
 handed to `on_probe` on the event loop: how a role learns what only the engine can see (the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,6 +39,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 
 from nori.engine.config import EngineConfig
+from nori.engine.device import resolve_device
 from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, RequestOutput
 
@@ -43,8 +47,28 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-EngineCoreMode = Literal["process", "thread"]
-ENGINE_CORE_MODES: tuple[EngineCoreMode, ...] = ("process", "thread")
+EngineCoreMode = Literal["auto", "process", "thread"]
+ENGINE_CORE_MODES: tuple[EngineCoreMode, ...] = ("auto", "process", "thread")
+
+
+def resolve_engine_core(
+    mode: EngineCoreMode, config: EngineConfig, num_cpus: int
+) -> Literal["process", "thread"]:
+    """`auto`: a process of its own on CPU, with one rank, for a worker given two CPUs or more
+    (`num_cpus`: its affinity); a thread otherwise.
+
+    On the 2-core Xeon host, a colocated worker (both CPUs) on a thread lost 37% of SmolLM2's
+    served bf16 throughput to the GIL: 306 against 497-506 output tok/s, 64 prompts at 16. A
+    worker pinned to one CPU has no core to give the I/O side: there the process was even on
+    SmolLM2 (331 against 339) and lost 6-11% on the demo model (docs/benchmarks.md). A GPU
+    engine's cache and tensor-parallel ranks have not been run in an engine process.
+    """
+    if mode != "auto":
+        return mode
+    on_cpu = resolve_device(config.device).type == "cpu"
+    alone = config.tensor_parallel_size == 1
+    return "process" if on_cpu and alone and num_cpus >= 2 else "thread"
+
 
 # Run in the engine loop after each step; what it returns (unless None) goes to `on_probe`.
 StepProbe = Callable[[LLMEngine], object]
@@ -116,7 +140,7 @@ async def start_engine_core(
     """Builds the engine (`setup` runs on it once, where it lives) and starts its loop.
     `on_death` hears why an engine process ended while serving (the worker then stops)."""
     loop = asyncio.get_running_loop()
-    if mode == "process":
+    if resolve_engine_core(mode, config, len(os.sched_getaffinity(0))) == "process":
         from nori.worker.engine_process import EngineProcess
 
         process = EngineProcess(config, loop, on_outputs, setup, probe, on_probe, on_death)

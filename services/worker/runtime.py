@@ -68,8 +68,9 @@ class WorkerOptions(RoleSettings):
     # tries another worker, then answers 429), so a queue, and the wait in it, stays bounded.
     # None: a quarter of max_num_seqs (at least 8).
     max_queued_requests: int | None = None
-    # Where the engine loop runs: a process of its own, or a thread of this one (engine_core.py).
-    engine_core: EngineCoreMode = "thread"
+    # Where the engine loop runs: a process of its own, a thread of this one, or auto (a process
+    # on CPU with one rank, else a thread: engine_core.resolve_engine_core).
+    engine_core: EngineCoreMode = "auto"
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

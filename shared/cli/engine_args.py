@@ -228,10 +228,11 @@ def add_engine_core_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     """--engine-core: a worker's, and so allowed in --worker-args."""
     parser.add_argument(
         "--engine-core",
-        default="thread",
-        choices=["process", "thread"],
+        default="auto",
+        choices=["auto", "process", "thread"],
         help="where a worker's engine loop runs: a process of its own beside the worker's gRPC "
-        "and transfers (as vLLM's engine core), or a thread of the worker (default %(default)s)",
+        "and transfers (as vLLM's engine core), or a thread of the worker; auto = a process for "
+        "a CPU worker with 2 or more CPUs and one rank, else a thread (default %(default)s)",
     )
 
 

@@ -17,7 +17,12 @@ from nori.engine.engine import LLMEngine
 from nori.engine.outputs import RequestOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
-from nori.worker.engine_core import EngineCore, EngineCoreMode, start_engine_core
+from nori.worker.engine_core import (
+    EngineCore,
+    EngineCoreMode,
+    resolve_engine_core,
+    start_engine_core,
+)
 from nori.worker.engine_process import EngineProcess, EngineProcessDied
 from nori.worker.output_streams import OutputStreams, next_output
 
@@ -167,3 +172,13 @@ async def test_torch_share_memory_is_in_place() -> None:
     base.share_memory_()
     base[1, 3] = 7.0
     assert view[3] == 7.0 and base.is_shared()
+
+
+async def test_auto_is_a_process_for_a_cpu_worker_with_two_cpus_and_one_rank() -> None:
+    cpu = EngineConfig(model="demo", device="cpu")
+    ranks = EngineConfig(model="demo", device="cpu", tensor_parallel_size=2)
+    assert resolve_engine_core("auto", cpu, num_cpus=2) == "process"
+    assert resolve_engine_core("auto", cpu, num_cpus=1) == "thread"
+    assert resolve_engine_core("auto", ranks, num_cpus=8) == "thread"
+    assert resolve_engine_core("thread", cpu, num_cpus=2) == "thread"
+    assert resolve_engine_core("process", cpu, num_cpus=1) == "process"
