@@ -343,6 +343,18 @@ class ClusterBackend:
         prefill worker fails before token one, or (migration) when the decode worker dies."""
         tried: list[str] = []
         restarts = migrations = full_prefills = 0
+        # Each new attempt of a request that was refused or failed before its first token
+        # gets a fresh id for the workers ("~1", "~2", ...): the earlier attempt may still be
+        # open on a worker a moment longer (a decode reservation being released, an engine
+        # process applying the abort), which would refuse the same id as in use.
+        renamed = 0
+
+        def fresh_id(request: GenerationRequest) -> GenerationRequest:
+            nonlocal renamed
+            renamed += 1
+            base_id = request.request_id.rsplit("~", 1)[0]
+            return dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
+
         streamed = Resumed([])
         waits = request.admission_group is not None or request.priority > 0
         wait = GroupWait(self.options.group_wait_s if waits else 0.0)
@@ -387,6 +399,8 @@ class ClusterBackend:
                     if streamed.token_ids or not await wait.turn():
                         raise
                     tried.clear()
+                if not streamed.token_ids:
+                    request = fresh_id(request)
             except WorkerFullError:
                 # The prefill worker's queue was full (its decode reservation is released):
                 # pick again; routing by load favours another one.
@@ -395,6 +409,7 @@ class ClusterBackend:
                     if not await wait.turn():
                         raise
                     full_prefills = 0
+                request = fresh_id(request)
             except (PrefillFailedError, TransferFailedError) as error:
                 # The prompt's prefill worker died, hung up or sent bad KV: its decode
                 # reservation is already released (the decode call was cancelled); start over
@@ -412,10 +427,7 @@ class ClusterBackend:
                         retry_after_s=1.0,
                     ) from error
                 logger.warning("request %s: %s; computing it again", request.request_id, error)
-                # A fresh id for the workers: the cancelled attempt's may still be open on the
-                # decode worker a moment longer (it would refuse the same id as in use).
-                base_id = request.request_id.rsplit("~", 1)[0]
-                request = dataclasses.replace(request, request_id=f"{base_id}~{restarts}")
+                request = fresh_id(request)
             except (WorkerUnreachableError, WorkerLostError) as error:
                 # The decode worker died or hung up: continue on another one from what the
                 # client has (migration), or start over if it has nothing yet.

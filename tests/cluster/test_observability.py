@@ -210,7 +210,14 @@ def test_every_role_serves_metrics_that_add_up(traced_cluster: LocalCluster) -> 
     ) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        during = _scrape(urls["decode"])
+        # The first token comes from the prefill worker; the decode worker runs the request
+        # once its KV has landed, a moment later (its engine process reports its load after
+        # each step): scraped until it shows, while the 300-token stream goes on.
+        for _ in range(50):
+            during = _scrape(urls["decode"])
+            if _value(during, "nori_num_requests_running") >= 1:
+                break
+            time.sleep(0.05)
         assert _value(during, "nori_num_requests_running") >= 1
         assert _value(during, "nori_kv_blocks_used") > _value(
             before["decode"], "nori_kv_blocks_used"
