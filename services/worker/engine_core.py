@@ -140,7 +140,12 @@ async def start_engine_core(
     """Builds the engine (`setup` runs on it once, where it lives) and starts its loop.
     `on_death` hears why an engine process ended while serving (the worker then stops)."""
     loop = asyncio.get_running_loop()
-    if resolve_engine_core(mode, config, len(os.sched_getaffinity(0))) == "process":
+    num_cpus = len(os.sched_getaffinity(0))
+    resolved = resolve_engine_core(mode, config, num_cpus)
+    logger.info(
+        "engine core: %s%s", resolved, f" (auto, {num_cpus} CPU(s))" if mode == "auto" else ""
+    )
+    if resolved == "process":
         from nori.worker.engine_process import EngineProcess
 
         process = EngineProcess(config, loop, on_outputs, setup, probe, on_probe, on_death)
