@@ -58,6 +58,23 @@ inline int64_t slot_of(const int32_t* block_table, int64_t position, int64_t blo
          position % block_size;
 }
 
+// Softmax weights in place: rows of `length` scores, `stride` apart, each minus its maximum
+// and exponentiated; returns each row's 1 / sum (applied to the finished weighted sum).
+inline std::vector<float> softmax_weights(float* scores, int64_t stride, int64_t rows,
+                                          int64_t length, const std::vector<float>& row_max) {
+  std::vector<float> inverse_sum(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * stride;
+    float sum = 0.f;
+    for (int64_t t = 0; t < length; ++t) {
+      s[t] = std::exp(s[t] - row_max[r]);
+      sum += s[t];
+    }
+    inverse_sum[r] = 1.f / sum;
+  }
+  return inverse_sum;
+}
+
 // One task: sequence `b`, kv heads [head_begin, head_end) and the query heads that share them.
 // Tokens are visited in cache order and each token's K (then V) row is read front to back, so a
 // block's memory streams sequentially whatever the number of heads in the task.
@@ -113,17 +130,8 @@ void decode_task(
       row_max[r] = std::max(row_max[r], dot);
     }
   }
-  // Softmax weights in place.
-  std::vector<float> inverse_sum(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * length;
-    float sum = 0.f;
-    for (int64_t t = 0; t < length; ++t) {
-      s[t] = std::exp(s[t] - row_max[r]);
-      sum += s[t];
-    }
-    inverse_sum[r] = 1.f / sum;
-  }
+  const std::vector<float> inverse_sum =
+      softmax_weights(scores.data(), length, rows, length, row_max);
   // Pass 2: the weighted sum of V rows.
   float* o = out + head_begin * group * dim;
   std::fill(o, o + rows * dim, 0.f);
@@ -296,8 +304,9 @@ void decode_task_bf16(
   for (int64_t t0 = 0; t0 < length; t0 += 16) {
     if (t0 + kAhead < length)
       prefetch_tile<KC>(k_cache, offsets.data(), t0 + kAhead, length, head_begin, head_end);
-    else if (t0 + kAhead - length < kAhead)  // all of K is asked for: start on V
-      prefetch_tile<KC>(v_cache, offsets.data(), t0 + kAhead - length, length, head_begin, head_end);
+    else  // all of K is asked for: start on V's first tiles
+      prefetch_tile<KC>(v_cache, offsets.data(), t0 + kAhead - length, length, head_begin,
+                        head_end);
     const int64_t count = std::min<int64_t>(16, length - t0);
     const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
     for (int64_t r = 0; r < rows; ++r) {
@@ -313,17 +322,8 @@ void decode_task_bf16(
       row_max[r] = std::max(row_max[r], _mm512_mask_reduce_max_ps(mask, tile));
     }
   }
-  // Softmax weights in place.
-  std::vector<float> inverse_sum(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * padded;
-    float sum = 0.f;
-    for (int64_t t = 0; t < length; ++t) {
-      s[t] = std::exp(s[t] - row_max[r]);
-      sum += s[t];
-    }
-    inverse_sum[r] = 1.f / sum;
-  }
+  const std::vector<float> inverse_sum =
+      softmax_weights(scores.data(), padded, rows, length, row_max);
   // Pass 2: the weighted sum of V rows, tile by tile.
   std::fill(o_task, o_task + rows * kDim, 0.f);
   for (int64_t t0 = 0; t0 < length; t0 += 16) {
@@ -339,8 +339,12 @@ void decode_task_bf16(
         float* o = o_task + (first_row + r0) * kDim;
         const int64_t* tile_offsets = offsets.data() + t0;
         switch (heads) {
-          case 1: add_weighted_values_bf16<KC, 1>(v_head, tile_offsets, count, weights, padded, o); break;
-          case 2: add_weighted_values_bf16<KC, 2>(v_head, tile_offsets, count, weights, padded, o); break;
+          case 1:
+            add_weighted_values_bf16<KC, 1>(v_head, tile_offsets, count, weights, padded, o);
+            break;
+          case 2:
+            add_weighted_values_bf16<KC, 2>(v_head, tile_offsets, count, weights, padded, o);
+            break;
           case 3:
             if constexpr (kHeadTile >= 3)
               add_weighted_values_bf16<KC, 3>(v_head, tile_offsets, count, weights, padded, o);
@@ -354,7 +358,8 @@ void decode_task_bf16(
     }
   }
   // Normalised, and the even/odd halves interleaved back into element order.
-  const __m512i low_order = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i low_order =
+      _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i high_order =
       _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t r = 0; r < rows; ++r) {
