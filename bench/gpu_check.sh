@@ -3,7 +3,10 @@
 # Runs from source (no install): kernel tests on the GPU, engine tests on the GPU (Triton kernels
 # in the loop, compared with transformers), kernel benchmarks, and the offline engine benchmark on
 # Llama-3-8B and Llama-3.2-1B shapes with random weights. Writes everything under $OUT.
+# `bench/gpu_check.sh tests` runs only the probe of the 8-bit KV store and both test suites, every
+# failure listed (about 3 minutes once the machine is up).
 set -uo pipefail
+MODE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/nori-gpu}"
 mkdir -p "$OUT"
@@ -26,6 +29,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/summary.txt"
 
+if [ "$MODE" = tests ]; then
+  step kv_quant_probe 60 python3 bench/kv_quant_gpu_probe.py
+  cat "$OUT/kv_quant_probe.log"
+  step kernel_tests 200 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/kernels
+  step engine_tests 200 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/engine
+  grep -h '^FAILED\|^/.*Error' "$OUT"/*_tests.log | head -40
+  exit 0
+fi
 step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels
 nori model init /tmp/llama3-8b --preset llama3-8b --no-weights >/dev/null
 # A 4 GiB KV pool (2048 blocks of 16 tokens at 128 KiB per token): what a 24 GB card holds next

@@ -135,8 +135,10 @@ def round_to_e4m3(x):
     # rounding to a multiple of the step (ties to even); subtracting it again is exact.
     magic = step * 12582912.0
     rounded = (tl.abs(x) + magic) - magic
-    # The sign is put back from the bits so that negatives rounding to zero give -0, as torch.
-    return tl.where(bits < 0, -rounded, rounded)
+    # The sign bit is copied back from x, so that negatives rounding to zero give -0, as torch.
+    # Not `-rounded`: Triton negates as 0 - x, which turns -0 into +0 when compiled.
+    sign = (bits >> 31) << 31
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @device_function

@@ -188,10 +188,24 @@ def test_a_small_model_on_cpu_takes_no_more_kv_than_its_sequences_can_fill(
     tmp_path: Path,
 ) -> None:
     init_checkpoint(tmp_path, "tiny", seed=1)  # 1024 positions
-    small = LLM(str(tmp_path), dtype="float32", block_size=16, max_num_seqs=4, max_model_len=256)
+    small = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=4,
+        max_model_len=256,
+    )
     # 4 sequences of 256 tokens = 64 blocks (and one spare), not the 1 GiB default's ~131000.
     assert small.engine.load().num_total_blocks == 4 * 256 // 16 + 1
-    given = LLM(str(tmp_path), dtype="float32", block_size=16, max_num_seqs=4, num_kv_blocks=500)
+    given = LLM(
+        str(tmp_path),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_seqs=4,
+        num_kv_blocks=500,
+    )
     assert given.engine.load().num_total_blocks == 500  # an explicit size is kept
 
 

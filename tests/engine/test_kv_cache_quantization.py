@@ -88,6 +88,7 @@ def test_batched_prefix_hits_and_chunks_read_the_stored_kv(
 ) -> None:
     llm = LLM(
         str(checkpoint),
+        dtype="float32",
         num_kv_blocks=256,
         block_size=4,
         max_num_batched_tokens=24,
@@ -107,6 +108,7 @@ def test_batched_prefix_hits_and_chunks_read_the_stored_kv(
 def test_preempted_requests_recompute_the_same_stored_kv(checkpoint: Path, kv_dtype: str) -> None:
     llm = LLM(
         str(checkpoint),
+        dtype="float32",
         block_size=4,
         num_kv_blocks=24,
         enable_prefix_caching=False,
@@ -122,6 +124,7 @@ def test_the_triton_kernels_read_the_stored_kv(checkpoint: Path, kv_dtype: str) 
     """The GPU path (store, decode and prefill kernels), here in Triton's interpreter."""
     llm = LLM(
         str(checkpoint),
+        dtype="float32",
         num_kv_blocks=64,
         block_size=8,
         max_num_batched_tokens=24,
@@ -151,7 +154,8 @@ def test_the_pool_holds_about_twice_bf16s_tokens_and_four_times_float32s() -> No
 
 
 def test_a_memory_budget_buys_the_8_bit_cache_more_blocks(checkpoint: Path) -> None:
-    budget = dict(cpu_kv_cache_gib=2**-10, max_num_seqs=256, max_model_len=64)
+    # --cpu-kv-cache-gib sizes the pool of a CPU engine only: pinned to the CPU on a GPU host too.
+    budget = dict(device="cpu", cpu_kv_cache_gib=2**-10, max_num_seqs=256, max_model_len=64)
     float_blocks = LLM(str(checkpoint), **budget).engine.load().num_total_blocks
     int8 = LLM(str(checkpoint), kv_cache_dtype="int8", **budget)
     model = int8.engine.model_config
