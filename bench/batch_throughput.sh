@@ -6,28 +6,32 @@
 # taking turns, ROUNDS times; prints the medians and the ratios to offline.
 # Usage: bench/batch_throughput.sh [ROUNDS=3] [OUT=bench/results/batch] [NUM_PROMPTS=1000]
 #                                  [WORKER_ARGS, e.g. '--engine-core thread']
+# MODEL (default demo) and ENGINE_ARGS (e.g. '--dtype bfloat16': the engine's, for offline and
+# for every worker) from the environment.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds="${1:-3}"
 out="${2:-bench/results/batch}"
 num="${3:-1000}"
 worker_args="${4:-}"
+model="${MODEL:-demo}"
+read -r -a engine_args <<<"${ENGINE_ARGS:-}"
 nori=(.venv/bin/python -m nori.cli.main)
 mkdir -p "$out"
 lscpu | grep -E "Model name|^CPU\(s\)|L3" > "$out/host.txt"
 "${nori[@]}" bench batch-file --dataset-path ../shared/data/sharegpt/ShareGPT_V3_sample2000.json \
-  -o "$out/requests.jsonl" --num-prompts "$num"
+  -o "$out/requests.jsonl" --num-prompts "$num" --model "$model"
 for round in $(seq 1 "$rounds"); do
   echo "round $round: offline" >&2
   "${nori[@]}" bench offline --batch-file "$out/requests.jsonl" --json --no-progress \
-    > "$out/offline-$round.json"
+    --model "$model" "${engine_args[@]}" > "$out/offline-$round.json"
   for mode in colocated disaggregated; do
     echo "round $round: $mode" >&2
     flags=(--colocated)
     [ "$mode" = disaggregated ] && flags=(--prefill 1 --decode 1)
     rm -f "$out/$mode-$round.out.jsonl"
     "${nori[@]}" run-batch -i "$out/requests.jsonl" -o "$out/$mode-$round.out.jsonl" \
-      --model demo "${flags[@]}" --worker-args "$worker_args" --summary-json "$out/$mode-$round.json" --no-progress \
+      --model "$model" "${flags[@]}" --worker-args "${ENGINE_ARGS:-} $worker_args" --summary-json "$out/$mode-$round.json" --no-progress \
       --log-dir "$out/logs-$mode-$round" 2> "$out/$mode-$round.log"
     rm -f "$out/$mode-$round.out.jsonl"
   done

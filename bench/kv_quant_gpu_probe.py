@@ -51,8 +51,12 @@ def store_mismatches() -> None:
                 slots = torch.arange(13, device="cuda")
                 got = [t.clone() for t in caches + scales]
                 want = [t.clone() for t in caches + scales]
-                store_quantized_kv_cache(key, value, *got, slots, use_triton=True)
-                store_quantized_kv_cache_reference(key, value, *want, slots)
+                store_quantized_kv_cache(
+                    key, value, got[0], got[1], got[2], got[3], slots, use_triton=True
+                )
+                store_quantized_kv_cache_reference(
+                    key, value, want[0], want[1], want[2], want[3], slots
+                )
                 for name, a, b, rows in zip(
                     ("k", "v", "k_scale", "v_scale"),
                     got,

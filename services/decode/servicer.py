@@ -24,7 +24,12 @@ from nori.transfer.handoff import HandOff, KVDestination
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
-from nori.worker.output_streams import OutputStreams, next_output, next_output_coalesced
+from nori.worker.output_streams import (
+    OutputStreams,
+    next_output,
+    next_output_coalesced,
+    next_output_of,
+)
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.servicer_base import EngineServicer
 
@@ -129,9 +134,12 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             first = True
             while not finished:
                 # The first output at once (it ends the prompt's wait in the gateway's
-                # admission); the rest merged per coalesce_ms when the caller asked for that.
+                # admission); the rest merged per coalesce_ms or per stream_interval tokens
+                # when the caller asked for that.
                 if coalesce_s > 0 and not first:
                     output = await next_output_coalesced(queue, coalesce_s)
+                elif request.stream_interval > 1 and not first:
+                    output = await next_output_of(queue, request.stream_interval)
                 else:
                     output = await next_output(queue)
                 first = False

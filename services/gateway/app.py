@@ -74,6 +74,7 @@ def create_app(
     api_keys: Sequence[str] = (),
     routers: Sequence[APIRouter] = (),
     path_body_limits: Mapping[str, int] | None = None,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """The OpenAI-compatible app for one served model.
 
@@ -82,10 +83,13 @@ def create_app(
     below it (default: the tokenizer's size; pass the model's when its embedding is larger).
     `extra_metrics`: awaited on each GET /metrics; its Prometheus text is appended (the cluster
     backend's per-worker figures). `routers`: more routes (the Batch API), behind the same
-    middleware; `path_body_limits`: their own body bounds, by path.
+    middleware; `path_body_limits`: their own body bounds, by path. `stream_interval`: a
+    streamed request's tokens go out this many to an event (the first output at once, the rest at the end).
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
     max_token_bytes = max(
         (
             len(tokenizer.decode([i], skip_special_tokens=False).encode())
@@ -113,6 +117,7 @@ def create_app(
         tasks=tasks,
         token_text=token_text,
         max_token_bytes=max_token_bytes,
+        stream_interval=stream_interval,
         # A rendered prompt longer than this many characters cannot fit the context whatever
         # it tokenizes to (see prompts.refuse_hopeless_text), so no template needs to write more.
         template_limits=TemplateLimits(

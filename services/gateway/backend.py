@@ -36,6 +36,9 @@ class GenerationRequest:
     # Outputs the caller only needs at the end (not streamed to anyone): the decode worker sends
     # them merged, one message per this many milliseconds after the first token; 0: as they come.
     coalesce_ms: int = 0
+    # A streamed request's outputs after the first: one message per this many new tokens (and
+    # the last at the end); 1: every step's as they come (--stream-interval).
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -27,5 +27,7 @@ class ServingContext:
     # The most UTF-8 bytes one token's text has: a text of B bytes has at least
     # B / max_token_bytes tokens, so a hopeless prompt is refused without tokenizing it.
     max_token_bytes: int = 64
+    # --stream-interval: a streamed request's outputs come this many tokens to a message.
+    stream_interval: int = 1
     # What one chat template render may do (steps, size, time), the request's or the server's.
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)

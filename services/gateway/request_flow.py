@@ -310,6 +310,7 @@ class RequestFlow:
                 resumed_text_chars=resumed.num_chars if resumed is not None else 0,
                 priority=request.priority,
                 coalesce_ms=request.coalesce_ms,
+                stream_interval=request.stream_interval,
             ),
             metadata=metadata,
         )

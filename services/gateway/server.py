@@ -46,6 +46,8 @@ class GatewayOptions(RoleSettings):
     max_in_flight: int = 4096
     # Admission bound per worker computing prompts; 0 = none (see nori.gateway.admission).
     max_queued_prompt_tokens: int = 8192
+    # --stream-interval: a streamed request's tokens reach its client this many at a time.
+    stream_interval: int = 1
     # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
     access_log: bool = True
@@ -169,6 +171,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         api_keys=[options.api_key] if options.api_key else [],
         routers=routers,
         path_body_limits={FILES_PATH: int(options.max_batch_file_mib * 1024 * 1024)},
+        stream_interval=options.stream_interval,
     )
     instrument(app, tracing, untraced_paths=(HEALTH_PATH, METRICS_PATH))
     config = uvicorn.Config(

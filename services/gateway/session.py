@@ -109,6 +109,7 @@ class Session:
                 num_choices=samples_per_prompt,
                 priority=priority,
                 coalesce_ms=0 if streamed else COALESCE_MS,
+                stream_interval=ctx.stream_interval if streamed else 1,
             )
             for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
         ]

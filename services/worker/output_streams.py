@@ -20,6 +20,15 @@ async def next_output(queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
     return output
 
 
+async def next_output_of(queue: asyncio.Queue[RequestOutput], num_tokens: int) -> RequestOutput:
+    """The request's next outputs merged until they hold at least `num_tokens` new tokens, or
+    the last one is in: one message per `num_tokens` tokens (--stream-interval)."""
+    output = await next_output(queue)
+    while not output.finished and len(output.new_token_ids) < num_tokens:
+        output = output.followed_by(await next_output(queue))
+    return output
+
+
 class OutputQueue(asyncio.Queue[RequestOutput]):
     """One request's outputs, and whether its last one is in (`finished`)."""
 

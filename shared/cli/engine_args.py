@@ -38,6 +38,17 @@ SERVING_PREFILL_BUDGET: str | None = None
 SERVING_BACKGROUND_PREFILL_BUDGET = 256
 
 
+def positive_int(text: str) -> int:
+    """A flag that takes a whole number of at least 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def _non_negative_tokens(text: str) -> int:
     try:
         tokens = int(text)

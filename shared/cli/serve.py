@@ -12,6 +12,7 @@ from nori.cli.engine_args import (
     add_engine_args,
     add_engine_core_arg,
     engine_config_from_args,
+    positive_int,
 )
 from nori.settings import (
     DEFAULT_KV_LEASE_S,
@@ -234,6 +235,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="admission: refuse new requests (429 with Retry-After) while this many prompt "
         "tokens per prefill (or colocated) worker wait for their first token; about TTFT target "
         "x prefill tokens/s; 0 = no bound (default %(default)s: four 2048-token steps)",
+    )
+    gateway.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="a streamed request's tokens reach its client this many to an event (the first "
+        "output at once, the rest at the end): fewer messages for workers, gateway and client, "
+        "as vLLM's and SGLang's flag (default %(default)s: every token as it comes)",
     )
     gateway.add_argument(
         "--batch-dir",

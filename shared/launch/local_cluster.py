@@ -76,6 +76,8 @@ class ClusterSpec(RoleSettings):
     kv_transfer_timeout_s: float = 30.0
     # Gateway admission, per worker computing prompts; 0 = no bound.
     max_queued_prompt_tokens: int = 8192
+    # The gateway's --stream-interval: streamed tokens per event.
+    stream_interval: int = 1
     # The workers' --max-model-len, which the gateway must check requests against too.
     max_model_len: int | None = None
     # Every process logs at INFO (`nori up -v`).
@@ -167,6 +169,8 @@ class LocalCluster:
             options += ["--chat-template", self.spec.chat_template]
         if self.spec.tokenizer is not None:
             options += ["--tokenizer", self.spec.tokenizer]
+        if self.spec.stream_interval != 1:
+            options += ["--stream-interval", str(self.spec.stream_interval)]
         return options
 
     # ------------------------------------------------------------------ start

@@ -13,6 +13,7 @@ from nori.cli.engine_args import (
     SERVING_BACKGROUND_PREFILL_BUDGET,
     SERVING_PREFILL_BUDGET,
     add_engine_args,
+    positive_int,
 )
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
 
@@ -119,6 +120,12 @@ def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -
         type=int,
         default=8192,
         help="gateway admission bound per prefill (or colocated) worker; 0 = no bound",
+    )
+    group.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="the gateway's: streamed tokens per event (default %(default)s: each as it comes)",
     )
     group.add_argument(
         "--worker-args",

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from nori.launch.local_cluster import free_port
@@ -141,6 +142,7 @@ def test_up_takes_the_model_first_and_the_engine_options_of_serve(
     args = [
         str(checkpoint), "--port", str(port), "--namespace", namespace, "--colocated",
         "--no-cpu-pinning", "--max-model-len", "48", "--chat-template", template, "-v",
+        "--stream-interval", "4",
     ]  # fmt: skip
     process = start_up(args, redis_url, tmp_path)
     try:
@@ -158,6 +160,18 @@ def test_up_takes_the_model_first_and_the_engine_options_of_serve(
         chat = {"model": checkpoint.name, "messages": messages, "max_tokens": 3}
         answered = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
         assert answered.status_code == 200, answered.text
+        # --stream-interval 4: the first output at once, then four tokens (or more, where the
+        # stream fell behind) to an event, the rest at the end; the text of the whole completion.
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        completion = {"model": checkpoint.name, "prompt": "a", "max_tokens": 11, "logprobs": 1}
+        completion |= {"temperature": 0}  # greedy: the same text both ways
+        extra = {"ignore_eos": True}
+        whole = client.completions.create(**completion, extra_body=extra)  # type: ignore[call-overload]
+        events = list(client.completions.create(**completion, extra_body=extra, stream=True))  # type: ignore[call-overload]
+        sizes = [len(e.choices[0].logprobs.tokens) for e in events if e.choices[0].logprobs]
+        # [1, 4, 4, 2], or for example [2, 4, 5] after a late start.
+        assert sum(sizes) == 11 and len(sizes) <= 4 and min(sizes[1:-1], default=4) >= 4, sizes
+        assert "".join(e.choices[0].text for e in events) == whole.choices[0].text
         # The worker got the engine option too (and -v): its log reports the capped length.
         logs = "".join(path.read_text() for path in (tmp_path / "logs").glob("colocated*"))
         assert "max_model_len 48" in logs

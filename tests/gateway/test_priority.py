@@ -5,6 +5,7 @@ a migrated request's included."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,17 +50,20 @@ async def test_the_body_priority_reaches_every_choice(
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_only_a_non_streamed_request_asks_for_coalesced_outputs(
+async def test_only_a_non_streamed_request_asks_for_coalesced_outputs_and_a_streamed_one_for_its_interval(
     tokenizer: Tokenizer, path: str
 ) -> None:
     backend = FakeBackend()
-    app = make_app(tokenizer, backend)
+    app = make_app(tokenizer, backend, stream_interval=4)
     body = {"prompt": "a"} if path == "/v1/completions" else CHAT
     assert (await post(app, path, body)).status_code == 200
     assert {r.coalesce_ms for r in backend.requests} == {COALESCE_MS}
+    assert {r.stream_interval for r in backend.requests} == {1}
     backend.requests.clear()
     assert (await post(app, path, {**body, "stream": True})).status_code == 200
     assert {r.coalesce_ms for r in backend.requests} == {0}
+    # --stream-interval applies to streamed requests only.
+    assert {r.stream_interval for r in backend.requests} == {4}
 
 
 @pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, "1", 1.5, None])
@@ -163,11 +167,13 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
         answer=prefill_pb2.PrefillResponse(first=delta(7)),
     )
     flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
-    chunks = [c async for c in flow.disaggregated(REQUEST, DECODE, Queued())]  # type: ignore[arg-type]
+    request = dataclasses.replace(REQUEST, stream_interval=3)
+    chunks = [c async for c in flow.disaggregated(request, DECODE, Queued())]  # type: ignore[arg-type]
     assert [c.new_token_ids for c in chunks] == [[7], [8]]
     generate, prefill = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest) and generate.priority == 7
     assert generate.coalesce_ms == 0  # a streamed request's tokens as they come
+    assert generate.stream_interval == 3
     assert isinstance(prefill, prefill_pb2.PrefillRequest) and prefill.priority == 7
 
 

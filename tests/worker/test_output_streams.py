@@ -7,7 +7,12 @@ import asyncio
 import pytest
 
 from nori.engine.outputs import RequestOutput
-from nori.worker.output_streams import OutputStreams, next_output, next_output_coalesced
+from nori.worker.output_streams import (
+    OutputStreams,
+    next_output,
+    next_output_coalesced,
+    next_output_of,
+)
 
 
 def _output(step: int, finished: bool = False) -> RequestOutput:
@@ -80,3 +85,26 @@ async def test_coalesced_outputs_leave_once_per_interval_or_at_the_end() -> None
     assert last.finished and asyncio.get_running_loop().time() - started < 5
     assert first.new_token_ids + last.new_token_ids == list(range(10, 45))
     await producer
+
+
+async def test_a_stream_interval_sends_that_many_tokens_a_message_and_the_rest_at_the_end() -> None:
+    streams = OutputStreams()
+    queue = streams.open("r")
+
+    async def produce(steps: range, finish_at: int) -> None:
+        for step in steps:
+            await asyncio.sleep(0.002)
+            streams.dispatch([_output(step, finished=step == finish_at)])
+
+    producer = asyncio.ensure_future(produce(range(10), finish_at=9))
+    outputs = [await next_output_of(queue, 4)]
+    while not outputs[-1].finished:
+        outputs.append(await next_output_of(queue, 4))
+    await producer
+    sizes = [len(output.new_token_ids) for output in outputs]
+    tokens = [token for output in outputs for token in output.new_token_ids]
+    assert sizes == [4, 4, 2] and tokens == list(range(10, 20))
+    assert outputs[-1].finish_reason == "length"
+    # A consumer that fell behind sends what waits, past the interval.
+    streams.dispatch([_output(step) for step in range(10, 16)])
+    assert len((await next_output_of(queue, 4)).new_token_ids) == 6

@@ -26,7 +26,7 @@ from nori.v1 import common_pb2 as nori_dot_v1_dot_common__pb2
 from nori.v1 import handoff_pb2 as nori_dot_v1_dot_handoff__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nori/v1/decode.proto\x12\x07nori.v1\x1a\x14nori/v1/common.proto\x1a\x15nori/v1/handoff.proto\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.nori.v1.SamplingParams\x12\x16\n\x0e\x63ompute_prompt\x18\x04 \x01(\x08\x12 \n\x18resumed_output_token_ids\x18\x05 \x03(\x05\x12\x1a\n\x12resumed_text_chars\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x0b\x63oalesce_ms\x18\x08 \x01(\x05\"3\n\x0cLeaseRenewal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x01(\x08\"X\n\x12RenewLeasesRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x08renewals\x18\x02 \x03(\x0b\x32\x15.nori.v1.LeaseRenewal\"2\n\x13RenewLeasesResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"o\n\x10GenerateResponse\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.nori.v1.KVDestinationH\x00\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.nori.v1.TokenDeltaH\x00\x42\x06\n\x04kind2\xd5\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.nori.v1.GenerateRequest\x1a\x19.nori.v1.GenerateResponse0\x01\x12H\n\x0bRenewLeases\x12\x1b.nori.v1.RenewLeasesRequest\x1a\x1c.nori.v1.RenewLeasesResponse\x12\x37\n\x08GetStats\x12\x15.nori.v1.StatsRequest\x1a\x14.nori.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nori/v1/decode.proto\x12\x07nori.v1\x1a\x14nori/v1/common.proto\x1a\x15nori/v1/handoff.proto\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.nori.v1.SamplingParams\x12\x16\n\x0e\x63ompute_prompt\x18\x04 \x01(\x08\x12 \n\x18resumed_output_token_ids\x18\x05 \x03(\x05\x12\x1a\n\x12resumed_text_chars\x18\x06 \x01(\x05\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x13\n\x0b\x63oalesce_ms\x18\x08 \x01(\x05\x12\x17\n\x0fstream_interval\x18\t \x01(\x05\"3\n\x0cLeaseRenewal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07started\x18\x02 \x01(\x08\"X\n\x12RenewLeasesRequest\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x08renewals\x18\x02 \x03(\x0b\x32\x15.nori.v1.LeaseRenewal\"2\n\x13RenewLeasesResponse\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\"o\n\x10GenerateResponse\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x16.nori.v1.KVDestinationH\x00\x12$\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x13.nori.v1.TokenDeltaH\x00\x42\x06\n\x04kind2\xd5\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.nori.v1.GenerateRequest\x1a\x19.nori.v1.GenerateResponse0\x01\x12H\n\x0bRenewLeases\x12\x1b.nori.v1.RenewLeasesRequest\x1a\x1c.nori.v1.RenewLeasesResponse\x12\x37\n\x08GetStats\x12\x15.nori.v1.StatsRequest\x1a\x14.nori.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nori.v1.decode_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=79
-  _globals['_GENERATEREQUEST']._serialized_end=308
-  _globals['_LEASERENEWAL']._serialized_start=310
-  _globals['_LEASERENEWAL']._serialized_end=361
-  _globals['_RENEWLEASESREQUEST']._serialized_start=363
-  _globals['_RENEWLEASESREQUEST']._serialized_end=451
-  _globals['_RENEWLEASESRESPONSE']._serialized_start=453
-  _globals['_RENEWLEASESRESPONSE']._serialized_end=503
-  _globals['_GENERATERESPONSE']._serialized_start=505
-  _globals['_GENERATERESPONSE']._serialized_end=616
-  _globals['_DECODESERVICE']._serialized_start=619
-  _globals['_DECODESERVICE']._serialized_end=832
+  _globals['_GENERATEREQUEST']._serialized_end=333
+  _globals['_LEASERENEWAL']._serialized_start=335
+  _globals['_LEASERENEWAL']._serialized_end=386
+  _globals['_RENEWLEASESREQUEST']._serialized_start=388
+  _globals['_RENEWLEASESREQUEST']._serialized_end=476
+  _globals['_RENEWLEASESRESPONSE']._serialized_start=478
+  _globals['_RENEWLEASESRESPONSE']._serialized_end=528
+  _globals['_GENERATERESPONSE']._serialized_start=530
+  _globals['_GENERATERESPONSE']._serialized_end=641
+  _globals['_DECODESERVICE']._serialized_start=644
+  _globals['_DECODESERVICE']._serialized_end=857
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "compute_prompt", "resumed_output_token_ids", "resumed_text_chars", "priority", "coalesce_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "compute_prompt", "resumed_output_token_ids", "resumed_text_chars", "priority", "coalesce_ms", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class GenerateRequest(_message.Message):
     RESUMED_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     COALESCE_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -26,7 +27,8 @@ class GenerateRequest(_message.Message):
     resumed_text_chars: int
     priority: int
     coalesce_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compute_prompt: _Optional[bool] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_chars: _Optional[int] = ..., priority: _Optional[int] = ..., coalesce_ms: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., compute_prompt: _Optional[bool] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., resumed_text_chars: _Optional[int] = ..., priority: _Optional[int] = ..., coalesce_ms: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class LeaseRenewal(_message.Message):
     __slots__ = ("request_id", "started")
