@@ -16,7 +16,12 @@ Then, for the model and the engine options given:
 - **prefill floor** for one prompt of P tokens: FLOPs / the GEMM peak of the compute type, where
   FLOPs = 2 x layer-projection parameters x P + the causal attention's 2 x layers x heads x
   head_dim x P^2 + one row of the LM head (the engine computes logits for the last token only);
-- the engine's measured step times (median of the timed steps) and measured / floor.
+- the engine's measured step times (median of the timed steps) and measured / floor;
+- beside each decode floor, the step's **compute floor**: its FLOPs (each row's projections and
+  LM head, and its attention over C tokens) / the GEMM peak of the compute type (all of them at
+  that peak, an int8 model's bf16 LM head too: a lower bound). Where that is the larger (bf16 at
+  batch 64 on a CPU without AMX), no kernel reaches the memory floor, and `roofline_ratio`
+  (measured / the larger of the two) says how far the step is from what the host allows.
 """
 
 from __future__ import annotations
@@ -57,11 +62,17 @@ class DecodeRow:
     batch: int
     context: int
     measured_ms: float
+    # Bytes read / bandwidth (the issue's floor) and FLOPs / GEMM peak.
     floor_ms: float
+    compute_floor_ms: float
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.floor_ms
+
+    @property
+    def roofline_ratio(self) -> float:
+        return self.measured_ms / max(self.floor_ms, self.compute_floor_ms)
 
 
 @dataclass(frozen=True)
@@ -170,6 +181,16 @@ def prefill_flops(model: ModelConfig, prompt_len: int) -> float:
     return float(projections + attention + head)
 
 
+def decode_flops(model: ModelConfig, batch: int, context: int) -> float:
+    """A decode step of `batch` rows, each attending to `context` tokens: every row's
+    projections and LM head, and its QK and PV products."""
+    layers = model.num_hidden_layers
+    projections = 2 * layers * _layer_projection_params(model)
+    attention = 4 * layers * model.num_attention_heads * model.head_dim * context
+    head = 2 * model.hidden_size * model.vocab_size
+    return float(batch * (projections + attention + head))
+
+
 def compute_type(dtype: torch.dtype, quantization: str | None) -> str:
     if quantization == "int8":
         return "int8"
@@ -247,13 +268,14 @@ def run_roofline(
         config.block_size
     )
     bandwidth = host.read_gb_s * 1e9
+    kind = compute_type(dtype, config.quantization)
+    peak = host.gemm_tflops.get(kind, host.gemm_tflops["float32"]) * 1e12
     decode = []
     for batch in batch_sizes:
         measured = time_decode(config, runner, batch, context, steps)
         floor = (weights + batch * context * kv_per_token) / bandwidth
-        decode.append(DecodeRow(batch, context, measured * 1e3, floor * 1e3))
-    kind = compute_type(dtype, config.quantization)
-    peak = host.gemm_tflops.get(kind, host.gemm_tflops["float32"]) * 1e12
+        compute_floor = decode_flops(model, batch, context) / peak
+        decode.append(DecodeRow(batch, context, measured * 1e3, floor * 1e3, compute_floor * 1e3))
     flops = prefill_flops(model, prompt_len)
     measured_prefill = time_prefill(config, runner, prompt_len, tries=3)
     prefill = PrefillRow(
@@ -268,7 +290,14 @@ def run_roofline(
         "weight_bytes": weights,
         "kv_bytes_per_token": kv_per_token,
         "compute_type": kind,
-        "decode": [{**asdict(row), "ratio": round(row.ratio, 3)} for row in decode],
+        "decode": [
+            {
+                **asdict(row),
+                "ratio": round(row.ratio, 3),
+                "roofline_ratio": round(row.roofline_ratio, 3),
+            }
+            for row in decode
+        ],
         "prefill": {**asdict(prefill), "ratio": round(prefill.ratio, 3)},
     }
 
@@ -281,12 +310,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']}: {report['dtype']}, quantization {report['quantization']}, "
         f"KV {report['kv_cache_dtype']}; weights read per decode step "
         f"{report['weight_bytes'] / 1e6:.1f} MB, KV {report['kv_bytes_per_token']} B/token",
-        f"{'decode batch':>12} {'context':>8} {'measured ms':>12} {'floor ms':>9} {'ratio':>6}",
+        f"{'decode batch':>12} {'context':>8} {'measured ms':>12} {'floor ms':>9} {'ratio':>6} "
+        f"{'compute floor ms':>17} {'roofline ratio':>15}",
     ]
     for row in report["decode"]:
         lines.append(
             f"{row['batch']:>12} {row['context']:>8} {row['measured_ms']:>12.2f} "
-            f"{row['floor_ms']:>9.2f} {row['ratio']:>6.2f}"
+            f"{row['floor_ms']:>9.2f} {row['ratio']:>6.2f} {row['compute_floor_ms']:>17.2f} "
+            f"{row['roofline_ratio']:>15.2f}"
         )
     prefill = report["prefill"]
     lines.append(

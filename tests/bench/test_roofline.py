@@ -107,9 +107,28 @@ def test_the_demo_model_against_its_floors() -> None:
         assert row["measured_ms"] > 0 and row["ratio"] == pytest.approx(
             row["measured_ms"] / row["floor_ms"], rel=1e-2
         )
+        flops = decode_flops_of(row["batch"], 32)
+        assert row["compute_floor_ms"] == pytest.approx(flops / 1e12 * 1e3)
+        assert row["roofline_ratio"] == pytest.approx(
+            row["measured_ms"] / max(row["floor_ms"], row["compute_floor_ms"]), rel=1e-2
+        )
     prefill = report["prefill"]
     assert prefill["floor_ms"] == pytest.approx(prefill_flops_of(report, 64) / 1e12 * 1e3)
     assert report["compute_type"] == "float32"
+
+
+def decode_flops_of(batch: int, context: int) -> float:
+    """The demo model's decode FLOPs counted here from its shape, independently of the code."""
+    from nori.models.config import ModelConfig
+    from nori.models.demo import resolve_model
+
+    model = ModelConfig.from_dir(resolve_model("demo"))
+    hidden, layers = model.hidden_size, model.num_hidden_layers
+    q_dim = model.num_attention_heads * model.head_dim
+    kv_dim = model.num_key_value_heads * model.head_dim
+    matrices = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * model.intermediate_size
+    per_row = layers * (2 * matrices + 4 * q_dim * context) + 2 * hidden * model.vocab_size
+    return float(batch * per_row)
 
 
 def prefill_flops_of(report: dict, prompt_len: int) -> float:
