@@ -136,7 +136,7 @@ def round_to_e4m3(x):
     magic = step * 12582912.0
     rounded = (tl.abs(x) + magic) - magic
     # The sign bit is copied back from x, so that negatives rounding to zero give -0, as torch.
-    # Not `-rounded`: Triton negates as 0 - x, which turns -0 into +0 when compiled.
+    # Not `-rounded`: compiled Triton negates as 0 - x, so -(+0) would come out +0, not -0.
     sign = (bits >> 31) << 31
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
