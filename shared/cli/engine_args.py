@@ -38,25 +38,27 @@ SERVING_PREFILL_BUDGET: str | None = None
 SERVING_BACKGROUND_PREFILL_BUDGET = 256
 
 
-def positive_int(text: str) -> int:
-    """A flag that takes a whole number of at least 1."""
+def _whole_number(text: str, minimum: int, unit: str = "") -> int:
+    """`text` as an int of at least `minimum`, else argparse's error naming the `unit`."""
     try:
         number = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+        what = f"a number of {unit}" if unit else "a whole number"
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if number < minimum:
+        raise argparse.ArgumentTypeError(
+            f"must be >= {minimum}{' ' + unit if unit else ''}, got {number}"
+        )
     return number
 
 
+def positive_int(text: str) -> int:
+    """A flag that takes a whole number of at least 1."""
+    return _whole_number(text, 1)
+
+
 def _non_negative_tokens(text: str) -> int:
-    try:
-        tokens = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of tokens, got {text!r}") from None
-    if tokens < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 tokens, got {tokens}")
-    return tokens
+    return _whole_number(text, 0, "tokens")
 
 
 def add_engine_args(
