@@ -1,9 +1,11 @@
 """bfloat16 weights times a few bfloat16 token rows: the CPU decode step's GEMV in bf16.
 
-oneDNN's prepacked bf16 GEMM costs about 23 us a call at one row whatever the layer's size;
-this C++ kernel (`bf16_gemv_cpu.cpp`) reads each plain [N, K] weight row once for a decode
-step's few rows and sums the bf16 products in float32. The reference computes the same in
-PyTorch: float32 products of the bf16 values, rounded to bf16 once at the end.
+oneDNN's prepacked bf16 GEMM costs about 23 us a call whatever the layer's size; at a few rows
+that is more than the product. This C++ kernel (`bf16_gemv_cpu.cpp`) reads a weight packed once
+by `pack_bf16_gemv_weight`: panels of 16 outputs, each line two K positions of those 16
+outputs, the operand of AVX-512 BF16's dpbf16. Every line streams once per call, for all the
+rows, and the sums are float32. The reference computes the same in PyTorch over the plain
+weight: float32 products of the bf16 values, rounded to bf16 once at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 
 from nori.kernels.cpu_build import cpu_kernels
 
+PANEL_OUTPUTS = 16  # outputs in one panel: one 512-bit register of float32 sums
+
 
 def bf16_gemv_reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -21,10 +25,34 @@ def bf16_gemv_reference(
     return out.bfloat16()
 
 
-def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bfloat16 (few rows), weight [N, K] bfloat16 -> [M, N] bfloat16."""
+def pack_bf16_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> bfloat16 [ceil(N/16), ceil(K/2), 16, 2]: element (n, k) at
+    [n // 16, k // 2, n % 16, k % 2], zero-padded past N and K."""
+    outputs, width = weight.shape
+    padded = torch.zeros(
+        -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // 2) * 2, dtype=torch.bfloat16
+    )
+    padded[:outputs, :width] = weight
+    panels = padded.view(-1, PANEL_OUTPUTS, padded.shape[1] // 2, 2)
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_bf16_gemv_weight(packed: torch.Tensor, outputs: int, width: int) -> torch.Tensor:
+    """The [N, K] weight back from `pack_bf16_gemv_weight`'s layout."""
+    plain = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL_OUTPUTS, -1)
+    return plain[:outputs, :width]
+
+
+def bf16_gemv(
+    x: torch.Tensor, packed_weight: torch.Tensor, outputs: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] bfloat16 (few rows) times the [N, K] weight packed by `pack_bf16_gemv_weight`
+    -> [M, N] bfloat16."""
     kernels = cpu_kernels()
     if kernels is not None and x.device.type == "cpu":
-        result: torch.Tensor = kernels.bf16_gemv(x.bfloat16().contiguous(), weight, bias)
+        result: torch.Tensor = kernels.bf16_gemv(
+            x.bfloat16().contiguous(), packed_weight, outputs, bias
+        )
         return result
+    weight = unpack_bf16_gemv_weight(packed_weight, outputs, x.shape[-1])
     return bf16_gemv_reference(x, weight, bias)

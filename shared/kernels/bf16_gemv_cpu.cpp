@@ -1,21 +1,30 @@
 // bfloat16 weights times a few bfloat16 token rows (a decode step at small batch) on CPU.
 //
-// oneDNN's prepacked bf16 GEMM (PackedBf16Linear) costs about 23 us a call at one row whatever
-// the layer's size, more than float32's GEMV on small layers, so `--dtype bfloat16` barely beat
-// float32 at batch 1. Here every output is a dot product over the plain [N, K] weight row,
-// float32 sums of bf16 pairs (AVX-512 BF16's dpbf16 where the build machine has it), tiles of
-// token rows by weight rows so each weight vector is loaded once for all the rows. Tested
-// against float32 products of the same bf16 values (bf16_gemv.py).
+// oneDNN's prepacked bf16 GEMM (PackedBf16Linear) costs about 23 us a call whatever the layer's
+// size; at a few rows that is more than the product. Here the weight is packed once into panels
+// of 16 outputs, [N/16][ceil(K/2)][16][2] (bf16_gemv.py's pack_bf16_gemv_weight): one 64-byte
+// line holds two K positions of 16 outputs, the pair AVX-512 BF16's dpbf16 multiplies by one
+// broadcast 32-bit pair of a token row. A panel then streams front to back once, each line read
+// once for every row of the step, the 16 sums stay in one register per row with no horizontal
+// reduction, and the hardware prefetcher sees one sequential stream per thread. The rows are
+// re-laid out first as [block of 16 rows][pair][16] so that one pair of all rows is one line.
+// Tested against float32 products of the same bf16 values (bf16_gemv.py).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace {
+
+constexpr int kLanes = 16;    // outputs in a panel: one 512-bit register of float32 sums
+constexpr int kBlockRows = 16;  // token rows summed together over one panel
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -24,101 +33,118 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One panel (16 outputs) times `ROWS` rows of one row block: y[r][0..lanes) = sums (+ bias).
+// pairs: the block's rows as [pairs][kBlockRows] 32-bit (two bf16) values.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-template <int ROWS, int OUTS>
-inline void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int64_t width,
-                     float (*sums)[OUTS]) {
-  __m512 acc[ROWS][OUTS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= width; k += 32) {
-    __m512bh wv[OUTS];
-    for (int o = 0; o < OUTS; ++o) wv[o] = (__m512bh)_mm512_loadu_si512(w[o] + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + k);
-      for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
-    }
+template <int ROWS>
+void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_pairs,
+                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes) {
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const __m512bh weights = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kLanes);
+    const uint32_t* row_pairs = pairs + p * kBlockRows;
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r)
+      acc[r] = _mm512_dpbf16_ps(
+          acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(row_pairs[r])), weights);
   }
-  if (k < width) {
-    // Masked-off elements load as +0.0 on both sides: they add nothing.
-    const __mmask32 mask = (~0U) >> (32 - (width - k));
-    __m512bh wv[OUTS];
-    for (int o = 0; o < OUTS; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[o] + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[r] + k);
-      for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
-    }
+  const __mmask16 mask = lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
+  const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r], add));
+    _mm256_mask_storeu_epi16(y + r * y_stride, mask, (__m256i)out);
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int o = 0; o < OUTS; ++o) sums[r][o] = _mm512_reduce_add_ps(acc[r][o]);
 }
 #else
-template <int ROWS, int OUTS>
-inline void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int64_t width,
-                     float (*sums)[OUTS]) {
+template <int ROWS>
+void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_pairs,
+                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes) {
   for (int r = 0; r < ROWS; ++r) {
-    for (int o = 0; o < OUTS; ++o) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
       float total = 0.f;
-      for (int64_t k = 0; k < width; ++k) total += bf16_to_float(x[r][k]) * bf16_to_float(w[o][k]);
-      sums[r][o] = total;
+      for (int64_t p = 0; p < num_pairs; ++p) {
+        const uint32_t pair = pairs[p * kBlockRows + r];
+        const uint16_t* w = panel + p * 2 * kLanes + 2 * lane;
+        total += bf16_to_float(static_cast<uint16_t>(pair & 0xffffu)) * bf16_to_float(w[0]) +
+                 bf16_to_float(static_cast<uint16_t>(pair >> 16)) * bf16_to_float(w[1]);
+      }
+      if (bias != nullptr) total += bias[lane];
+      y[r * y_stride + lane] = float_to_bf16(total);
     }
   }
 }
 #endif
 
+using PanelFn = void (*)(const uint32_t*, const uint16_t*, int64_t, const float*, uint16_t*,
+                         int64_t, int64_t);
+
+template <int... I>
+constexpr std::array<PanelFn, sizeof...(I)> panel_functions(std::integer_sequence<int, I...>) {
+  return {&panel_times_rows<I + 1>...};
+}
+// kPanelTimes[r - 1] sums r rows.
+constexpr auto kPanelTimes = panel_functions(std::make_integer_sequence<int, kBlockRows>{});
+
 }  // namespace
 
-torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& weight,
-                        const std::optional<torch::Tensor>& bias) {
+torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
+                        int64_t outputs, const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(input.dim() == 2 && input.is_contiguous() && input.scalar_type() == at::kBFloat16,
               "input must be a contiguous bfloat16 [M, K] tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kBFloat16,
-              "weight must be a contiguous bfloat16 [N, K] tensor");
   const int64_t rows = input.size(0);
   const int64_t width = input.size(1);
-  const int64_t outputs = weight.size(0);
-  TORCH_CHECK(weight.size(1) == width, "weight's K differs from the input's");
-  const uint16_t* add = nullptr;
+  const int64_t num_pairs = (width + 1) / 2;
+  const int64_t panels = (outputs + kLanes - 1) / kLanes;
+  TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.is_contiguous() &&
+                  packed_weight.scalar_type() == at::kBFloat16 &&
+                  packed_weight.size(0) == panels && packed_weight.size(1) == num_pairs &&
+                  packed_weight.size(2) == kLanes && packed_weight.size(3) == 2,
+              "packed_weight must be pack_bf16_gemv_weight's [N/16, ceil(K/2), 16, 2] of a "
+              "[N, K] weight with the input's K");
+  torch::Tensor bias_float;
+  const float* add = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == outputs && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kBFloat16,
-                "bias must be a contiguous bfloat16 [N] tensor");
-    add = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+    TORCH_CHECK(bias->numel() == outputs, "bias must have N elements");
+    bias_float = bias->to(torch::kFloat32).contiguous();
+    add = bias_float.data_ptr<float>();
   }
   auto out = torch::empty({rows, outputs}, input.options());
-  auto* y = out.data_ptr<at::BFloat16>();
-  const auto* x_all = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto finish = [&](int64_t r, int64_t o, float sum) {
-    if (add != nullptr) sum += bf16_to_float(add[o]);
-    y[r * outputs + o] = static_cast<at::BFloat16>(sum);
-  };
-  constexpr int kOuts = 4;
-  constexpr int kRows = 4;
-  // Outputs per chunk: enough weight rows to be worth a thread (about 64 KiB of weights).
-  const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(width, 1));
-  at::parallel_for(0, outputs, grain, [&](int64_t begin, int64_t end) {
-    int64_t o = begin;
-    for (; o < end; o += kOuts) {
-      const int64_t tile_outs = std::min<int64_t>(kOuts, end - o);
-      const uint16_t* wr[kOuts];
-      for (int j = 0; j < kOuts; ++j) wr[j] = w + (o + std::min<int64_t>(j, tile_outs - 1)) * width;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int64_t tile_rows = std::min<int64_t>(kRows, rows - r0);
-        // Rows (and outputs) past the end repeat the last one; their sums are not written.
-        const uint16_t* x[kRows];
-        for (int r = 0; r < kRows; ++r) x[r] = x_all + (r0 + std::min<int64_t>(r, tile_rows - 1)) * width;
-        float sums[kRows][kOuts];
-        switch (tile_rows) {
-          case 1: dot_tile<1, kOuts>(x, wr, width, sums); break;
-          case 2: dot_tile<2, kOuts>(x, wr, width, sums); break;
-          case 3: dot_tile<3, kOuts>(x, wr, width, sums); break;
-          default: dot_tile<kRows, kOuts>(x, wr, width, sums); break;
-        }
-        for (int r = 0; r < tile_rows; ++r)
-          for (int j = 0; j < tile_outs; ++j) finish(r0 + r, o + j, sums[r][j]);
+  if (rows == 0 || outputs == 0) return out;
+
+  // The rows as [block][pair][kBlockRows]: the pair p of every row of a block is one line. An
+  // odd K's last pair is (x[K-1], +0), against a packed weight padded with +0.
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  std::vector<uint32_t> row_pairs(static_cast<size_t>(blocks * num_pairs * kBlockRows), 0u);
+  const auto* x = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < rows; ++m) {
+    uint32_t* dst = row_pairs.data() + (m / kBlockRows) * num_pairs * kBlockRows + m % kBlockRows;
+    const uint16_t* row = x + m * width;
+    for (int64_t p = 0; p < width / 2; ++p) std::memcpy(dst + p * kBlockRows, row + 2 * p, 4);
+    if (width % 2 != 0) dst[(width / 2) * kBlockRows] = row[width - 1];
+  }
+
+  const auto* w = reinterpret_cast<const uint16_t*>(packed_weight.data_ptr<at::BFloat16>());
+  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t panel_elements = num_pairs * 2 * kLanes;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t lanes = std::min<int64_t>(kLanes, outputs - panel * kLanes);
+      for (int64_t block = 0; block < blocks; ++block) {
+        const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);
+        kPanelTimes[block_rows - 1](row_pairs.data() + block * num_pairs * kBlockRows,
+                                    w + panel * panel_elements, num_pairs,
+                                    add != nullptr ? add + panel * kLanes : nullptr,
+                                    y + block * kBlockRows * outputs + panel * kLanes, outputs,
+                                    lanes);
       }
     }
   });

@@ -31,11 +31,11 @@ std::tuple<torch::Tensor, torch::Tensor> rows_to_unit(const torch::Tensor& input
                                                       double smallest_max);
 void scale_rows_back(torch::Tensor& output, const torch::Tensor& row_max,
                      const std::optional<torch::Tensor>& bias);
-torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& weight,
-                        const std::optional<torch::Tensor>& bias);
-torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& qweight,
-                        const torch::Tensor& weight_scale, const torch::Tensor& row_sums,
-                        const std::optional<torch::Tensor>& bias);
+torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
+                        int64_t outputs, const std::optional<torch::Tensor>& bias);
+torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
+                        int64_t outputs, const torch::Tensor& weight_scale,
+                        const torch::Tensor& row_sums, const std::optional<torch::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -57,7 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows_back", &scale_rows_back, release(),
         "output[i] = output[i] * row_max[i] (+ bias), in place");
   m.def("bf16_gemv", &bf16_gemv, release(),
-        "a few bfloat16 rows times bfloat16 weights [N, K] (+ bias), float32 sums");
+        "a few bfloat16 rows times bfloat16 weights packed as [N/16, ceil(K/2), 16, 2] (+ bias), "
+        "float32 sums");
   m.def("int8_gemv", &int8_gemv, release(),
-        "a few float32 rows, each quantized to int8, times int8 weights [N, K] (+ bias)");
+        "a few float32 rows, each quantized to int8, times int8 weights packed as "
+        "[N/16, ceil(K/4), 16, 4] (+ bias)");
 }

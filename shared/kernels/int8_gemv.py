@@ -2,15 +2,20 @@
 
 torch's x86 int8 GEMM costs about 20 us a call at one row whatever the layer's size (it is
 built for many rows); this C++ kernel (`int8_gemv_cpu.cpp`) does a decode step's few rows in
-one pass over the weight. Each row is quantized symmetrically with its own scale (the largest
-magnitude to 127), the products are summed exactly in int32 and scaled back. `CpuInt8Linear`
-calls the compiled `int8_gemv` with the weight's row sums, kept per layer; the reference below
-computes the same in PyTorch.
+one pass over a weight packed once by `pack_int8_gemv_weight` (panels of 16 outputs, each
+64-byte line four K positions of those outputs: AVX-512 VNNI's operand). Each row is quantized
+symmetrically with its own scale (the largest magnitude to 127), the products are summed
+exactly in int32 and scaled back. `CpuInt8Linear` calls the compiled `int8_gemv` with the
+weight's row sums, kept per layer; the reference below computes the same in PyTorch over the
+plain weight.
 """
 
 from __future__ import annotations
 
 import torch
+
+PANEL_OUTPUTS = 16  # outputs in one panel: one 512-bit register of int32 sums
+GROUP = 4  # K positions in one 32-bit group of codes
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,3 +41,21 @@ def weight_row_sums(qweight: torch.Tensor) -> torch.Tensor:
     """Each int8 weight row's sum, int32 [N]: the kernel takes it once per layer (its VNNI path
     offsets the activation codes by 128 and subtracts 128 times this)."""
     return qweight.sum(1, dtype=torch.int32).contiguous()
+
+
+def pack_int8_gemv_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> int8 [ceil(N/16), ceil(K/4), 16, 4]: element (n, k) at
+    [n // 16, k // 4, n % 16, k % 4], zero-padded past N and K."""
+    outputs, width = qweight.shape
+    padded = torch.zeros(
+        -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // GROUP) * GROUP, dtype=torch.int8
+    )
+    padded[:outputs, :width] = qweight
+    panels = padded.view(-1, PANEL_OUTPUTS, padded.shape[1] // GROUP, GROUP)
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8_gemv_weight(packed: torch.Tensor, outputs: int, width: int) -> torch.Tensor:
+    """The int8 [N, K] weight back from `pack_int8_gemv_weight`'s layout."""
+    plain = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL_OUTPUTS, -1)
+    return plain[:outputs, :width]

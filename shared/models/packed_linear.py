@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from nori.kernels.bf16_gemv import bf16_gemv
+from nori.kernels.bf16_gemv import bf16_gemv, pack_bf16_gemv_weight
 from nori.kernels.cpu_build import cpu_kernels
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
-# One row takes the C++ GEMV (bf16_gemv_cpu.cpp) rather than the packed GEMM, whose call
-# costs about 23 us at any size (measured in docs/benchmark-results.md).
-GEMV_MAX_ROWS = 1
+# Up to this many rows take the C++ GEMV (bf16_gemv_cpu.cpp) rather than oneDNN's packed GEMM,
+# whose call costs about 23 us at any size. On AVX-512 BF16 without AMX the GEMV is 20-40%
+# faster from 1 to 8 rows and no faster from 16 (docs/benchmarks.md); with AMX oneDNN's GEMM
+# wins from 2 rows, but one row is memory-bound either way.
+GEMV_MAX_ROWS = 8
 
 
 class PackedBf16Linear(nn.Module):
@@ -22,8 +26,8 @@ class PackedBf16Linear(nn.Module):
     out on every call, which at decode batch sizes costs more than the product (a 2752x512
     layer at batch 1: 40 us prepacked, 84 us through F.linear, 95 us in float32 on this CPU).
     torch.compile's CPU backend packs frozen weights the same way; the results are identical.
-    A decode step's single row takes the C++ GEMV over the plain weight instead, kept
-    beside the packed copy (two more bytes a weight).
+    A decode step's few rows take the C++ GEMV instead, over its own packed copy of the
+    weight (two more bytes a weight), on hosts without AMX; with AMX only a single row does.
     """
 
     packed_weight: torch.Tensor
@@ -38,11 +42,12 @@ class PackedBf16Linear(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous(), 16),
         )
         self.register_buffer("bias", None if bias is None else bias.bfloat16().contiguous())
-        self._plain_weight = weight.bfloat16().contiguous() if cpu_kernels() is not None else None
+        self._gemv_weight = pack_bf16_gemv_weight(weight) if cpu_kernels() is not None else None
+        self._gemv_max_rows = 1 if _has_amx() else GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._plain_weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            return bf16_gemv(x, self._plain_weight, self.bias)
+        if self._gemv_weight is not None and x.dim() == 2 and x.shape[0] <= self._gemv_max_rows:
+            return bf16_gemv(x, self._gemv_weight, self.out_features, self.bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x.bfloat16(), self.packed_weight, self.bias, "none", [], ""
         )
@@ -50,6 +55,16 @@ class PackedBf16Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, weight=bfloat16 (oneDNN packed)"
+
+
+@functools.cache
+def _has_amx() -> bool:
+    """Whether oneDNN's bf16 GEMM can run on AMX tiles here (the CPU's `amx_bf16` flag)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
 
 
 def bf16_packing_supported() -> bool:

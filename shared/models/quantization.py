@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from nori.kernels.cpu_build import cpu_kernels
-from nori.kernels.int8_gemv import weight_row_sums
+from nori.kernels.int8_gemv import pack_int8_gemv_weight, weight_row_sums
 from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
 from nori.kernels.row_scale import (
     SMALLEST_ROW_MAX,
@@ -99,8 +99,12 @@ class CpuInt8Linear(nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(per_channel, None)
         self._bias = None if bias is None else bias.float().contiguous()
         # A decode step's few rows take the C++ GEMV instead (int8_gemv_cpu.cpp), which reads
-        # the plain int8 rows: kept beside the GEMM's packed copy (one more byte a weight).
-        self._gemv_weight = (qweight, scale, weight_row_sums(qweight))
+        # its own packed copy of the int8 rows, kept beside the GEMM's (one more byte a weight).
+        self._gemv_weight = (
+            pack_int8_gemv_weight(qweight),
+            scale.float().contiguous(),
+            weight_row_sums(qweight),
+        )
         self._reduce_range = cpu_int8_activation_bits() == 7
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +116,8 @@ class CpuInt8Linear(nn.Module):
             out = torch.ops.quantized.linear_dynamic(unit_rows, self._packed, self._reduce_range)
             out = scale_rows_back_reference(out, row_max, self._bias)
         elif rows.shape[0] <= GEMV_MAX_ROWS:
-            qweight, scale, row_sums = self._gemv_weight
-            out = kernels.int8_gemv(rows, qweight, scale, row_sums, self._bias)
+            packed, scale, row_sums = self._gemv_weight
+            out = kernels.int8_gemv(rows, packed, self.out_features, scale, row_sums, self._bias)
         else:
             # Straight to the C++ passes: this runs four times per layer and step.
             unit_rows, row_max = kernels.rows_to_unit(rows, SMALLEST_ROW_MAX)

@@ -6,9 +6,19 @@ import pytest
 import torch
 
 from nori.kernels.argmax import argmax_rows
-from nori.kernels.bf16_gemv import bf16_gemv, bf16_gemv_reference
+from nori.kernels.bf16_gemv import (
+    bf16_gemv,
+    bf16_gemv_reference,
+    pack_bf16_gemv_weight,
+    unpack_bf16_gemv_weight,
+)
 from nori.kernels.cpu_build import cpu_kernels
-from nori.kernels.int8_gemv import int8_gemv_reference, weight_row_sums
+from nori.kernels.int8_gemv import (
+    int8_gemv_reference,
+    pack_int8_gemv_weight,
+    unpack_int8_gemv_weight,
+    weight_row_sums,
+)
 from nori.kernels.quantized_linear import quantize_weight
 from nori.kernels.rms_norm import rms_norm, rms_norm_reference
 from nori.kernels.rotary import rotary, rotary_reference
@@ -143,10 +153,11 @@ def test_scale_rows_back_in_place(rows: int, bias: bool) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [5, 37, 512, 1376])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 21])
 def test_int8_gemv(rows: int, width: int, bias: bool) -> None:
-    """Widths off the 32-byte vector (a scalar tail), one all-zero row, against the reference
-    (exact int64 sums): only float32 rounding of the scaling separates them."""
+    """Widths off the 4-byte group (padded codes), 67 outputs (a part panel), row counts below,
+    at and past one 16-row block, one all-zero row, against the reference (exact int64 sums):
+    only float32 rounding of the scaling separates them."""
     weight = _randn(67, width) * 0.05
     qweight, scale = quantize_weight(weight, "int8")
     x = _randn(rows, width, seed=1) * torch.logspace(-2, 2, rows)[:, None]
@@ -154,7 +165,12 @@ def test_int8_gemv(rows: int, width: int, bias: bool) -> None:
         x[-1] = 0
     bias_values = _randn(67, seed=2) if bias else None
     expected = int8_gemv_reference(x, qweight, scale, bias_values)
-    result = cpu_kernels().int8_gemv(x, qweight, scale, weight_row_sums(qweight), bias_values)
+    packed = pack_int8_gemv_weight(qweight)
+    assert packed.shape == (5, (width + 3) // 4, 16, 4)
+    assert torch.equal(unpack_int8_gemv_weight(packed, 67, width), qweight)
+    result = cpu_kernels().int8_gemv(
+        x, packed, 67, scale.float(), weight_row_sums(qweight), bias_values
+    )
     torch.testing.assert_close(result, expected)
     # The reference is the dequantized weight times per-row 8-bit activations.
     exact = torch.nn.functional.linear(x, weight, bias_values)
@@ -163,15 +179,18 @@ def test_int8_gemv(rows: int, width: int, bias: bool) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [5, 37, 512, 1376])
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 21])
 def test_bf16_gemv(rows: int, width: int, bias: bool) -> None:
-    """Widths off the 32-element vector, row and output counts off the 4 x 4 tile, against
-    float32 products of the same bf16 values: they differ by the order of the float32 sums
-    and one bf16 rounding."""
+    """Odd widths (a half pair), 67 outputs (a part panel), row counts below, at and past one
+    16-row block, against float32 products of the same bf16 values: they differ by the order of
+    the float32 sums and one bf16 rounding."""
     weight = _randn(67, width).bfloat16()
     x = _randn(rows, width, seed=1).bfloat16()
     bias_values = _randn(67, seed=2).bfloat16() if bias else None
-    result = bf16_gemv(x, weight, bias_values)
+    packed = pack_bf16_gemv_weight(weight)
+    assert packed.shape == (5, (width + 1) // 2, 16, 2)
+    assert torch.equal(unpack_bf16_gemv_weight(packed, 67, width), weight)
+    result = bf16_gemv(x, packed, 67, bias_values)
     assert result.dtype is torch.bfloat16 and result.shape == (rows, 67)
     torch.testing.assert_close(
         result, bf16_gemv_reference(x, weight, bias_values), **TOLERANCE[torch.bfloat16]
