@@ -32,16 +32,27 @@ constexpr int kLanes = 16;      // outputs in a panel: one 512-bit register of i
 constexpr int kGroup = 4;       // K positions in one 32-bit group
 constexpr int kBlockRows = 16;  // token rows summed together over one panel
 
+// What turns one panel's int32 sums of a row block into float32 outputs.
+struct PanelOutput {
+  const int32_t* weight_sums;  // [lanes] row sums of the panel's weight rows
+  const float* weight_scale;   // [lanes]
+  const float* bias;           // [lanes] or nullptr
+  const float* row_scale;      // [ROWS] the block's rows' scales
+  float* y;                    // the block's first row, at the panel's first output
+  int64_t y_stride;
+  int64_t lanes;
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // VNNI multiplies unsigned by signed bytes: the codes go in offset by 128 (1..255) and the
 // weight row's sum times 128 comes off afterwards (row_sums, computed once per layer).
 constexpr int kCodeOffset = 128;
 
-// One panel times ROWS rows of a block: sums[r][lane], int32. groups: the block's codes as
-// [num_groups][kBlockRows] 32-bit groups of four bytes.
+// One panel times ROWS rows of a block, scaled back to float32 from the registers. groups: the
+// block's codes as [num_groups][kBlockRows] 32-bit groups of four bytes.
 template <int ROWS>
 void panel_times_rows(const uint32_t* groups, const int8_t* panel, int64_t num_groups,
-                      int32_t (*sums)[kLanes]) {
+                      const PanelOutput& out) {
   __m512i acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_si512();
   for (int64_t g = 0; g < num_groups; ++g) {
@@ -52,14 +63,63 @@ void panel_times_rows(const uint32_t* groups, const int8_t* panel, int64_t num_g
       acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(static_cast<int>(row_groups[r])),
                                    weights);
   }
-  for (int r = 0; r < ROWS; ++r) _mm512_storeu_si512(sums[r], acc[r]);
+  const __mmask16 mask =
+      out.lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << out.lanes) - 1);
+  const __m512i offset = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(mask, out.weight_sums),
+                                            _mm512_set1_epi32(kCodeOffset));
+  const __m512 w_scale = _mm512_maskz_loadu_ps(mask, out.weight_scale);
+  const __m512 add =
+      out.bias != nullptr ? _mm512_maskz_loadu_ps(mask, out.bias) : _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset));
+    // (sum * row_scale) * weight_scale + bias, in the order the plain path rounds it.
+    const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(sums, _mm512_set1_ps(out.row_scale[r])),
+                                        w_scale);
+    _mm512_mask_storeu_ps(out.y + r * out.y_stride, mask, _mm512_add_ps(scaled, add));
+  }
+}
+
+// One row quantized into its block's layout: codes + 128 as bytes, group k / 4 of the row at
+// dst + (k / 4) * kBlockRows groups. Returns the row's scale.
+float quantize_row(const float* row, int64_t width, uint8_t* dst) {
+  __m512 largest = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= width; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  if (k < width) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (width - k)) - 1);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, row + k)));
+  }
+  const float top = _mm512_reduce_max_ps(largest);
+  const float scale = top > 0.f ? top / 127.f : 1.f;
+  const __m512 inverse = _mm512_set1_ps(1.f / scale);
+  const __m512 high = _mm512_set1_ps(127.f), low = _mm512_set1_ps(-127.f);
+  const __m512i offset = _mm512_set1_epi32(kCodeOffset);
+  for (k = 0; k < width; k += 16) {
+    const int64_t count = std::min<int64_t>(16, width - k);
+    const __mmask16 valid = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    const __m512 v = _mm512_min_ps(
+        high, _mm512_max_ps(low, _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + k), inverse)));
+    // Round to nearest even, as std::nearbyint and torch.round do.
+    const __m512i codes = _mm512_add_epi32(
+        _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+        offset);
+    alignas(16) uint8_t bytes[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(codes));
+    // Four groups of four codes, each to its own line. Past K the codes stay 0 (they meet the
+    // packed weight's zero padding).
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t at = k + j;
+      dst[(at / kGroup) * kBlockRows * kGroup + at % kGroup] = bytes[j];
+    }
+  }
+  return scale;
 }
 #else
 constexpr int kCodeOffset = 0;
 
 template <int ROWS>
 void panel_times_rows(const uint32_t* groups, const int8_t* panel, int64_t num_groups,
-                      int32_t (*sums)[kLanes]) {
+                      const PanelOutput& out) {
   for (int r = 0; r < ROWS; ++r) {
     int32_t acc[kLanes] = {};
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -70,12 +130,27 @@ void panel_times_rows(const uint32_t* groups, const int8_t* panel, int64_t num_g
         for (int j = 0; j < kGroup; ++j)
           acc[lane] += static_cast<int32_t>(codes[j]) * static_cast<int32_t>(w[lane * kGroup + j]);
     }
-    std::memcpy(sums[r], acc, sizeof(acc));
+    for (int64_t lane = 0; lane < out.lanes; ++lane) {
+      const float value = static_cast<float>(acc[lane]) * out.row_scale[r] * out.weight_scale[lane];
+      out.y[r * out.y_stride + lane] = out.bias != nullptr ? value + out.bias[lane] : value;
+    }
   }
+}
+
+float quantize_row(const float* row, int64_t width, uint8_t* dst) {
+  float largest = 0.f;
+  for (int64_t k = 0; k < width; ++k) largest = std::max(largest, std::fabs(row[k]));
+  const float scale = largest > 0.f ? largest / 127.f : 1.f;
+  const float inverse = 1.f / scale;
+  for (int64_t k = 0; k < width; ++k) {
+    const int code = static_cast<int>(std::nearbyint(std::clamp(row[k] * inverse, -127.f, 127.f)));
+    dst[(k / kGroup) * kBlockRows * kGroup + k % kGroup] = static_cast<uint8_t>(code);
+  }
+  return scale;
 }
 #endif
 
-using PanelFn = void (*)(const uint32_t*, const int8_t*, int64_t, int32_t (*)[kLanes]);
+using PanelFn = void (*)(const uint32_t*, const int8_t*, int64_t, const PanelOutput&);
 
 template <int... I>
 constexpr std::array<PanelFn, sizeof...(I)> panel_functions(std::integer_sequence<int, I...>) {
@@ -118,27 +193,16 @@ torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_
   if (rows == 0 || outputs == 0) return out;
 
   // Quantize each row (symmetric, its largest magnitude to 127) straight into the block
-  // layout [block][group][kBlockRows]: one group of every row of a block is one line. Codes past
-  // K meet the packed weight's zero padding.
+  // layout [block][group][kBlockRows]: one group of every row of a block is one line.
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   std::vector<uint32_t> groups(static_cast<size_t>(blocks * num_groups * kBlockRows), 0u);
-  std::vector<float> row_scale(rows);
+  std::vector<float> row_scale(static_cast<size_t>(blocks * kBlockRows), 1.f);
   const float* x = input.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * width;
-    float largest = 0.f;
-    for (int64_t k = 0; k < width; ++k) largest = std::max(largest, std::fabs(row[k]));
-    const float scale = largest > 0.f ? largest / 127.f : 1.f;
-    const float inverse = 1.f / scale;
-    row_scale[r] = scale;
     auto* dst = reinterpret_cast<uint8_t*>(groups.data() +
                                            (r / kBlockRows) * num_groups * kBlockRows +
                                            r % kBlockRows);
-    for (int64_t k = 0; k < width; ++k) {
-      const int code = static_cast<int>(std::nearbyint(std::clamp(row[k] * inverse, -127.f, 127.f)));
-      // The byte of code + offset: read back as uint8 by VNNI, as int8 by the plain loop.
-      dst[(k / kGroup) * kBlockRows * kGroup + k % kGroup] = static_cast<uint8_t>(code + kCodeOffset);
-    }
+    row_scale[r] = quantize_row(x + r * width, width, dst);
   }
 
   const int8_t* w = packed_weight.data_ptr<int8_t>();
@@ -147,24 +211,19 @@ torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_
   float* y = out.data_ptr<float>();
   const int64_t panel_elements = num_groups * kGroup * kLanes;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    int32_t sums[kBlockRows][kLanes];
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t first = panel * kLanes;
-      const int64_t lanes = std::min<int64_t>(kLanes, outputs - first);
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);
+        const PanelOutput target{w_sums + first,
+                                 w_scale + first,
+                                 add != nullptr ? add + first : nullptr,
+                                 row_scale.data() + block * kBlockRows,
+                                 y + block * kBlockRows * outputs + first,
+                                 outputs,
+                                 std::min<int64_t>(kLanes, outputs - first)};
         kPanelTimes[block_rows - 1](groups.data() + block * num_groups * kBlockRows,
-                                    w + panel * panel_elements, num_groups, sums);
-        for (int64_t r = 0; r < block_rows; ++r) {
-          const int64_t row = block * kBlockRows + r;
-          float* y_row = y + row * outputs + first;
-          for (int64_t lane = 0; lane < lanes; ++lane) {
-            const int32_t sum = sums[r][lane] - kCodeOffset * w_sums[first + lane];
-            float value = static_cast<float>(sum) * row_scale[row] * w_scale[first + lane];
-            if (add != nullptr) value += add[first + lane];
-            y_row[lane] = value;
-          }
-        }
+                                    w + panel * panel_elements, num_groups, target);
       }
     }
   });
