@@ -25,6 +25,7 @@ namespace {
 
 constexpr int kLanes = 16;    // outputs in a panel: one 512-bit register of float32 sums
 constexpr int kBlockRows = 16;  // token rows summed together over one panel
+constexpr int kPrefetchPanels = 2;  // how far ahead a one-row pass asks for its weights
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = static_cast<uint32_t>(bits) << 16;
@@ -46,16 +47,29 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int ROWS>
 void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_pairs,
-                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes) {
+                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes,
+                      const char* ahead) {
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    const __m512bh weights = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kLanes);
-    const uint32_t* row_pairs = pairs + p * kBlockRows;
+  if (ROWS == 1 && ahead != nullptr) {
+    // One row is bound by memory: each line of this panel also asks for the same line of a
+    // panel further on into L2 (18% less time a step at batch 1 on an EPYC; it slowed 8 rows).
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const __m512bh weights = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kLanes);
+      // As an asm statement: GCC 12 deletes plain _mm_prefetch loops (decode_attention_cpu.cpp).
+      asm volatile("prefetcht1 %0" : : "m"(*(ahead + 64 * p)));
+      const int pair = static_cast<int>(pairs[p * kBlockRows]);
+      acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_set1_epi32(pair), weights);
+    }
+  } else {
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const __m512bh weights = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kLanes);
+      const uint32_t* row_pairs = pairs + p * kBlockRows;
 #pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r)
-      acc[r] = _mm512_dpbf16_ps(
-          acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(row_pairs[r])), weights);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm512_dpbf16_ps(
+            acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(row_pairs[r])), weights);
+    }
   }
   const __mmask16 mask = lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
   const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
@@ -67,7 +81,8 @@ void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_
 #else
 template <int ROWS>
 void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_pairs,
-                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes) {
+                      const float* bias, uint16_t* y, int64_t y_stride, int64_t lanes,
+                      const char* /*ahead*/) {
   for (int r = 0; r < ROWS; ++r) {
     for (int64_t lane = 0; lane < lanes; ++lane) {
       float total = 0.f;
@@ -85,7 +100,7 @@ void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_
 #endif
 
 using PanelFn = void (*)(const uint32_t*, const uint16_t*, int64_t, const float*, uint16_t*,
-                         int64_t, int64_t);
+                         int64_t, int64_t, const char*);
 
 template <int... I>
 constexpr std::array<PanelFn, sizeof...(I)> panel_functions(std::integer_sequence<int, I...>) {
@@ -138,13 +153,18 @@ torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& packed_
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t lanes = std::min<int64_t>(kLanes, outputs - panel * kLanes);
+      // Within this thread's panels: the next thread's are its own to fetch.
+      const char* ahead =
+          panel + kPrefetchPanels < end
+              ? reinterpret_cast<const char*>(w + (panel + kPrefetchPanels) * panel_elements)
+              : nullptr;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);
         kPanelTimes[block_rows - 1](row_pairs.data() + block * num_pairs * kBlockRows,
                                     w + panel * panel_elements, num_pairs,
                                     add != nullptr ? add + panel * kLanes : nullptr,
                                     y + block * kBlockRows * outputs + panel * kLanes, outputs,
-                                    lanes);
+                                    lanes, ahead);
       }
     }
   });

@@ -31,6 +31,7 @@ namespace {
 constexpr int kLanes = 16;      // outputs in a panel: one 512-bit register of int32 sums
 constexpr int kGroup = 4;       // K positions in one 32-bit group
 constexpr int kBlockRows = 16;  // token rows summed together over one panel
+constexpr int kPrefetchPanels = 2;  // how far ahead a one-row pass asks for its weights
 
 // What turns one panel's int32 sums of a row block into float32 outputs.
 struct PanelOutput {
@@ -41,6 +42,7 @@ struct PanelOutput {
   float* y;                    // the block's first row, at the panel's first output
   int64_t y_stride;
   int64_t lanes;
+  const char* ahead;  // a panel further on in this thread's share, or nullptr
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -55,13 +57,24 @@ void panel_times_rows(const uint32_t* groups, const int8_t* panel, int64_t num_g
                       const PanelOutput& out) {
   __m512i acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const __m512i weights = _mm512_loadu_si512(panel + g * kGroup * kLanes);
-    const uint32_t* row_groups = groups + g * kBlockRows;
+  if (ROWS == 1 && out.ahead != nullptr) {
+    // One row is bound by memory: each line of this panel also asks for the same line of a
+    // panel further on into L2 (as bf16_gemv_cpu.cpp; an asm statement, which GCC keeps).
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const __m512i weights = _mm512_loadu_si512(panel + g * kGroup * kLanes);
+      asm volatile("prefetcht1 %0" : : "m"(*(out.ahead + 64 * g)));
+      const int codes = static_cast<int>(groups[g * kBlockRows]);
+      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_set1_epi32(codes), weights);
+    }
+  } else {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const __m512i weights = _mm512_loadu_si512(panel + g * kGroup * kLanes);
+      const uint32_t* row_groups = groups + g * kBlockRows;
 #pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r)
-      acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(static_cast<int>(row_groups[r])),
-                                   weights);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(static_cast<int>(row_groups[r])),
+                                     weights);
+    }
   }
   const __mmask16 mask =
       out.lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << out.lanes) - 1);
@@ -221,7 +234,11 @@ torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_
                                  row_scale.data() + block * kBlockRows,
                                  y + block * kBlockRows * outputs + first,
                                  outputs,
-                                 std::min<int64_t>(kLanes, outputs - first)};
+                                 std::min<int64_t>(kLanes, outputs - first),
+                                 panel + kPrefetchPanels < end
+                                     ? reinterpret_cast<const char*>(
+                                           w + (panel + kPrefetchPanels) * panel_elements)
+                                     : nullptr};
         kPanelTimes[block_rows - 1](groups.data() + block * num_groups * kBlockRows,
                                     w + panel * panel_elements, num_groups, target);
       }
