@@ -4,14 +4,14 @@
 #   nori run-batch --model demo --colocated          (gateway + one worker)
 #   nori run-batch --model demo --prefill 1 --decode 1   (disaggregated)
 # taking turns, ROUNDS times; prints the medians and the ratios to offline.
-# Usage: bench/batch_throughput.sh [ROUNDS=3] [OUT=bench/results/batch] [NUM_PROMPTS=1000]
+# Usage: bench/batch_throughput.sh [ROUNDS=3] [OUT=results/batch] [NUM_PROMPTS=1000]
 #                                  [WORKER_ARGS, e.g. '--engine-core thread']
 # MODEL (default demo) and ENGINE_ARGS (e.g. '--dtype bfloat16': the engine's, for offline and
 # for every worker) from the environment.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds="${1:-3}"
-out="${2:-bench/results/batch}"
+out="${2:-results/batch}"
 num="${3:-1000}"
 worker_args="${4:-}"
 model="${MODEL:-demo}"

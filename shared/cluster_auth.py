@@ -12,7 +12,7 @@ from one use (a gRPC token seen on the wire) neither reveals the secret nor serv
   (`nori.state.registry`), so the gateway routes only to workers that hold the secret.
 
 Without a secret the cluster is open, as before: nothing is signed, every call is accepted. That
-is for a single trusted host only; the README's "Security" section says what to set.
+is for a single trusted host only; the "Security" section of docs/operations.md says what to set.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from nori.gateway.context import ServingContext
 from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
 from nori.gateway.errors import APIError, as_api_error, install_error_handlers
 from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
+from nori.gateway.prompts import detokenize, tokenize
 from nori.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +40,6 @@ from nori.gateway.protocol import (
     TokenizeRequest,
 )
 from nori.gateway.request_id import EchoRequestIdMiddleware
-from nori.gateway.tokenize import detokenize, tokenize
 from nori.sampling.chat_template import TemplateLimits
 from nori.sampling.tokenizer import Tokenizer
 

@@ -1,5 +1,7 @@
 """The prompt of a request as token ids: completions prompts, chat messages through the template,
-and the model name; bad input is a 400 (404 for an unknown model)."""
+and the model name; bad input is a 400 (404 for an unknown model). Also `/tokenize` and
+`/detokenize`, as vLLM serves them: what a prompt (or a chat) is as token ids, and what token
+ids read as; nothing reaches a worker."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ from typing import Any, Protocol
 
 from nori.gateway.context import ServingContext
 from nori.gateway.errors import APIError, bad_request
-from nori.gateway.protocol import ChatMessage, TextContentPart
+from nori.gateway.protocol import (
+    ChatMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TextContentPart,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 # The longest chat template a request may bring. Real ones are a few kB (Llama 3.1's about 5,
 # the largest tool-calling ones under 16); compiling costs time in proportion to the text
@@ -164,3 +173,29 @@ def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
     refuse_hopeless_text(ctx, text, "messages")
     # The template writes BOS itself; adding special tokens again would double it.
     return check_token_ids(ctx, ctx.tokenizer.encode(text, add_special_tokens=False), "messages")
+
+
+def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+    check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either `prompt` or `messages`", "prompt")
+    if body.messages is not None:
+        tokens = chat_prompt(ctx, body)
+    else:
+        assert body.prompt is not None
+        # Text that cannot fit the context is not tokenized: its count would only say so.
+        refuse_hopeless_text(ctx, body.prompt, "prompt")
+        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = [ctx.tokenizer.id_to_token(token) or "" for token in tokens]
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens, token_strs=token_strs
+    )
+
+
+def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(ctx, body.model)
+    tokens = check_token_ids(ctx, body.tokens, "tokens") if body.tokens else []
+    # Special tokens stay, as in vLLM: the text is what the ids are, not what a reply shows.
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(tokens, skip_special_tokens=False))

@@ -1,5 +1,5 @@
 """`nori bench overload`: its verdicts on fixed figures, and a short overload of a real cluster
-(what CI runs; the README has the 60-second run at 5x)."""
+(what CI runs; docs/operations.md has the 60-second run at 5x)."""
 
 from __future__ import annotations
 

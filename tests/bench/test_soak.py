@@ -1,5 +1,5 @@
 """`nori bench soak`: its verdicts on a fixed trace, and a one-minute run against a real cluster
-(what CI runs; the README has the 30-minute one)."""
+(what CI runs; docs/operations.md has the 30-minute one)."""
 
 from __future__ import annotations
 

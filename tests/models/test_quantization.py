@@ -147,7 +147,7 @@ def stories() -> Path:
 def test_stories260k_with_int8_weights_stays_within_issue_12s_bounds(stories: Path) -> None:
     """16 prompts of 64 tokens, 64 greedy steps each: the int8 model's greedy choice is
     float32's at >= 90% of steps (same history) and every step's logits cosine is >= 0.99.
-    The free-run agreement is reported, not bounded: see bench/fidelity.py (README figures)."""
+    The free-run agreement is reported, not bounded: see bench/fidelity.py (docs/benchmark-results.md)."""
     report = measure_fidelity(FidelitySettings(model=str(stories), quantization="int8"))
     assert report.num_positions == 16 * 64
     assert report.step_agreement >= 0.9, report
@@ -182,7 +182,7 @@ def test_stories260k_with_int8_weights_and_an_8_bit_kv_cache_stays_within_issue_
 ) -> None:
     """Both levers stacked: >= 90% step agreement and every step's logits cosine >= 0.99.
     With one activation scale per GEMM call (before per-token scales) 2-3 of the 1024 steps
-    fell to 0.972-0.974 here (README figures).
+    fell to 0.972-0.974 here (docs/benchmark-results.md).
 
     The cosine bound is issue 12's on a CPU with VNNI, whose int8 GEMM keeps 8-bit
     activations. Without VNNI (an AVX2-only EPYC host) they keep 7, and with an fp8 cache
