@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nori.bench.offline import Workload
+from nori.bench.offline import OfflineWorkload
 from nori.bench.serve.prompts import PromptMaker
 from nori.bench.serve.sharegpt import sharegpt_requests
 from nori.models.demo import resolve_model
@@ -51,7 +51,7 @@ def write_sharegpt_batch_file(
     return len(specs)
 
 
-def workload_from_batch_file(path: Path) -> Workload:
+def workload_from_batch_file(path: Path) -> OfflineWorkload:
     """The file's completions lines with token-id prompts, as an offline workload."""
     prompts: list[list[int]] = []
     output_lens: list[int] = []
@@ -68,4 +68,4 @@ def workload_from_batch_file(path: Path) -> Workload:
         output_lens.append(int(body["max_tokens"]))
     if not prompts:
         raise ValueError(f"{path}: no requests")
-    return Workload(prompts, output_lens)
+    return OfflineWorkload(prompts, output_lens)

@@ -23,13 +23,13 @@ from dataclasses import dataclass, replace
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.models.demo import resolve_model
 from nori.sampling.params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Workload:
+class OfflineWorkload:
     prompts: list[list[int]]
     output_lens: list[int]
 
@@ -72,7 +72,7 @@ def make_workload(
     output_range: tuple[int, int],
     vocab_size: int,
     seed: int,
-) -> Workload:
+) -> OfflineWorkload:
     """Random token prompts (like `vllm bench throughput --dataset random`)."""
     rng = random.Random(seed)
     # Low ids are often special tokens; stay clear of them.
@@ -82,10 +82,10 @@ def make_workload(
         for _ in range(num_prompts)
     ]
     output_lens = [rng.randint(*output_range) for _ in range(num_prompts)]
-    return Workload(prompts, output_lens)
+    return OfflineWorkload(prompts, output_lens)
 
 
-def check_fits(workload: Workload, max_model_len: int) -> None:
+def check_fits(workload: OfflineWorkload, max_model_len: int) -> None:
     """Refuses a workload whose requests the engine would cut short: a request whose prompt plus
     output exceeds max_model_len stops early ("length"), and its throughput would count
     tokens nobody asked for less than the workload says."""
@@ -107,7 +107,7 @@ def check_fits(workload: Workload, max_model_len: int) -> None:
 def run_policy(
     config: EngineConfig,
     runner: ModelRunner,
-    workload: Workload,
+    workload: OfflineWorkload,
     policy: str,
     show_progress: bool,
 ) -> RunResult:
@@ -120,7 +120,7 @@ def run_policy(
         # Greedy and ignore_eos: every request produces exactly its target number of tokens.
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.add_request(f"{policy}-{index}", prompt, params)
-    finished: list[RequestOutput] = []
+    finished: list[StepOutput] = []
     steps = 0
     total = sum(workload.output_lens)
     start = time.perf_counter()
@@ -170,7 +170,7 @@ def run_offline_benchmark(
     compare_static: bool,
     show_progress: bool,
     repeats: int = 1,
-    workload: Workload | None = None,
+    workload: OfflineWorkload | None = None,
 ) -> dict[str, object]:
     """`workload`: these requests (`--batch-file`) instead of random ones."""
     if repeats < 1:

@@ -20,8 +20,9 @@ from nori.engine.engine import LLMEngine
 from nori.rpc.convert import delta_from_output
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
-from nori.transfer.handoff import HandOff, KVDestination
+from nori.transfer.handoff import HandOff
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.output_streams import (

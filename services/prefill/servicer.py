@@ -22,9 +22,10 @@ from nori.engine.kv_export import KVExport
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output
 from nori.transfer.base import KVSender, TransferError, TransferRejected
-from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import buffer_checksums
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.kv_layout import source_buffers

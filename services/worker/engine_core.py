@@ -41,7 +41,7 @@ import torch
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_device
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import EngineLoad, RequestOutput
+from nori.engine.outputs import EngineLoad, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def responsive(core: EngineCore, stall_s: float) -> bool:
 async def start_engine_core(
     mode: EngineCoreMode,
     config: EngineConfig,
-    on_outputs: Callable[[list[RequestOutput]], None],
+    on_outputs: Callable[[list[StepOutput]], None],
     *,
     setup: Callable[[LLMEngine], object] | None = None,
     probe: StepProbe | None = None,
@@ -161,7 +161,7 @@ async def start_engine_core(
 
 def result_of_step(
     engine: LLMEngine, probe: StepProbe | None
-) -> tuple[list[RequestOutput], object | None]:
+) -> tuple[list[StepOutput], object | None]:
     """One step's outputs and its probe: a step that raises fails its batch (a bug, not bad
     input, which is rejected when added) and the engine keeps serving."""
     try:
@@ -183,7 +183,7 @@ class EngineThread:
         self,
         engine: LLMEngine,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[RequestOutput]], None],
+        on_outputs: Callable[[list[StepOutput]], None],
         probe: StepProbe | None = None,
         on_probe: Callable[[Any], None] | None = None,
     ) -> None:

@@ -43,7 +43,7 @@ import torch.multiprocessing
 
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import EngineLoad, RequestOutput
+from nori.engine.outputs import EngineLoad, StepOutput
 from nori.launch.parent_death import exit_with_parent
 from nori.worker.engine_core import (
     EngineFacts,
@@ -70,7 +70,7 @@ class EngineProcess:
         self,
         config: EngineConfig,
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[RequestOutput]], None],
+        on_outputs: Callable[[list[StepOutput]], None],
         setup: Callable[[LLMEngine], object] | None = None,
         probe: StepProbe | None = None,
         on_probe: Callable[[Any], None] | None = None,
@@ -271,7 +271,7 @@ def _serve(
         answers, stop = _apply_operations(
             engine, operations, block=not engine.has_unfinished_requests()
         )
-        outputs: list[RequestOutput] = []
+        outputs: list[StepOutput] = []
         probed = None
         if not stop and engine.has_unfinished_requests():
             outputs, probed = result_of_step(engine, probe)
@@ -308,7 +308,7 @@ def _apply_operations(
 def _send_turn(
     connection: Connection,
     answers: list[Answer],
-    outputs: list[RequestOutput],
+    outputs: list[StepOutput],
     load: EngineLoad,
     probed: object | None,
 ) -> None:

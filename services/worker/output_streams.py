@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 
 
-async def next_output(queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
+async def next_output(queue: asyncio.Queue[StepOutput]) -> StepOutput:
     """The request's next output, merged with every further one already waiting.
 
     When the consumer falls behind (a busy event loop, a slow client), the steps it missed go
@@ -20,7 +20,7 @@ async def next_output(queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
     return output
 
 
-async def next_output_of(queue: asyncio.Queue[RequestOutput], num_tokens: int) -> RequestOutput:
+async def next_output_of(queue: asyncio.Queue[StepOutput], num_tokens: int) -> StepOutput:
     """The request's next outputs merged until they hold at least `num_tokens` new tokens, or
     the last one is in: one message per `num_tokens` tokens (--stream-interval)."""
     output = await next_output(queue)
@@ -29,7 +29,7 @@ async def next_output_of(queue: asyncio.Queue[RequestOutput], num_tokens: int) -
     return output
 
 
-class OutputQueue(asyncio.Queue[RequestOutput]):
+class OutputQueue(asyncio.Queue[StepOutput]):
     """One request's outputs, and whether its last one is in (`finished`)."""
 
     def __init__(self) -> None:
@@ -37,7 +37,7 @@ class OutputQueue(asyncio.Queue[RequestOutput]):
         self.finished = asyncio.Event()
 
 
-async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> RequestOutput:
+async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> StepOutput:
     """The request's next output merged with every further one for `interval_s`, or until it
     finishes: one message per interval for a caller that needs only the whole completion.
 
@@ -74,7 +74,7 @@ class OutputStreams:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def dispatch(self, outputs: list[RequestOutput]) -> None:
+    def dispatch(self, outputs: list[StepOutput]) -> None:
         for output in outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:

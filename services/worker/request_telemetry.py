@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.telemetry.propagation import context_from_carrier, context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
@@ -86,7 +86,7 @@ class CallRecord:
 
     # ------------------------------------------------------------------ moments of the call
 
-    def output(self, output: RequestOutput, computed_prompt: bool) -> None:
+    def output(self, output: StepOutput, computed_prompt: bool) -> None:
         """An engine output for this call; `computed_prompt`: this worker computed the prompt."""
         now = time.time()
         num_new = len(output.new_token_ids)
@@ -101,7 +101,7 @@ class CallRecord:
             self.num_output_tokens += num_new
             self._last_token_at = now
 
-    def _first_output(self, output: RequestOutput, now: float, computed_prompt: bool) -> None:
+    def _first_output(self, output: StepOutput, now: float, computed_prompt: bool) -> None:
         assert output.scheduled_at is not None
         scheduled = max(output.scheduled_at, self._queued_at)
         self._scheduled_at = scheduled

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from nori.engine.config import EngineConfig
-    from nori.engine.outputs import EngineLoad, RequestOutput
+    from nori.engine.outputs import EngineLoad, StepOutput
     from nori.worker.engine_core import EngineCore, EngineCoreMode
     from nori.worker.servicer_base import EngineServicer
 
@@ -158,7 +158,7 @@ class Worker(ABC):
     def add_servicers(self, server: grpc.aio.Server) -> None: ...
 
     async def start_engine(
-        self, on_outputs: Callable[[list[RequestOutput]], None], **hooks: Any
+        self, on_outputs: Callable[[list[StepOutput]], None], **hooks: Any
     ) -> EngineCore:
         """The role's engine core (`--engine-core`), built from its config; `hooks` are
         start_engine_core's setup, probe and on_probe."""

@@ -2,7 +2,7 @@
 
 One `RequestOutput` per prompt, whose `outputs` hold its `n` completions (`CompletionOutput`),
 so that code written against vLLM's offline API (`outputs[0].outputs[0].text`) runs unchanged.
-The engine's own per-step report (`nori.engine.outputs.RequestOutput`, what workers stream) is
+The engine's own per-step report (`nori.engine.outputs.StepOutput`, what workers stream) is
 a different type: one engine request, one completion, with the deltas of each step.
 """
 
@@ -66,7 +66,7 @@ class RequestOutput:
 
 
 def completion_output(
-    index: int, output: engine.RequestOutput, token_text: Callable[[int], str]
+    index: int, output: engine.StepOutput, token_text: Callable[[int], str]
 ) -> CompletionOutput:
     """Completion `index` of a prompt from its engine request's final output."""
     logprobs = (
@@ -90,7 +90,7 @@ def completion_output(
 def request_output(
     request_id: str,
     prompt: str | None,
-    choices: Sequence[engine.RequestOutput],
+    choices: Sequence[engine.StepOutput],
     token_text: Callable[[int], str],
 ) -> RequestOutput:
     """A prompt's result from the final outputs of its choices' engine requests, in order."""

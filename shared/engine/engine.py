@@ -28,7 +28,7 @@ from nori.engine.block_manager import BlockEvent, BlockManager
 from nori.engine.config import EngineConfig
 from nori.engine.kv_export import KVExport, TransferState, generator_state
 from nori.engine.model_runner import ModelRunner, SampledToken
-from nori.engine.outputs import EngineLoad, RequestOutput
+from nori.engine.outputs import EngineLoad, StepOutput
 from nori.engine.prompt_checks import validate_prompt
 from nori.engine.request import Request, RequestStatus
 from nori.engine.request_text import add_known_tokens, check_stop, make_output, resume_text
@@ -135,7 +135,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------ one step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         if self._step_costs is not None:
             self._scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
                 # The running requests are (about) the decode rows of the coming step.
@@ -181,7 +181,7 @@ class LLMEngine:
                 generators[request.request_id] = request.generator
         return generators
 
-    def _postprocess(self, sample: SampledToken) -> RequestOutput:
+    def _postprocess(self, sample: SampledToken) -> StepOutput:
         request = sample.request
         request.append_token(sample.token_id)
         if sample.logprobs is not None:
@@ -392,13 +392,13 @@ class LLMEngine:
         """Requests in the running batch (computing their prompt or decoding)."""
         return {request.request_id for request in self._scheduler.running}
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[StepOutput]:
         """Ends every running and waiting request; one finished (aborted) output each."""
         outputs = []
         for request in [*self._scheduler.running, *self._scheduler.waiting, *self._scheduler.ready]:
             self.abort_request(request.request_id)
             outputs.append(
-                RequestOutput(
+                StepOutput(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
                     token_ids=request.output_token_ids,

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 
 # The postfix follows the tokens at most this often when no request finishes.
 _REFRESH_S = 0.5
@@ -43,7 +43,7 @@ class GenerateProgress:
         if self._bar is not None:
             self._bar.close()
 
-    def update(self, outputs: Iterable[RequestOutput]) -> None:
+    def update(self, outputs: Iterable[StepOutput]) -> None:
         if self._bar is None:
             return
         done = 0

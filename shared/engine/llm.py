@@ -150,8 +150,8 @@ class LLM:
             for (request_id, ids), prompt in zip(plan, prompts, strict=True)
         ]
 
-    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> dict[str, engine.RequestOutput]:
-        finished: dict[str, engine.RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: UseTqdm) -> dict[str, engine.StepOutput]:
+        finished: dict[str, engine.StepOutput] = {}
         wanted = set(request_ids)
         with GenerateProgress(request_ids, use_tqdm) as progress:
             while self.engine.has_unfinished_requests():

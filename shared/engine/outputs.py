@@ -8,7 +8,7 @@ from nori.sampling.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)
-class RequestOutput:
+class StepOutput:
     request_id: str
     prompt_token_ids: list[int]
     # Everything generated so far (the whole output, not a delta).
@@ -33,7 +33,7 @@ class RequestOutput:
     # time.time() when it left the engine's queue (its first step): the queue wait's end.
     scheduled_at: float | None = None
 
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
+    def followed_by(self, later: StepOutput) -> StepOutput:
         """One output for two consecutive steps of the same request: `later`, whose cumulative
         fields already cover both, with both steps' deltas. Streams send outputs that are ready
         together as one message instead of one per token."""

@@ -4,7 +4,7 @@ the stop checks, and the output that reports what is new. Works on the request's
 
 from __future__ import annotations
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.engine.request import Request, RequestStatus
 
 
@@ -54,12 +54,12 @@ def _flush(request: Request, status: RequestStatus) -> RequestStatus:
     return status
 
 
-def make_output(request: Request) -> RequestOutput:
+def make_output(request: Request) -> StepOutput:
     """What is new since the last output (the whole text so far, too); marks it reported."""
     status = request.status
     output_ids = request.output_token_ids
     finished = status.is_finished
-    result = RequestOutput(
+    result = StepOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         token_ids=output_ids,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
@@ -55,7 +55,7 @@ def logprobs_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprobs:
     )
 
 
-def delta_from_output(output: RequestOutput) -> common_pb2.TokenDelta:
+def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
     """What one engine step added to a request, as a wire delta."""
     delta = common_pb2.TokenDelta(
         token_ids=output.new_token_ids,

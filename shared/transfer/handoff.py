@@ -22,7 +22,6 @@ from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader, KVTran
 __all__ = [
     "HEADER_VERSION",
     "HandOff",
-    "KVDestination",
     "KVTransferReply",
     "TransferHeader",
     "decode_reply",

@@ -38,8 +38,8 @@ from nori.transfer.ucx_worker import (
     ConnectionTags,
     PeerWatch,
     Poster,
-    Request,
     UcxProgress,
+    UcxRequest,
     abort,
     accept_hello,
     connect,
@@ -127,7 +127,7 @@ class _UcxChannel:
 
     async def _post_all(self, views: list[torch.Tensor], send: bool) -> None:
         post = self._poster.send if send else self._poster.recv
-        requests: list[Request] = []
+        requests: list[UcxRequest] = []
         for start in range(0, len(views), _POST_BATCH):
             requests.extend(
                 post(_ucx_buffer(view))

@@ -79,7 +79,7 @@ _ARM_ATTEMPTS = 16
 _TICK_S = 0.05
 
 
-class Request(Protocol):
+class UcxRequest(Protocol):
     """A posted UCX operation; asyncio.Task fits too (the fallback path)."""
 
     def done(self) -> bool: ...
@@ -118,12 +118,12 @@ class Poster:
         self._send_tag: Any = Tag(tags["msg_send"]) if self._direct else None
         self._recv_tag: Any = Tag(tags["msg_recv"]) if self._direct else None
 
-    def send(self, buffer: object) -> Request:
+    def send(self, buffer: object) -> UcxRequest:
         if not self._direct:
             return asyncio.ensure_future(self._endpoint.send(buffer))
         return _Posted(self._raw.tag_send(Array(buffer), self._send_tag), buffer)
 
-    def recv(self, buffer: object) -> Request:
+    def recv(self, buffer: object) -> UcxRequest:
         if not self._direct:
             return asyncio.ensure_future(self._endpoint.recv(buffer))
         return _Posted(self._raw.tag_recv(Array(buffer), self._recv_tag, TagMaskFull), buffer)
@@ -369,7 +369,7 @@ class UcxProgress:
                 waiter.set_result(None)
         self._waiters.clear()
 
-    async def _sleep(self, timeout_s: float, request: Request | None = None) -> None:
+    async def _sleep(self, timeout_s: float, request: UcxRequest | None = None) -> None:
         """Sleeps until the worker has an event (or `request`, a future, is done), at most
         `timeout_s`; returns at once if events are already pending.
 
@@ -418,7 +418,7 @@ class UcxProgress:
             attempt += 1
 
     async def wait_all(
-        self, requests: Sequence[Request], peer_left: Callable[[], bool] | None = None
+        self, requests: Sequence[UcxRequest], peer_left: Callable[[], bool] | None = None
     ) -> None:
         """Waits for every request; raises the first failure.
 

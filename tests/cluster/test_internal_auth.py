@@ -38,8 +38,9 @@ from nori.state.keys import Keys
 from nori.transfer.address import parse_address
 from nori.transfer.base import TransferRejected
 from nori.transfer.factory import make_sender
-from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.handoff import TransferHeader
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from nori.v1.handoff_pb2 import KVDestination
 from tests.cluster.conftest import running_cluster
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)

@@ -14,9 +14,10 @@ from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
 from nori.decode.lease import Lease, LeaseState
 from nori.decode.worker import kv_listen_host
 from nori.transfer.base import TransferRejected
-from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import buffer_checksums
 from nori.transfer.tcp import TcpReceiver, TcpSender
+from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.kv_layout import BlockLayout, destination_buffers, source_buffers
 
 

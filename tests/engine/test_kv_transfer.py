@@ -13,7 +13,7 @@ import pytest
 
 from nori.engine.engine import LLMEngine
 from nori.engine.llm import LLM
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.engine.request import RequestStatus
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
+def run_to_completion(engine: LLMEngine) -> dict[str, StepOutput]:
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from nori import CompletionOutput, RequestOutput
 from nori.engine.llm import LLM
-from nori.engine.outputs import RequestOutput as EngineOutput
+from nori.engine.outputs import StepOutput as EngineOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 

@@ -12,7 +12,7 @@ import pytest
 
 from nori.engine.engine import LLMEngine
 from nori.engine.llm import LLM
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 from nori.settings import BATCH_PRIORITY
@@ -52,7 +52,7 @@ def run_batch_until_it_holds(engine: LLMEngine, num_blocks: int) -> None:
         assert all(not output.finished for output in engine.step())
 
 
-def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
+def run_to_completion(engine: LLMEngine) -> dict[str, StepOutput]:
     """Every request's final output, in the order they finished."""
     finished = {}
     while engine.has_unfinished_requests():

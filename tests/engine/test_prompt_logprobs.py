@@ -19,7 +19,7 @@ import torch
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.llm import LLM
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 
@@ -61,7 +61,7 @@ def _vocab_size(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
 
 
-def assert_prompt_logprobs(output: RequestOutput, expected: torch.Tensor) -> None:
+def assert_prompt_logprobs(output: StepOutput, expected: torch.Tensor) -> None:
     prompt = output.prompt_token_ids
     entries = output.prompt_logprobs
     assert entries is not None and len(entries) == len(prompt)
@@ -85,7 +85,7 @@ def make_engine(checkpoint: Path, **options: object) -> LLMEngine:
 
 def run(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 1, top: int | None = TOP
-) -> list[RequestOutput]:
+) -> list[StepOutput]:
     """Each prompt to its end in one batch; the final outputs in the prompts' order."""
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=top

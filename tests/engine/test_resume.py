@@ -9,7 +9,7 @@ import pytest
 
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 
@@ -29,7 +29,7 @@ def _engine(checkpoint: Path) -> LLMEngine:
     )
 
 
-def _run(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+def _run(engine: LLMEngine, request_id: str) -> list[StepOutput]:
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.request_id == request_id]

@@ -13,7 +13,7 @@ from typing import Any
 
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.gateway.backend import (
     BackendError,
     BackendHealth,
@@ -29,7 +29,7 @@ from nori.worker.output_streams import OutputStreams
 _SHUTDOWN = "the local engine is shutting down"
 
 
-def chunk_from_output(output: RequestOutput) -> GenerationChunk:
+def chunk_from_output(output: StepOutput) -> GenerationChunk:
     logprobs = output.logprobs
     if logprobs is not None:
         # The engine reports every logprob so far; a chunk carries only the new tokens'.
@@ -133,7 +133,7 @@ class LocalEngineBackend:
                 # Closed or cancelled early: the engine drops the request and frees its blocks.
                 thread.submit(lambda engine: engine.abort_request(request_id))
 
-    async def _next(self, queue: asyncio.Queue[RequestOutput]) -> RequestOutput:
+    async def _next(self, queue: asyncio.Queue[StepOutput]) -> StepOutput:
         """The next output, or BackendError when the backend shuts down first."""
         if queue.empty() and self._shutdown.is_set():
             raise BackendError(_SHUTDOWN)

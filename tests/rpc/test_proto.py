@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.rpc.convert import (
     delta_from_output,
     logprobs_from_proto,
@@ -106,7 +106,7 @@ def test_output_delta_carries_the_new_tokens_logprobs_and_stop_reason() -> None:
         TokenLogprobs(token_id=5, logprob=-0.5, rank=1, top=((5, -0.5), (9, -1.5))),
         TokenLogprobs(token_id=7, logprob=-2.0, rank=3, top=((1, -0.25), (2, -1.0))),
     ]
-    output = RequestOutput(
+    output = StepOutput(
         request_id="r",
         prompt_token_ids=[1, 2],
         token_ids=[5, 7],
@@ -127,7 +127,7 @@ def test_output_delta_carries_the_new_tokens_logprobs_and_stop_reason() -> None:
     assert entry.token_id == 7 and entry.rank == 3 and entry.top[0][0] == 1
     assert entry.logprob == pytest.approx(-2.0)
 
-    by_token = RequestOutput("r", [1], [5], "", [5], "", True, "stop", stop_reason=5)
+    by_token = StepOutput("r", [1], [5], "", [5], "", True, "stop", stop_reason=5)
     assert stop_reason_from_proto(delta_from_output(by_token)) == 5
-    running = RequestOutput("r", [1], [5], "", [5], "", False)
+    running = StepOutput("r", [1], [5], "", [5], "", False)
     assert stop_reason_from_proto(delta_from_output(running)) is None

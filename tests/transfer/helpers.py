@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nori.transfer.factory import ucx_available
-from nori.transfer.handoff import KVDestination, TransferHeader
+from nori.transfer.handoff import TransferHeader
+from nori.v1.handoff_pb2 import KVDestination
 from tests.transfer.receiver_process import CACHE_SHAPE
 
 KINDS = [

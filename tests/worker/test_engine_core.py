@@ -14,7 +14,7 @@ import torch
 
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 from nori.worker.engine_core import (
@@ -50,7 +50,7 @@ async def generate(core: EngineCore, streams: OutputStreams, prompts: list[list[
         request_id = f"r{index}"
         queue = streams.open(request_id)
         await core.call(LLMEngine.add_request, request_id, prompt, params)
-        output: RequestOutput = await next_output(queue)
+        output: StepOutput = await next_output(queue)
         while not output.finished:
             output = await next_output(queue)
         streams.close(request_id)

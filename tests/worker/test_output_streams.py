@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.worker.output_streams import (
     OutputStreams,
     next_output,
@@ -15,10 +15,10 @@ from nori.worker.output_streams import (
 )
 
 
-def _output(step: int, finished: bool = False) -> RequestOutput:
+def _output(step: int, finished: bool = False) -> StepOutput:
     """Step `step` of request r: one new token (10 + step) and its text."""
     tokens = [10 + i for i in range(step + 1)]
-    return RequestOutput(
+    return StepOutput(
         request_id="r",
         prompt_token_ids=[1, 2],
         token_ids=tokens,
@@ -59,7 +59,7 @@ async def test_nothing_waits_for_outputs_that_are_not_there_yet() -> None:
 
 
 def test_outputs_of_different_requests_do_not_merge() -> None:
-    other = RequestOutput("s", [1], [5], "x", [5], "x", False)
+    other = StepOutput("s", [1], [5], "x", [5], "x", False)
     with pytest.raises(ValueError, match="cannot merge"):
         _output(0).followed_by(other)
 

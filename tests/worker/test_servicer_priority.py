@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from nori.decode.servicer import DecodeServicer
-from nori.engine.outputs import RequestOutput
+from nori.engine.outputs import StepOutput
 from nori.prefill.servicer import PrefillServicer
 from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
@@ -43,7 +43,7 @@ class RecordingEngine:
         priority: int = 0,
     ) -> None:
         self.calls.append(("add_request", priority))
-        output = RequestOutput(request_id, prompt, [5], "x", [5], "x", True, "length")
+        output = StepOutput(request_id, prompt, [5], "x", [5], "x", True, "length")
         self._streams.dispatch([output])
 
     def reserve_prompt(
@@ -185,7 +185,7 @@ class HoldingEngine(RecordingEngine):
         self.calls.append(("add_request", kwargs.get("priority", 0)))
 
     def finish(self, request_id: str) -> None:
-        output = RequestOutput(request_id, [1, 2], [5], "x", [5], "x", True, "length")
+        output = StepOutput(request_id, [1, 2], [5], "x", [5], "x", True, "length")
         self._streams.dispatch([output])
 
 

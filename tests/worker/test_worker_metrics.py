@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from nori.engine.outputs import EngineLoad, RequestOutput
+from nori.engine.outputs import EngineLoad, StepOutput
 from nori.telemetry.tracing import Tracing
 from nori.worker.metrics import WorkerMetrics
 from nori.worker.request_telemetry import WorkerTelemetry
@@ -19,8 +19,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def _output(new: list[int], scheduled_at: float | None, finished: bool = False) -> RequestOutput:
-    return RequestOutput(
+def _output(new: list[int], scheduled_at: float | None, finished: bool = False) -> StepOutput:
+    return StepOutput(
         request_id="r",
         prompt_token_ids=[1, 2, 3],
         token_ids=new,
