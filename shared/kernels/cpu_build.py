@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,10 @@ _CFLAGS = [
 ]
 
 
-def _cpu_tag() -> str:
-    """Tells machines apart in a shared cache: -march=native code may not run elsewhere."""
+def _build_tag(folder: Path) -> str:
+    """Tells builds apart in a shared cache: the machine (-march=native code may not run
+    elsewhere), the flags and the sources. Two checkouts with other sources then never load each
+    other's module, and one that waited on another's build finds a module of its own sources."""
     try:
         flags = next(
             line
@@ -54,7 +57,38 @@ def _cpu_tag() -> str:
         )
     except (OSError, StopIteration):
         flags = "unknown"
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    digest = hashlib.sha256(flags.encode())
+    digest.update(" ".join(_CFLAGS).encode())
+    for source in _SOURCES:
+        digest.update((folder / source).read_bytes())
+    return digest.hexdigest()[:10]
+
+
+# torch's build lock: a build killed part-way (Ctrl-C, kill -9, a timeout) leaves it behind, and
+# every later start would wait on it for ever, silently. A build takes 1-5 minutes on 2 CPUs.
+STALE_BUILD_LOCK_S = 20 * 60
+
+
+def clear_stale_build_lock(
+    build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S, now: float | None = None
+) -> bool:
+    """Removes `build_dir/lock` when it is older than `max_age_s` (no build runs that long);
+    returns whether it did. A younger lock is a build in progress: waiting on it is right."""
+    lock = build_dir / "lock"
+    try:
+        age_s = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age_s < max_age_s:
+        return False
+    logger.warning(
+        "removing a stale lock of the C++ kernels' build (%s, %.0f s old): a build that was "
+        "killed part-way left it",
+        lock,
+        age_s,
+    )
+    lock.unlink(missing_ok=True)
+    return True
 
 
 # The dtypes the per-layer C++ kernels serve (float32 arithmetic inside, one rounding on the
@@ -69,17 +103,22 @@ def cpu_kernels() -> Any | None:
     if not Environment.read().cpu_kernels:
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
         folder = Path(__file__).resolve().parent
+        name = f"nori_cpu_kernels_{_build_tag(folder)}"
+        build_dir = Path(get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_build_lock(build_dir)
         # Link the OpenMP runtime torch ships and has already loaded: one thread pool, the
         # one torch.set_num_threads sizes.
         torch_lib = Path(torch.__file__).resolve().parent / "lib"
         return load(
-            name=f"nori_cpu_kernels_{_cpu_tag()}",
+            name=name,
             sources=[str(folder / source) for source in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"],
+            build_directory=str(build_dir),
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, an unsupported platform, ...

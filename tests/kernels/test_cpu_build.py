@@ -1,0 +1,44 @@
+"""The C++ kernels' build: a lock left by a build killed part-way is cleared (it would make
+every later start wait for ever), a lock of a build in progress is not."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from nori.kernels.cpu_build import STALE_BUILD_LOCK_S, clear_stale_build_lock
+
+
+def _lock(build_dir: Path, age_s: float) -> Path:
+    lock = build_dir / "lock"
+    lock.write_text("")
+    stamp = time.time() - age_s
+    os.utime(lock, (stamp, stamp))
+    return lock
+
+
+def test_a_stale_lock_is_removed_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    lock = _lock(tmp_path, STALE_BUILD_LOCK_S + 60)
+    with caplog.at_level(logging.WARNING, logger="nori.kernels.cpu_build"):
+        assert clear_stale_build_lock(tmp_path)
+    assert not lock.exists()
+    assert "stale lock" in caplog.text and str(lock) in caplog.text
+
+
+def test_a_build_in_progress_keeps_its_lock(tmp_path: Path) -> None:
+    lock = _lock(tmp_path, 30)
+    assert not clear_stale_build_lock(tmp_path)
+    assert lock.exists()
+    # The same lock is stale once the clock passes the limit.
+    assert clear_stale_build_lock(tmp_path, now=time.time() + STALE_BUILD_LOCK_S)
+    assert not lock.exists()
+
+
+def test_no_lock_is_nothing_to_do(tmp_path: Path) -> None:
+    assert not clear_stale_build_lock(tmp_path)
