@@ -281,3 +281,27 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
     num_blocks = cdiv(length, block_size)
     blocks = cache.index_select(0, block_table_row[:num_blocks])
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+# Outputs in one panel of a CPU GEMV's packed weight (bf16_gemv, int8_gemv): one 512-bit
+# register of 32-bit sums.
+PANEL_OUTPUTS = 16
+
+
+def pack_weight_panels(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), ceil(K/group), 16, group] of the same dtype: element (n, k) at
+    [n // 16, k // group, n % 16, k % group], zero-padded past N and K. One 64-byte line is then
+    `group` K positions of 16 outputs (bf16: group 2, int8: group 4)."""
+    outputs, width = weight.shape
+    padded = weight.new_zeros(
+        -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // group) * group
+    )
+    padded[:outputs, :width] = weight
+    panels = padded.view(-1, PANEL_OUTPUTS, padded.shape[1] // group, group)
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_weight_panels(packed: torch.Tensor, outputs: int, width: int) -> torch.Tensor:
+    """The [N, K] weight back from `pack_weight_panels`' layout."""
+    plain = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL_OUTPUTS, -1)
+    return plain[:outputs, :width]

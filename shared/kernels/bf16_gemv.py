@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nori.kernels._common import pack_weight_panels, unpack_weight_panels
 from nori.kernels.cpu_build import cpu_kernels
-
-PANEL_OUTPUTS = 16  # outputs in one panel: one 512-bit register of float32 sums
 
 
 def bf16_gemv_reference(
@@ -26,21 +25,8 @@ def bf16_gemv_reference(
 
 
 def pack_bf16_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> bfloat16 [ceil(N/16), ceil(K/2), 16, 2]: element (n, k) at
-    [n // 16, k // 2, n % 16, k % 2], zero-padded past N and K."""
-    outputs, width = weight.shape
-    padded = torch.zeros(
-        -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // 2) * 2, dtype=torch.bfloat16
-    )
-    padded[:outputs, :width] = weight
-    panels = padded.view(-1, PANEL_OUTPUTS, padded.shape[1] // 2, 2)
-    return panels.permute(0, 2, 1, 3).contiguous()
-
-
-def unpack_bf16_gemv_weight(packed: torch.Tensor, outputs: int, width: int) -> torch.Tensor:
-    """The [N, K] weight back from `pack_bf16_gemv_weight`'s layout."""
-    plain = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL_OUTPUTS, -1)
-    return plain[:outputs, :width]
+    """[N, K] -> bfloat16 [ceil(N/16), ceil(K/2), 16, 2] (`pack_weight_panels`, pairs)."""
+    return pack_weight_panels(weight.bfloat16(), group=2)
 
 
 def bf16_gemv(
@@ -54,5 +40,5 @@ def bf16_gemv(
             x.bfloat16().contiguous(), packed_weight, outputs, bias
         )
         return result
-    weight = unpack_bf16_gemv_weight(packed_weight, outputs, x.shape[-1])
+    weight = unpack_weight_panels(packed_weight, outputs, x.shape[-1])
     return bf16_gemv_reference(x, weight, bias)

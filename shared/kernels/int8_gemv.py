@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-PANEL_OUTPUTS = 16  # outputs in one panel: one 512-bit register of int32 sums
-GROUP = 4  # K positions in one 32-bit group of codes
+from nori.kernels._common import pack_weight_panels
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,18 +43,5 @@ def weight_row_sums(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8_gemv_weight(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> int8 [ceil(N/16), ceil(K/4), 16, 4]: element (n, k) at
-    [n // 16, k // 4, n % 16, k % 4], zero-padded past N and K."""
-    outputs, width = qweight.shape
-    padded = torch.zeros(
-        -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // GROUP) * GROUP, dtype=torch.int8
-    )
-    padded[:outputs, :width] = qweight
-    panels = padded.view(-1, PANEL_OUTPUTS, padded.shape[1] // GROUP, GROUP)
-    return panels.permute(0, 2, 1, 3).contiguous()
-
-
-def unpack_int8_gemv_weight(packed: torch.Tensor, outputs: int, width: int) -> torch.Tensor:
-    """The int8 [N, K] weight back from `pack_int8_gemv_weight`'s layout."""
-    plain = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL_OUTPUTS, -1)
-    return plain[:outputs, :width]
+    """int8 [N, K] -> int8 [ceil(N/16), ceil(K/4), 16, 4] (`pack_weight_panels`, groups of 4)."""
+    return pack_weight_panels(qweight, group=4)

@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nori.kernels._common import unpack_weight_panels
 from nori.kernels.argmax import argmax_rows
 from nori.kernels.bf16_gemv import (
     bf16_gemv,
     bf16_gemv_reference,
     pack_bf16_gemv_weight,
-    unpack_bf16_gemv_weight,
 )
 from nori.kernels.cpu_build import cpu_kernels
 from nori.kernels.int8_gemv import (
     int8_gemv_reference,
     pack_int8_gemv_weight,
-    unpack_int8_gemv_weight,
     weight_row_sums,
 )
 from nori.kernels.quantized_linear import quantize_weight
@@ -167,7 +166,7 @@ def test_int8_gemv(rows: int, width: int, bias: bool) -> None:
     expected = int8_gemv_reference(x, qweight, scale, bias_values)
     packed = pack_int8_gemv_weight(qweight)
     assert packed.shape == (5, (width + 3) // 4, 16, 4)
-    assert torch.equal(unpack_int8_gemv_weight(packed, 67, width), qweight)
+    assert torch.equal(unpack_weight_panels(packed, 67, width), qweight)
     result = cpu_kernels().int8_gemv(
         x, packed, 67, scale.float(), weight_row_sums(qweight), bias_values
     )
@@ -189,7 +188,7 @@ def test_bf16_gemv(rows: int, width: int, bias: bool) -> None:
     bias_values = _randn(67, seed=2).bfloat16() if bias else None
     packed = pack_bf16_gemv_weight(weight)
     assert packed.shape == (5, (width + 1) // 2, 16, 2)
-    assert torch.equal(unpack_bf16_gemv_weight(packed, 67, width), weight)
+    assert torch.equal(unpack_weight_panels(packed, 67, width), weight)
     result = bf16_gemv(x, packed, 67, bias_values)
     assert result.dtype is torch.bfloat16 and result.shape == (rows, 67)
     torch.testing.assert_close(
