@@ -3,9 +3,10 @@
 Any number of runners share the work (`nori.batch.jobs`: a Redis stream per batch, read by one
 consumer group, each claim a lease the runner renews). Each turn of `BatchRunner.run`:
 
-1. tends every batch not yet final, oldest first: validates a new one (`input_file.py`), seeds
-   its queue in Redis when Redis does not have it (a new batch, or a Redis restarted empty),
-   stops its lines when it is cancelled or expired, and finalizes it when every line is done;
+1. tends every batch not yet final, oldest first: validates a new one, seeds its queue in
+   Redis when Redis does not have it (a new batch, or a Redis restarted empty), stops its lines
+   when it is cancelled or expired, and finalizes it when every line is done or its lines are
+   stopped (validating and finalizing: `validate_finalize.py`, one runner each);
 2. claims lines up to `max_in_flight` and sends each through the gateway (`line_client.py`);
 3. renews the leases of the lines it holds.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -36,10 +36,11 @@ from opentelemetry.trace import Link, SpanContext, TraceFlags
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from redis.asyncio import Redis
 
-from nori.batch.input_file import check_input
+from nori.batch.durable_writes import AppendLog
 from nori.batch.jobs import BatchJobs, Claim
 from nori.batch.line_client import LineOutcome, error_record, send_line
-from nori.batch.store import AppendLog, BatchStore, LineResult, RequestCounts, ValidLine
+from nori.batch.store import BatchStore, LineResult, ValidLine
+from nori.batch.validate_finalize import finalize_batch, line_record_id, validate_batch
 from nori.settings import RoleSettings
 from nori.state.keys import Keys
 
@@ -189,7 +190,7 @@ class BatchRunner:
         if batch is None:
             request = store.batch_request(batch_id)
             if not store.is_validated(batch_id):
-                await self._validate(batch_id, request)
+                await validate_batch(store, self.jobs, batch_id, request)
                 return 0
             batch = self._open(batch_id, request)
         cancelling_at = store.cancelling_at(batch_id)
@@ -234,36 +235,6 @@ class BatchRunner:
         self._batches[batch_id] = batch
         return batch
 
-    async def _validate(self, batch_id: str, request: dict[str, Any]) -> None:
-        if not await self.jobs.lock(batch_id, "validate", 300_000):
-            return
-        try:
-            if self.store.is_validated(batch_id):
-                return
-            path = self.store.file_path(request["input_file_id"])
-            checked = await asyncio.to_thread(check_input, path, request["endpoint"])
-            if checked.batch_errors:
-                now = int(time.time())
-                self.store.write_final(
-                    batch_id,
-                    {
-                        "status": "failed",
-                        "failed_at": now,
-                        "errors": checked.batch_errors,
-                        "request_counts": RequestCounts(0, 0, 0).as_dict(),
-                    },
-                )
-                logger.info("batch %s failed validation: %s", batch_id, checked.batch_errors[0])
-                return
-            self.store.write_validated(batch_id, checked.total, checked.lines, checked.line_errors)
-            logger.info(
-                "batch %s: %d lines, %d invalid", batch_id, checked.total, len(checked.line_errors)
-            )
-        except FileNotFoundError:
-            logger.warning("batch %s: its input file is gone", batch_id)
-        finally:
-            await self.jobs.unlock(batch_id, "validate")
-
     # ------------------------------------------------------------------ lines
 
     async def _fill(self) -> None:
@@ -294,7 +265,7 @@ class BatchRunner:
 
     async def _run_line(self, batch: _Batch, claim: Claim) -> None:
         line = batch.lines[claim.index]
-        record_id = _record_id(batch.batch_id, line.line)
+        record_id = line_record_id(batch.batch_id, line.line)
         try:
             with self.tracer.start_as_current_span(
                 "batch line",
@@ -362,77 +333,11 @@ class BatchRunner:
             if batch.log is not None:
                 batch.log.close()
 
-    # ------------------------------------------------------------------ the end
-
     async def _finalize(self, batch: _Batch, status: str) -> None:
-        """Writes the output and error files and final.json; one runner does it. Idempotent:
-        the files' ids come from the batch's, so a runner killed halfway is simply redone."""
-        batch_id = batch.batch_id
-        if not await self.jobs.lock(batch_id, "finalize", 300_000):
-            return
-        try:
-            if self.store.final(batch_id) is not None:
-                return
-            finalizing_at = int(time.time())
-            final = await asyncio.to_thread(self._write_outputs, batch, status, finalizing_at)
-            self.store.write_final(batch_id, final)
-            logger.info("batch %s %s: %s", batch_id, status, final["request_counts"])
-        finally:
-            await self.jobs.unlock(batch_id, "finalize")
-        await self.jobs.forget(batch_id)
-        if batch.log is not None:
-            batch.log.close()
-        self._batches.pop(batch_id, None)
-
-    def _write_outputs(self, batch: _Batch, status: str, finalizing_at: int) -> dict[str, Any]:
-        store, batch_id = self.store, batch.batch_id
-        validated = store.validated(batch_id) or {"errors": [], "total": 0}
-        results = store.read_results(batch_id)
-        by_line: list[tuple[int, bool, dict[str, Any]]] = []
-        for error in validated["errors"]:
-            record = error_record(
-                _record_id(batch_id, error["line"]),
-                error["custom_id"],
-                error["code"],
-                error["message"],
-            )
-            by_line.append((int(error["line"]), False, record))
-        for line in batch.lines:
-            result = results.get(line.line)
-            if result is not None:
-                by_line.append((line.line, result.ok, result.record))
-            elif status == "expired":
-                record = error_record(
-                    _record_id(batch_id, line.line),
-                    line.custom_id,
-                    "batch_expired",
-                    "this request could not be executed before the completion window expired",
-                )
-                by_line.append((line.line, False, record))
-        by_line.sort(key=lambda entry: entry[0])
-        outputs = [record for _, ok, record in by_line if ok]
-        errors = [record for _, ok, record in by_line if not ok]
-        final: dict[str, Any] = {
-            "status": status,
-            "finalizing_at": finalizing_at,
-            f"{status}_at": int(time.time()),
-            "output_file_id": None,
-            "error_file_id": None,
-            "request_counts": RequestCounts(
-                int(validated["total"]), len(outputs), len(errors)
-            ).as_dict(),
-        }
-        for kind, records in (("output", outputs), ("error", errors)):
-            if records or (kind == "output" and status == "completed"):
-                file_id = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
-                lines = (json.dumps(record).encode() + b"\n" for record in records)
-                store.create_file(f"{batch_id}_{kind}.jsonl", "batch_output", lines, file_id)
-                final[f"{kind}_file_id"] = file_id
-        return final
-
-
-def _record_id(batch_id: str, line: int) -> str:
-    return f"batch_req_{hashlib.sha256(f'{batch_id}/{line}'.encode()).hexdigest()[:24]}"
+        if await finalize_batch(self.store, self.jobs, batch.batch_id, batch.lines, status):
+            if batch.log is not None:
+                batch.log.close()
+            self._batches.pop(batch.batch_id, None)
 
 
 async def serve_batch(options: RunnerOptions, tracer: trace.Tracer | None = None) -> None:

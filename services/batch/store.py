@@ -2,8 +2,9 @@
 
 The directory is the source of truth. Redis (`nori.batch.jobs`) holds only what can be rebuilt
 from it: the queue of lines still to run, who holds which, the counts. Every file here is written
-whole and atomically (a temporary beside it, fsync'd, renamed, the folder fsync'd), except the
-runners' result logs, which are appended to and fsync'd before a line counts as done:
+whole and atomically (`nori.batch.durable_writes`: a temporary beside it, fsync'd, renamed, the
+folder fsync'd), except the runners' result logs, which are appended to and fsync'd before a
+line counts as done:
 
     files/<file id>/content            the bytes as uploaded
     files/<file id>/meta.json          the OpenAI file object (written last: the file exists)
@@ -20,7 +21,6 @@ A line's result may be logged twice (a runner killed after its fsync and before 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from nori.batch.durable_writes import write_atomically
 
 FilePurpose = Literal["batch", "batch_output"]
 BatchStatus = Literal[
@@ -61,25 +63,6 @@ def new_file_id() -> str:
 
 def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`path` holds `data` whole or is as it was: never a torn file, even on power loss."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with tmp.open("wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -120,56 +103,6 @@ class LineResult:
 
     def to_json(self) -> bytes:
         return json.dumps({"line": self.line, "ok": self.ok, "record": self.record}).encode()
-
-
-class AppendLog:
-    """An append-only JSON-lines log of results (a runner's, for one batch; `nori run-batch`'s
-    output). `append` returns once the record is fsync'd; records that arrive while a write is
-    under way share the next fsync."""
-
-    def __init__(self, path: Path) -> None:
-        new = not path.exists()
-        self._file = path.open("ab")
-        if new:
-            fsync_dir(path.parent)
-        elif self._file.tell() > 0:
-            # A torn last record (a writer killed mid-write before): end it, so the next
-            # record starts on a line of its own.
-            with path.open("rb") as log:
-                log.seek(-1, os.SEEK_END)
-                if log.read(1) != b"\n":
-                    self._file.write(b"\n")
-        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
-        self._writer: asyncio.Task[None] | None = None
-
-    async def append(self, record: bytes) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((record, future))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_pending())
-        await future
-
-    async def _write_pending(self) -> None:
-        while self._pending:
-            group, self._pending = self._pending, []
-            data = b"".join(record + b"\n" for record, _ in group)
-            try:
-                await asyncio.to_thread(self._write, data)
-            except Exception as error:
-                for _, future in group:
-                    future.set_exception(error)
-                continue
-            for _, future in group:
-                if not future.done():
-                    future.set_result(None)
-
-    def _write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class BatchStore:

@@ -208,8 +208,8 @@ async def _run_lines(
     import aiohttp
     from tqdm import tqdm
 
+    from nori.batch.durable_writes import AppendLog
     from nori.batch.line_client import LineOutcome, error_record, send_line
-    from nori.batch.store import AppendLog
 
     done = done_custom_ids(output) if args.resume else set()
     log = AppendLog(output)

@@ -80,7 +80,9 @@ class KVReceiver(Protocol):
     async def start(
         self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
     ) -> str:
-        """Starts listening; returns the address senders use, e.g. "ucx://127.0.0.1:41234"."""
+        """Starts taking transfers; returns the address senders use: "tcp://10.0.0.5:41234", or
+        for a UCX receiver on loopback "ucx://127.0.0.1/PEER" (its worker address, no socket of
+        its own; `nori.transfer.address`)."""
         ...
 
     async def close(self) -> None: ...

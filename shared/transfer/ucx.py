@@ -33,21 +33,23 @@ from nori.transfer.conversation import (
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.ucx_env import is_loopback
-from nori.transfer.ucx_worker import (
-    MAX_HELLO_BYTES,
-    ConnectionTags,
-    PeerWatch,
+from nori.transfer.ucx_progress import (
     Poster,
     UcxProgress,
     UcxRequest,
     abort,
-    accept_hello,
     connect,
-    connect_to_worker,
     create_listener,
+    worker_addresses_supported,
+)
+from nori.transfer.ucx_worker_address import (
+    MAX_HELLO_BYTES,
+    ConnectionTags,
+    PeerWatch,
+    accept_hello,
+    connect_to_worker,
     welcome,
     worker_address,
-    worker_addresses_supported,
 )
 
 logger = logging.getLogger(__name__)

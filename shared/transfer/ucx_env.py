@@ -23,7 +23,7 @@ UCX_ENV_DEFAULTS = MappingProxyType(
         # and protocol fragments per KV block; UCX over TCP went from ~0.7 to ~3.4 GB/s.
         "UCX_TCP_TX_SEG_SIZE": "1M",
         "UCX_TCP_RX_SEG_SIZE": "1M",
-        # No ucxx progress thread: `nori.transfer.ucx_worker.UcxProgress` drives the worker
+        # No ucxx progress thread: `nori.transfer.ucx_progress.UcxProgress` drives the worker
         # from the asyncio loop (polling while data moves, sleeping on the worker's event fd
         # when idle). The thread (plus ucxx's notifier thread) cost half the bandwidth on few
         # cores, and ucxx's own blocking mode spins a core even when idle.

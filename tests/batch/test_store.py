@@ -6,8 +6,9 @@ import asyncio
 import json
 from pathlib import Path
 
+from nori.batch.durable_writes import AppendLog
 from nori.batch.input_file import check_input
-from nori.batch.store import AppendLog, BatchStore, LineResult
+from nori.batch.store import BatchStore, LineResult
 
 
 def _line(custom_id: object, url: str = "/v1/completions", **body: object) -> str:

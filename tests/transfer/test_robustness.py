@@ -238,7 +238,7 @@ class _DropAfterAccept:
             self._stop = [task.cancel, listener.close]
             return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
         from nori.transfer.ucx import _UcxChannel
-        from nori.transfer.ucx_worker import UcxProgress, create_listener
+        from nori.transfer.ucx_progress import UcxProgress, create_listener
 
         progress = UcxProgress()
 
@@ -326,9 +326,9 @@ def test_header_round_trip() -> None:
 async def test_ucx_works_through_the_public_ucxx_api_too(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without the ucxx internals the fast path uses (another ucxx version, say), every buffer
     # goes through ucxx's public Endpoint.send/recv coroutines instead.
-    import nori.transfer.ucx_worker as ucx_worker
+    import nori.transfer.ucx_progress as ucx_progress
 
-    monkeypatch.setattr(ucx_worker, "Array", None)
+    monkeypatch.setattr(ucx_progress, "Array", None)
     caches = _local_caches()
     receiver = make_receiver("ucx", CacheSink(caches))
     await receiver.start(host="127.0.0.1")
@@ -384,7 +384,8 @@ async def test_a_loopback_ucx_receiver_is_reached_by_its_worker_address() -> Non
 @pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
 async def test_junk_hellos_are_dropped_and_the_receiver_serves_on() -> None:
     from nori.transfer.address import parse_address
-    from nori.transfer.ucx_worker import ConnectionTags, UcxProgress, _endpoint_to, abort
+    from nori.transfer.ucx_progress import UcxProgress, abort
+    from nori.transfer.ucx_worker_address import ConnectionTags, _endpoint_to
 
     caches = _local_caches()
     receiver = make_receiver("ucx", CacheSink(caches))
