@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from nori.bench.serve.sharegpt import first_exchange
     from nori.cli.main import build_parser
+    from nori.cli.up import prepare_cluster
     from nori.launch.local_cluster import LocalCluster, free_port
-    from nori.launch.up import prepare_cluster
 
     data = json.loads(SHAREGPT.read_text())
     rng = np.random.default_rng(0)

@@ -1,4 +1,5 @@
-"""What every role shares: each default in one place, the settings base, and the environment.
+"""What every role shares: the roles themselves, each default in one place, the settings base,
+and the environment.
 
 Environment variables Nori reads, all here (`Environment.read`):
 
@@ -22,7 +23,14 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
+
+# The processes of a cluster. A worker computes prompts (prefill), generates tokens (decode) or
+# both (colocated): that is its role in the registry, which the gateway routes by. The gateway
+# serves the HTTP API; a batch runner works through the Batch API's batches.
+WorkerRole = Literal["prefill", "decode", "colocated"]
+Role = Literal["gateway", "prefill", "decode", "colocated", "batch"]
+WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.

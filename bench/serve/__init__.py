@@ -14,6 +14,6 @@ Nothing is imported here, so that `nori --help` does not pay for aiohttp, numpy 
 
 One module per job: settings (the frozen options), specs/prompts/datasets/sharegpt (what is
 sent), arrivals (when), sse/client (one streamed request into a record), records (what was
-seen), metrics (pure figures), result/report (JSON and table), plot, runner (orchestration),
-args (the command line).
+seen), figures (pure: the latency distributions and throughputs), result/report (JSON and
+table), plot, runner (orchestration), args (the command line).
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nori.bench.serve.metrics import output_timeline
+from nori.bench.serve.figures import output_timeline
 from nori.bench.serve.result import ServeBenchResult
 
 if TYPE_CHECKING:

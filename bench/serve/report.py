@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from nori.bench.serve.metrics import PERCENTILES, Distribution, ServeMetrics
+from nori.bench.serve.figures import PERCENTILES, Distribution, ServeMetrics
 from nori.bench.serve.result import ServeBenchResult
 
 _WIDTH = 50

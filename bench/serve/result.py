@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nori.bench.serve.metrics import ServeMetrics
+from nori.bench.serve.figures import ServeMetrics
 from nori.bench.serve.records import RequestRecord
 from nori.bench.serve.settings import ServeBenchSettings
 

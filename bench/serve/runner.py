@@ -26,7 +26,7 @@ import aiohttp
 from nori.bench.serve.arrivals import arrival_times
 from nori.bench.serve.client import RequestOptions, first_model, send_request
 from nori.bench.serve.datasets import build_workload
-from nori.bench.serve.metrics import compute_metrics
+from nori.bench.serve.figures import compute_metrics
 from nori.bench.serve.records import RequestRecord
 from nori.bench.serve.result import ServeBenchResult
 from nori.bench.serve.settings import ServeBenchSettings

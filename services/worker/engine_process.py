@@ -44,7 +44,7 @@ import torch.multiprocessing
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, StepOutput
-from nori.launch.parent_death import exit_with_parent
+from nori.parent_death import exit_with_parent
 from nori.worker.engine_core import (
     EngineFacts,
     StepProbe,

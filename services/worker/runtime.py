@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from nori.cluster_auth import ClusterAuth
 from nori.rpc.auth import server_interceptors
 from nori.rpc.options import GRPC_OPTIONS
-from nori.settings import RoleSettings
+from nori.settings import RoleSettings, WorkerRole
 from nori.state.connection import connect, wait_for_redis
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
@@ -126,7 +126,7 @@ def load_line(
 
 
 class Worker(ABC):
-    role: str
+    role: WorkerRole
     service_names: tuple[str, ...]
 
     def __init__(self, options: WorkerOptions, engine_config: EngineConfig) -> None:
@@ -207,7 +207,7 @@ class Worker(ABC):
     def info(self) -> WorkerInfo:
         return WorkerInfo(
             worker_id=self.worker_id,
-            role=self.role,  # type: ignore[arg-type]
+            role=self.role,
             grpc_address=self.grpc_address,
             transfer_address=self.transfer_address,
             metrics_address=self.metrics_address,

@@ -8,9 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from nori.cli import bench, generate, health, model, run_batch, serve
-from nori.launch import up
-from nori.launch.parent_death import die_with_parent
+from nori.cli import bench, generate, health, model, run_batch, serve, up
+from nori.parent_death import die_with_parent
 
 
 class _CommandParser(argparse.ArgumentParser):

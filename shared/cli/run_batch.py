@@ -30,7 +30,7 @@ MAX_RUN_BATCH_LINES = 10_000_000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from nori.launch.up import add_up_args
+    from nori.cli.up import add_up_args
 
     parser = subparsers.add_parser(
         "run-batch",
@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{source}: {checked.batch_errors[0]['message']}")
     if args.url is not None:
         return _run_job(args, checked, source, output, args.url, None)
+    from nori.cli.up import prepare_cluster
     from nori.launch.local_cluster import LocalCluster, free_port
-    from nori.launch.up import prepare_cluster
 
     args.batch_runners = 0  # the job's lines come from here, not from the Batch API
     args.port = free_port()

@@ -9,31 +9,18 @@ block ids. Three kinds of block, together always the whole pool:
 - free: ref_count == 0 and no hash.
 
 Free and cached blocks wait together in one queue ordered least recently used first; allocation
-takes from its front, evicting the hash of a cached block it takes.
+takes from its front, evicting the hash of a cached block it takes. Block hashes and the events
+recorded for the block directory are nori.prefix_cache's.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from nori.engine.block_hash import extend_block_hashes
 from nori.engine.request import Request
-
-
-class BlockEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A change to the set of cached prefix blocks (what a block directory needs to mirror)."""
-
-    kind: BlockEventKind
-    block_hash: bytes
+from nori.prefix_cache import BlockEvent, BlockEventKind, extend_block_hashes
 
 
 @dataclass

@@ -14,6 +14,7 @@ from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
+from nori.engine.follower_ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
 from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
@@ -21,8 +22,8 @@ from nori.engine.scheduler import SchedulerOutput
 from nori.kernels.argmax import argmax_rows
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
+from nori.models.shard import local_model_config
 from nori.parallel.group import TensorParallelGroup
-from nori.parallel.ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
 from nori.sampling.batch import RowState, SamplingBatch, make_generator
 from nori.sampling.logprob_math import compute_logprobs
 from nori.sampling.logprobs import TokenLogprobs
@@ -57,8 +58,8 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         rank: int = 0,
     ) -> None:
-        """rank > 0: a follower of a tensor-parallel engine (nori.parallel.ranks), which rank 0
-        starts; rank 0 with tensor_parallel_size > 1 starts its followers here."""
+        """rank > 0: a follower of a tensor-parallel engine (nori.engine.follower_ranks), which
+        rank 0 starts; rank 0 with tensor_parallel_size > 1 starts its followers here."""
         self.config = config
         # Masked until a request reaches min_tokens.
         self.eos_token_ids = eos_token_ids
@@ -69,7 +70,7 @@ class ModelRunner:
         self.followers: FollowerRanks | None = None
         if config.tensor_parallel_size > 1:
             # Checked before any process starts.
-            TensorParallelGroup(0, config.tensor_parallel_size).local_model_config(model_config)
+            local_model_config(model_config, TensorParallelGroup(0, config.tensor_parallel_size))
             if rank == 0:
                 self.followers = FollowerRanks.start(config, model_dir, self.device.type)
             self.parallel = TensorParallelGroup(rank, config.tensor_parallel_size)
@@ -114,7 +115,7 @@ class ModelRunner:
         self.local_model_config = (
             self.model_config
             if self.parallel is None
-            else self.parallel.local_model_config(self.model_config)
+            else local_model_config(self.model_config, self.parallel)
         )
         num_blocks = self._num_kv_blocks()
         if self.parallel is not None:
@@ -171,7 +172,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, command: Command) -> None:
-        """A follower rank's share of rank 0's operation (see nori.parallel.ranks)."""
+        """A follower rank's share of rank 0's operation (see nori.engine.follower_ranks)."""
         if isinstance(command, StepCommand):
             self._forward(
                 command.input_ids, command.positions, command.attention, command.logits_rows

@@ -30,7 +30,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode", "colocated", "gateway")
+from nori.settings import Role
+
+# The roles with CPUs and threads of their own (--threads-ROLE); a batch runner, an HTTP client,
+# sits beside the gateway.
+PINNED_ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated", "gateway")
 
 
 def parse_cpu_list(text: str, flag: str = "--cpus") -> frozenset[int]:
@@ -79,7 +83,7 @@ class Placement:
 
     # The process's name in the cluster: prefill-0, decode-1, colocated-0, gateway.
     name: str
-    role: str
+    role: Role
     cpus: frozenset[int]
     threads: int
 
@@ -106,7 +110,7 @@ class CpuPlan:
     usable: frozenset[int]
     placements: tuple[Placement, ...]
 
-    def placement(self, name: str, role: str, ordinal: int = 0) -> Placement:
+    def placement(self, name: str, role: Role, ordinal: int = 0) -> Placement:
         """The named process's placement. A worker the plan did not foresee (one added to a
         running cluster) takes the slice of the `ordinal`-th worker of its role, in turn; a role
         the plan has none of runs on all the plan's CPUs."""
@@ -150,7 +154,7 @@ class CpuRequest:
     def __post_init__(self) -> None:
         if not self.colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("--prefill and --decode must be at least 1")
-        for role in ROLES:
+        for role in PINNED_ROLES:
             threads = getattr(self, f"threads_{role}")
             if threads is not None and threads < 1:
                 raise ValueError(f"--threads-{role} must be at least 1, got {threads}")
@@ -170,10 +174,11 @@ def plan_cpus(usable: Iterable[int], request: CpuRequest) -> CpuPlan:
         )
         gateway_default = union
     else:
-        for role, pool, count, threads in (
+        pools: tuple[tuple[Role, frozenset[int], int, int | None], ...] = (
             ("prefill", prefill_pool, request.num_prefill, request.threads_prefill),
             ("decode", decode_pool, request.num_decode, request.threads_decode),
-        ):
+        )
+        for role, pool, count, threads in pools:
             for index, share in enumerate(spread(sorted(pool), count)):
                 placements.append(Placement(f"{role}-{index}", role, share, threads or len(share)))
         gateway_default = prefill_pool

@@ -3,8 +3,9 @@
 The processes are exactly what containers run (`nori serve ROLE ...`); this passes the same Redis
 and namespace to all of them (workers bind ports of their own choosing and state them in the
 registry), waits until the gateway reports every role healthy, restarts a role that exits
-unexpectedly (`supervise`, what `nori up` runs), and stops them in order: the gateway first (no new requests), then the workers, each of
-which drains on SIGTERM. With a CPU plan (`nori.launch.cpu_plan`), each process gets its CPUs
+unexpectedly (`supervise`, what `nori up` runs; nori.launch.role_process), and stops them in
+order: the batch runners, the gateway (no new requests), then the workers, each of which drains
+on SIGTERM. With a CPU plan (`nori.launch.cpu_plan`), each process gets its CPUs
 and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/MKL_NUM_THREADS.
 """
 
@@ -26,20 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nori.launch.cpu_plan import CpuPlan
-from nori.launch.parent_death import launcher_env
-from nori.settings import DEFAULT_KV_LEASE_S, RoleSettings
-
-
-def _launch(
-    argv: list[str], env: dict[str, str], log_path: Path, mode: str
-) -> subprocess.Popen[bytes]:
-    with log_path.open(mode) as log:
-        if mode == "ab":
-            log.write(f"--- restarted at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
-            log.flush()
-        return subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **launcher_env()}
-        )
+from nori.launch.role_process import RoleProcess, start_process
+from nori.settings import DEFAULT_KV_LEASE_S, Role, RoleSettings, WorkerRole
 
 
 def free_port() -> int:
@@ -102,7 +91,7 @@ class ClusterSpec(RoleSettings):
     cpu_plan: CpuPlan | None = None
     # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
     # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
-    role_redis_urls: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    role_redis_urls: tuple[tuple[Role, str], ...] = field(default=(), repr=False)
     # The Batch API's directory (the gateway's --batch-dir) and the batch runners working it;
     # None: no Batch API, no runner.
     batch_dir: Path | None = None
@@ -110,41 +99,8 @@ class ClusterSpec(RoleSettings):
     # Extra flags for every batch runner (`nori serve batch --help`).
     batch_runner_args: tuple[str, ...] = ()
 
-    def redis_url_of(self, role: str) -> str:
+    def redis_url_of(self, role: Role) -> str:
         return dict(self.role_redis_urls).get(role, self.redis_url)
-
-
-# A role that exits unexpectedly is restarted after 1, 2, 4, ... seconds, at most this long; one
-# that then runs this long has its backoff start again from 1 s.
-MAX_RESTART_DELAY_S = 30.0
-STABLE_AFTER_S = 60.0
-
-
-@dataclass
-class RoleProcess:
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    # A worker's gRPC address ("" for the gateway), from the registry: a worker binds a port of
-    # its own choosing (no port picked here that another process could take first).
-    grpc_address: str = ""
-    # gateway, prefill, decode or colocated.
-    role: str = ""
-    # How to start it again (supervision).
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict, repr=False)
-    started_at: float = field(default_factory=time.monotonic)
-    restarts: int = 0
-    # When a restart is due (time.monotonic()); None: running, or left for good.
-    restart_at: float | None = None
-    # Exited with status 0 after draining (a SIGTERM sent to it alone): not restarted.
-    left: bool = False
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
 
 
 @dataclass
@@ -206,7 +162,7 @@ class LocalCluster:
         if self.spec.batch_dir is not None:
             for index in range(self.spec.num_batch_runners):
                 self.add_batch_runner(f"batch-{index}")
-        expected = (
+        expected: dict[WorkerRole, int] = (
             {"colocated": 1}
             if self.spec.colocated
             else {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
@@ -214,7 +170,9 @@ class LocalCluster:
         self.wait_healthy(expected, timeout_s)
         return self
 
-    def add_worker(self, role: str, worker_id: str, extra_args: Sequence[str] = ()) -> RoleProcess:
+    def add_worker(
+        self, role: WorkerRole, worker_id: str, extra_args: Sequence[str] = ()
+    ) -> RoleProcess:
         """Starts one more worker; it joins the running cluster through the registry.
         `extra_args` come last, so they override the cluster's worker flags."""
         serve_role = "decode" if role == "colocated" else role
@@ -291,7 +249,7 @@ class LocalCluster:
             args += ["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint]
         return args
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> RoleProcess:
+    def _spawn(self, name: str, role: Role, args: list[str]) -> RoleProcess:
         assert self._log_dir is not None
         log_path = self._log_dir / f"{name}.log"
         redis_url = self.spec.redis_url_of(role)
@@ -318,7 +276,7 @@ class LocalCluster:
             *args,
         ]
         role_process = RoleProcess(
-            name, _launch(argv, env, log_path, "wb"), log_path, role=role, argv=argv, env=env
+            name, start_process(argv, env, log_path, "wb"), log_path, role=role, argv=argv, env=env
         )
         self.processes.append(role_process)
         return role_process
@@ -330,7 +288,7 @@ class LocalCluster:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
-    def wait_healthy(self, expected: dict[str, int], timeout_s: float = 120.0) -> None:
+    def wait_healthy(self, expected: dict[WorkerRole, int], timeout_s: float = 120.0) -> None:
         """Until the gateway sees at least `expected` live workers per role."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -348,41 +306,10 @@ class LocalCluster:
         )
 
     def supervise(self) -> list[str]:
-        """Restarts roles that exited unexpectedly, with backoff; what happened, one line each.
-
-        A worker that exits with status 0 drained and left on purpose (SIGTERM sent to it
-        alone): it is not restarted. Anything else (a crash, kill -9, an error) is restarted
-        after 1, 2, 4, ... s (at most MAX_RESTART_DELAY_S); the same worker id re-registers.
-        """
-        events = []
+        """Restarts roles that exited unexpectedly, with backoff (`RoleProcess.supervise`); what
+        happened, one line each."""
         now = time.monotonic()
-        for role in self.processes:
-            if role.left:
-                continue
-            if role.restart_at is not None:
-                if now >= role.restart_at:
-                    role.restart_at = None
-                    role.restarts += 1
-                    role.started_at = now
-                    role.process = _launch(role.argv, role.env, role.log_path, "ab")
-                    events.append(f"{role.name} restarted (restart {role.restarts})")
-                continue
-            code = role.process.poll()
-            if code is None:
-                continue
-            if code == 0 and role.role != "gateway":
-                role.left = True
-                events.append(f"{role.name} left the cluster (drained, exit status 0)")
-                continue
-            if now - role.started_at > STABLE_AFTER_S:
-                role.restarts = 0
-            delay = min(MAX_RESTART_DELAY_S, 2.0**role.restarts)
-            role.restart_at = now + delay
-            events.append(
-                f"{role.name} exited with status {code}; restarting in {delay:g} s "
-                f"(log: {role.log_path})"
-            )
-        return events
+        return [event for role in self.processes if (event := role.supervise(now)) is not None]
 
     def check_alive(self) -> None:
         for role in self.processes:

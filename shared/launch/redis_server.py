@@ -6,10 +6,9 @@ The binary is the system's `redis-server` where PATH has one, else the one the `
 one `nori up` or one test session and holds nothing worth keeping.
 
 `nori up`'s server (`redis_for_cluster`) is not open either: its default user has a generated
-password, and each role logs in as a user of its own (`role_acl_rules`) that may write only the
-keys that role writes, so that a gateway, say, cannot forge a worker's registry entry. The users
-and passwords are in an ACL file in the server's private directory (mode 0600), never on a
-command line, where `ps` would show them.
+password, and each role logs in as a user of its own (nori.launch.redis_acl) that may write only
+the keys that role writes. The users and passwords are in an ACL file in the server's private
+directory (mode 0600), never on a command line, where `ps` would show them.
 """
 
 from __future__ import annotations
@@ -25,17 +24,15 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
 import redis
 
-from nori.settings import DEFAULT_NAMESPACE, Environment
+from nori.launch.redis_acl import ACL_SINCE, ROLE_USERS, RedisUsers, acl_file_text, role_acl_rules
+from nori.settings import DEFAULT_NAMESPACE, Environment, Role
 from nori.state.connection import redacted
-from nori.state.keys import Keys
 
 logger = logging.getLogger(__name__)
 
@@ -119,97 +116,6 @@ def redis_version(executable: str) -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-# ACL users exist from Redis 6.0 (older servers get one password for everybody), channel rules
-# (`&*`, resetchannels) from 6.2, read-only key patterns (`%R~`) from 7.0; before, a key pattern
-# grants read and write.
-ACL_SINCE = (6, 0)
-CHANNEL_RULES_SINCE = (6, 2)
-READ_ONLY_PATTERNS_SINCE = (7, 0)
-# What every role's user may run: reads, writes and MULTI/EXEC on its keys, and the connection
-# commands (AUTH, HELLO, PING, CLIENT SETNAME...); nothing @dangerous (FLUSHALL, CONFIG, KEYS,
-# DEBUG, SHUTDOWN, ACL, MONITOR, ...), no pub/sub channels.
-ROLE_COMMANDS = ("resetchannels", "-@all", "+@read", "+@write", "+@transaction", "+@connection",
-                 "-@dangerous")  # fmt: skip
-# The users, by the role that logs in as each: a colocated worker is a decode worker.
-ROLE_USERS: Mapping[str, str] = {
-    "gateway": "nori-gateway",
-    "prefill": "nori-prefill",
-    "decode": "nori-decode",
-    "colocated": "nori-decode",
-    "batch": "nori-batch",
-}
-
-
-def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[str, ...]]:
-    """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
-
-    - gateway: reads the worker registry (SCAN, HGETALL) and the block directory (SMEMBERS),
-      writes request states (`nori.state.requests`);
-    - prefill: writes its registry entry and the block directory (`nori.state.block_directory`);
-    - decode (and colocated): writes its registry entry and request states;
-    - batch (the runners): writes the batches' work queues and counts (`nori.batch.jobs`), which
-      the gateway only reads.
-
-    From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`): it cannot
-    write a worker entry (NOPERM). Before 7.0 a key pattern grants both, so the gateway may
-    still write worker keys there; it stays confined to its namespace's three key families and to
-    ROLE_COMMANDS, and forged entries are refused anyway by their signatures
-    (`nori.state.registry`). A worker never gets the other worker role's families.
-    """
-    keys = Keys(namespace)
-    worker, request, block, batch = (
-        keys.worker("*"),
-        keys.request("*"),
-        f"{namespace}:block:*",
-        keys.batch_pattern(),
-    )
-    read = "%R~" if version >= READ_ONLY_PATTERNS_SINCE else "~"
-    return {
-        "nori-gateway": (
-            "resetkeys",
-            f"~{request}",
-            f"{read}{worker}",
-            f"{read}{block}",
-            f"{read}{batch}",
-        ),
-        "nori-prefill": ("resetkeys", f"~{worker}", f"~{block}"),
-        "nori-decode": ("resetkeys", f"~{worker}", f"~{request}"),
-        "nori-batch": ("resetkeys", f"~{batch}"),
-    }
-
-
-def acl_file_text(
-    admin_password: str,
-    user_passwords: Mapping[str, str],
-    rules: Mapping[str, tuple[str, ...]],
-    version: tuple[int, int] = READ_ONLY_PATTERNS_SINCE,
-) -> str:
-    """An aclfile: the default user (everything, with `admin_password`), then each role user,
-    in the rules redis-server `version` knows."""
-    for password in (admin_password, *user_passwords.values()):
-        if not password or any(c.isspace() for c in password):
-            raise ValueError("a Redis password must be non-empty and hold no whitespace")
-    channels = version >= CHANNEL_RULES_SINCE
-    lines = [f"user default on >{admin_password} ~* {'&* ' if channels else ''}+@all"]
-    for user, password in user_passwords.items():
-        commands = [c for c in ROLE_COMMANDS if channels or c != "resetchannels"]
-        lines.append(" ".join(["user", user, "on", f">{password}", *rules[user], *commands]))
-    return "\n".join(lines) + "\n"
-
-
-@dataclass(frozen=True)
-class RedisUsers:
-    """The role users of a private server: each user's password (ACL rules from the namespace)."""
-
-    namespace: str
-    passwords: Mapping[str, str]
-
-    @classmethod
-    def generate(cls, namespace: str = DEFAULT_NAMESPACE) -> RedisUsers:
-        names = sorted(set(ROLE_USERS.values()))
-        return cls(namespace, {name: secrets.token_urlsafe(24) for name in names})
-
-
 class RedisServer:
     """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1.
 
@@ -253,7 +159,7 @@ class RedisServer:
         credentials = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{credentials}127.0.0.1:{port}/0"
 
-    def role_url(self, role: str) -> str:
+    def role_url(self, role: Role) -> str:
         """The URL `role` (gateway, prefill, decode, colocated) logs in with: its own user's
         where the server has users, else `url`."""
         if self.users is None or not self._with_users:
@@ -262,7 +168,7 @@ class RedisServer:
         password = quote(self.users.passwords[user], safe="")
         return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
 
-    def role_urls(self) -> dict[str, str]:
+    def role_urls(self) -> dict[Role, str]:
         return {role: self.role_url(role) for role in ROLE_USERS}
 
     @property

@@ -14,8 +14,8 @@ from nori.models.errors import ModelLoadError
 from nori.models.llama import CausalLM, WeightTarget
 from nori.models.packed_linear import pack_bf16_linears
 from nori.models.quantization import quantize_model
+from nori.models.shard import shard_model
 from nori.parallel.group import TensorParallelGroup
-from nori.parallel.shard import shard_model
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 
@@ -42,7 +42,7 @@ def load_model(
     """Returns the model in eval mode without gradients, on `device` in `dtype`.
 
     With `tensor_parallel`, the whole checkpoint is read and then cut to that rank's shard
-    (nori.parallel.shard) before any 8-bit quantization or prepacking.
+    (nori.models.shard) before any 8-bit quantization or prepacking.
 
     `load_format="dummy"` skips the safetensors and fills weights with seeded random values
     generated on the device itself, so big shapes can be benchmarked without big files.

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nori.models.config import ModelConfig
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -39,20 +37,6 @@ class TensorParallelGroup:
         share = -(-size // self.world_size)
         start = min(self.rank * share, size)
         return start, min(start + share, size), share
-
-    def local_model_config(self, config: ModelConfig) -> ModelConfig:
-        """The shapes this rank's shard has: its query and kv heads (what its KV cache holds).
-        ValueError when the model does not split into world_size shards."""
-        from dataclasses import replace
-
-        self.part(config.intermediate_size, "intermediate size")
-        q_start, q_stop = self.part(config.num_attention_heads, "attention heads")
-        kv_start, kv_stop = self.part(config.num_key_value_heads, "key-value heads")
-        return replace(
-            config,
-            num_attention_heads=q_stop - q_start,
-            num_key_value_heads=kv_stop - kv_start,
-        )
 
     # ---------------------------------------------------------------- collectives
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from nori.engine.block_hash import extend_block_hashes
-from nori.engine.block_manager import BlockEvent, BlockEventKind
+from nori.prefix_cache import BlockEvent, BlockEventKind, extend_block_hashes
 from nori.state.codec import as_str
 from nori.state.store import RedisStore
 

@@ -4,38 +4,36 @@ Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, s
 dies (or loses Redis) drops out of the cluster by itself; nobody has to clean up after it. Workers
 join and leave at run time just by starting and stopping their Heartbeat.
 
-In a cluster with a secret (`nori.cluster_auth`), every entry is signed: an HMAC under the
-secret's "worker-entry" key over all of its fields, and those include `expires_at` (the write's
-time plus the TTL). The gateway routes only to entries that verify and have not expired
-(`list_entries`), so whoever can write to Redis but lacks the secret cannot join the cluster, and
-a genuine entry copied later (a replay) is refused once its expiry passes. Signing everything,
-the load figures too, costs one HMAC per heartbeat and leaves nothing to reason about: a
-forger can neither add a worker nor steer load between real ones. Without a secret nothing is
-signed or checked (an open cluster, as before).
+In a cluster with a secret (`nori.cluster_auth`), every entry is signed (nori.state.entry_signing):
+an HMAC under the secret's "worker-entry" key over all of its fields, and those include
+`expires_at` (the write's time plus the TTL). The gateway routes only to entries that verify and
+have not expired (`list_entries`), so whoever can write to Redis but lacks the secret cannot join
+the cluster, and a genuine entry copied later (a replay) is refused once its expiry passes.
+Signing everything, the load figures too, costs one HMAC per heartbeat and leaves nothing to
+reason about: a forger can neither add a worker nor steer load between real ones. Without a
+secret nothing is signed or checked (an open cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.typing import EncodableT
 
 from nori.cluster_auth import ClusterAuth
+from nori.settings import WORKER_ROLES, WorkerRole
 from nori.state.codec import RawMapping, as_str, as_str_mapping
+from nori.state.entry_signing import SIGNATURE_FIELD, RefusalReason, check_entry, sign_entry
 from nori.state.keys import Keys
 from nori.state.store import RedisStore
 
 logger = logging.getLogger(__name__)
-
-Role = Literal["prefill", "decode", "colocated"]
-ROLES: frozenset[str] = frozenset(get_args(Role))
 
 _TRUE = frozenset({"1", "true", "yes"})
 _FALSE = frozenset({"0", "false", "no", ""})
@@ -46,7 +44,7 @@ class WorkerInfo:
     """One worker as the registry stores it: identity, addresses, and its latest load figures."""
 
     worker_id: str
-    role: Role
+    role: WorkerRole
     grpc_address: str = ""  # "host:port"
     transfer_address: str = ""  # "" when the worker does not send or receive KV blocks
     metrics_address: str = ""  # "host:port" of its Prometheus /metrics; "" when it serves none
@@ -71,8 +69,10 @@ class WorkerInfo:
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
-        if self.role not in ROLES:
-            raise ValueError(f"unknown worker role {self.role!r}; expected one of {sorted(ROLES)}")
+        if self.role not in WORKER_ROLES:
+            raise ValueError(
+                f"unknown worker role {self.role!r}; expected one of {sorted(WORKER_ROLES)}"
+            )
 
     def to_mapping(self) -> dict[str, str]:
         """The Redis hash fields: every value a string, booleans as "1"/"0"."""
@@ -122,61 +122,6 @@ def _parse_bool(name: str, text: str) -> bool:
     if lowered in _FALSE:
         return False
     raise ValueError(f"field {name!r}: {text!r} is not a boolean")
-
-
-# The HMAC purpose of registry entries, and the hash field their signature is stored in.
-ENTRY_PURPOSE = "worker-entry"
-SIGNATURE_FIELD = "signature"
-# How far the gateway's clock may run ahead of a worker's before the worker's fresh entries look
-# expired (hosts kept by NTP differ by milliseconds); it lengthens a replay's window as much.
-CLOCK_SKEW_S = 2.0
-
-RefusalReason = Literal["unsigned", "forged", "expired"]
-
-
-def entry_message(mapping: Mapping[str, str]) -> bytes:
-    """What an entry's signature covers: every field but the signature, as canonical JSON.
-
-    All the fields, not just those this version knows, so a field a newer writer adds is
-    covered as well; JSON, so no choice of field values can make two entries read the same.
-    """
-    covered = {name: value for name, value in mapping.items() if name != SIGNATURE_FIELD}
-    return json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()
-
-
-def sign_entry(auth: ClusterAuth, mapping: Mapping[str, str]) -> dict[str, str]:
-    """`mapping` with its signature field added (unchanged in an open cluster)."""
-    if not auth.enabled:
-        return dict(mapping)
-    return {**mapping, SIGNATURE_FIELD: auth.sign(ENTRY_PURPOSE, entry_message(mapping))}
-
-
-def check_entry(
-    auth: ClusterAuth, worker_id: str, mapping: Mapping[str, str], now: float
-) -> RefusalReason | None:
-    """Why the entry stored under `worker_id`'s key must not be routed to; None: it may.
-
-    It must carry a signature, the signature must verify, the id it names must be its key's
-    (a genuine entry copied under another id is forged), and it must not have expired.
-    Always None in an open cluster.
-    """
-    if not auth.enabled:
-        return None
-    signature = mapping.get(SIGNATURE_FIELD)
-    if not signature:
-        return "unsigned"
-    # compare_digest takes only ASCII text; no genuine signature is anything else.
-    if not signature.isascii() or not auth.verify(ENTRY_PURPOSE, entry_message(mapping), signature):
-        return "forged"
-    if mapping.get("worker_id") != worker_id:
-        return "forged"
-    try:
-        expires_at = float(mapping.get("expires_at", ""))
-    except ValueError:
-        return "forged"
-    if expires_at + CLOCK_SKEW_S < now:
-        return "expired"
-    return None
 
 
 @dataclass(frozen=True)
@@ -252,7 +197,7 @@ class WorkerRegistry(RedisStore):
             return None
         return WorkerInfo.from_mapping(raw)
 
-    async def list_workers(self, role: str | None = None) -> list[WorkerInfo]:
+    async def list_workers(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
         """Live workers (optionally of one role) whose entries pass their check, by worker_id."""
         listing = await self.list_entries()
         return [w for w in listing.workers if role is None or w.role == role]

@@ -161,7 +161,7 @@ def test_settings_and_options_are_checked() -> None:
 
 
 def test_a_sweep_with_a_duration_needs_no_request_rate_of_its_own() -> None:
-    from nori.cli.bench import compare_settings_from_args
+    from nori.cli.cluster_bench import compare_settings_from_args
     from nori.cli.main import build_parser
 
     parser = build_parser()

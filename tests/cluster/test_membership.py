@@ -29,7 +29,8 @@ import redis
 
 from nori.cluster_auth import ClusterAuth, generate_secret
 from nori.launch.local_cluster import LocalCluster
-from nori.launch.redis_server import READ_ONLY_PATTERNS_SINCE, RedisServer, resolve_redis_url
+from nori.launch.redis_acl import READ_ONLY_PATTERNS_SINCE
+from nori.launch.redis_server import RedisServer, resolve_redis_url
 from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, sign_entry
 from tests.cluster.conftest import start_cluster

@@ -184,7 +184,7 @@ def compose_acl_rules(document: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 
 
 def test_compose_redis_users_have_the_rules_of_nori_up() -> None:
-    from nori.launch.redis_server import ROLE_COMMANDS, role_acl_rules
+    from nori.launch.redis_acl import ROLE_COMMANDS, role_acl_rules
 
     expected = {
         user: (*rules, *ROLE_COMMANDS) for user, rules in role_acl_rules("nori", (7, 0)).items()

@@ -20,7 +20,8 @@ import redis
 import yaml
 
 from nori.launch.local_cluster import free_port
-from nori.launch.redis_server import READ_ONLY_PATTERNS_SINCE, redis_version
+from nori.launch.redis_acl import READ_ONLY_PATTERNS_SINCE
+from nori.launch.redis_server import redis_version
 from tests.deploy.compose_processes import (
     compose_redis,
     compose_redis_health,

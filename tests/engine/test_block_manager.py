@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nori.engine.block_hash import ROOT_HASH, hash_block
 from nori.engine.block_manager import BlockEventKind, BlockManager, BlockUsage
+from nori.prefix_cache import ROOT_HASH, hash_block
 from tests.engine.helpers import make_request
 
 

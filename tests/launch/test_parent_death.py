@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-ROLE = "from nori.launch.parent_death import die_with_parent; die_with_parent(); " \
+ROLE = "from nori.parent_death import die_with_parent; die_with_parent(); " \
     "import time; time.sleep(60)"  # fmt: skip
 LAUNCHER = textwrap.dedent(f"""
     import os, subprocess, sys, time
-    from nori.launch.parent_death import launcher_env
+    from nori.parent_death import launcher_env
     role = subprocess.Popen([sys.executable, "-c", {ROLE!r}], env={{**os.environ, **launcher_env()}})
     print(role.pid, flush=True)
     time.sleep(60)

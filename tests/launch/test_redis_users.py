@@ -14,14 +14,8 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from nori.launch.redis_server import (
-    RedisServer,
-    RedisUsers,
-    acl_file_text,
-    find_redis_server,
-    redis_for_cluster,
-    role_acl_rules,
-)
+from nori.launch.redis_acl import RedisUsers, acl_file_text, role_acl_rules
+from nori.launch.redis_server import RedisServer, find_redis_server, redis_for_cluster
 
 needs_binary = pytest.mark.skipif(find_redis_server() is None, reason="needs redis-server")
 

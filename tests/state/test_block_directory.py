@@ -6,9 +6,9 @@ from typing import Any, cast
 import pytest
 from redis.asyncio import Redis
 
-from nori.engine.block_hash import ROOT_HASH, hash_block
-from nori.engine.block_manager import BlockEvent, BlockEventKind, BlockManager
+from nori.engine.block_manager import BlockManager
 from nori.engine.request import Request
+from nori.prefix_cache import ROOT_HASH, BlockEvent, BlockEventKind, hash_block
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.keys import Keys
 

@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from nori.engine.block_manager import BlockEvent, BlockEventKind
+from nori.prefix_cache import BlockEvent, BlockEventKind
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry

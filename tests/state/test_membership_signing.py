@@ -18,14 +18,9 @@ from redis.asyncio import Redis
 
 from nori.cluster_auth import ClusterAuth, generate_secret
 from nori.gateway.worker_pool import WorkerPool
+from nori.state.entry_signing import CLOCK_SKEW_S, SIGNATURE_FIELD, check_entry, sign_entry
 from nori.state.keys import Keys
-from nori.state.registry import (
-    CLOCK_SKEW_S,
-    SIGNATURE_FIELD,
-    WorkerRegistry,
-    check_entry,
-    sign_entry,
-)
+from nori.state.registry import WorkerRegistry
 from tests.state.test_registry import make_info
 
 AUTH = ClusterAuth.from_text(generate_secret())

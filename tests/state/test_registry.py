@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from nori.settings import WorkerRole
 from nori.state.keys import Keys
-from nori.state.registry import Role, WorkerInfo, WorkerRegistry
+from nori.state.registry import WorkerInfo, WorkerRegistry
 from tests.state.helpers import eventually
 
 
-def make_info(worker_id: str = "w1", role: Role = "prefill", **changes: Any) -> WorkerInfo:
+def make_info(worker_id: str = "w1", role: WorkerRole = "prefill", **changes: Any) -> WorkerInfo:
     info = WorkerInfo(
         worker_id=worker_id,
         role=role,

@@ -15,6 +15,7 @@ from nori.cli.engine_args import (
     add_engine_args,
     positive_int,
 )
+from nori.launch.cpu_plan import PINNED_ROLES
 from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
         ("gateway", "the gateway's CPUs"),
     ):
         group.add_argument(f"--cpus-{role}", default=None, metavar="LIST", help=f"{what} (0-3,6)")
-    for role in ("prefill", "decode", "colocated", "gateway"):
+    for role in PINNED_ROLES:
         group.add_argument(
             f"--threads-{role}",
             type=int,

@@ -172,7 +172,7 @@ def follower_main(
 ) -> None:
     """A follower rank's whole life: join, load its shard, follow rank 0's commands."""
     from nori.engine.model_runner import ModelRunner
-    from nori.launch.parent_death import exit_with_parent
+    from nori.parent_death import exit_with_parent
 
     # Nothing to drain here: go with the engine, even when it is killed.
     exit_with_parent(parent_pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from nori.bench.serve.metrics import compute_metrics, output_timeline
+from nori.bench.serve.figures import compute_metrics, output_timeline
 from tests.bench.serve_trace import DURATION_S, STREAM_ERROR, TOO_LONG, TRACE
 
 

@@ -1,4 +1,5 @@
-"""Cuts a loaded model down to one rank's shard, in place (Megatron-style).
+"""One rank's shard of a model: its shapes (`local_model_config`, what its KV cache holds) and
+the cut itself, in place (`shard_model`, Megatron-style):
 
 - attention: the rank's query heads and the kv heads they read, in the fused qkv projection
   (column-parallel); o_proj takes the matching input columns (row-parallel, summed over ranks);
@@ -12,18 +13,34 @@ before 8-bit quantization or prepacking, which then see plain nn.Linear shards.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
+from nori.models.config import ModelConfig
 from nori.models.llama import CausalLM, DecoderLayer, GatedMLP, SelfAttention
 from nori.parallel.group import TensorParallelGroup
 from nori.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
 
+def local_model_config(config: ModelConfig, group: TensorParallelGroup) -> ModelConfig:
+    """The shapes `group`'s rank's shard has: its query and kv heads (what its KV cache holds).
+    ValueError when the model does not split into world_size shards."""
+    group.part(config.intermediate_size, "intermediate size")
+    q_start, q_stop = group.part(config.num_attention_heads, "attention heads")
+    kv_start, kv_stop = group.part(config.num_key_value_heads, "key-value heads")
+    return replace(
+        config,
+        num_attention_heads=q_stop - q_start,
+        num_key_value_heads=kv_stop - kv_start,
+    )
+
+
 def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
     config = model.config
     # Checked up front, so a bad size fails before anything is cut.
-    group.local_model_config(config)
+    local_model_config(config, group)
     with torch.no_grad():
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)

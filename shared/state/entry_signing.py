@@ -1,0 +1,65 @@
+"""Signed registry entries: in a cluster with a secret (nori.cluster_auth), a worker signs every
+field of the entry it writes, and a reader routes only to entries whose signature verifies, whose
+id is their key's and whose expiry has not passed (see nori.state.registry)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Literal
+
+from nori.cluster_auth import ClusterAuth
+
+# The HMAC purpose of registry entries, and the hash field their signature is stored in.
+ENTRY_PURPOSE = "worker-entry"
+SIGNATURE_FIELD = "signature"
+# How far the gateway's clock may run ahead of a worker's before the worker's fresh entries look
+# expired (hosts kept by NTP differ by milliseconds); it lengthens a replay's window as much.
+CLOCK_SKEW_S = 2.0
+
+RefusalReason = Literal["unsigned", "forged", "expired"]
+
+
+def entry_message(mapping: Mapping[str, str]) -> bytes:
+    """What an entry's signature covers: every field but the signature, as canonical JSON.
+
+    All the fields, not just those this version knows, so a field a newer writer adds is
+    covered as well; JSON, so no choice of field values can make two entries read the same.
+    """
+    covered = {name: value for name, value in mapping.items() if name != SIGNATURE_FIELD}
+    return json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_entry(auth: ClusterAuth, mapping: Mapping[str, str]) -> dict[str, str]:
+    """`mapping` with its signature field added (unchanged in an open cluster)."""
+    if not auth.enabled:
+        return dict(mapping)
+    return {**mapping, SIGNATURE_FIELD: auth.sign(ENTRY_PURPOSE, entry_message(mapping))}
+
+
+def check_entry(
+    auth: ClusterAuth, worker_id: str, mapping: Mapping[str, str], now: float
+) -> RefusalReason | None:
+    """Why the entry stored under `worker_id`'s key must not be routed to; None: it may.
+
+    It must carry a signature, the signature must verify, the id it names must be its key's
+    (a genuine entry copied under another id is forged), and it must not have expired.
+    Always None in an open cluster.
+    """
+    if not auth.enabled:
+        return None
+    signature = mapping.get(SIGNATURE_FIELD)
+    if not signature:
+        return "unsigned"
+    # compare_digest takes only ASCII text; no genuine signature is anything else.
+    if not signature.isascii() or not auth.verify(ENTRY_PURPOSE, entry_message(mapping), signature):
+        return "forged"
+    if mapping.get("worker_id") != worker_id:
+        return "forged"
+    try:
+        expires_at = float(mapping.get("expires_at", ""))
+    except ValueError:
+        return "forged"
+    if expires_at + CLOCK_SKEW_S < now:
+        return "expired"
+    return None
