@@ -60,7 +60,7 @@ def test_a_resumed_request_continues_exactly(checkpoint: Path, params: SamplingP
     assert len(streamed_tokens) == 7
 
     second = _engine(checkpoint)
-    prompt = second.tokenizer.encode(PROMPT)
+    prompt = second.model.tokenizer.encode(PROMPT)
     second.add_request(
         "r", prompt, params, output_token_ids=streamed_tokens, num_emitted_chars=len(streamed_text)
     )

@@ -181,8 +181,11 @@ async def test_prefill_passes_the_priority_to_the_engine() -> None:
 class HoldingEngine(RecordingEngine):
     """Queues every request; `finish` ends one with its first token."""
 
-    def add_request(self, request_id: str, prompt: list[int], *args: Any, **kwargs: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], *args: Any, **kwargs: Any
+    ) -> list[int]:
         self.calls.append(("add_request", kwargs.get("priority", 0)))
+        return []
 
     def finish(self, request_id: str) -> None:
         output = StepOutput(request_id, [1, 2], [5], "x", [5], "x", True, "length")
