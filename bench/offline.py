@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
-from nori.engine.config import EngineConfig
+from nori.engine.config import EngineConfig, SchedulingPolicy
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import StepOutput
@@ -40,7 +40,7 @@ class OfflineWorkload:
 
 @dataclass(frozen=True)
 class RunResult:
-    policy: str
+    policy: SchedulingPolicy
     seconds: float
     num_output_tokens: int
     num_input_tokens: int
@@ -108,7 +108,7 @@ def run_policy(
     config: EngineConfig,
     runner: ModelRunner,
     workload: OfflineWorkload,
-    policy: str,
+    policy: SchedulingPolicy,
     show_progress: bool,
 ) -> RunResult:
     from tqdm import tqdm
@@ -152,7 +152,7 @@ def run_policy(
         num_output_tokens=sum(len(o.token_ids) for o in finished),
         num_input_tokens=workload.num_input_tokens,
         num_steps=steps,
-        num_preemptions=engine.num_preemptions,
+        num_preemptions=engine.load().num_preemptions,
     )
 
 
@@ -186,7 +186,9 @@ def run_offline_benchmark(
     warmup = make_workload(4, (8, 32), (4, 8), runner.model_config.vocab_size, config.seed + 1)
     run_policy(config, runner, warmup, "continuous", show_progress=False)
 
-    policies = ["continuous", "static"] if compare_static else ["continuous"]
+    policies: list[SchedulingPolicy] = (
+        ["continuous", "static"] if compare_static else ["continuous"]
+    )
     runs: dict[str, list[RunResult]] = {policy: [] for policy in policies}
     for _ in range(repeats):
         for policy in policies:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from nori.engine.config import EngineConfig
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, abort_all
 from nori.engine.kv_cache import bytes_per_block
 from nori.engine.model_runner import ModelRunner
 from nori.models.config import ModelConfig
@@ -222,7 +222,7 @@ def time_decode(
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
-    engine.abort_all()
+    abort_all(engine)
     return statistics.median(times)
 
 

@@ -100,7 +100,7 @@ class DecodeKVSink:
 
     def staged_blocks(self, request_id: str) -> tuple[torch.Tensor, ...] | None:
         """A staging sink's received blocks of an arrived request (once: they are handed over),
-        for `LLMEngine.write_request_kv`; None for a sink that receives into the cache."""
+        for `LLMEngine.finish_kv_transfer`; None for a sink that receives into the cache."""
         lease = self._leases.get(request_id)
         if lease is None or lease.staged is None or lease.state is not LeaseState.ARRIVED:
             return None

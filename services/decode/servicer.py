@@ -1,6 +1,10 @@
 """DecodeService: reserve blocks under a lease, take the KV in, stream tokens out.
 
-One Generate call is one request's whole life on this worker, so cancelling the call (a client
+A Generate call takes one of two paths in: the prompt's K/V computed by a prefill worker
+(`_reserve_for_remote_kv`, whose reservation is the call's first message, then
+`_finish_remote_kv`), or the prompt computed here (`_compute_prompt_here`: colocated, or a
+migrated request); both then stream the engine's outputs. One call is one request's whole life
+on this worker, so cancelling the call (a client
 that went away, a gateway giving up) is what frees the request's blocks, wherever it was.
 RenewLeases is how the prefill worker holding a prompt keeps its reservation alive while the
 prompt waits in its queue and is computed (see `lease.py` for when a lease runs out).
@@ -17,7 +21,9 @@ import grpc
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
 from nori.engine.engine import LLMEngine
+from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
 from nori.rpc.convert import delta_from_output
+from nori.sampling.params import SamplingParams
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff
@@ -73,64 +79,10 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         outcome, finish_reason, error = "error", None, ""
         try:
             if request.compute_prompt:
-                resumed = list(request.resumed_output_token_ids)
-                await call_engine(
-                    self._engine,
-                    context,
-                    LLMEngine.add_request,
-                    request_id,
-                    prompt,
-                    params,
-                    output_token_ids=resumed,
-                    num_emitted_chars=request.resumed_text_chars,
-                    priority=request.priority,
-                )
+                await self._compute_prompt_here(request, prompt, params, context)
             else:
-                block_ids = await call_engine(
-                    self._engine,
-                    context,
-                    LLMEngine.reserve_prompt,
-                    request_id,
-                    prompt,
-                    params,
-                    request.priority,
-                )
-                if block_ids is None:
-                    await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker"
-                    )
-                assert self._sink is not None and block_ids is not None
-                lease = self._sink.expect(request_id, block_ids, self._lease_s)
-                yield decode_pb2.GenerateResponse(
-                    reservation=KVDestination(
-                        worker_id=self._worker_id,
-                        transfer_address=self._transfer_address,
-                        block_ids=block_ids,
-                        lease_seconds=self._lease_s,
-                        lease_epoch=lease.epoch,
-                        transfer_token=lease.transfer_token,
-                    )
-                )
-                hand_off = await self._receive(request_id, context, record)
-                staged = self._sink.staged_blocks(request_id)
-                if staged is not None:
-                    # A tensor-parallel engine: each rank takes its heads of the blocks.
-                    await call_engine(
-                        self._engine, context, LLMEngine.write_request_kv, request_id, staged
-                    )
-                self._record(request_id, "decoding")
-                first_tokens = list(hand_off.output_token_ids)
-                generator_state = (
-                    hand_off.generator_state if hand_off.HasField("generator_state") else None
-                )
-                await call_engine(
-                    self._engine,
-                    context,
-                    LLMEngine.complete_transfer,
-                    request_id,
-                    first_tokens,
-                    generator_state,
-                )
+                yield await self._reserve_for_remote_kv(request, prompt, params, context)
+                await self._finish_remote_kv(request_id, context, record)
             coalesce_s = request.coalesce_ms / 1000
             first = True
             while not finished:
@@ -166,6 +118,85 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             if not finished:
                 # Cancelled, expired or failed: free the blocks now, whatever state they are in.
                 self._engine.submit(LLMEngine.abort_request, request_id)
+
+    async def _compute_prompt_here(
+        self,
+        request: decode_pb2.GenerateRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """The prompt is computed on this worker (colocated, or a request migrated here with the
+        tokens it had already streamed)."""
+        await call_engine(
+            self._engine,
+            context,
+            LLMEngine.add_request,
+            request.request_id,
+            prompt,
+            params,
+            priority=request.priority,
+            output_token_ids=list(request.resumed_output_token_ids),
+            num_emitted_chars=request.resumed_text_chars,
+        )
+
+    async def _reserve_for_remote_kv(
+        self,
+        request: decode_pb2.GenerateRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+    ) -> decode_pb2.GenerateResponse:
+        """Blocks for the prompt's K/V, which a prefill worker sends: the reservation, the
+        call's first message, says where (RESOURCE_EXHAUSTED when the pool has no room)."""
+        request_id = request.request_id
+        try:
+            block_ids = await call_engine(
+                self._engine,
+                context,
+                LLMEngine.add_request,
+                request_id,
+                prompt,
+                params,
+                priority=request.priority,
+                remote_kv=KVFromRemote(),
+            )
+        except NoFreeBlocks:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this worker"
+            )
+        assert self._sink is not None
+        lease = self._sink.expect(request_id, block_ids, self._lease_s)
+        return decode_pb2.GenerateResponse(
+            reservation=KVDestination(
+                worker_id=self._worker_id,
+                transfer_address=self._transfer_address,
+                block_ids=block_ids,
+                lease_seconds=self._lease_s,
+                lease_epoch=lease.epoch,
+                transfer_token=lease.transfer_token,
+            )
+        )
+
+    async def _finish_remote_kv(
+        self, request_id: str, context: grpc.aio.ServicerContext, record: CallRecord
+    ) -> None:
+        """Waits for the reserved request's K/V, then has the engine decode it."""
+        assert self._sink is not None
+        hand_off = await self._receive(request_id, context, record)
+        # A tensor-parallel engine takes the blocks from a staging copy (each rank its heads).
+        staged = self._sink.staged_blocks(request_id)
+        self._record(request_id, "decoding")
+        generator_state = hand_off.generator_state if hand_off.HasField("generator_state") else None
+        await call_engine(
+            self._engine,
+            context,
+            LLMEngine.finish_kv_transfer,
+            request_id,
+            list(hand_off.output_token_ids),
+            generator_state,
+            staged,
+        )
 
     async def _receive(
         self, request_id: str, context: grpc.aio.ServicerContext, record: CallRecord

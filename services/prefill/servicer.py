@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import grpc
 
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, export_request, prefilled_kv
 from nori.engine.kv_cache import read_blocks
-from nori.engine.kv_export import KVExport
+from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.rpc.convert import delta_from_output
 from nori.transfer.base import KVSender, TransferError, TransferRejected
@@ -37,8 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 def export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
-    export = engine.export_request(request_id)
-    engine.release_request(request_id)
+    """A prefilled request's state and a copy of its blocks, which are then freed (an engine
+    operation: it goes to an engine process by name)."""
+    export = export_request(engine, request_id)
+    engine.finish_kv_transfer(request_id)
     return export
 
 
@@ -85,8 +87,8 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 request_id,
                 prompt,
                 params,
-                prefill_only=True,
                 priority=request.priority,
+                remote_kv=KVToRemote(),
             )
             output = await queue.get()
             record.output(output, computed_prompt=True)
@@ -130,9 +132,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         facts = self._engine.facts
         if facts.tensor_parallel_size > 1:
             return await self._engine.call(export_and_release, request_id)
-        state, block_ids = await self._engine.call(LLMEngine.export_state, request_id)
+        state, block_ids = await self._engine.call(prefilled_kv, request_id)
         blocks = await asyncio.to_thread(read_blocks, facts.kv_cache_tensors, block_ids)
-        self._engine.submit(LLMEngine.release_request, request_id)
+        self._engine.submit(LLMEngine.finish_kv_transfer, request_id)
         return KVExport(state=state, blocks=blocks)
 
     async def _send(

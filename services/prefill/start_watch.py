@@ -1,5 +1,6 @@
 """What the prefill engine did in a step that the event loop must hear of: which prompts it has
-begun computing, and which blocks it stored in or evicted from its prefix cache.
+begun computing, and which blocks it stored in or evicted from its prefix cache; with the
+engine operations that record and list those blocks.
 
 A prompt leaves the queue when the scheduler first puts it in the running batch. The engine has no
 callback for that, and its internals are not ours to change, so this looks from outside:
@@ -28,7 +29,18 @@ class StepProbed:
 def probe_step(engine: LLMEngine) -> StepProbed:
     """In the engine loop, after a step (a module-level function: it goes to an engine process
     by name)."""
-    return StepProbed(frozenset(engine.running_request_ids()), tuple(engine.drain_block_events()))
+    running = engine.load().running_request_ids
+    return StepProbed(running, tuple(engine.kv_cache.drain_block_events()))
+
+
+def record_block_events(engine: LLMEngine) -> None:
+    """The prefill engine's setup: keep a log of its prefix cache's blocks for `probe_step`."""
+    engine.kv_cache.record_block_events()
+
+
+def cached_block_hashes(engine: LLMEngine) -> list[bytes]:
+    """Every block the engine's prefix cache can serve now (the directory's refresh)."""
+    return engine.kv_cache.cached_block_hashes()
 
 
 class StartWatch:

@@ -18,11 +18,16 @@ import grpc
 from nori.cluster_auth import ClusterAuth
 from nori.engine.block_manager import BlockEvent
 from nori.engine.config import EngineConfig
-from nori.engine.engine import LLMEngine
 from nori.prefill.lease_client import LeaseRenewalClient
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.servicer import PrefillServicer
-from nori.prefill.start_watch import StartWatch, StepProbed, probe_step
+from nori.prefill.start_watch import (
+    StartWatch,
+    StepProbed,
+    cached_block_hashes,
+    probe_step,
+    record_block_events,
+)
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
@@ -68,7 +73,7 @@ class PrefillWorker(Worker):
         self._start_watch = StartWatch(self._leases.started)
         engine = await self.start_engine(
             streams.dispatch,
-            setup=LLMEngine.record_block_events,
+            setup=record_block_events,
             probe=probe_step,
             on_probe=self._on_probe,
         )
@@ -114,7 +119,7 @@ class PrefillWorker(Worker):
                 # long-lived prefixes do not fall out of the directory.
                 last_refresh = time.monotonic()
                 assert self._engine is not None
-                held = await self._engine.call(LLMEngine.cached_block_hashes)
+                held = await self._engine.call(cached_block_hashes)
                 try:
                     await directory.touch(self.worker_id, held)
                 except Exception:

@@ -2,18 +2,20 @@
 process (`--engine-core`).
 
 The engine is not thread-safe and a step can take tens of milliseconds, so one loop owns it and
-alternates between applying queued operations (add, abort, reserve, ...) and stepping. The
-asyncio side never touches the engine: it sends operations with `call(function, *args)` and
-receives each step's outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers
-and Redis heartbeats keep running while the model computes.
+alternates between applying queued operations (add, abort, finish a KV transfer, ...) and
+stepping. The asyncio side never touches the engine: it sends operations with
+`call(function, *args)`, each a named function (an LLMEngine method, or a module-level function
+such as `nori.engine.engine.abort_all`) applied as `function(engine, *args)`, and receives each
+step's outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers and Redis
+heartbeats keep running while the model computes.
 
 - `thread`: the loop is a thread of the worker's process (`EngineThread`, below). Operations and
   outputs are handed over in memory, but the engine loop and the I/O side share one interpreter
   and its GIL.
 - `process`: the loop runs in a process of its own (`nori.worker.engine_process`), as vLLM's V1
-  engine core. Operations go over a pipe (so they are named functions, not lambdas: `function`
-  must pickle by reference), and each step's outputs, the answers to the operations it applied,
-  its load and its probe come back as one message. The KV cache lives in shared memory, so a
+  engine core. Operations go over a pipe (their functions pickle by reference), and each step's
+  outputs, the answers to the operations it applied, its load and its probe come back as one
+  message. The KV cache lives in shared memory, so a
   decode worker's transfers still land straight in it.
 - `auto` (the default): `process` on CPU, with one rank, for a worker given two CPUs or more;
   `thread` otherwise (`resolve_engine_core`).
@@ -40,7 +42,7 @@ import torch
 
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_device
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, abort_all
 from nori.engine.outputs import EngineLoad, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,12 @@ def resolve_engine_core(
 
 # Run in the engine loop after each step; what it returns (unless None) goes to `on_probe`.
 StepProbe = Callable[[LLMEngine], object]
+# An operation for the engine loop: function(engine, *args, **kwargs), its answer to the future.
+Operation = tuple[Callable[..., object], tuple[Any, ...], dict[str, Any], Future[object]]
+
+
+def _wake(engine: LLMEngine) -> None:
+    """Does nothing: `stop` queues it to wake an idle engine thread."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,9 @@ class EngineFacts:
     def of(cls, engine: LLMEngine) -> EngineFacts:
         return cls(
             config=engine.config,
-            kv_cache_tensors=tuple(engine.kv_cache_tensors),
+            kv_cache_tensors=tuple(engine.kv_cache.tensors),
             kv_block_layouts=tuple(
-                (dtype, tuple(shape)) for dtype, shape in engine.kv_block_layouts()
+                (dtype, tuple(shape)) for dtype, shape in engine.kv_cache.block_layouts()
             ),
         )
 
@@ -168,7 +176,7 @@ def result_of_step(
         outputs = engine.step()
     except Exception:
         logger.exception("engine step failed; aborting the running requests")
-        outputs = engine.abort_all()
+        outputs = abort_all(engine)
     return outputs, probe(engine) if probe is not None else None
 
 
@@ -194,8 +202,8 @@ class EngineThread:
         self._on_outputs = on_outputs
         self._probe = probe
         self._on_probe = on_probe
-        self._operations: queue.SimpleQueue[tuple[Callable[[LLMEngine], object], Future[object]]]
-        self._operations = queue.SimpleQueue()
+        # (function, args, kwargs, future): `call`'s operations, applied as function(engine, ...).
+        self._operations: queue.SimpleQueue[Operation] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nori-engine", daemon=True)
         self.load = load_of(engine)
@@ -217,18 +225,18 @@ class EngineThread:
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Runs `function(engine, *args, **kwargs)` between steps and returns its result."""
         future: Future[object] = Future()
-        self._operations.put((lambda engine: function(engine, *args, **kwargs), future))
+        self._operations.put((function, args, kwargs, future))
         result = await asyncio.wrap_future(future, loop=self._loop)
         return result  # type: ignore[return-value]
 
     def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """Queues `function(engine, *args, **kwargs)` without waiting (cleanup from a cancelled
         coroutine)."""
-        self._operations.put((lambda engine: function(engine, *args, **kwargs), Future()))
+        self._operations.put((function, args, kwargs, Future()))
 
     async def stop(self) -> None:
         self._stopping.set()
-        self._operations.put((lambda engine: None, Future()))  # wake the thread
+        self._operations.put((_wake, (), {}, Future()))  # wake the thread
         await asyncio.to_thread(self._thread.join, 10.0)
 
     # ------------------------------------------------------------------ engine thread
@@ -254,10 +262,10 @@ class EngineThread:
         except queue.Empty:
             return
         while True:
-            operation, future = item
+            function, args, kwargs, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(operation(self.engine))
+                    future.set_result(function(self.engine, *args, **kwargs))
                 except BaseException as error:
                     future.set_exception(error)
             try:

@@ -249,7 +249,7 @@ def engine_main(
         engine = LLMEngine(config)
         if setup is not None:
             setup(engine)
-        for tensor in engine.kv_cache_tensors:
+        for tensor in engine.kv_cache.tensors:
             tensor.share_memory_()  # in place: the engine's own views see the same memory
         turns.send(("ready", (EngineFacts.of(engine), load_of(engine))))
     except BaseException:

@@ -20,7 +20,7 @@ from nori.engine.outputs import StepOutput
 from nori.telemetry.propagation import context_from_carrier, context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
-from nori.worker.metrics import WorkerMetrics
+from nori.worker.worker_metrics import WorkerMetrics
 
 
 def _ns(seconds: float) -> int:

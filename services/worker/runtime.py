@@ -34,8 +34,8 @@ from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
-from nori.worker.metrics import WorkerMetrics
 from nori.worker.request_telemetry import WorkerTelemetry
+from nori.worker.worker_metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from collections.abc import Callable

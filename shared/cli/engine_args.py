@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
-from nori.engine.config import KV_CACHE_DTYPE_CHOICES, EngineConfig
+from nori.engine.config import (
+    AttentionBackend,
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    LoadFormat,
+    PrefillBudget,
+    Quantization,
+)
 from nori.settings import DEFAULT_BLOCK_SIZE
 
 
-def prefill_budget(text: str) -> int | str | None:
+def prefill_budget(text: str) -> PrefillBudget:
     """--prefill-budget-with-decodes: "auto", a number of tokens, or 0 for no cap."""
     if text == "auto":
         return "auto"
@@ -90,14 +99,14 @@ def add_engine_args(
     group.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=get_args(Dtype),
         help="auto: float32 on CPU, the checkpoint's half type on GPU",
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "fp8"],
+        choices=get_args(Quantization),
         help="8-bit weights (one scale per output channel) for every linear layer of the "
         "decoder, made at load: int8 runs on the x86 int8 GEMM on CPU, both on a Triton kernel "
         "on GPU; fp8 on CPU is exact but slow (no fp8 GEMM there)",
@@ -110,7 +119,7 @@ def add_engine_args(
     group.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=list(KV_CACHE_DTYPE_CHOICES),
+        choices=get_args(KVCacheDtype),
         help="auto: the KV cache in the model's dtype; int8 or fp8: 8-bit codes with a "
         "float16 scale per token and kv head, about twice the tokens of bf16 in the same "
         "memory (four times float32's); prefill and decode workers must agree",
@@ -126,7 +135,7 @@ def add_engine_args(
     group.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "dummy"],
+        choices=get_args(LoadFormat),
         help="dummy: random weights made on the device (benchmarks of big shapes)",
     )
     group.add_argument(
@@ -183,7 +192,7 @@ def add_engine_args(
     group.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "triton", "cpu", "reference"],
+        choices=get_args(AttentionBackend),
         help="auto: Triton kernels on GPU, the C++ CPU kernels on CPU (NORI_CPU_KERNELS=0: "
         "the PyTorch references)",
     )

@@ -40,7 +40,7 @@ class LLM:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.model.tokenizer
 
     def close(self) -> None:
         """Ends a tensor-parallel engine's other ranks (a no-op otherwise); also at exit."""
@@ -85,7 +85,7 @@ class LLM:
             batch = [list(messages)]  # type: ignore[arg-type]
         else:
             batch = [list(conversation) for conversation in messages]  # type: ignore[arg-type]
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.model.tokenizer
         prompts = []
         for conversation in batch:
             text = tokenizer.apply_chat_template(
@@ -110,9 +110,9 @@ class LLM:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise ValueError(f"a prompt dict's 'prompt' is text, got {text!r}")
-            return _Prompt(text, self.engine.tokenizer.encode(text))
+            return _Prompt(text, self.engine.model.tokenizer.encode(text))
         if isinstance(prompt, str):
-            return _Prompt(prompt, self.engine.tokenizer.encode(prompt))
+            return _Prompt(prompt, self.engine.model.tokenizer.encode(prompt))
         return _Prompt(None, list(prompt))
 
     def _generate(
@@ -164,7 +164,7 @@ class LLM:
 
     def _token_text(self, token_id: int) -> str:
         # Decoded alone, as vLLM's `Logprob.decoded_token`: " the" rather than "Ġthe".
-        return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
+        return str(self.engine.model.tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,10 +1,16 @@
-"""What the engine reports about a request after each step."""
+"""What the engine reports: each request's progress after a step (StepOutput), its load
+(EngineLoad), and the model it serves (ServedModel)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from nori.sampling.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from nori.models.config import ModelConfig
+    from nori.sampling.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
-    # A prefill-only request whose K/V now waits for export.
+    # A KVToRemote request whose K/V now waits to be sent (PREFILLED).
     prefilled: bool = False
     # time.time() when it left the engine's queue (its first step): the queue wait's end.
     scheduled_at: float | None = None
@@ -57,7 +63,10 @@ class EngineLoad:
     num_total_blocks: int = 0
     # Blocks whose content is in the prefix cache (held by requests or evictable).
     num_cached_blocks: int = 0
+    # Requests preempted (their blocks taken back, to be recomputed) since the start.
     num_preemptions: int = 0
+    # The requests in the running batch (computing their prompt or decoding).
+    running_request_ids: frozenset[str] = frozenset()
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 
@@ -77,3 +86,13 @@ class EngineLoad:
             "num_free_blocks": self.num_free_blocks,
             "num_total_blocks": self.num_total_blocks,
         }
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the engine serves: the model's config, its tokenizer, and the longest prompt +
+    output it takes (the config's max_model_len, capped by the model and the KV pool)."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int

@@ -23,11 +23,13 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    # Blocks reserved for K/V that another engine is sending; not yet scheduled.
-    RESERVED = "reserved"
+    # Its K/V is computed elsewhere and arrives into blocks reserved for it (added with
+    # KVFromRemote); the scheduler skips it until `finish_kv_transfer` says the K/V is in.
+    WAITING_FOR_KV = "waiting_for_kv"
     # K/V in place, waiting for a row in the running batch (which is full); blocks kept.
     READY = "ready"
-    # Prefill-only request that sampled its first token; its blocks stay held for export.
+    # Its K/V goes elsewhere (added with KVToRemote): it sampled its first token, and its
+    # blocks stay held until `finish_kv_transfer` says they were sent.
     PREFILLED = "prefilled"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -53,7 +55,8 @@ class Request:
     # vLLM's `priority`: lower values are served first; FIFO among equal values (0: interactive,
     # nori.settings.BATCH_PRIORITY: batch lines). Preemption takes the largest value first.
     priority: int = 0
-    # Stop after the first sampled token and keep the blocks for export to a decode engine.
+    # Stop after the first sampled token and keep the blocks for export to a decode engine
+    # (the engine's KVToRemote).
     prefill_only: bool = False
     # The most tokens it may generate (max_tokens, capped by the model's length): the static
     # policy reserves room for them up front. 0: not known (the policies that do not need it).

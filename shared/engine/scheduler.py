@@ -2,16 +2,15 @@
 
 Pure Python. Each step has a token budget shared by every scheduled request: running requests
 come first (a decode costs one token, an unfinished chunked prefill up to the rest of the budget),
-then waiting requests in order of priority (vLLM's `priority`: lower values first), in arrival
-order within one. When decodes run, prompt work in the step can be capped separately
-(`prefill_budget_with_decodes`): a step's time grows with its prompt tokens, and every running
-stream waits for the whole step, so a small cap keeps inter-token latency near the pure decode
-step while long prompts are cut into chunks that ride along, step after step. When the KV pool
-runs dry, the least important running request (the largest priority value; the newest among
-equals) is preempted: it gives back its blocks and returns to the waiting queue, in front of its
-equals, to be recomputed (cheaply, when its prefix is still cached). A waiting request that
-cannot get blocks may likewise preempt running requests of a strictly larger priority value
-(`preempt_for`). With every priority equal (0), priorities change nothing.
+then waiting requests by priority (vLLM's: lower values first), in arrival order within one.
+With decodes in the step, prompt tokens can be capped separately (`prefill_budget_with_decodes`):
+every running stream waits for the whole step, so a small cap keeps inter-token latency near the
+pure decode step while long prompts ride along in chunks. When the KV pool runs dry, the least
+important running request (the largest priority value; the newest among equals) is preempted:
+it gives back its blocks and goes back to the waiting queue, in front of its equals, to be
+recomputed (cheaply, when its prefix is still cached); a waiting request may likewise preempt
+running ones of a strictly larger value (`preempt_for`). Requests whose K/V is in transit are
+`held` outside all this until `activate` (their K/V arrived) or `finish` (sent or aborted).
 """
 
 from __future__ import annotations
@@ -22,62 +21,12 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 
 from nori.engine.block_manager import BlockManager
+from nori.engine.config import SchedulerConfig
 from nori.engine.request import Request, RequestStatus
 
 # Static batching pads prompts with this id. Any id serves: pads are computed but hidden from
 # the real tokens' attention.
 STATIC_PAD_TOKEN_ID = 0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # "static": classic static batching, the baseline continuous batching is measured against.
-    # A batch is formed only when the previous one has fully finished (it waits for its longest
-    # member); every member is left-padded to the batch's longest prompt and reserves a padded
-    # rectangle up front (that prompt plus the batch's largest max_tokens), as a
-    # [batch, max_len] tensor would.
-    policy: str = "continuous"
-    # Share of the KV pool a new request must leave free when others are running. Requests grow
-    # a block every block_size tokens; admitting into the last free blocks only forces a
-    # preemption (and a recompute) a few steps later. With 128 mixed-length requests on 2048
-    # blocks, 3% cut preemptions from 63 to 5 at the same number of steps.
-    admission_watermark: float = 0.03
-    # Prompt tokens (new prompts and chunks of unfinished ones) a step may carry while decodes
-    # run in it; None: only max_num_batched_tokens bounds them (offline throughput). Serving
-    # sets a small value so a long prompt never stalls the running streams for long.
-    prefill_budget_with_decodes: int | None = None
-    # Prompt tokens of background requests (a priority above 0) a step may carry while
-    # interactive work is about (see `background_cap_linger_steps`); None: no cap of their own.
-    # A step's length is its prompt tokens, and an interactive prompt that arrives waits for the
-    # step in progress and then shares its own step with background prompts: a small cap keeps
-    # both short while a batch runs. With no interactive request about, a batch alone fills
-    # whole steps, as offline.
-    background_prefill_budget: int | None = None
-    # How many steps the background cap outlasts the last interactive request the scheduler
-    # knew (waiting, running, or held): the next one of a steady interactive load then arrives
-    # during short steps too. The first after a quiet spell waits for one uncapped step.
-    background_cap_linger_steps: int = 64
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if not 0 <= self.admission_watermark < 1:
-            raise ValueError(
-                f"admission_watermark must be in [0, 1), got {self.admission_watermark}"
-            )
-        if self.prefill_budget_with_decodes is not None and self.prefill_budget_with_decodes < 1:
-            raise ValueError(
-                "prefill_budget_with_decodes must be >= 1 (or None), "
-                f"got {self.prefill_budget_with_decodes}"
-            )
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -120,9 +69,7 @@ def _queue_behind_equals(queue: MutableSequence[Request], request: Request) -> N
 def _queue_ahead_of_equals(queue: MutableSequence[Request], request: Request) -> None:
     """Queues `request` in front of every request of its priority (a preempted request resumes
     before its equals), behind more urgent ones."""
-    index = next(
-        (i for i, queued in enumerate(queue) if queued.priority >= request.priority), len(queue)
-    )
+    index = next((i for i, q in enumerate(queue) if q.priority >= request.priority), len(queue))
     queue.insert(index, request)
 
 
@@ -134,7 +81,8 @@ class Scheduler:
     # served from its front, and the running batch's last request is the preemption victim.
     waiting: deque[Request] = field(default_factory=deque, init=False)
     running: list[Request] = field(default_factory=list, init=False)
-    # Requests whose blocks are reserved or held outside the running batch (RESERVED, PREFILLED).
+    # Requests holding blocks outside the running batch: waiting for their K/V to arrive
+    # (WAITING_FOR_KV) or to be sent (PREFILLED). `schedule` never looks at them.
     held: dict[str, Request] = field(default_factory=dict, init=False)
     # Requests whose K/V is in place (a finished transfer) waiting for a row in the running
     # batch, by priority then arrival; they keep their blocks and join as decodes when one frees.
@@ -167,7 +115,7 @@ class Scheduler:
         request.status = status
         self.held[request.request_id] = request
 
-    def activate(self, request_id: str) -> Request:
+    def activate(self, request_id: str) -> None:
         """A held request whose K/V has arrived: it runs from the next step when the batch has a
         row for it, else it queues (READY) for one. The batch never grows past max_num_seqs, so
         transfers arriving faster than streams finish cannot stretch every stream's step."""
@@ -175,7 +123,6 @@ class Scheduler:
         request.status = RequestStatus.READY
         _queue_behind_equals(self.ready, request)
         self._run_ready()
-        return request
 
     def _run_ready(self) -> None:
         while self.ready and len(self.running) < self.config.max_num_seqs:
@@ -240,7 +187,6 @@ class Scheduler:
         background_budget = self._background_budget(budget)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -291,11 +237,8 @@ class Scheduler:
             self.steps_since_interactive = 0
         else:
             self.steps_since_interactive += 1
-        return (
-            cap
-            if self.steps_since_interactive <= self.config.background_cap_linger_steps
-            else budget
-        )
+        lingering = self.steps_since_interactive <= self.config.background_cap_linger_steps
+        return cap if lingering else budget
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may carry: capped when it will also run decodes that someone

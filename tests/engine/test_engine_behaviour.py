@@ -93,35 +93,35 @@ def test_streaming_deltas_add_up(llm: LLM) -> None:
 
 def test_abort_frees_blocks_at_once(llm: LLM) -> None:
     engine = llm.engine
-    free = engine.num_free_blocks
+    free = engine.load().num_free_blocks
     engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=50))
     engine.add_request("b", list(range(3, 30)), SamplingParams(max_tokens=50))
     engine.step()
     engine.step()
-    assert engine.num_free_blocks < free
+    assert engine.load().num_free_blocks < free
     engine.abort_request("a")
     engine.abort_request("b")
-    assert engine.num_free_blocks == free
+    assert engine.load().num_free_blocks == free
     assert not engine.has_unfinished_requests()
-    engine.check_invariants()
+    engine.kv_cache.check_invariants()
 
 
 def test_bad_input_is_a_clear_error_and_loses_nothing(llm: LLM) -> None:
     engine = llm.engine
-    free = engine.num_free_blocks
+    free = engine.load().num_free_blocks
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request("x", [1, 2, 10**6], SamplingParams())
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request("x", [], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("x", [5] * engine.max_model_len, SamplingParams())
+        engine.add_request("x", [5] * engine.model.max_model_len, SamplingParams())
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
         engine.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
     engine.abort_request("dup")
-    assert engine.num_free_blocks == free and not engine.has_unfinished_requests()
+    assert engine.load().num_free_blocks == free and not engine.has_unfinished_requests()
 
 
 def test_generation_stops_at_max_model_len(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_left_padding_does_not_count_against_max_model_len(tmp_path: Path) -> No
     outputs = llm.generate([[5] * 20, [6] * 4], SamplingParams(max_tokens=100, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 20]
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    assert llm.engine.num_free_blocks == 256
+    assert llm.engine.load().num_free_blocks == 256
 
 
 def test_chat_uses_the_template(llm: LLM) -> None:
@@ -180,8 +180,8 @@ def test_static_policy_gives_the_same_tokens_and_frees_everything(tmp_path: Path
     got = static.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
-    static.engine.check_invariants()
-    assert static.engine.num_free_blocks == 64
+    static.engine.kv_cache.check_invariants()
+    assert static.engine.load().num_free_blocks == 64
 
 
 def test_a_small_model_on_cpu_takes_no_more_kv_than_its_sequences_can_fill(

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, export_request, import_request
+from nori.engine.kv_transfer import KVToRemote
 from nori.engine.llm import LLM
 from nori.engine.request import RequestStatus
 from nori.models.init_checkpoint import init_checkpoint
@@ -48,7 +49,7 @@ actions = st.lists(
 
 
 def check(engine: LLMEngine) -> None:
-    engine.check_invariants()
+    engine.kv_cache.check_invariants()
 
 
 @settings(
@@ -68,7 +69,8 @@ def test_random_traffic_never_leaks_blocks(
             names.append(name)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=len(names))
             prompt = [(7 * len(names) + i) % 500 + 3 for i in range(length)]
-            prefill.add_request(name, prompt, params, prefill_only=prefill_only)
+            remote_kv = KVToRemote() if prefill_only else None
+            prefill.add_request(name, prompt, params, remote_kv=remote_kv)
         elif kind == "step":
             for _ in range(action[1]):
                 prefill.step()
@@ -81,9 +83,9 @@ def test_random_traffic_never_leaks_blocks(
             else:
                 request = prefill._requests.get(name)
                 if request is not None and request.status is RequestStatus.PREFILLED:
-                    export = prefill.export_request(name)
-                    prefill.release_request(name)
-                    decode.import_request(export)  # False (pool full) simply drops it
+                    export = export_request(prefill, name)
+                    prefill.finish_kv_transfer(name)
+                    import_request(decode, export)  # False (pool full) simply drops it
         check(prefill)
         check(decode)
 
@@ -92,6 +94,6 @@ def test_random_traffic_never_leaks_blocks(
         decode.abort_request(name)
     for engine in (prefill, decode):
         check(engine)
-        assert engine.num_free_blocks == NUM_BLOCKS
+        assert engine.load().num_free_blocks == NUM_BLOCKS
         assert not engine.has_unfinished_requests()
         assert not engine._requests

@@ -74,19 +74,19 @@ def assert_matches(llm: LLM, prompts: list[list[int]], reference: list[HFGreedy]
         logits = trace.stacked(output.request_id)
         assert logits.shape == expected.logits.shape
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
-    llm.engine.check_invariants()
+    llm.engine.kv_cache.check_invariants()
     return [outputs, trace]
 
 
 def test_batched_greedy_matches_transformers(checkpoint: Path, references: References) -> None:
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
-    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model.config.vocab_size)
     assert_matches(llm, prompts, expected)
 
 
 def test_prefix_cache_hits_match_transformers(checkpoint: Path, references: References) -> None:
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8)
-    prompts, reference = references.get(checkpoint, "shared", llm.engine.model_config.vocab_size)
+    prompts, reference = references.get(checkpoint, "shared", llm.engine.model.config.vocab_size)
     first, _ = assert_matches(llm, prompts, reference)
     # Within the first batch, prompts admitted after the first chunk of the prefix hit it too.
     second, _ = assert_matches(llm, prompts, reference)
@@ -105,7 +105,7 @@ def test_chunked_prefill_matches_transformers(checkpoint: Path, references: Refe
         max_num_batched_tokens=12,
         max_num_seqs=4,
     )
-    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model.config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.max_tokens_in_step <= 12
     assert trace.num_chunked_steps > 0
@@ -120,7 +120,7 @@ def test_preemption_matches_transformers(checkpoint: Path, references: Reference
         num_kv_blocks=40,
         enable_prefix_caching=False,
     )
-    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model.config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.num_preemptions > 0
 
@@ -131,7 +131,7 @@ def test_preemption_with_prefix_cache_matches_transformers(
     llm = LLM(
         str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=32
     )
-    prompts, expected = references.get(checkpoint, "shared", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "shared", llm.engine.model.config.vocab_size)
     _, trace = assert_matches(llm, prompts, expected)
     assert trace.num_preemptions > 0
 
@@ -148,7 +148,7 @@ def test_engine_on_triton_kernels_matches_transformers(
         max_num_batched_tokens=64,
         attention_backend="triton",
     )
-    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model.config.vocab_size)
     # Four prompts keep the interpreter fast; chunking and mixed decode+prefill steps still occur.
     picks = [1, 3, 6, 9]
     _, trace = assert_matches(llm, [prompts[i] for i in picks], [expected[i] for i in picks])
@@ -164,8 +164,8 @@ def assert_static_matches(llm: LLM, prompts: list[list[int]], reference: list[HF
         logits = trace.stacked(output.request_id)[:NEW_TOKENS]
         torch.testing.assert_close(logits, expected.logits, atol=LOGITS_ATOL, rtol=0)
     assert trace.num_chunked_steps > 0
-    llm.engine.check_invariants()
-    assert llm.engine.num_free_blocks == llm.engine.load().num_total_blocks
+    llm.engine.kv_cache.check_invariants()
+    assert llm.engine.load().num_free_blocks == llm.engine.load().num_total_blocks
 
 
 def static_llm(checkpoint: Path, backend: str) -> LLM:
@@ -186,7 +186,7 @@ def test_static_batching_with_left_padding_matches_transformers(
 ) -> None:
     """The static baseline left-pads each batch of 4 to its longest prompt; pads stay hidden."""
     llm = static_llm(checkpoint, "reference")
-    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model_config.vocab_size)
+    prompts, expected = references.get(checkpoint, "mixed", llm.engine.model.config.vocab_size)
     assert_static_matches(llm, prompts, expected)
 
 
@@ -194,5 +194,5 @@ def test_static_batching_on_triton_kernels_matches_transformers(tmp_path: Path) 
     """The left-padding masks of the Triton kernels (the GPU path; here in the interpreter)."""
     init_checkpoint(tmp_path, "tiny", seed=1)
     llm = static_llm(tmp_path, "triton")
-    prompts = [make_prompts(llm.engine.model_config.vocab_size, seed=0)[i] for i in (1, 3, 6, 9)]
+    prompts = [make_prompts(llm.engine.model.config.vocab_size, seed=0)[i] for i in (1, 3, 6, 9)]
     assert_static_matches(llm, prompts, hf_greedy(tmp_path, prompts, NEW_TOKENS))

@@ -68,8 +68,8 @@ def assert_logits_are_over_the_stored_kv(
             got, expected, atol=LOGITS_ATOL, rtol=0, msg=lambda m, i=index: f"prompt {i}: {m}"
         )
         assert tokens == expected.argmax(dim=-1).tolist()
-    llm.engine.check_invariants()
-    assert llm.engine.num_free_blocks == llm.engine.load().num_total_blocks
+    llm.engine.kv_cache.check_invariants()
+    assert llm.engine.load().num_free_blocks == llm.engine.load().num_total_blocks
     return [outputs, trace]
 
 
@@ -95,7 +95,7 @@ def test_batched_prefix_hits_and_chunks_read_the_stored_kv(
         kv_cache_dtype=kv_dtype,
         attention_backend=backend,
     )
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.model.config.vocab_size
     _, trace = assert_logits_are_over_the_stored_kv(llm, checkpoint, kv_dtype, mixed_prompts(vocab))
     assert trace.num_chunked_steps > 0
     shared = shared_prefix_prompts(vocab)
@@ -114,7 +114,7 @@ def test_preempted_requests_recompute_the_same_stored_kv(checkpoint: Path, kv_dt
         enable_prefix_caching=False,
         kv_cache_dtype=kv_dtype,
     )
-    prompts = mixed_prompts(llm.engine.model_config.vocab_size)
+    prompts = mixed_prompts(llm.engine.model.config.vocab_size)
     _, trace = assert_logits_are_over_the_stored_kv(llm, checkpoint, kv_dtype, prompts)
     assert trace.num_preemptions > 0
 
@@ -131,7 +131,7 @@ def test_the_triton_kernels_read_the_stored_kv(checkpoint: Path, kv_dtype: str) 
         kv_cache_dtype=kv_dtype,
         attention_backend="triton",
     )
-    prompts = [mixed_prompts(llm.engine.model_config.vocab_size)[i] for i in (1, 3)]
+    prompts = [mixed_prompts(llm.engine.model.config.vocab_size)[i] for i in (1, 3)]
     _, trace = assert_logits_are_over_the_stored_kv(llm, checkpoint, kv_dtype, prompts)
     assert trace.num_chunked_steps > 0
 
@@ -158,7 +158,7 @@ def test_a_memory_budget_buys_the_8_bit_cache_more_blocks(checkpoint: Path) -> N
     budget = dict(device="cpu", cpu_kv_cache_gib=2**-10, max_num_seqs=256, max_model_len=64)
     float_blocks = LLM(str(checkpoint), **budget).engine.load().num_total_blocks
     int8 = LLM(str(checkpoint), kv_cache_dtype="int8", **budget)
-    model = int8.engine.model_config
+    model = int8.engine.model.config
     expected = 2**20 // bytes_per_block(model, int8.engine.config.block_size, torch.int8)
     assert int8.engine.load().num_total_blocks == expected
     assert int8.engine.load().num_total_blocks >= 3 * float_blocks

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, export_request, import_request
+from nori.engine.kv_transfer import KVFromRemote, KVToRemote
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
 from nori.engine.request import RequestStatus
@@ -44,7 +45,7 @@ def run_to_completion(engine: LLMEngine) -> dict[str, StepOutput]:
 def prefill(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
     ids = [f"req-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params, prefill_only=True)
+        engine.add_request(request_id, prompt, params, remote_kv=KVToRemote())
     prefilled = set()
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -69,59 +70,62 @@ def test_prefill_export_import_decode_is_token_identical(
     # Occupy the decode engine's first blocks so imported requests land on other block ids.
     decode_engine.add_request("resident", [1, 2, 3] * 11, SamplingParams(max_tokens=1))
     decode_engine.step()
-    free_before = prefill_engine.num_free_blocks
+    free_before = prefill_engine.load().num_free_blocks
 
     ids = prefill(prefill_engine, prompts, params)
     for request_id in ids:
-        export = prefill_engine.export_request(request_id)
+        export = export_request(prefill_engine, request_id)
         source_blocks = list(prefill_engine._requests[request_id].block_ids)
-        prefill_engine.release_request(request_id)
-        assert decode_engine.import_request(export)
+        prefill_engine.finish_kv_transfer(request_id)
+        assert import_request(decode_engine, export)
         target = decode_engine._requests[request_id]
         assert target.status is RequestStatus.RUNNING
         assert target.block_ids[: len(source_blocks)] != source_blocks
-    assert prefill_engine.num_free_blocks == free_before
-    prefill_engine.check_invariants()
+    assert prefill_engine.load().num_free_blocks == free_before
+    prefill_engine.kv_cache.check_invariants()
 
     finished = run_to_completion(decode_engine)
     for request_id, reference in zip(ids, expected, strict=True):
         assert finished[request_id].token_ids == reference.token_ids
         assert finished[request_id].text == reference.text
-    decode_engine.check_invariants()
+    decode_engine.kv_cache.check_invariants()
 
 
 def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
     prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
     decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=32).engine
     prefill(prefill_engine, [[5] * 20], PARAMS[0])
-    export = prefill_engine.export_request("req-0")
-    free_before = decode_engine.num_free_blocks
-    block_ids = decode_engine.reserve_request(export.state)
+    export = export_request(prefill_engine, "req-0")
+    free_before = decode_engine.load().num_free_blocks
+    state = export.state
+    block_ids = decode_engine.add_request(
+        state.request_id, state.prompt_token_ids, state.sampling_params, remote_kv=KVFromRemote()
+    )
     assert block_ids is not None and len(block_ids) == 3
-    assert decode_engine.num_free_blocks == free_before - 3
+    assert decode_engine.load().num_free_blocks == free_before - 3
     # The lease expires (or the sender dies): abort gives every reserved block back.
     decode_engine.abort_request("req-0")
-    assert decode_engine.num_free_blocks == free_before
-    decode_engine.check_invariants()
+    assert decode_engine.load().num_free_blocks == free_before
+    decode_engine.kv_cache.check_invariants()
 
 
 def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
     prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
     prefill(prefill_engine, [[5] * 40], PARAMS[0])
-    export = prefill_engine.export_request("req-0")
+    export = export_request(prefill_engine, "req-0")
     small = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=8).engine
     small.add_request("resident", [7] * 39, SamplingParams(max_tokens=8))
     small.step()  # holds 5 of the 8 blocks; the import needs 6
-    assert small.reserve_request(export.state) is None
+    assert not import_request(small, export)
     assert "req-0" not in small._requests
-    small.check_invariants()
+    small.kv_cache.check_invariants()
     other_block_size = LLM(
         str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=16
     ).engine
     with pytest.raises(ValueError, match="block size"):
-        other_block_size.reserve_request(export.state)
+        import_request(other_block_size, export)
     with pytest.raises(ValueError, match="not a prefilled request"):
-        prefill_engine.export_request("nope")
+        export_request(prefill_engine, "nope")
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded-top-p", "seeded-penalty"])
@@ -135,28 +139,30 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
     expected = [output.outputs[0] for output in reference_llm.generate(prompts, params)]
     prefill_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=64).engine
     decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=96).engine
-    free_before = decode_engine.num_free_blocks
+    free_before = decode_engine.load().num_free_blocks
     reserved = {}
     for index, prompt in enumerate(prompts):
-        block_ids = decode_engine.reserve_prompt(f"req-{index}", prompt, params)
+        block_ids = decode_engine.add_request(
+            f"req-{index}", prompt, params, remote_kv=KVFromRemote()
+        )
         assert block_ids is not None and len(block_ids) == -(-len(prompt) // 8)
         reserved[f"req-{index}"] = block_ids
     # Room for the first sampled token is part of the reservation.
-    assert free_before - decode_engine.num_free_blocks == sum(
+    assert free_before - decode_engine.load().num_free_blocks == sum(
         -(-(len(p) + 1) // 8) for p in prompts
     )
 
     ids = prefill(prefill_engine, prompts, params)
     first_tokens = {}
     for request_id in ids:
-        export = prefill_engine.export_request(request_id)
-        prefill_engine.release_request(request_id)
+        export = export_request(prefill_engine, request_id)
+        prefill_engine.finish_kv_transfer(request_id)
         # What a transport does: write each block straight into the reserved cache blocks.
-        for cache, blocks in zip(decode_engine.kv_cache_tensors, export.blocks, strict=True):
+        for cache, blocks in zip(decode_engine.kv_cache.tensors, export.blocks, strict=True):
             for position, block_id in enumerate(reserved[request_id]):
                 cache[:, :, block_id].copy_(blocks[:, :, position])
         first_tokens[request_id] = export.state.output_token_ids
-        decode_engine.complete_transfer(
+        decode_engine.finish_kv_transfer(
             request_id, export.state.output_token_ids, export.state.generator_state
         )
 
@@ -167,7 +173,7 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
         assert got.text == reference.text
         # The first token was reported by the prefill side; decode reports the rest.
         assert got.token_ids[:1] == first_tokens[request_id]
-    assert decode_engine.num_free_blocks == free_before
-    decode_engine.check_invariants()
+    assert decode_engine.load().num_free_blocks == free_before
+    decode_engine.kv_cache.check_invariants()
     with pytest.raises(ValueError, match="no reserved blocks"):
-        decode_engine.complete_transfer("req-0", [1], None)
+        decode_engine.finish_kv_transfer("req-0", [1], None)

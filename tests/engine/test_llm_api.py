@@ -78,7 +78,7 @@ def test_n_completions_are_the_seeded_choices(llm: LLM) -> None:
     assert [[c.token_ids for c in o.outputs] for o in again] == [
         [c.token_ids for c in o.outputs] for o in outputs
     ]
-    assert llm.engine.num_free_blocks == 128
+    assert llm.engine.load().num_free_blocks == 128
 
 
 def test_n_without_a_seed_draws_each_completion_on_its_own(llm: LLM) -> None:
@@ -155,7 +155,7 @@ def test_the_progress_bar_counts_prompts_and_token_speeds(
 
 
 def test_a_batch_with_a_bad_prompt_leaves_no_request_behind(llm: LLM) -> None:
-    free = llm.engine.num_free_blocks
+    free = llm.engine.load().num_free_blocks
     with pytest.raises(ValueError):
         llm.generate([PROMPTS[0], [10**9]], SAMPLED, use_tqdm=False)
-    assert llm.engine.num_free_blocks == free and not llm.engine.has_unfinished_requests()
+    assert llm.engine.load().num_free_blocks == free and not llm.engine.has_unfinished_requests()

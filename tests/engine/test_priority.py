@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from nori.engine.engine import LLMEngine
+from nori.engine.engine import LLMEngine, export_request
+from nori.engine.kv_transfer import KVFromRemote, KVToRemote, NoFreeBlocks
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
 from nori.models.init_checkpoint import init_checkpoint
@@ -20,6 +21,7 @@ from nori.settings import BATCH_PRIORITY
 BLOCK_SIZE = 8
 GREEDY_BATCH = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 GREEDY_INTERACTIVE = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+REMOTE = KVFromRemote()
 _rng = random.Random(5)
 BATCH_PROMPT = [_rng.randrange(3, 500) for _ in range(30)]
 INTERACTIVE_PROMPT = [_rng.randrange(3, 500) for _ in range(24)]
@@ -48,7 +50,7 @@ def small_engine(checkpoint: Path) -> LLMEngine:
 
 def run_batch_until_it_holds(engine: LLMEngine, num_blocks: int) -> None:
     engine.add_request("batch", BATCH_PROMPT, GREEDY_BATCH, priority=BATCH_PRIORITY)
-    while engine.num_free_blocks > engine.load().num_total_blocks - num_blocks:
+    while engine.load().num_free_blocks > engine.load().num_total_blocks - num_blocks:
         assert all(not output.finished for output in engine.step())
 
 
@@ -59,7 +61,7 @@ def run_to_completion(engine: LLMEngine) -> dict[str, StepOutput]:
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-        engine.check_invariants()
+        engine.kv_cache.check_invariants()
     return finished
 
 
@@ -71,8 +73,8 @@ def test_an_interactive_request_preempts_a_batch_one_which_resumes_identically(
     # 3 blocks for the prompt, 2 free: the batch request gives its 8 back and waits.
     engine.add_request("i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE)
     engine.step()
-    assert engine.num_preemptions == 1
-    assert engine.running_request_ids() == {"i"} and engine.load().num_waiting == 1
+    assert engine.load().num_preemptions == 1
+    assert engine.load().running_request_ids == {"i"} and engine.load().num_waiting == 1
     finished = run_to_completion(engine)
     assert list(finished) == ["i", "batch"]
     assert finished["i"].token_ids == alone["i"]
@@ -80,7 +82,7 @@ def test_an_interactive_request_preempts_a_batch_one_which_resumes_identically(
     # Recomputed from the blocks the interactive request left in the prefix cache: 6 of the
     # 7 full ones (it took the 8th, partial one, then the 7th as it grew).
     assert finished["batch"].num_cached_tokens == 6 * BLOCK_SIZE
-    assert engine.num_preemptions == 1
+    assert engine.load().num_preemptions == 1
 
 
 def test_equal_priorities_wait_instead(checkpoint: Path, alone: dict[str, list[int]]) -> None:
@@ -88,7 +90,7 @@ def test_equal_priorities_wait_instead(checkpoint: Path, alone: dict[str, list[i
     run_batch_until_it_holds(engine, 8)
     engine.add_request("i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, priority=BATCH_PRIORITY)
     finished = run_to_completion(engine)
-    assert list(finished) == ["batch", "i"] and engine.num_preemptions == 0
+    assert list(finished) == ["batch", "i"] and engine.load().num_preemptions == 0
     assert finished["i"].token_ids == alone["i"]
 
 
@@ -100,29 +102,32 @@ def test_a_reservation_preempts_a_batch_request_on_a_decode_engine(
     decode = small_engine(checkpoint)
     run_batch_until_it_holds(decode, 8)
     urgent = 3
-    assert (
-        decode.reserve_prompt("i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, BATCH_PRIORITY) is None
+    with pytest.raises(NoFreeBlocks):
+        decode.add_request(
+            "i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, priority=BATCH_PRIORITY, remote_kv=REMOTE
+        )
+    assert decode.load().num_preemptions == 0
+    block_ids = decode.add_request(
+        "i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, priority=urgent, remote_kv=REMOTE
     )
-    assert decode.num_preemptions == 0
-    block_ids = decode.reserve_prompt("i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, urgent)
     # The prompt and its first sampled token: 4 blocks, 3 of them for the prompt's K/V.
     assert block_ids is not None and len(block_ids) == 3
-    assert decode.num_preemptions == 1 and decode.running_request_ids() == set()
-    decode.check_invariants()
+    assert decode.load().num_preemptions == 1 and decode.load().running_request_ids == set()
+    decode.kv_cache.check_invariants()
 
     prefill = LLM(str(checkpoint), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=16)
     prefill.engine.add_request(
-        "i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, prefill_only=True, priority=urgent
+        "i", INTERACTIVE_PROMPT, GREEDY_INTERACTIVE, remote_kv=KVToRemote(), priority=urgent
     )
     while prefill.engine.has_unfinished_requests():
         prefill.engine.step()
-    export = prefill.engine.export_request("i")
-    prefill.engine.release_request("i")
+    export = export_request(prefill.engine, "i")
+    prefill.engine.finish_kv_transfer("i")
     assert export.state.priority == urgent
-    for cache, blocks in zip(decode.kv_cache_tensors, export.blocks, strict=True):
+    for cache, blocks in zip(decode.kv_cache.tensors, export.blocks, strict=True):
         for position, block_id in enumerate(block_ids):
             cache[:, :, block_id].copy_(blocks[:, :, position])
-    decode.complete_transfer("i", export.state.output_token_ids, export.state.generator_state)
+    decode.finish_kv_transfer("i", export.state.output_token_ids, export.state.generator_state)
 
     finished = run_to_completion(decode)
     assert list(finished) == ["i", "batch"]

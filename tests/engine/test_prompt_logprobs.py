@@ -98,7 +98,7 @@ def run(
         for output in engine.step():
             if output.finished:
                 finals[output.request_id] = output
-    engine.check_invariants()
+    engine.kv_cache.check_invariants()
     return [finals[request_id] for request_id in ids]
 
 
@@ -145,7 +145,7 @@ def test_prompt_logprobs_survive_preemption(
         enable_prefix_caching=False,
     )
     outputs = run(engine, prompts, max_tokens=24)
-    assert engine.num_preemptions > 0
+    assert engine.load().num_preemptions > 0
     for output, expected in zip(outputs, reference, strict=True):
         assert_prompt_logprobs(output, expected)
 

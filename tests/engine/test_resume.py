@@ -60,7 +60,7 @@ def test_a_resumed_request_continues_exactly(checkpoint: Path, params: SamplingP
     assert len(streamed_tokens) == 7
 
     second = _engine(checkpoint)
-    prompt = second.tokenizer.encode(PROMPT)
+    prompt = second.model.tokenizer.encode(PROMPT)
     second.add_request(
         "r", prompt, params, output_token_ids=streamed_tokens, num_emitted_chars=len(streamed_text)
     )
@@ -68,4 +68,4 @@ def test_a_resumed_request_continues_exactly(checkpoint: Path, params: SamplingP
     assert [t for o in resumed for t in o.new_token_ids] == tokens[7:]
     assert streamed_text + "".join(o.new_text for o in resumed) == text
     assert resumed[-1].token_ids == tokens and resumed[-1].finish_reason == "length"
-    second.check_invariants()
+    second.kv_cache.check_invariants()

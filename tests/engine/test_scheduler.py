@@ -6,13 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nori.engine.block_manager import BlockManager
+from nori.engine.config import SchedulerConfig
 from nori.engine.request import Request, RequestStatus
-from nori.engine.scheduler import (
-    STATIC_PAD_TOKEN_ID,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from nori.engine.scheduler import STATIC_PAD_TOKEN_ID, Scheduler, SchedulerOutput
 from tests.engine.helpers import make_request
 
 
@@ -156,12 +152,13 @@ def test_sequence_limit_keeps_others_waiting() -> None:
 
 def _transferred(scheduler: Scheduler, name: str, prompt: list[int], priority: int = 0) -> Request:
     """A request whose prompt K/V arrived from a prefill worker with its first token, as the
-    engine's reserve_prompt + complete_transfer leave it: blocks held, then activated."""
+    engine's add_request(remote_kv=KVFromRemote()) + finish_kv_transfer leave it: blocks held,
+    then activated."""
     request = make_request(name, prompt, priority=priority)
     assert scheduler.block_manager.allocate(request, len(prompt) + 1)
     request.num_computed_tokens = len(prompt)
     request.append_token(7)
-    scheduler.hold(request, RequestStatus.RESERVED)
+    scheduler.hold(request, RequestStatus.WAITING_FOR_KV)
     scheduler.activate(name)
     return request
 

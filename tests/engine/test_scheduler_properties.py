@@ -124,8 +124,9 @@ def _sorted_by_priority(requests: Iterable[Request]) -> bool:
 
 
 def _reserve(scheduler: Scheduler, request: Request) -> bool:
-    """What LLMEngine.reserve_request does: blocks for the request's K/V, by preempting less
-    urgent running requests when the pool has too few; then it waits for the K/V (RESERVED)."""
+    """What LLMEngine.add_request(remote_kv=KVFromRemote()) does: blocks for the request's K/V,
+    by preempting less urgent running requests when the pool has too few; then it waits for the
+    K/V (WAITING_FOR_KV)."""
     manager = scheduler.block_manager
     if not manager.allocate(request, request.num_tokens):
         victims = scheduler.preempt_for(request, request.num_tokens)
@@ -136,7 +137,7 @@ def _reserve(scheduler: Scheduler, request: Request) -> bool:
             return False
     request.num_computed_tokens = request.num_tokens
     request.append_token(7)  # the first token, sampled by the prefill side
-    scheduler.hold(request, RequestStatus.RESERVED)
+    scheduler.hold(request, RequestStatus.WAITING_FOR_KV)
     return True
 
 
@@ -158,7 +159,7 @@ def test_random_traffic_with_priorities_keeps_invariants(
     watermark: float,
 ) -> None:
     """Mixed priorities, preemption for the more urgent (admission and reservations, as the
-    engine's reserve_request does it): the pool's bookkeeping holds, every queue stays in
+    engine's add_request with KVFromRemote does it): the pool's bookkeeping holds, every queue stays in
     priority order, and a reservation only ever preempts requests less urgent than itself."""
     scheduler = make_scheduler(
         num_blocks, block_size, max_seqs, budget, admission_watermark=watermark
@@ -179,7 +180,7 @@ def test_random_traffic_with_priorities_keeps_invariants(
                 reserved.append(request)
         elif kind == "activate" and reserved:
             request = reserved.pop(int(value) % len(reserved))  # type: ignore[call-overload]
-            if request.status is RequestStatus.RESERVED:
+            if request.status is RequestStatus.WAITING_FOR_KV:
                 scheduler.activate(request.request_id)
         elif kind == "step":
             for _ in range(priority):  # the number of steps

@@ -77,15 +77,15 @@ class LocalEngineBackend:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.engine.model.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
+        return int(self.engine.model.max_model_len)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.engine.model_config.vocab_size)
+        return int(self.engine.model.config.vocab_size)
 
     def _engine_thread(self) -> EngineThread:
         if self._thread is None:

@@ -90,7 +90,9 @@ async def test_closing_the_iterator_aborts_and_frees_blocks(tiny_checkpoint: Pat
         assert first.new_token_ids and not first.finished
         await stream.aclose()
         deadline = time.monotonic() + 5
-        while aborted != ["long"] or engine.num_free_blocks != engine.load().num_total_blocks:
+        while (
+            aborted != ["long"] or engine.load().num_free_blocks != engine.load().num_total_blocks
+        ):
             assert time.monotonic() < deadline, aborted
             await asyncio.sleep(0.01)
         # The backend serves on afterwards, and a request read to its end is never aborted.

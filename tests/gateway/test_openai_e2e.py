@@ -365,7 +365,7 @@ def test_disconnect_aborts_the_engine_request(
     request_id = json.loads(first.removeprefix("data: "))["id"] + "-0"
     # The engine thread drops the request and frees its blocks soon after the socket closes.
     deadline = time.monotonic() + 5
-    while aborted != [request_id] or engine.num_free_blocks != total_blocks:
+    while aborted != [request_id] or engine.load().num_free_blocks != total_blocks:
         assert time.monotonic() < deadline, f"aborted {aborted}"
         time.sleep(0.01)
     assert not engine.has_unfinished_requests()

@@ -129,7 +129,7 @@ def test_engine_config_checks_the_quantization_options() -> None:
 
 def test_bfloat16_runs_on_cpu_and_float16_is_refused_clearly() -> None:
     llm = LLM("demo", dtype="bfloat16", num_kv_blocks=64)
-    assert llm.engine.kv_cache_tensors[0].dtype is torch.bfloat16
+    assert llm.engine.kv_cache.tensors[0].dtype is torch.bfloat16
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (output,) = llm.generate(["hello there"], greedy, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nori.engine.kv_export import KVExport
+from nori.engine.engine import export_request, import_request
+from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.engine.llm import LLM
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
@@ -56,13 +57,13 @@ def generate_traced(llm: LLM, batch: list[list[int]]) -> tuple[list[list[int]], 
 
 def test_two_ranks_match_one(checkpoint: Path) -> None:
     single = LLM(str(checkpoint), **ENGINE)
-    batch = prompts(single.engine.model_config.vocab_size)
+    batch = prompts(single.engine.model.config.vocab_size)
     want_tokens, want_logits = generate_traced(single, batch)
     with LLM(str(checkpoint), tensor_parallel_size=2, **ENGINE) as split:
         got_tokens, got_logits = generate_traced(split, batch)
         # Again: the shared prefix now comes from the prefix cache, on both ranks.
         again_tokens, _ = generate_traced(split, batch)
-        split.engine.check_invariants()
+        split.engine.kv_cache.check_invariants()
     assert got_tokens == want_tokens
     assert again_tokens == want_tokens
     for index, (got, want) in enumerate(zip(got_logits, want_logits, strict=True)):
@@ -75,7 +76,7 @@ def test_two_ranks_with_an_8_bit_kv_cache_match_one(tmp_path: Path) -> None:
     """Each rank quantizes its own heads; per-head scales make that the TP=1 cache, split."""
     init_checkpoint(tmp_path, "tiny", seed=2)
     single = LLM(str(tmp_path), kv_cache_dtype="int8", **ENGINE)
-    batch = prompts(single.engine.model_config.vocab_size)
+    batch = prompts(single.engine.model.config.vocab_size)
     want_tokens, want_logits = generate_traced(single, batch)
     with LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_dtype="int8", **ENGINE) as split:
         got_tokens, got_logits = generate_traced(split, batch)
@@ -92,21 +93,21 @@ def test_a_request_moves_between_engines_of_different_tensor_parallel_sizes(
     init_checkpoint(tmp_path, "tiny-qwen3", seed=3)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     single = LLM(str(tmp_path), **ENGINE)
-    batch = prompts(single.engine.model_config.vocab_size)
+    batch = prompts(single.engine.model.config.vocab_size)
     expected = [o.outputs[0].token_ids for o in single.generate(batch, params, use_tqdm=False)]
 
     def prefill(engine: LLM, index: int, prompt: list[int]) -> KVExport:
         request_id = f"req-{index}"
-        engine.engine.add_request(request_id, prompt, params, prefill_only=True)
+        engine.engine.add_request(request_id, prompt, params, remote_kv=KVToRemote())
         while engine.engine.has_unfinished_requests():
             engine.engine.step()
-        export = engine.engine.export_request(request_id)
-        engine.engine.release_request(request_id)
+        export = export_request(engine.engine, request_id)
+        engine.engine.finish_kv_transfer(request_id)
         return export
 
     def decode(engine: LLM, exports: list[KVExport]) -> list[list[int]]:
         for export in exports:
-            assert engine.engine.import_request(export)
+            assert import_request(engine.engine, export)
         finished: dict[str, list[int]] = {}
         while engine.engine.has_unfinished_requests():
             for output in engine.engine.step():
@@ -121,7 +122,7 @@ def test_a_request_moves_between_engines_of_different_tensor_parallel_sizes(
     exports = [prefill(LLM(str(tmp_path), **ENGINE), i, p) for i, p in enumerate(batch)]
     with LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE) as split:
         assert decode(split, exports) == expected
-        split.engine.check_invariants()
+        split.engine.kv_cache.check_invariants()
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused_before_anything_starts(

@@ -60,11 +60,11 @@ async def generate(core: EngineCore, streams: OutputStreams, prompts: list[list[
 
 
 def read_cache_value(engine: LLMEngine, index: int) -> float:
-    return float(engine.kv_cache_tensors[0].flatten()[index])
+    return float(engine.kv_cache.tensors[0].flatten()[index])
 
 
 def record_probe(engine: LLMEngine) -> int:
-    return len(engine.running_request_ids())
+    return len(engine.load().running_request_ids)
 
 
 async def test_process_core_generates_what_the_thread_core_does(tiny_checkpoint: Path) -> None:

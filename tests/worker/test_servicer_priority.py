@@ -11,15 +11,16 @@ import grpc
 import pytest
 
 from nori.decode.servicer import DecodeServicer
+from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks, RemoteKV
 from nori.engine.outputs import StepOutput
 from nori.prefill.servicer import PrefillServicer
 from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
 from nori.telemetry.tracing import Tracing
 from nori.v1 import decode_pb2, prefill_pb2
-from nori.worker.metrics import WorkerMetrics
 from nori.worker.output_streams import OutputStreams
 from nori.worker.request_telemetry import WorkerTelemetry
+from nori.worker.worker_metrics import WorkerMetrics
 
 pytestmark = pytest.mark.asyncio
 PARAMS = params_to_proto(SamplingParams(max_tokens=1))
@@ -37,20 +38,19 @@ class RecordingEngine:
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        prefill_only: bool = False,
+        *,
+        priority: int = 0,
+        remote_kv: RemoteKV | None = None,
         output_token_ids: Sequence[int] = (),
         num_emitted_chars: int = 0,
-        priority: int = 0,
-    ) -> None:
+    ) -> list[int]:
+        if isinstance(remote_kv, KVFromRemote):
+            self.calls.append(("reserve", priority))
+            raise NoFreeBlocks("no room, even for it")
         self.calls.append(("add_request", priority))
         output = StepOutput(request_id, prompt, [5], "x", [5], "x", True, "length")
         self._streams.dispatch([output])
-
-    def reserve_prompt(
-        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0
-    ) -> list[int] | None:
-        self.calls.append(("reserve_prompt", priority))
-        return None  # no room, even for it
+        return []
 
     def abort_request(self, request_id: str) -> None:
         pass
@@ -165,7 +165,7 @@ async def test_a_reservation_carries_the_priority() -> None:
         async for _ in servicer.Generate(request, Context()):  # type: ignore[arg-type]
             pass
     assert aborted.value.args == (grpc.StatusCode.RESOURCE_EXHAUSTED,)
-    assert engine.calls == [("reserve_prompt", -3)]
+    assert engine.calls == [("reserve", -3)]
 
 
 async def test_prefill_passes_the_priority_to_the_engine() -> None:
@@ -181,8 +181,11 @@ async def test_prefill_passes_the_priority_to_the_engine() -> None:
 class HoldingEngine(RecordingEngine):
     """Queues every request; `finish` ends one with its first token."""
 
-    def add_request(self, request_id: str, prompt: list[int], *args: Any, **kwargs: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], *args: Any, **kwargs: Any
+    ) -> list[int]:
         self.calls.append(("add_request", kwargs.get("priority", 0)))
+        return []
 
     def finish(self, request_id: str) -> None:
         output = StepOutput(request_id, [1, 2], [5], "x", [5], "x", True, "length")

@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.telemetry.tracing import Tracing
-from nori.worker.metrics import WorkerMetrics
 from nori.worker.request_telemetry import WorkerTelemetry
+from nori.worker.worker_metrics import WorkerMetrics
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -1,4 +1,5 @@
-"""What moves from a prefill engine to a decode engine: a request's state and its KV blocks."""
+"""What moves between a prefill engine and a decode engine, and how `add_request` is told that a
+request's K/V is computed elsewhere (`remote_kv`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,28 @@ from dataclasses import dataclass
 import torch
 
 from nori.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVFromRemote:
+    """Decode side: the prompt's K/V is computed by a remote prefill and lands in blocks that
+    `add_request` reserves (and returns) now; the request waits (WAITING_FOR_KV) until
+    `finish_kv_transfer` brings its first token and starts it decoding."""
+
+
+@dataclass(frozen=True)
+class KVToRemote:
+    """Prefill side: compute the prompt, sample the first token, then hold the blocks (PREFILLED)
+    for their K/V to be sent, until `finish_kv_transfer` frees them."""
+
+
+# `add_request(remote_kv=...)`; None: the request is computed here from its prompt.
+RemoteKV = KVFromRemote | KVToRemote
+
+
+class NoFreeBlocks(RuntimeError):
+    """A KVFromRemote request found no room in the KV pool, not even after preempting running
+    requests less important than it."""
 
 
 @dataclass(frozen=True)
@@ -40,3 +63,9 @@ class KVExport:
 def generator_state(generator: torch.Generator | None) -> bytes | None:
     """A seeded request's RNG state as bytes, for the hand-off (None for an unseeded one)."""
     return None if generator is None else bytes(generator.get_state().tolist())
+
+
+def set_generator_state(generator: torch.Generator | None, state: bytes | None) -> None:
+    """Restores what `generator_state` took (nothing when either is None)."""
+    if generator is not None and state is not None:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
