@@ -106,7 +106,7 @@ async def test_a_disconnect_queued_behind_the_first_chunk_ends_the_stream_quietl
         def render(self, index: int, chunk: object) -> list[str]:
             return ["data: first\n\n"]
 
-        def closing(self, session: object) -> list[str]:
+        def closing(self, usage: object) -> list[str]:
             return []
 
     session = Departed()
