@@ -218,8 +218,9 @@ MAX_DELAY_S = 1.0
 
 
 class GroupWait:
-    """The wait of a batch member or a batch line that found every worker full (see
-    `ClusterOptions.group_wait_s`): backoff, 50 ms doubling up to 1 s, until `limit_s` after the first turn.
+    """The wait of a batch member or a batch line that found every worker full
+    (`ClusterOptions.group_wait_s`): backoff, 50 ms doubling up to 1 s, until `limit_s` after
+    the first turn.
 
     A single request that finds every worker full gets 429 at once (limit 0): its client is
     the one to retry. A batch was admitted as a whole, and its own running members free the

@@ -1,9 +1,9 @@
 """What the HTTP layer needs from whatever runs the model: one streaming call per request.
 
-The OpenAI side (`endpoints.py`, `responder.py`) knows nothing about gRPC, Redis or routing; it
-hands a tokenised `GenerationRequest` to a `Backend` and turns the chunks that come back into
-OpenAI JSON or SSE. The cluster backend (`cluster.py`) routes to prefill and decode workers; tests
-of pure protocol logic may use a fake. What a backend raises when it cannot serve a request is
+The OpenAI side (`endpoints.py`) knows nothing about gRPC, Redis or routing; it hands a
+tokenised `GenerationRequest` to a `Backend` and turns the chunks that come back into OpenAI JSON
+or SSE. The cluster backend (`cluster.py`) routes to prefill and decode workers; tests of pure
+protocol logic may use a fake. What a backend raises when it cannot serve a request is an
 `errors.BackendError`.
 """
 

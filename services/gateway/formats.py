@@ -2,7 +2,7 @@
 
 `CompletionFormat` and `ChatFormat` turn what the backend produced (`GenerationChunk`s, and per
 choice the `Choice` they add up to) into the API's JSON, log-probabilities in the API's layout
-(as vLLM reports them) and the usage. They only build text: the responder (`responder.py`)
+(as vLLM reports them) and the usage. They only build text: the responder (`endpoints.respond`)
 decides when each is sent.
 """
 

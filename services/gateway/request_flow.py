@@ -98,6 +98,8 @@ class Resumed:
 
 
 class RequestFlow:
+    """One admitted request on the workers: `run`, and the two ways a worker serves it."""
+
     def __init__(
         self,
         pool: WorkerPool,

@@ -146,12 +146,12 @@ class RetryPolicy:
     """What happens after each failed attempt of one request: another try (and whether under a
     fresh id), or the error the client gets. Every counter of the request's tries is here.
 
-    | failure                                   | next try                                    |
-    |-------------------------------------------|---------------------------------------------|
-    | DecodeFullError: refused before any work  | another decode worker, up to decode_attempts |
-    | WorkerFullError: the prefill queue full   | pick again, up to prefill_attempts          |
-    | PrefillFailedError, TransferFailedError   | start over, up to prefill_attempts (503)     |
-    | WorkerUnreachableError, WorkerLostError   | migrate, up to migration_limit (503)         |
+    | failure                                  | next try, while the limit allows            |
+    |------------------------------------------|---------------------------------------------|
+    | DecodeFullError: refused before any work | another decode worker (decode_attempts)     |
+    | WorkerFullError: the prefill queue full  | pick again (prefill_attempts)               |
+    | PrefillFailedError, TransferFailedError  | start over (prefill_attempts, then 503)     |
+    | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
 
     A batch member (or batch line) whose tries are used up waits for room (`GroupWait`) and
     tries them all again, as long as the client has seen nothing.
