@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app: OpenAI routes, health and metrics over any `Backend`.
+"""The gateway's FastAPI app: OpenAI routes, /tokenize and /detokenize, health and metrics over
+any `Backend`.
 
 `create_app` is all a launcher needs: hand it a backend, the served model's tokenizer and its
 context length. The app owns the backend from then on and closes it at shutdown (unless told
@@ -19,27 +20,34 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from nori.gateway.api_key import ApiKeyMiddleware
 from nori.gateway.backend import Backend
-from nori.gateway.body_limit import (
+from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
+from nori.gateway.errors import APIError, as_api_error, bad_request, install_error_handlers
+from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
+from nori.gateway.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ApiKeyMiddleware,
     BodyLimitMiddleware,
+    EchoRequestIdMiddleware,
     prompt_body_limit,
 )
-from nori.gateway.context import ServingContext
-from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
-from nori.gateway.errors import APIError, as_api_error, install_error_handlers
-from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
-from nori.gateway.prompts import detokenize, tokenize
+from nori.gateway.prompts import (
+    ServingContext,
+    chat_prompt,
+    check_model,
+    check_token_ids,
+    refuse_hopeless_text,
+)
 from nori.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
-from nori.gateway.request_id import EchoRequestIdMiddleware
 from nori.sampling.chat_template import TemplateLimits
 from nori.sampling.tokenizer import Tokenizer
 
@@ -234,3 +242,33 @@ async def _answer(response: Awaitable[Response]) -> Response:
         # Converted here rather than by an exception handler: Starlette re-raises what reaches
         # its catch-all handler, and an expected 429 should not log a traceback.
         return as_api_error(error).response()
+
+
+# /tokenize and /detokenize, as vLLM serves them: what a prompt (or a chat) is as token ids, and
+# what token ids read as; nothing reaches a worker.
+
+
+def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+    check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give either `prompt` or `messages`", "prompt")
+    if body.messages is not None:
+        tokens = chat_prompt(ctx, body)
+    else:
+        assert body.prompt is not None
+        # Text that cannot fit the context is not tokenized: its count would only say so.
+        refuse_hopeless_text(ctx, body.prompt, "prompt")
+        tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = [ctx.tokenizer.id_to_token(token) or "" for token in tokens]
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens, token_strs=token_strs
+    )
+
+
+def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(ctx, body.model)
+    tokens = check_token_ids(ctx, body.tokens, "tokens") if body.tokens else []
+    # Special tokens stay, as in vLLM: the text is what the ids are, not what a reply shows.
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(tokens, skip_special_tokens=False))

@@ -1,9 +1,10 @@
 """What the HTTP layer needs from whatever runs the model: one streaming call per request.
 
-The OpenAI protocol code (`app.py`, `protocol.py`) knows nothing about gRPC, Redis or routing; it
-hands a tokenised `GenerationRequest` to a `Backend` and turns the chunks that come back into
-OpenAI JSON or SSE. The cluster backend (`cluster.py`) routes to prefill and decode workers; tests
-of pure protocol logic may use a fake.
+The OpenAI side (`endpoints.py`) knows nothing about gRPC, Redis or routing; it hands a
+tokenised `GenerationRequest` to a `Backend` and turns the chunks that come back into OpenAI JSON
+or SSE. The cluster backend (`cluster.py`) routes to prefill and decode workers; tests of pure
+protocol logic may use a fake. What a backend raises when it cannot serve a request is an
+`errors.BackendError`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class GenerationRequest:
     # batch larger than the queue bound is served whole rather than refused forever.
     admission_group: str | None = None
     # Who sent it (a digest of its API key, else its address): the owner whose share of the
-    # decode pool it counts against (nori.gateway.admission.DecodeShares).
+    # decode pool it counts against (nori.gateway.decode_shares.DecodeShares).
     client: str = ""
     # The HTTP request's members (prompts x n) and its n: what the gateway's caps check.
     group_size: int = 1
@@ -78,34 +79,6 @@ class GenerationChunk:
         )
 
 
-class BackendError(Exception):
-    """A request the backend could not serve; the HTTP layer maps it to an OpenAI error."""
-
-    status_code = 500
-    error_type = "internal_error"
-
-
-class InvalidRequestError(BackendError):
-    status_code = 400
-    error_type = "invalid_request_error"
-
-
-class SaturatedError(BackendError):
-    """No capacity now: answered 503 with Retry-After (429 when the caller's own queue is full)."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class QueueFullError(SaturatedError):
-    status_code = 429
-    error_type = "rate_limit_exceeded"
-
-
 @dataclass(frozen=True)
 class BackendHealth:
     healthy: bool
@@ -119,7 +92,7 @@ class Backend(Protocol):
         """Streams the request's chunks; the last one has finished=True.
 
         Closing the iterator early (client disconnect) must cancel the request everywhere and free
-        its KV blocks. Raises a BackendError subclass for requests it cannot serve.
+        its KV blocks. Raises an `errors.BackendError` for requests it cannot serve.
         """
         ...
 

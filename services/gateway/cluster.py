@@ -1,59 +1,36 @@
-"""The cluster backend: admits each request, picks its decode worker and hands it to the flow.
+"""The cluster backend: admits each request, takes its share of the decode pool and hands it to
+the request flow.
 
-Admission (`admission.py`) refuses a request with 429 when the prompt tokens already queued for
-the pool would make its first token too late, or when the gateway has `max_in_flight` requests.
-Each admitted member then holds a share of the decode pool (`DecodeShares`): no more calls go
-out than the workers serve at once, and one request or client keeps to its share while others
-wait.
-A decode worker is picked by free blocks and load (`router.py`); one that answers that its KV pool
-is full is replaced by another, up to `decode_attempts`, as long as the client has seen nothing.
-What happens on the workers is `request_flow.py`; who the workers are, `worker_pool.py`.
+`generate` is the order of things: the fan-out caps (400), the gateway's `max_in_flight` (429),
+admission (`admission.PromptQueue`: 429 when the prompt tokens already queued for the pool would
+make its first token too late), then a share of the decode pool (`decode_shares.DecodeShares`:
+no more calls go out than the workers serve at once, and one request or client keeps to its
+share while others wait), then `request_flow.RequestFlow.run`: the workers, retries and
+migration. Who the workers are is `worker_pool.py`, read from Redis; the pool's capacity comes
+from the workers' GetStats every few seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from opentelemetry import trace
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from nori.cluster_auth import ClusterAuth
-from nori.gateway.admission import (
-    DecodeShare,
-    DecodeShares,
-    PoolCapacity,
-    PromptQueue,
-    QueuedPrompt,
-)
-from nori.gateway.backend import (
-    BackendError,
-    BackendHealth,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequestError,
-    QueueFullError,
-    SaturatedError,
-)
-from nori.gateway.group_wait import GroupWait
-from nori.gateway.request_flow import RequestFlow, Resumed
-from nori.gateway.router import Router
-from nori.gateway.worker_calls import (
-    DecodeFullError,
-    PrefillFailedError,
-    TransferFailedError,
-    WorkerFullError,
-    WorkerLostError,
-    WorkerUnreachableError,
-)
-from nori.gateway.worker_pool import WorkerPool
+from nori.gateway.admission import GroupWait, PromptQueue, QueuedPrompt
+from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
+from nori.gateway.decode_shares import DecodeShare, DecodeShares, pool_capacity
+from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
+from nori.gateway.request_flow import RequestFlow
+from nori.gateway.worker_calls import RetryLimits
+from nori.gateway.worker_pool import Router, WorkerPool
 from nori.settings import RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
@@ -64,8 +41,6 @@ from nori.state.state_recorder import StateRecorder
 from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # How often the gateway reads the decode pool's capacity (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
@@ -91,11 +66,11 @@ class ClusterOptions(RoleSettings):
     # 0: no waiting (429 at once, like a single request).
     group_wait_s: float = 600.0
     # The share of the decode pool's running slots one request (its members) or one client
-    # (API key, else address) may hold while another waits or runs (admission.DecodeShares);
+    # (API key, else address) may hold while another waits or runs (decode_shares.DecodeShares);
     # alone, either may fill every running slot.
     max_decode_share: float = 0.5
     # Choices per prompt (n), and choices of one request (prompts x n), past which a request is
-    # refused with 400; the API itself takes n up to 64 (request_params.MAX_N).
+    # refused with 400; the API itself takes n up to 64 (prompts.MAX_N).
     max_n: int = 64
     max_request_members: int = 4096
     # A worker stream silent this long counts as lost, and its request moves on. Longer than
@@ -117,23 +92,6 @@ class ClusterOptions(RoleSettings):
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.
     max_queued_prompt_tokens: int = 8192
-
-
-def pool_capacity(
-    figures: Mapping[str, tuple[int, int]], worker_ids: Sequence[str]
-) -> PoolCapacity | None:
-    """The decode pool's capacity from its workers' (rows, calls). A worker that joined since
-    the last GetStats round has not said yet: it counts as the mean of the others (workers of
-    one pool run one configuration), not as nothing, which would hold a lone client to the
-    first worker's share for up to a round. None while no worker has said."""
-    known = [figures[worker_id] for worker_id in worker_ids if worker_id in figures]
-    if not known:
-        return None
-    scale = len(worker_ids) / len(known)
-    return PoolCapacity(
-        rows=round(sum(rows for rows, _ in known) * scale),
-        calls=round(sum(calls for _, calls in known) * scale),
-    )
 
 
 class ClusterBackend:
@@ -178,6 +136,12 @@ class ClusterBackend:
             self._tracer,
             self.options.stream_stall_timeout_s,
             rpc_metadata=self.rpc_metadata,
+            limits=RetryLimits(
+                decode_attempts=self.options.decode_attempts,
+                prefill_attempts=self.options.prefill_attempts,
+                migration_limit=self.options.migration_limit,
+                group_wait_s=self.options.group_wait_s,
+            ),
         )
         try:
             await self._redis.ping()
@@ -250,7 +214,7 @@ class ClusterBackend:
         share: DecodeShare | None = None
         try:
             share = await self._decode_share(request, queued)
-            async for chunk in self._route(request, queued):
+            async for chunk in self.flow.run(request, queued):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
                     # Before the yield: a consumer may close us right after the last chunk.
@@ -335,120 +299,6 @@ class ClusterBackend:
             except Exception as error:  # the next round tries again
                 logger.debug("reading the decode pool's capacity failed: %s", error)
             await asyncio.sleep(CAPACITY_REFRESH_S)
-
-    async def _route(
-        self, request: GenerationRequest, queued: QueuedPrompt
-    ) -> AsyncIterator[GenerationChunk]:
-        """The request on a decode worker; elsewhere when that one is full, when its prompt's
-        prefill worker fails before token one, or (migration) when the decode worker dies."""
-        tried: list[str] = []
-        restarts = migrations = full_prefills = 0
-        # Each new attempt of a request that was refused or failed before its first token
-        # gets a fresh id for the workers ("~1", "~2", ...): the earlier attempt may still be
-        # open on a worker a moment longer (a decode reservation being released, an engine
-        # process applying the abort), which would refuse the same id as in use.
-        renamed = 0
-
-        def fresh_id(request: GenerationRequest) -> GenerationRequest:
-            nonlocal renamed
-            renamed += 1
-            base_id = request.request_id.rsplit("~", 1)[0]
-            return dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
-
-        streamed = Resumed([])
-        waits = request.admission_group is not None or request.priority > 0
-        wait = GroupWait(self.options.group_wait_s if waits else 0.0)
-        while True:
-            routable = self.pool.routable()
-            decode = self.router.pick_decode(routable, exclude=tried)
-            if decode is None:
-                if migrations:
-                    # Workers failed, not the request: a 503 the client may retry.
-                    raise SaturatedError(
-                        f"the decode worker streaming request {request.request_id} failed and "
-                        "no other decode worker is left to continue it; retry after the time in "
-                        "Retry-After"
-                    )
-                if tried and not streamed.token_ids and await wait.turn():
-                    tried.clear()  # a batch member: try them all again
-                    continue
-                if tried:
-                    raise QueueFullError(
-                        "no decode worker could take the request (queues or KV pools full); "
-                        "retry after the time in Retry-After"
-                    )
-                raise SaturatedError("no decode worker is available")
-            self.router.started(decode.worker_id)
-            try:
-                if streamed.token_ids:
-                    chunks = self.flow.colocated(request, decode, queued, resumed=streamed)
-                elif decode.role == "colocated":
-                    chunks = self.flow.colocated(request, decode, queued)
-                else:
-                    chunks = self.flow.disaggregated(request, decode, queued)
-                async for chunk in chunks:
-                    streamed.add(chunk)
-                    yield chunk
-                return
-            except DecodeFullError:
-                # Refused before any work (a full queue or pool): another worker may have room.
-                # A migrating request may try them too: the new worker continues from what the
-                # client has, so nothing is replayed.
-                tried.append(decode.worker_id)
-                if len(tried) >= self.options.decode_attempts + migrations:
-                    if streamed.token_ids or not await wait.turn():
-                        raise
-                    tried.clear()
-                if not streamed.token_ids:
-                    request = fresh_id(request)
-            except WorkerFullError:
-                # The prefill worker's queue was full (its decode reservation is released):
-                # pick again; routing by load favours another one.
-                full_prefills += 1
-                if full_prefills >= self.options.prefill_attempts:
-                    if not await wait.turn():
-                        raise
-                    full_prefills = 0
-                request = fresh_id(request)
-            except (PrefillFailedError, TransferFailedError) as error:
-                # The prompt's prefill worker died, hung up or sent bad KV: its decode
-                # reservation is already released (the decode call was cancelled); start over
-                # on another prefill worker, while the client has seen nothing.
-                if isinstance(error, PrefillFailedError) and error.unreachable:
-                    self.pool.mark_failed(error.worker_id)
-                restarts += 1
-                if streamed.token_ids:
-                    raise
-                if restarts >= self.options.prefill_attempts:
-                    # Workers failed, not the request: a 503 the client may retry, not a 500.
-                    raise SaturatedError(
-                        f"the prompt's prefill failed {restarts} times ({error}); retry after "
-                        "the time in Retry-After",
-                        retry_after_s=1.0,
-                    ) from error
-                logger.warning("request %s: %s; computing it again", request.request_id, error)
-                request = fresh_id(request)
-            except (WorkerUnreachableError, WorkerLostError) as error:
-                # The decode worker died or hung up: continue on another one from what the
-                # client has (migration), or start over if it has nothing yet.
-                self.pool.mark_failed(decode.worker_id)
-                tried.append(decode.worker_id)
-                migrations += 1
-                if migrations > self.options.migration_limit:
-                    # Workers failed, not the request: a 503 the client (a batch runner) retries.
-                    raise SaturatedError(
-                        f"request {request.request_id}: {error}; it moved to another decode "
-                        f"worker {self.options.migration_limit} times (--migration-limit); retry "
-                        "after the time in Retry-After"
-                    ) from error
-                logger.warning(
-                    "request %s: %s; continuing on another decode worker after %d tokens",
-                    request.request_id,
-                    error,
-                    len(streamed.token_ids),
-                )
-            finally:
-                self.router.ended(decode.worker_id)
 
     def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
         if self._states is not None:

@@ -1,62 +1,69 @@
-"""`/v1/completions` and `/v1/chat/completions`: a body becomes prompts, sampling parameters and a
-`Session`; the format classes say how each API spells its response, and `respond` sends it."""
+"""`/v1/completions` and `/v1/chat/completions`, from the parsed body to the answer.
+
+An endpoint turns its body into prompts and sampling parameters (`prompts.py`), the backend's
+requests (one per choice, named after the client's `x-request-id`, described on the request's
+span) and a format (how its API spells a whole response and its stream events, `formats.py`).
+`respond`, one responder for both APIs, streaming or not, does the rest: it starts the backend
+streams (`streams.GenerationRun`) and collects what they produce in a `Session`. The
+non-streaming path drains the session while watching for the client's disconnect; the streaming
+path waits for the first chunk the same way (so that a backend refusal is still an HTTP 429/503,
+not an error inside a 200 stream) and then hands the rest to an SSE generator.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+from pydantic import BaseModel
+from starlette.types import Receive, Scope
 
-from nori.gateway.backend import GenerationChunk
-from nori.gateway.context import ServingContext
-from nori.gateway.openai_logprobs import (
-    TokenNames,
-    chat_logprobs,
-    completion_logprobs,
-    prompt_entries,
+from nori.gateway.backend import GenerationChunk, GenerationRequest
+from nori.gateway.errors import BackendError, as_api_error
+from nori.gateway.formats import (
+    SSE_DONE,
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    EchoedPrompt,
+    sse_event,
+    usage,
 )
-from nori.gateway.prompts import chat_prompt, check_model, completion_prompts, echoed_prompts
-from nori.gateway.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    StreamOptions,
-    Usage,
-)
-from nori.gateway.request_id import client_request_id, response_id, worker_request_id_base
-from nori.gateway.request_params import (
+from nori.gateway.middleware import client_request_id, response_id, worker_request_id_base
+from nori.gateway.prompts import (
+    ServingContext,
     chat_max_tokens_field,
+    chat_prompt,
     chat_sampling_params,
     check_chat,
     check_completion,
-    check_token_ids,
+    check_model,
+    check_stop_token_ids,
     completion_max_tokens,
+    completion_prompts,
     completion_sampling_params,
+    echoed_prompts,
     resolve_max_tokens,
     sample_params,
 )
-from nori.gateway.responder import chunk_event, respond
-from nori.gateway.session import Session, client_identity
-from nori.gateway.tracing import describe_request
-from nori.sampling.logprobs import TokenLogprobs
+from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, Usage
+from nori.gateway.streams import ClientDisconnected, EventStreamResponse, GenerationRun
+from nori.sampling.params import SamplingParams
 
 # Bodies above this many bytes are tokenized on a worker thread: a 10 MB prompt takes the
 # tokenizer seconds, which on the event loop would stall every stream and /health.
 LARGE_BODY_BYTES = 64 * 1024
+# A non-streamed request's outputs come from the decode worker at most this often after its
+# first token: per-token messages would cost the worker and the gateway for nobody.
+COALESCE_MS = 1000
+# gen_ai.provider.name: this server (the conventions' list names the hosted APIs).
+PROVIDER_NAME = "nori"
 _Result = TypeVar("_Result")
 
 
@@ -74,7 +81,7 @@ async def create_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_completion(body)
-    check_token_ids(body, ctx.vocab_size)
+    check_stop_token_ids(body, ctx.vocab_size)
     distinct = await off_loop_if_large(request, completion_prompts, ctx, body.prompt)
     n = body.n
     # Choice k is sample k % n of prompt k // n: OpenAI's order of a batch's choices.
@@ -98,19 +105,11 @@ async def create_completion(
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [f"{base}-{index}" for index in range(len(prompts))]
     span = describe_request("text_completion", ctx.model_name, params[0], completion_id)
-    session = Session(
-        ctx,
-        request_ids,
-        prompts,
-        params,
-        samples_per_prompt=n,
-        span=span,
-        client=client_identity(request.scope),
-        priority=body.priority,
-        streamed=bool(body.stream),
+    requests = generation_requests(
+        ctx, request, request_ids, prompts, params, n, body.priority, bool(body.stream)
     )
-    form = CompletionFormat(ctx, body, completion_id, session, echo)
-    return await respond(session, request, form, body.stream)
+    form = CompletionFormat(ctx.model_name, ctx.token_text, body, completion_id, echo)
+    return await respond(ctx, requests, form, request, bool(body.stream), n, span)
 
 
 async def create_chat_completion(
@@ -118,7 +117,7 @@ async def create_chat_completion(
 ) -> Response:
     check_model(ctx, body.model)
     check_chat(body)
-    check_token_ids(body, ctx.vocab_size)
+    check_stop_token_ids(body, ctx.vocab_size)
     # Always on a thread: the template (perhaps the request's own) runs up to its time limit.
     prompt = await asyncio.to_thread(chat_prompt, ctx, body)
     requested, param = chat_max_tokens_field(body)
@@ -129,181 +128,256 @@ async def create_chat_completion(
     request_ids = [base] if body.n == 1 else [f"{base}-{index}" for index in range(body.n)]
     params = sample_params(chat_sampling_params(body, max_tokens), body.n)
     span = describe_request("chat", ctx.model_name, params[0], completion_id)
-    session = Session(
+    requests = generation_requests(
         ctx,
+        request,
         request_ids,
         [prompt] * body.n,
         params,
-        samples_per_prompt=body.n,
-        span=span,
-        client=client_identity(request.scope),
-        priority=body.priority,
-        streamed=bool(body.stream),
+        body.n,
+        body.priority,
+        bool(body.stream),
     )
-    form = ChatFormat(ctx, body, completion_id)
-    return await respond(session, request, form, body.stream)
+    form = ChatFormat(ctx.model_name, ctx.token_text, body, completion_id)
+    return await respond(ctx, requests, form, request, bool(body.stream), body.n, span)
 
 
-class _Format:
-    """What both APIs' formats share: the response's id, time and model, and the usage chunk."""
+def generation_requests(
+    ctx: ServingContext,
+    http_request: Request,
+    request_ids: Sequence[str],
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    samples_per_prompt: int,
+    priority: int,
+    streamed: bool,
+) -> list[GenerationRequest]:
+    """One backend request per choice: `prompts[i]` is choice i's prompt; with n > 1 each prompt
+    stands n times in a row (`samples_per_prompt`). The choices of one HTTP request are one
+    admission group; their owner for the decode pool's shares is `client_identity`; `priority`
+    is the body's (vLLM's; lower first). Not `streamed`: the answer is one body at the end, so
+    the workers send their outputs merged (`COALESCE_MS`)."""
+    group = request_ids[0] if len(prompts) > 1 else None
+    client = client_identity(http_request.scope)
+    return [
+        GenerationRequest(
+            request_id,
+            prompt,
+            p,
+            admission_group=group,
+            client=client,
+            group_size=len(prompts),
+            num_choices=samples_per_prompt,
+            priority=priority,
+            coalesce_ms=0 if streamed else COALESCE_MS,
+            stream_interval=ctx.stream_interval if streamed else 1,
+        )
+        for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
+    ]
 
-    # The chunk model of the API, which the streamed choices are wrapped in.
-    _chunk_type: ClassVar[type[CompletionChunk] | type[ChatCompletionChunk]]
+
+def client_identity(scope: Scope) -> str:
+    """Who sent a request, for fair shares: its API key (a digest: the key itself is never
+    kept), else its address. Behind a proxy every keyless client is one address, and clients
+    sharing one key are one owner; the request's own share bounds them still."""
+    header = dict(scope.get("headers", [])).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip()).hexdigest()[:16]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:unknown"
+
+
+def describe_request(
+    operation: str, model: str, params: SamplingParams, response_id: str
+) -> trace.Span:
+    """Sets the OpenTelemetry GenAI request attributes on the current (server) span and
+    returns it."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "gen_ai.operation.name": operation,
+                "gen_ai.provider.name": PROVIDER_NAME,
+                "gen_ai.request.model": model,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "gen_ai.response.id": response_id,
+            }
+        )
+    return span
+
+
+# ---------------------------------------------------------------------- the responder
+
+# Not an HTTP status a client will see (it has gone); nginx's code for "client closed request"
+# keeps these apart from real errors in the request metrics.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ResponseFormat(Protocol):
+    """What `formats.CompletionFormat` and `formats.ChatFormat` do for the responder."""
+
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
+        """The whole response, once every choice has finished."""
+        ...
+
+    def opening(self) -> list[str]:
+        """SSE events before the first chunk's."""
+        ...
+
+    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
+        """SSE events for one chunk of choice `index` (none while text is held back)."""
+        ...
+
+    def closing(self, usage: Usage) -> list[str]:
+        """SSE events after the last chunk (before [DONE])."""
+        ...
+
+
+async def respond(
+    ctx: ServingContext,
+    requests: Sequence[GenerationRequest],
+    form: ResponseFormat,
+    http_request: Request,
+    stream: bool,
+    samples_per_prompt: int = 1,
+    span: trace.Span = trace.INVALID_SPAN,
+) -> Response:
+    """Serves `requests` (choice i is `requests[i]`; with n > 1 each prompt stands n times in a
+    row, `samples_per_prompt`) and answers in `form`. `span`: the request's server span, which
+    gets the usage and finish reasons at the end."""
+    session = Session(ctx, requests, samples_per_prompt, span)
+    session.start()
+    if not stream:
+        try:
+            await session.drain(http_request.receive)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            session.cancel()
+        return JSONResponse(form.response(session.choices, session.usage()).model_dump())
+    try:
+        first = await session.first(http_request.receive)
+    except ClientDisconnected:
+        session.cancel()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except BaseException:
+        session.cancel()
+        raise
+    return EventStreamResponse(_events(session, first, form), on_close=session.cancel)
+
+
+async def _events(
+    session: Session, first: tuple[int, GenerationChunk] | None, form: ResponseFormat
+) -> AsyncIterator[str]:
+    """The SSE body: opening events, events per chunk, closing events, then [DONE].
+
+    An error after the 200 has been sent can only be reported in the stream, as vLLM does: one
+    `data: {"error": ...}` event, then [DONE].
+    """
+    try:
+        for event in form.opening():
+            yield event
+        item = first
+        while item is not None:
+            for event in form.render(*item):
+                yield event
+            item = await session.next()
+        for event in form.closing(session.usage()):
+            yield event
+    except ClientDisconnected:
+        # The client left just as its first chunk came (the watcher of `session.first` queued
+        # the disconnect behind it): nobody to tell, and nothing went wrong.
+        return
+    except Exception as error:
+        yield sse_event(as_api_error(error).body().model_dump_json())
+    finally:
+        # On disconnect (cancellation or aclose) this stops the backend streams still running.
+        session.cancel()
+    yield SSE_DONE
+
+
+class Session:
+    """One HTTP request's backend streams, the output of each of its choices so far, and its
+    metrics (tokens, time to first token, latency) and span attributes."""
 
     def __init__(
         self,
         ctx: ServingContext,
-        completion_id: str,
-        return_tokens_as_token_ids: bool | None,
-        stream_options: StreamOptions | None,
+        requests: Sequence[GenerationRequest],
+        samples_per_prompt: int = 1,
+        span: trace.Span = trace.INVALID_SPAN,
     ) -> None:
-        self._envelope = {"id": completion_id, "created": int(time.time()), "model": ctx.model_name}
-        self._names = TokenNames(ctx, bool(return_tokens_as_token_ids))
-        self._include_usage = stream_options is not None and stream_options.include_usage
+        self._metrics = ctx.metrics
+        self._span = span
+        self._samples_per_prompt = samples_per_prompt
+        self._request_ids = [r.request_id for r in requests]
+        self.choices = [Choice(len(r.prompt_token_ids)) for r in requests]
+        self._seen = [False] * len(requests)
+        self._first_token_seen = False
+        self._run = GenerationRun(ctx.backend, requests, ctx.tasks)
+        self.started = time.monotonic()
 
-    def _chunk(self, choices: Sequence[object], usage: Usage | None = None) -> str:
-        model = self._chunk_type(**self._envelope, choices=choices, usage=usage)  # type: ignore[arg-type]
-        return chunk_event(model, self._include_usage)
+    def start(self) -> None:
+        """Starts the backend streams."""
+        self._run.start()
 
-    def closing(self, session: Session) -> list[str]:
-        return [self._chunk([], session.usage())] if self._include_usage else []
-
-
-class EchoedPrompt(NamedTuple):
-    """A choice's prompt as `echo` reports it before the completion."""
-
-    text: str
-    token_ids: list[int]
-
-
-class CompletionFormat(_Format):
-    _chunk_type = CompletionChunk
-
-    def __init__(
-        self,
-        ctx: ServingContext,
-        body: CompletionRequest,
-        completion_id: str,
-        session: Session,
-        echo: Sequence[EchoedPrompt] = (),
-    ) -> None:
-        """`echo`: each choice's prompt when the request echoes, else empty."""
-        super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
-        self._want_logprobs = body.logprobs is not None
-        # Logprobs' text offsets run on across a choice's chunks.
-        self._session = session
-        self._echo = list(echo)
-        # max_tokens 0: the prompt alone (the token the engine computed to score it is left out).
-        self._prompt_only = body.echo and body.max_tokens == 0
-        self._echoed: set[int] = set()
-
-    def _content(
-        self,
-        index: int,
-        text: str,
-        entries: Sequence[TokenLogprobs] | None,
-        prompt_logprobs: Sequence[TokenLogprobs | None] | None,
-    ) -> tuple[str, list[TokenLogprobs | int]]:
-        """A choice's text and logprob entries: when echoing, its prompt's come first (once per
-        choice), as vLLM reports them."""
-        generated: list[TokenLogprobs | int] = [] if self._prompt_only else list(entries or ())
-        text = "" if self._prompt_only else text
-        if not self._echo or index in self._echoed:
-            return text, generated
-        self._echoed.add(index)
-        prompt = self._echo[index]
-        return prompt.text + text, prompt_entries(prompt.token_ids, prompt_logprobs) + generated
-
-    def _logprobs(
-        self, index: int, entries: Sequence[TokenLogprobs | int]
-    ) -> CompletionLogprobs | None:
-        if not self._want_logprobs:
+    async def next(self) -> tuple[int, GenerationChunk] | None:
+        item = await self._run.next()
+        metrics = self._metrics
+        if item is None:
+            metrics.e2e_latency.observe(time.monotonic() - self.started)
+            self._describe_response()
             return None
-        return completion_logprobs(entries, self._names, self._session.choices[index])
+        index, chunk = item
+        if not self._seen[index]:
+            # Counted once the backend has taken the prompt, so refused requests do not count.
+            self._seen[index] = True
+            if index % self._samples_per_prompt == 0:
+                metrics.prompt_tokens.inc(self.choices[index].num_prompt_tokens)
+        if chunk.new_token_ids:
+            metrics.generation_tokens.inc(len(chunk.new_token_ids))
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                metrics.time_to_first_token.observe(time.monotonic() - self.started)
+        if chunk.finished and chunk.finish_reason == "abort":
+            raise BackendError(f"request {self._request_ids[index]} was aborted before it finished")
+        self.choices[index].add(chunk)
+        return item
 
-    def response(self, session: Session) -> CompletionResponse:
-        choices = []
-        for index, choice in enumerate(session.choices):
-            text, entries = self._content(
-                index, "".join(choice.text), choice.logprobs, choice.prompt_logprobs
+    async def first(self, receive: Receive) -> tuple[int, GenerationChunk] | None:
+        """The first chunk, or ClientDisconnected if the client leaves before it arrives."""
+        self._run.watch_disconnect(receive)
+        try:
+            return await self.next()
+        finally:
+            self._run.stop_watching()
+
+    async def drain(self, receive: Receive) -> None:
+        self._run.watch_disconnect(receive)
+        try:
+            while await self.next() is not None:
+                pass
+        finally:
+            self._run.stop_watching()
+
+    def cancel(self) -> None:
+        self._run.cancel()
+
+    def usage(self) -> Usage:
+        return usage(self.choices, self._samples_per_prompt)
+
+    def _describe_response(self) -> None:
+        if self._span.is_recording():
+            totals = self.usage()
+            self._span.set_attributes(
+                {
+                    "gen_ai.usage.input_tokens": totals.prompt_tokens,
+                    "gen_ai.usage.output_tokens": totals.completion_tokens,
+                    "gen_ai.response.finish_reasons": [
+                        choice.finish_reason or "" for choice in self.choices
+                    ],
+                }
             )
-            choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=self._logprobs(index, entries),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-            )
-        return CompletionResponse(**self._envelope, choices=choices, usage=session.usage())  # type: ignore[arg-type]
-
-    def opening(self) -> list[str]:
-        return []
-
-    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
-        text, entries = self._content(index, chunk.new_text, chunk.logprobs, chunk.prompt_logprobs)
-        logprobs = self._logprobs(index, entries)
-        if not text and logprobs is None and not chunk.finished:
-            return []  # text held back (a possible stop string or a split character)
-        choice = CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=chunk.finish_reason if chunk.finished else None,
-            stop_reason=chunk.stop_reason if chunk.finished else None,
-        )
-        return [self._chunk([choice])]
-
-
-class ChatFormat(_Format):
-    _chunk_type = ChatCompletionChunk
-
-    def __init__(
-        self, ctx: ServingContext, body: ChatCompletionRequest, completion_id: str
-    ) -> None:
-        super().__init__(ctx, completion_id, body.return_tokens_as_token_ids, body.stream_options)
-        self._want_logprobs = bool(body.logprobs)
-        self._n = body.n
-
-    def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
-        return chat_logprobs(entries or (), self._names) if self._want_logprobs else None
-
-    def response(self, session: Session) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            **self._envelope,  # type: ignore[arg-type]
-            choices=[
-                ChatChoice(
-                    index=index,
-                    message=ChatResponseMessage(content="".join(choice.text)),
-                    logprobs=self._logprobs(choice.logprobs),
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                )
-                for index, choice in enumerate(session.choices)
-            ],
-            usage=session.usage(),
-        )
-
-    def opening(self) -> list[str]:
-        # Each choice's stream starts with the role, as OpenAI's does.
-        role = ChatDelta(role="assistant", content="")
-        return [self._chunk([ChatStreamChoice(index=i, delta=role)]) for i in range(self._n)]
-
-    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
-        events = []
-        logprobs = self._logprobs(chunk.logprobs) if chunk.new_token_ids else None
-        if chunk.new_text or logprobs is not None:
-            delta = ChatDelta(content=chunk.new_text)
-            choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)
-            events.append(self._chunk([choice]))
-        if chunk.finished:
-            # As OpenAI does: the finish reason comes on a chunk of its own with an empty delta.
-            final = ChatStreamChoice(
-                index=index,
-                delta=ChatDelta(),
-                finish_reason=chunk.finish_reason,
-                stop_reason=chunk.stop_reason,
-            )
-            events.append(self._chunk([final]))
-        return events

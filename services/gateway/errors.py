@@ -1,6 +1,12 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""Every error a client can see, and the OpenAI answer each becomes:
+`{"error": {"message", "type", "param", "code"}}` with the right status.
 
-Every failure a client can see goes through `APIError`, so the body shape and the status code are
+A backend that cannot serve a request raises a `BackendError`. Each kind is a direct subclass
+(one level, nothing nests) and carries its own HTTP answer: `status_code`, `error_type`, and
+`retry_after_s` (set: the answer has Retry-After; 429 is "you sent too much now", 503 "the
+workers cannot serve now"). Code that handles a group of them names the classes in a tuple.
+
+Every failure reaches the client through `APIError`, so the body shape and the status code are
 decided in one place. Unexpected exceptions are logged with their traceback and answered with a
 generic 500: a traceback says nothing useful to a client and may say too much.
 """
@@ -18,12 +24,126 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nori.gateway.backend import BackendError, SaturatedError
 from nori.gateway.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("nori.gateway")
 
 INVALID_REQUEST = "invalid_request_error"
+
+
+class BackendError(Exception):
+    """A request the backend could not serve; `as_api_error` makes it the client's answer."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+    # Seconds for Retry-After; None: the answer has none.
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+
+# ---------------------------------------------------------------------- 400 and 429: the request
+
+
+class InvalidRequestError(BackendError):
+    status_code = 400
+    error_type = INVALID_REQUEST
+
+
+class QueueFullError(BackendError):
+    """The gateway's own bound: too many requests in flight, or too many prompt tokens queued
+    for the pool (`admission.PromptQueue`)."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    retry_after_s = 1.0
+
+
+class ShareRefusedError(BackendError):
+    """No decode share for the request now: the pool is full, or its owner holds its share
+    (`decode_shares.DecodeShares`)."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    retry_after_s = 1.0
+
+
+class WorkerFullError(BackendError):
+    """A worker refused the request before any work (RESOURCE_EXHAUSTED): its queue or KV pool
+    is full. Another worker may have room; when none has, the client gets 429."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    retry_after_s = 1.0
+
+
+class DecodeFullError(BackendError):
+    """The decode worker could not take the request before any work ran there (full, or its
+    call dropped from a gRPC backlog): the flow tries another decode worker."""
+
+    status_code = 429
+    error_type = "rate_limit_exceeded"
+    retry_after_s = 1.0
+
+
+# ---------------------------------------------------------------------- 5xx: the workers
+
+
+class SaturatedError(BackendError):
+    """No worker can serve the request now: 503 with Retry-After."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1.0
+
+
+class WorkerUnreachableError(BackendError):
+    """A worker did not answer (gone, or its port closed): another one may."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1.0
+
+
+class UpstreamTimeoutError(BackendError):
+    status_code = 504
+    error_type = "timeout"
+
+
+class PrefillFailedError(BackendError):
+    """A prefill worker failed a prompt (died, hung up, could not send the KV): another one may
+    compute it, since the client has seen nothing yet."""
+
+    def __init__(self, message: str, worker_id: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        # The worker itself is gone (its calls fail at the connection), not just this prompt.
+        self.unreachable = unreachable
+
+
+class TransferFailedError(BackendError):
+    """A decode worker refused or lost a prompt's KV transfer (a sender that died mid-way, bytes
+    that failed their checksum): its blocks are freed; the request may start over."""
+
+
+class WorkerLostError(BackendError):
+    """A worker's call broke off mid-way (the worker died or hung up): a request it was decoding
+    can continue on another worker (migration)."""
+
+    def __init__(self, message: str, cancelled_by_server: bool = False) -> None:
+        super().__init__(message)
+        # The worker's gRPC server ended the call with CANCELLED, which the gateway never asks
+        # for: gRPC core cancels calls that wait unserved in a server's backlog past
+        # `grpc.server.max_pending_requests` (1,000, random early drop up to 3,000), before any
+        # handler runs. Before the call's first message nothing ran there, so the flow makes it
+        # a DecodeFullError (another try may succeed); later, the stream is lost.
+        self.cancelled_by_server = cancelled_by_server
+
+
+# ---------------------------------------------------------------------- the client's answer
 
 
 class APIError(Exception):
@@ -64,7 +184,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def from_backend_error(error: BackendError) -> APIError:
     headers = {}
-    if isinstance(error, SaturatedError):
+    if error.retry_after_s is not None:
         # Retry-After is whole seconds; never 0, which invites an immediate retry storm.
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     message = str(error) or type(error).__name__

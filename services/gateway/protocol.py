@@ -3,7 +3,7 @@
 Requests accept what the OpenAI API and vLLM accept, including vLLM's sampling extensions
 (`top_k`, `min_p`, `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI does, so
 clients that send newer fields keep working; fields we know but cannot honour (`suffix`,
-`best_of`, tools, ...) are rejected in `request_params.py` with a clear message rather than
+`best_of`, tools, ...) are rejected in `prompts.py` with a clear message rather than
 ignored.
 
 Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
@@ -140,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    # Tool calling is not served: a request naming tools is refused (request_params.py).
+    # Tool calling is not served: a request naming tools is refused (prompts.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

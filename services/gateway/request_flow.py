@@ -1,22 +1,31 @@
-"""The path of one request through the workers, once it is admitted and has a decode worker.
+"""The path of one admitted request through the workers, retries and migration included.
 
-Disaggregated, in three steps:
+`RequestFlow.run` is the whole of it, top to bottom:
 
-1. **reserve**: open the decode worker's Generate stream; its first message is a reservation
-   (block ids under a lease, and the address to send their KV to);
-2. **prefill**: call the prefill worker with that destination and where to renew the lease while
-   it holds the prompt; it sends the KV blocks straight to the decode worker and answers with
-   token one. Meanwhile the decode stream is watched: it ends early when the lease runs out (the
-   prefill worker hung or died, or the prompt never left its queue);
-3. **stream**: token one, then the rest from the decode stream.
+1. **route**: pick a decode worker (fewest in flight, most free blocks: `worker_pool.Router`);
+2. on a disaggregated decode worker, `prefill_then_decode`:
+   - **reserve**: open the decode worker's Generate stream; its first message is a reservation
+     (block ids under a lease, and the address to send their KV to);
+   - **prefill**: call the prefill worker (the one with the longest cached prefix and the least
+     queued) with that destination and where to renew the lease while it holds the prompt; it
+     sends the KV blocks straight to the decode worker and answers with token one. Meanwhile
+     the decode stream is watched: it ends early when the lease runs out (the prefill worker
+     hung or died, or the prompt never left its queue);
+   - **stream**: token one, then the rest from the decode stream;
+3. on a colocated worker, or to continue a request whose decode worker died (**migrate**),
+   `compute_and_decode`: the worker computes the prompt (and what was already streamed) itself
+   and its stream carries every later token;
+4. on a failure, `worker_calls.RetryPolicy.after` decides, in one place, whether and how to try
+   again.
 
-Colocated, the worker computes the prompt itself and its stream carries every token. Closing the
-iterator cancels the calls, and cancelling a call frees the request's blocks on that worker.
+Closing the iterator cancels the calls, and cancelling a call frees the request's blocks on that
+worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,29 +35,28 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from nori.gateway.admission import QueuedPrompt
-from nori.gateway.backend import (
+from nori.gateway.admission import GroupWait, QueuedPrompt
+from nori.gateway.backend import GenerationChunk, GenerationRequest
+from nori.gateway.errors import (
     BackendError,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequestError,
-    SaturatedError,
-)
-from nori.gateway.router import Router
-from nori.gateway.worker_calls import (
-    CallDroppedError,
     DecodeFullError,
+    InvalidRequestError,
     PrefillFailedError,
+    SaturatedError,
     UpstreamTimeoutError,
     WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
+)
+from nori.gateway.worker_calls import (
+    RetryLimits,
+    RetryPolicy,
     await_call,
     chunk_from_delta,
     messages,
     read,
 )
-from nori.gateway.worker_pool import WorkerPool
+from nori.gateway.worker_pool import Router, WorkerPool
 from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.convert import params_to_proto
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
@@ -90,6 +98,8 @@ class Resumed:
 
 
 class RequestFlow:
+    """One admitted request on the workers: `run`, and the two ways a worker serves it."""
+
     def __init__(
         self,
         pool: WorkerPool,
@@ -99,6 +109,7 @@ class RequestFlow:
         tracer: trace.Tracer | None = None,
         stall_timeout_s: float = 300.0,
         rpc_metadata: tuple[tuple[str, str], ...] = (),
+        limits: RetryLimits | None = None,
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
         # What every worker call carries besides its trace context: the cluster's token
@@ -113,16 +124,64 @@ class RequestFlow:
         self._router = router
         self._directory = directory
         self._states = states
+        self._limits = limits or RetryLimits()
 
-    async def colocated(
+    async def run(
+        self, request: GenerationRequest, queued: QueuedPrompt
+    ) -> AsyncIterator[GenerationChunk]:
+        """The request on a decode worker; elsewhere when that one is full, when its prompt's
+        prefill worker fails before token one, or (migration) when the decode worker dies."""
+        waits = request.admission_group is not None or request.priority > 0
+        policy = RetryPolicy(
+            self._limits,
+            GroupWait(self._limits.group_wait_s if waits else 0.0),
+            self._pool.mark_failed,
+        )
+        streamed = Resumed([])
+        renamed = 0
+        while True:
+            decode = self._router.pick_decode(self._pool.routable(), exclude=policy.tried)
+            if decode is None:
+                await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
+                continue
+            self._router.started(decode.worker_id)
+            try:
+                if streamed.token_ids:
+                    chunks = self.compute_and_decode(request, decode, queued, resumed=streamed)
+                elif decode.role == "colocated":
+                    chunks = self.compute_and_decode(request, decode, queued)
+                else:
+                    chunks = self.prefill_then_decode(request, decode, queued)
+                async for chunk in chunks:
+                    streamed.add(chunk)
+                    yield chunk
+                return
+            except BackendError as error:
+                fresh_id = await policy.after(
+                    error, request.request_id, decode.worker_id, len(streamed.token_ids)
+                )
+                if fresh_id:
+                    # Each new attempt of a request refused or failed before its first token
+                    # gets a fresh id for the workers ("~1", "~2", ...): the earlier attempt may
+                    # still be open on a worker a moment longer (a decode reservation being
+                    # released, an engine process applying the abort), which would refuse the
+                    # same id as in use.
+                    renamed += 1
+                    base_id = request.request_id.rsplit("~", 1)[0]
+                    request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
+            finally:
+                self._router.ended(decode.worker_id)
+
+    async def compute_and_decode(
         self,
         request: GenerationRequest,
         worker: WorkerInfo,
         queued: QueuedPrompt,
         resumed: Resumed | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        """The worker computes the prompt and decodes. `resumed`: what another worker had
-        streamed before it died (migration); this one computes it with the prompt and goes on."""
+        """One worker computes the prompt and decodes: a colocated worker, or (migration) the
+        decode worker that continues a request whose worker died, from `resumed` (what that one
+        had streamed), which it computes with the prompt before it goes on."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
             worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
@@ -137,17 +196,19 @@ class RequestFlow:
         except WorkerFullError as error:
             # Refused at the call's start (its queue is full): nothing ran, another may take it.
             raise DecodeFullError(str(error), error.retry_after_s) from None
-        except CallDroppedError as error:
-            if answered:
+        except WorkerLostError as error:
+            if answered or not error.cancelled_by_server:
                 raise
             # Dropped from its gRPC backlog before it was served: nothing ran there.
             raise DecodeFullError(str(error), retry_after_s=1.0) from None
         finally:
             call.cancel()
 
-    async def disaggregated(
+    async def prefill_then_decode(
         self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
     ) -> AsyncIterator[GenerationChunk]:
+        """Reserve on the decode worker, prefill on a prefill worker, stream from the decode
+        worker."""
         # The prefill worker is chosen before the reservation is taken: the lease starts with
         # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
         # Both workers' spans are children of the request's (the current) span.
@@ -206,9 +267,12 @@ class RequestFlow:
         """The decode worker's reserved blocks, as the destination the prefill worker needs."""
         try:
             message = await read(decode_call, decode.worker_id, self._stall_timeout_s)
-        except SaturatedError as error:
+        except (WorkerFullError, WorkerUnreachableError) as error:
+            # Full or unavailable before any work: another decode worker may take it.
             raise DecodeFullError(str(error), error.retry_after_s) from None
-        except CallDroppedError as error:
+        except WorkerLostError as error:
+            if not error.cancelled_by_server:
+                raise
             # Dropped from its gRPC backlog before it was served: nothing ran there.
             raise DecodeFullError(str(error), retry_after_s=1.0) from None
         if message is None or not message.HasField("reservation"):
@@ -261,7 +325,7 @@ class RequestFlow:
             except (InvalidRequestError, WorkerFullError):
                 raise  # a bad request, or a full queue: nothing failed on the worker
             except BackendError as error:
-                unreachable = isinstance(error, WorkerUnreachableError | WorkerLostError)
+                unreachable = isinstance(error, WorkerUnreachableError | WorkerLostError)  # gone
                 raise PrefillFailedError(str(error), prefill.worker_id, unreachable) from None
         finally:
             answer.cancel()

@@ -17,7 +17,7 @@ from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
 from nori.gateway.batch_api import FILES_PATH, batch_routes, batch_status_counts
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
 from nori.gateway.metrics import refused_worker_entries_text
-from nori.gateway.tracing import instrument
+from nori.gateway.middleware import instrument
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
@@ -60,7 +60,7 @@ class GatewayOptions(RoleSettings):
     stream_stall_timeout_s: float = 300.0
     # A batch member's wait for room when every worker is full (ClusterOptions.group_wait_s).
     group_wait_s: float = 600.0
-    # One request's or client's share of the decode pool while others wait (admission.DecodeShares).
+    # One request's or client's share of the decode pool while others wait (decode_shares.DecodeShares).
     max_decode_share: float = 0.5
     # Caps on n and on a request's choices, prompts x n (ClusterOptions.max_n and
     # max_request_members).

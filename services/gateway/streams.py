@@ -23,7 +23,8 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from nori.gateway.backend import Backend, BackendError, GenerationChunk, GenerationRequest
+from nori.gateway.backend import Backend, GenerationChunk, GenerationRequest
+from nori.gateway.errors import BackendError
 
 logger = logging.getLogger("nori.gateway")
 
@@ -51,7 +52,8 @@ async def close_iterator(iterator: object) -> None:
 
 
 class GenerationRun:
-    """The backend streams of one HTTP request (one per prompt), merged in arrival order.
+    """The backend streams of one HTTP request (one per prompt), merged in arrival order;
+    `start` starts them.
 
     `tasks` is a set owned by the app that keeps the producer tasks referenced (asyncio only
     keeps weak references to tasks) until they end, even after this object is dropped.
@@ -70,11 +72,18 @@ class GenerationRun:
         # status of a stream and marks the time to first token).
         self._started: set[int] = set()
         self._remaining = len(requests)
+        self._backend = backend
+        self._requests = list(requests)
         self._tasks = tasks
-        self._producers = [
-            self._spawn(self._produce(backend, i, r)) for i, r in enumerate(requests)
-        ]
+        self._producers: list[asyncio.Task[None]] = []
         self._watcher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts one producer task per request: from here on the backend serves them."""
+        assert not self._producers, "the run has started"
+        self._producers = [
+            self._spawn(self._produce(self._backend, i, r)) for i, r in enumerate(self._requests)
+        ]
 
     def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coroutine)
@@ -221,10 +230,3 @@ class EventStreamResponse(StreamingResponse):
                 await close_iterator(self.body_iterator)
             if self._on_close is not None:
                 self._on_close()
-
-
-def sse_event(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = sse_event("[DONE]")

@@ -1,72 +1,41 @@
-"""gRPC calls to workers as the request flow sees them: a failed call is a BackendError with the
-HTTP status it deserves, and a worker's token delta is a GenerationChunk."""
+"""gRPC calls to workers as the request flow sees them, and what the flow does when one fails.
+
+A failed call is a `BackendError` with the HTTP status it deserves (`error_from_rpc`), and a
+worker's token delta is a GenerationChunk. After a failed attempt, `RetryPolicy` decides whether
+the request tries again and how, or which error its client gets.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 
-from nori.gateway.backend import (
+from nori.gateway.admission import GroupWait
+from nori.gateway.backend import GenerationChunk
+from nori.gateway.errors import (
     BackendError,
-    GenerationChunk,
+    DecodeFullError,
     InvalidRequestError,
+    PrefillFailedError,
     QueueFullError,
     SaturatedError,
+    TransferFailedError,
+    UpstreamTimeoutError,
+    WorkerFullError,
+    WorkerLostError,
+    WorkerUnreachableError,
 )
 from nori.rpc.convert import logprobs_from_proto, prompt_logprobs_from_delta, stop_reason_from_proto
 from nori.v1 import common_pb2, decode_pb2, prefill_pb2
 
 T = TypeVar("T")
 
-
-class WorkerFullError(QueueFullError):
-    """A worker refused the request before any work: its queue or KV pool is full. Another
-    worker may have room; when none has, the client gets 429 with Retry-After."""
-
-
-class DecodeFullError(WorkerFullError):
-    """A decode worker could not take the request (queue or KV pool full): another may."""
-
-
-class UpstreamTimeoutError(BackendError):
-    status_code = 504
-    error_type = "timeout"
-
-
-class PrefillFailedError(BackendError):
-    """A prefill worker failed a prompt (died, hung up, could not send the KV): another one may
-    compute it, since the client has seen nothing yet."""
-
-    def __init__(self, message: str, worker_id: str, unreachable: bool = False) -> None:
-        super().__init__(message)
-        self.worker_id = worker_id
-        # The worker itself is gone (its calls fail at the connection), not just this prompt.
-        self.unreachable = unreachable
-
-
-class WorkerUnreachableError(SaturatedError):
-    """A worker did not answer (gone, or its port closed): another one may."""
-
-
-class WorkerLostError(BackendError):
-    """A worker's call broke off mid-way (the worker died or hung up): a request it was decoding
-    can continue on another worker (migration)."""
-
-
-class CallDroppedError(WorkerLostError):
-    """The worker's gRPC server ended the call with CANCELLED, which the gateway never asked
-    for: gRPC core cancels calls that wait unserved in a server's backlog past
-    `grpc.server.max_pending_requests` (1,000, random early drop up to 3,000), before any
-    handler runs. Before the call's first message nothing ran there: another try may
-    succeed (the flow makes it a DecodeFullError); later, the stream is lost."""
-
-
-class TransferFailedError(BackendError):
-    """A decode worker refused or lost a prompt's KV transfer (a sender that died mid-way, bytes
-    that failed their checksum): its blocks are freed; the request may start over."""
+logger = logging.getLogger(__name__)
 
 
 def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
@@ -95,7 +64,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
     if code is grpc.StatusCode.ABORTED:
         return TransferFailedError(f"{worker}: {details}")
     if code is grpc.StatusCode.CANCELLED:
-        return CallDroppedError(f"{worker} dropped the call (CANCELLED): {details}")
+        return WorkerLostError(
+            f"{worker} dropped the call (CANCELLED): {details}", cancelled_by_server=True
+        )
     return BackendError(f"{worker} failed ({code.name}): {details}")
 
 
@@ -151,3 +122,130 @@ async def messages(
         if message.delta.finished:
             return
     raise BackendError(f"{worker} ended the stream before the request finished")
+
+
+# ---------------------------------------------------------------------- after a failure
+
+
+@dataclass(frozen=True)
+class RetryLimits:
+    # Decode workers to try when one answers that its pool is full.
+    decode_attempts: int = 3
+    # Tries of a prompt whose prefill worker failed (died, hung up, sent bad KV), or whose
+    # prefill queue was full, each on a prefill worker that has not just failed.
+    prefill_attempts: int = 3
+    # Moves of a request whose decode worker died to another one (--migration-limit).
+    migration_limit: int = 3
+    # How long a member of a batch (or a batch line) waits for room when every worker is full,
+    # instead of 429 (`admission.GroupWait`); a single request does not wait.
+    group_wait_s: float = 600.0
+
+
+@dataclass
+class RetryPolicy:
+    """What happens after each failed attempt of one request: another try (and whether under a
+    fresh id), or the error the client gets. Every counter of the request's tries is here.
+
+    | failure                                  | next try, while the limit allows            |
+    |------------------------------------------|---------------------------------------------|
+    | DecodeFullError: refused before any work | another decode worker (decode_attempts)     |
+    | WorkerFullError: the prefill queue full  | pick again (prefill_attempts)               |
+    | PrefillFailedError, TransferFailedError  | start over (prefill_attempts, then 503)     |
+    | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
+
+    A batch member (or batch line) whose tries are used up waits for room (`GroupWait`) and
+    tries them all again, as long as the client has seen nothing.
+    """
+
+    limits: RetryLimits
+    wait: GroupWait
+    # The pool's `mark_failed`: route nothing to a worker whose calls just failed.
+    mark_failed: Callable[[str], None]
+    # Decode workers tried since the last wait (not to be picked again).
+    tried: list[str] = field(default_factory=list)
+    full_prefills: int = 0
+    failed_prefills: int = 0
+    migrations: int = 0
+
+    async def no_decode_worker(self, request_id: str, streamed: bool) -> None:
+        """Returns when the request may look for a decode worker again; raises otherwise."""
+        if self.migrations:
+            # Workers failed, not the request: a 503 the client may retry.
+            raise SaturatedError(
+                f"the decode worker streaming request {request_id} failed and no other decode "
+                "worker is left to continue it; retry after the time in Retry-After"
+            )
+        if self.tried and not streamed and await self.wait.turn():
+            self.tried.clear()  # a batch member: try them all again
+            return
+        if self.tried:
+            raise QueueFullError(
+                "no decode worker could take the request (queues or KV pools full); "
+                "retry after the time in Retry-After"
+            )
+        raise SaturatedError("no decode worker is available")
+
+    async def after(
+        self, error: BackendError, request_id: str, decode_id: str, num_streamed: int
+    ) -> bool:
+        """Returns when the request may try again: True when the next try needs a fresh id for
+        the workers (the failed attempt may still be open on a worker a moment longer). Raises
+        `error`, or the 503 it becomes, when the request must fail."""
+        if isinstance(error, DecodeFullError):
+            # Refused before any work (a full queue or pool): another worker may have room. A
+            # migrating request may try them too: the new worker continues from what the
+            # client has, so nothing is replayed.
+            self.tried.append(decode_id)
+            if len(self.tried) >= self.limits.decode_attempts + self.migrations:
+                if num_streamed or not await self.wait.turn():
+                    raise error
+                self.tried.clear()
+            return not num_streamed
+        if isinstance(error, WorkerFullError):
+            # The prefill worker's queue was full (its decode reservation is released): pick
+            # again; routing by load favours another one.
+            self.full_prefills += 1
+            if self.full_prefills >= self.limits.prefill_attempts:
+                if not await self.wait.turn():
+                    raise error
+                self.full_prefills = 0
+            return True
+        if isinstance(error, PrefillFailedError | TransferFailedError):
+            # The prompt's prefill worker died, hung up or sent bad KV: its decode reservation
+            # is already released (the decode call was cancelled); start over on another
+            # prefill worker, while the client has seen nothing.
+            if isinstance(error, PrefillFailedError) and error.unreachable:
+                self.mark_failed(error.worker_id)
+            self.failed_prefills += 1
+            if num_streamed:
+                raise error
+            if self.failed_prefills >= self.limits.prefill_attempts:
+                # Workers failed, not the request: a 503 the client may retry, not a 500.
+                raise SaturatedError(
+                    f"the prompt's prefill failed {self.failed_prefills} times ({error}); retry "
+                    "after the time in Retry-After",
+                    retry_after_s=1.0,
+                ) from error
+            logger.warning("request %s: %s; computing it again", request_id, error)
+            return True
+        if isinstance(error, WorkerUnreachableError | WorkerLostError):
+            # The decode worker died or hung up: continue on another one from what the client
+            # has (migration), or start over if it has nothing yet.
+            self.mark_failed(decode_id)
+            self.tried.append(decode_id)
+            self.migrations += 1
+            if self.migrations > self.limits.migration_limit:
+                # Workers failed, not the request: a 503 the client (a batch runner) retries.
+                raise SaturatedError(
+                    f"request {request_id}: {error}; it moved to another decode worker "
+                    f"{self.limits.migration_limit} times (--migration-limit); retry after the "
+                    "time in Retry-After"
+                ) from error
+            logger.warning(
+                "request %s: %s; continuing on another decode worker after %d tokens",
+                request_id,
+                error,
+                num_streamed,
+            )
+            return False
+        raise error

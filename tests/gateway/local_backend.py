@@ -14,14 +14,8 @@ from typing import Any
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.outputs import StepOutput
-from nori.gateway.backend import (
-    BackendError,
-    BackendHealth,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequestError,
-    QueueFullError,
-)
+from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
+from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
 from nori.sampling.tokenizer import Tokenizer
 from nori.worker.engine_core import EngineThread
 from nori.worker.output_streams import OutputStreams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nori.gateway.admission import ROOM_WAITERS_PRUNE_AT, PromptQueue
-from nori.gateway.backend import QueueFullError
+from nori.gateway.errors import QueueFullError
 
 
 def test_refuses_beyond_the_bound_of_the_pool_and_admits_again_once_drained() -> None:

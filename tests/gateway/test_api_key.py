@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from nori.gateway.api_key import ApiKeyMiddleware
+from nori.gateway.middleware import ApiKeyMiddleware
 from nori.sampling.tokenizer import Tokenizer
 from tests.gateway.app_helpers import MODEL, assert_error, client, make_app
 

@@ -87,7 +87,7 @@ async def test_a_disconnect_queued_behind_the_first_chunk_ends_the_stream_quietl
     # The client leaves just as its first chunk comes: the watcher of `Session.first` queues the
     # disconnect behind that chunk, and the SSE body meets it on its next read. That is a
     # departure, not an error (the disconnect storm in tests/cluster logged it as one).
-    from nori.gateway.responder import _events
+    from nori.gateway.endpoints import _events
     from nori.gateway.streams import ClientDisconnected
 
     class Departed:
@@ -106,7 +106,7 @@ async def test_a_disconnect_queued_behind_the_first_chunk_ends_the_stream_quietl
         def render(self, index: int, chunk: object) -> list[str]:
             return ["data: first\n\n"]
 
-        def closing(self, session: object) -> list[str]:
+        def closing(self, usage: object) -> list[str]:
             return []
 
     session = Departed()

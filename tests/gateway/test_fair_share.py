@@ -7,11 +7,13 @@ import asyncio
 import grpc
 import pytest
 
-from nori.gateway.admission import DecodeShares, PoolCapacity, PromptQueue, ShareRefusedError
-from nori.gateway.backend import GenerationRequest, InvalidRequestError
-from nori.gateway.cluster import ClusterBackend, ClusterOptions, pool_capacity
-from nori.gateway.session import client_identity
-from nori.gateway.worker_calls import CallDroppedError, WorkerLostError, error_from_rpc
+from nori.gateway.admission import PromptQueue
+from nori.gateway.backend import GenerationRequest
+from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.decode_shares import DecodeShares, PoolCapacity, pool_capacity
+from nori.gateway.endpoints import client_identity
+from nori.gateway.errors import InvalidRequestError, ShareRefusedError, WorkerLostError
+from nori.gateway.worker_calls import error_from_rpc
 from nori.sampling.params import SamplingParams
 
 
@@ -176,8 +178,8 @@ def test_a_call_the_worker_cancelled_is_dropped_not_failed() -> None:
         grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "CANCELLED"
     )
     dropped = error_from_rpc(error, "decode-1")
-    assert isinstance(dropped, CallDroppedError)
-    assert isinstance(dropped, WorkerLostError)  # mid-stream: lost, the request migrates
+    assert isinstance(dropped, WorkerLostError) and dropped.cancelled_by_server
+    # mid-stream: lost, the request migrates
     assert "decode-1 dropped the call" in str(dropped)
 
 

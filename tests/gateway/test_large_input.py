@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from nori.gateway.body_limit import (
+from nori.gateway.middleware import (
     MIN_PROMPT_BODY_BYTES,
     PROMPT_BODY_BYTES_PER_TOKEN,
     prompt_body_limit,

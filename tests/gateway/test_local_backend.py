@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 
 from nori.engine.llm import LLM
-from nori.gateway.backend import (
-    BackendError,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequestError,
-    QueueFullError,
-)
+from nori.gateway.backend import GenerationChunk, GenerationRequest
+from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
 from nori.sampling.params import SamplingParams
 from tests.gateway.local_backend import LocalEngineBackend
 

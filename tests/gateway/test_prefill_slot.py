@@ -12,7 +12,7 @@ import pytest
 from nori.gateway.admission import PromptQueue
 from nori.gateway.backend import GenerationRequest
 from nori.gateway.request_flow import RequestFlow
-from nori.gateway.router import Router
+from nori.gateway.worker_pool import Router
 from nori.sampling.params import SamplingParams
 from nori.state.registry import WorkerInfo
 
@@ -51,7 +51,7 @@ async def test_a_failure_after_the_prefill_pick_releases_the_slot() -> None:
     request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=4, top_k=2**31))
     queued = PromptQueue(0).admit(3, 1, 0.0, None)
     with pytest.raises(ValueError, match="out of range"):
-        async for _ in flow.disaggregated(request, DECODE, queued):
+        async for _ in flow.prefill_then_decode(request, DECODE, queued):
             pass
     assert router.pending_prompt_tokens == {}
     assert router.in_flight == {}

@@ -15,9 +15,9 @@ import pytest
 from google.protobuf.message import Message
 
 from nori.gateway.backend import GenerationRequest
+from nori.gateway.endpoints import COALESCE_MS
 from nori.gateway.request_flow import RequestFlow, Resumed
-from nori.gateway.router import Router
-from nori.gateway.session import COALESCE_MS
+from nori.gateway.worker_pool import Router
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
 from nori.settings import BATCH_PRIORITY
@@ -168,7 +168,7 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
     )
     flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, stream_interval=3)
-    chunks = [c async for c in flow.disaggregated(request, DECODE, Queued())]  # type: ignore[arg-type]
+    chunks = [c async for c in flow.prefill_then_decode(request, DECODE, Queued())]  # type: ignore[arg-type]
     assert [c.new_token_ids for c in chunks] == [[7], [8]]
     generate, prefill = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest) and generate.priority == 7
@@ -181,7 +181,7 @@ async def test_a_migrated_request_keeps_its_priority() -> None:
     channel = RecordingChannel(stream=[decode_pb2.GenerateResponse(delta=delta(9, finished=True))])
     flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
     resumed = Resumed([7, 8], num_chars=2)
-    chunks = [c async for c in flow.colocated(REQUEST, DECODE, Queued(), resumed)]  # type: ignore[arg-type]
+    chunks = [c async for c in flow.compute_and_decode(REQUEST, DECODE, Queued(), resumed)]  # type: ignore[arg-type]
     assert [c.new_token_ids for c in chunks] == [[9]]
     (generate,) = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest)

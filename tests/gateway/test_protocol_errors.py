@@ -10,14 +10,8 @@ from typing import Any
 import pytest
 
 from nori.gateway.app import create_app
-from nori.gateway.backend import (
-    BackendError,
-    GenerationChunk,
-    GenerationRequest,
-    InvalidRequestError,
-    QueueFullError,
-    SaturatedError,
-)
+from nori.gateway.backend import GenerationChunk, GenerationRequest
+from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError, SaturatedError
 from nori.sampling.tokenizer import Tokenizer
 from tests.gateway.app_helpers import MAX_MODEL_LEN, MODEL, assert_error, client, make_app, post
 from tests.gateway.helpers import FakeBackend, chunk, sse_json

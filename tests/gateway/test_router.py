@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nori.gateway.router import Router
+from nori.gateway.worker_pool import Router
 from nori.state.registry import WorkerInfo
 
 

@@ -26,6 +26,7 @@ import nori.gateway.app
 import nori.gateway.cluster
 import nori.gateway.server
 import nori.gateway.endpoints
+import nori.gateway.request_flow
 assert "torch" not in sys.modules
 print("torch-free")
 """

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from nori.gateway.worker_calls import WorkerLostError, read
+from nori.gateway.errors import WorkerLostError
+from nori.gateway.worker_calls import read
 
 
 class _Call:
