@@ -47,8 +47,9 @@ _CFLAGS = [
 
 def _build_tag(folder: Path) -> str:
     """Tells builds apart in a shared cache: the machine (-march=native code may not run
-    elsewhere), the flags and the sources. Two checkouts with other sources then never load each
-    other's module, and one that waited on another's build finds a module of its own sources."""
+    elsewhere), the flags, the sources and their folder. Two checkouts with other sources then
+    never load each other's module, and two checkouts of the same sources do not take turns
+    rebuilding one folder (torch's build file names the sources by path)."""
     try:
         flags = next(
             line
@@ -59,6 +60,7 @@ def _build_tag(folder: Path) -> str:
         flags = "unknown"
     digest = hashlib.sha256(flags.encode())
     digest.update(" ".join(_CFLAGS).encode())
+    digest.update(str(folder).encode())
     for source in _SOURCES:
         digest.update((folder / source).read_bytes())
     return digest.hexdigest()[:10]
