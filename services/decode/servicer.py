@@ -22,7 +22,6 @@ from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
 from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
-from nori.rpc.convert import delta_from_output
 from nori.sampling.params import SamplingParams
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.base import TransferRejected
@@ -33,6 +32,7 @@ from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.output_streams import (
     OutputStreams,
+    delta_from_output,
     next_output,
     next_output_coalesced,
     next_output_of,

@@ -20,7 +20,6 @@ from nori.engine.engine import LLMEngine, export_request, prefilled_kv
 from nori.engine.kv_cache import read_blocks
 from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.prefill.lease_keeper import LeaseKeeper
-from nori.rpc.convert import delta_from_output
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import buffer_checksums
@@ -29,7 +28,7 @@ from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
 from nori.worker.grpc_calls import call_engine
 from nori.worker.kv_layout import source_buffers
-from nori.worker.output_streams import OutputStreams
+from nori.worker.output_streams import OutputStreams, delta_from_output
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.servicer_base import EngineServicer
 

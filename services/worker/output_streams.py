@@ -1,4 +1,5 @@
-"""Routes each engine step's outputs to the coroutine serving that request."""
+"""Routes each engine step's outputs to the coroutine serving that request, and turns them into
+the wire's deltas."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import contextlib
 
 from nori.engine.outputs import StepOutput
+from nori.rpc.convert import logprobs_to_proto
+from nori.v1 import common_pb2
 
 
 async def next_output(queue: asyncio.Queue[StepOutput]) -> StepOutput:
@@ -84,3 +87,28 @@ class OutputStreams:
 
     def __len__(self) -> int:
         return len(self._queues)
+
+
+def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
+    """What one engine step added to a request, as a wire delta."""
+    delta = common_pb2.TokenDelta(
+        token_ids=output.new_token_ids,
+        text=output.new_text,
+        finished=output.finished,
+        finish_reason=output.finish_reason or "",
+        num_cached_tokens=output.num_cached_tokens,
+    )
+    if isinstance(output.stop_reason, str):
+        delta.stop_string = output.stop_reason
+    elif isinstance(output.stop_reason, int):
+        delta.stop_token_id = output.stop_reason
+    if output.logprobs is not None and output.new_token_ids:
+        new = output.logprobs[-len(output.new_token_ids) :]
+        delta.logprobs.extend(logprobs_to_proto(entry) for entry in new)
+    if output.prompt_logprobs is not None and len(output.new_token_ids) == len(output.token_ids):
+        # Once, with the first token(s): from then on the receiver has them.
+        delta.prompt_logprobs.SetInParent()
+        delta.prompt_logprobs.entries.extend(
+            logprobs_to_proto(entry) for entry in output.prompt_logprobs[1:] if entry is not None
+        )
+    return delta

@@ -1,8 +1,8 @@
-"""Engine types to nori.v1 messages and back. Every field crosses the wire exactly."""
+"""Sampling types to nori.v1 messages and back (the worker turns its engine's outputs into
+deltas, `nori.worker.output_streams.delta_from_output`). Every field crosses the wire exactly."""
 
 from __future__ import annotations
 
-from nori.engine.outputs import StepOutput
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
@@ -53,31 +53,6 @@ def logprobs_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprobs:
         rank=message.rank,
         top=tuple(zip(message.top_token_ids, message.top_logprobs, strict=True)),
     )
-
-
-def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
-    """What one engine step added to a request, as a wire delta."""
-    delta = common_pb2.TokenDelta(
-        token_ids=output.new_token_ids,
-        text=output.new_text,
-        finished=output.finished,
-        finish_reason=output.finish_reason or "",
-        num_cached_tokens=output.num_cached_tokens,
-    )
-    if isinstance(output.stop_reason, str):
-        delta.stop_string = output.stop_reason
-    elif isinstance(output.stop_reason, int):
-        delta.stop_token_id = output.stop_reason
-    if output.logprobs is not None and output.new_token_ids:
-        new = output.logprobs[-len(output.new_token_ids) :]
-        delta.logprobs.extend(logprobs_to_proto(entry) for entry in new)
-    if output.prompt_logprobs is not None and len(output.new_token_ids) == len(output.token_ids):
-        # Once, with the first token(s): from then on the receiver has them.
-        delta.prompt_logprobs.SetInParent()
-        delta.prompt_logprobs.entries.extend(
-            logprobs_to_proto(entry) for entry in output.prompt_logprobs[1:] if entry is not None
-        )
-    return delta
 
 
 def prompt_logprobs_from_delta(delta: common_pb2.TokenDelta) -> list[TokenLogprobs | None] | None:

@@ -13,7 +13,6 @@ import pytest
 
 from nori.engine.outputs import StepOutput
 from nori.rpc.convert import (
-    delta_from_output,
     logprobs_from_proto,
     params_from_proto,
     params_to_proto,
@@ -22,6 +21,7 @@ from nori.rpc.convert import (
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
+from nori.worker.output_streams import delta_from_output
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"
