@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,12 @@ def _build_tag(folder: Path) -> str:
     return digest.hexdigest()[:10]
 
 
+def build_root(default_root: str) -> Path:
+    """Where builds go: $TORCH_EXTENSIONS_DIR as torch's own builds honour it (its
+    `get_default_build_root` does not read it), else torch's default."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root)
+
+
 # torch's build lock: a build killed part-way (Ctrl-C, kill -9, a timeout) leaves it behind, and
 # every later start would wait on it for ever, silently. A build takes 1-5 minutes on 2 CPUs.
 STALE_BUILD_LOCK_S = 20 * 60
@@ -109,7 +116,7 @@ def cpu_kernels() -> Any | None:
 
         folder = Path(__file__).resolve().parent
         name = f"nori_cpu_kernels_{_build_tag(folder)}"
-        build_dir = Path(get_default_build_root()) / name
+        build_dir = build_root(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_build_lock(build_dir)
         # Link the OpenMP runtime torch ships and has already loaded: one thread pool, the

@@ -1,5 +1,6 @@
-"""The C++ kernels' build: a lock left by a build killed part-way is cleared (it would make
-every later start wait for ever), a lock of a build in progress is not."""
+"""The C++ kernels' build: it goes under $TORCH_EXTENSIONS_DIR when set; a lock left by a build
+killed part-way is cleared (it would make every later start wait for ever), a lock of a build in
+progress is not."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nori.kernels.cpu_build import STALE_BUILD_LOCK_S, clear_stale_build_lock
+from nori.kernels.cpu_build import STALE_BUILD_LOCK_S, build_root, clear_stale_build_lock
 
 
 def _lock(build_dir: Path, age_s: float) -> Path:
@@ -42,3 +43,12 @@ def test_a_build_in_progress_keeps_its_lock(tmp_path: Path) -> None:
 
 def test_no_lock_is_nothing_to_do(tmp_path: Path) -> None:
     assert not clear_stale_build_lock(tmp_path)
+
+
+def test_builds_go_under_torch_extensions_dir_when_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_root("/default") == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert build_root("/default") == Path("/default")
