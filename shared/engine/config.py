@@ -6,8 +6,9 @@ Every mode is a `Literal` type (mypy checks the callers; `typing.get_args` gives
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
 from nori.settings import DEFAULT_BLOCK_SIZE
 
@@ -23,8 +24,96 @@ LoadFormat = Literal["auto", "dummy"]
 # "static": the classic static batching baseline (see SchedulerConfig.policy).
 SchedulingPolicy = Literal["continuous", "static"]
 AttentionBackend = Literal["auto", "triton", "cpu", "reference"]
+# Speculative decoding's proposer (vLLM's --speculative-config "method"): prompt lookup over the
+# request's own tokens, or a smaller model with the same tokenizer.
+SpeculativeMethod = Literal["ngram", "draft_model"]
 # A number of prompt tokens, "auto" (learnt from the steps' timings) or None (no cap).
 PrefillBudget = int | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: a proposer drafts tokens, the model verifies them in one step.
+
+    Greedy requests get exactly the tokens of a run without speculation; sampled ones keep the
+    model's distribution (accept with min(1, p/q), else sample from max(0, p - q) normalised).
+    """
+
+    method: SpeculativeMethod
+    # Tokens proposed per request and step.
+    num_speculative_tokens: int
+    # draft_model: a checkpoint folder (or "demo"-style name) sharing the target's tokenizer.
+    model: str | None = None
+    # ngram: the longest and shortest suffix n-gram looked up in the request's own tokens.
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # No speculation in a step whose running batch holds at least this many requests (a large
+    # batch is compute-bound: verifying drafts there costs more than it saves). None: always.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_mode("method", self.method, SpeculativeMethod)
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('method "draft_model" needs "model": the draft checkpoint')
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError('method "ngram" takes no "model"')
+            low, high = self.lookup_range
+            if low < 1 or high < low:
+                raise ValueError(
+                    "prompt_lookup_min and prompt_lookup_max must satisfy "
+                    f"1 <= min <= max, got {low} and {high}"
+                )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}"
+            )
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """ngram's (min, max) suffix length, with vLLM's defaults: both 5 when neither is set,
+        else the one set for both."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            return 5, 5
+        if low is None:
+            low = high
+        if high is None:
+            high = low
+        assert low is not None and high is not None
+        return low, high
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's --speculative-config JSON (or its dict). ValueError names what is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative config must be a JSON object")
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative config key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f'speculative config needs "{key}"')
+        return cls(**value)
+
+    def as_json(self) -> str:
+        """The settings as canonical JSON: what a worker states in the registry, and what two
+        workers must share to hand a request from one to the other."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return json.dumps({k: v for k, v in values.items() if v is not None}, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -78,6 +167,8 @@ class EngineConfig:
     # TRITON_INTERPRET=1, for tests), "cpu" the C++ kernel, "reference" the PyTorch attention
     # references (NORI_CPU_KERNELS=0 also turns off the C++ norm, rotary and MLP kernels).
     attention_backend: AttentionBackend = "auto"
+    # Speculative decoding (vLLM's --speculative-config); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name, modes in _MODES.items():
@@ -106,6 +197,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs a quantization method (int8 or fp8)")
+        speculative = self.speculative_config
+        if speculative is not None:
+            if self.scheduling_policy == "static":
+                raise ValueError("speculative decoding needs the continuous scheduling policy")
+            if speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
 
 
 @dataclass(frozen=True)

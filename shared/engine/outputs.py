@@ -53,6 +53,34 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding since the engine started (cumulative counters, as vLLM's
+    spec_decode metrics). Each verification of a request's drafts keeps its accepted drafts and
+    one more token sampled from the model (the bonus token)."""
+
+    # Verifications: requests x steps that carried drafts (each yields one bonus token).
+    num_drafts: int = 0
+    # Draft tokens proposed and verified.
+    num_draft_tokens: int = 0
+    # Of those, the ones the model accepted.
+    num_accepted_tokens: int = 0
+
+    @property
+    def num_bonus_tokens(self) -> int:
+        return self.num_drafts
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification yields on average: 1 + accepted drafts per verification."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """How busy an engine is: taken after every step, read from any thread."""
 
@@ -67,6 +95,8 @@ class EngineLoad:
     num_preemptions: int = 0
     # The requests in the running batch (computing their prompt or decoding).
     running_request_ids: frozenset[str] = frozenset()
+    # Speculative decoding's counters (all zero without it).
+    spec_decode: SpecDecodeCounts = SpecDecodeCounts()
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 
