@@ -95,6 +95,10 @@ class EngineLoad:
     num_preemptions: int = 0
     # The requests in the running batch (computing their prompt or decoding).
     running_request_ids: frozenset[str] = frozenset()
+    # Prompt positions this engine computed since the start (chunks, recomputes; not those
+    # found in the prefix cache or received from another worker): a decode worker's own prompt
+    # work, zero for requests handed to it with their K/V.
+    num_prompt_tokens_computed: int = 0
     # Speculative decoding's counters (all zero without it).
     spec_decode: SpecDecodeCounts = SpecDecodeCounts()
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
