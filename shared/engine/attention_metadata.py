@@ -13,10 +13,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     # Decode rows (one new token each) come first: rows [0, num_decodes) are decodes.
     num_decodes: int
-    # Speculative verification: sequences [num_decodes, num_decodes + num_verifies) each carry
-    # a few query rows (the last token and its drafts), causal among themselves over their
-    # paged context: a multi-query decode. Prompt chunks follow them.
-    num_verifies: int = 0
     # Per sequence, [B]: context length including this step's tokens.
     seq_lens: torch.Tensor
     # [B + 1]: the new tokens of sequence b are query rows query_start_loc[b]:query_start_loc[b+1].
@@ -29,3 +25,7 @@ class AttentionMetadata:
     # Per sequence, [B]: positions before this are left padding that real tokens must not see
     # (the static-batching baseline); None when no sequence in the step is padded.
     context_starts: torch.Tensor | None = None
+    # Speculative verification: sequences [num_decodes, num_decodes + num_verifies) each carry
+    # a few query rows (the last token and its drafts), causal among themselves over their
+    # paged context: a multi-query decode. Prompt chunks follow them.
+    num_verifies: int = 0
