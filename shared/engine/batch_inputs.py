@@ -27,7 +27,8 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
-    # Rows of the flat token axis whose logits are sampled (each a request's last token).
+    # Rows of the flat token axis whose logits are sampled: a request's last token, or for a
+    # verification its last token and each draft (1 + num_spec_tokens consecutive rows).
     logits_indices: torch.Tensor
     # Requests that want prompt logprobs and computed some of their prompt in this step.
     prompt_logprob_rows: list[PromptLogprobRows]
@@ -43,6 +44,7 @@ def build_batch_inputs(
     query_start_loc = [0]
     logits_indices: list[int] = []
     num_decodes = 0
+    num_verifies = 0
     max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
     block_rows: list[list[int]] = []
     context_starts: list[int] = []
@@ -53,6 +55,10 @@ def build_batch_inputs(
         start = request.num_computed_tokens
         end = start + item.num_new_tokens
         input_ids.extend(request.token_ids[start:end])
+        if item.num_spec_tokens:
+            assert len(request.spec_token_ids) == item.num_spec_tokens, "drafts not proposed"
+            input_ids.extend(request.spec_token_ids)
+            num_verifies += 1
         # Left padding (static baseline): real tokens keep positions 0, 1, ... as unpadded, so a
         # padded row never runs past the model's position range (RoPE itself is shift-invariant).
         pad = request.num_padding_tokens
@@ -71,7 +77,8 @@ def build_batch_inputs(
         if item.num_new_tokens == 1:
             num_decodes += 1
         if item.samples:
-            logits_indices.append(query_start_loc[-1] - 1)
+            first = query_start_loc[-1] - 1 - item.num_spec_tokens
+            logits_indices.extend(range(first, query_start_loc[-1]))
         if request.prompt_logprobs is not None:
             rows = _prompt_logprob_rows(request, start, end, query_start_loc[-2])
             if rows is not None:
@@ -83,6 +90,7 @@ def build_batch_inputs(
     metadata = AttentionMetadata(
         slot_mapping=as_tensor(slots, torch.int64),
         num_decodes=num_decodes,
+        num_verifies=num_verifies,
         seq_lens=as_tensor(seq_lens, torch.int32),
         query_start_loc=as_tensor(query_start_loc, torch.int32),
         block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),

@@ -188,6 +188,19 @@ class BlockManager:
             self._record(BlockEventKind.STORED, block_hash)
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Gives back the tail blocks past the first `num_tokens` tokens' (speculative decoding:
+        blocks that only rejected draft tokens used). Never a published block: those hold
+        computed tokens, and the caller keeps every computed token."""
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= request.num_published_blocks, "trimming a block in the prefix cache"
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block_id] = None
+        del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks; ones that reach ref_count 0 join the queue's back.
 

@@ -49,12 +49,13 @@ from nori.engine.kv_transfer import (
     generator_state,
     set_generator_state,
 )
-from nori.engine.model_runner import ModelRunner, SampledToken
-from nori.engine.outputs import EngineLoad, ServedModel, StepOutput
+from nori.engine.model_runner import ModelRunner, SampledTokens
+from nori.engine.outputs import EngineLoad, ServedModel, SpecDecodeCounts, StepOutput
 from nori.engine.prompt_checks import validate_prompt
 from nori.engine.request import Request, RequestStatus
 from nori.engine.request_text import add_known_tokens, check_stop, make_output, resume_text
 from nori.engine.scheduler import Scheduler, SchedulerOutput
+from nori.engine.speculative import Speculator
 from nori.engine.step_cost import StepCostModel
 from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
@@ -97,6 +98,13 @@ class LLMEngine:
         # The requests this engine knows, from add until they finish or leave.
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        speculative = config.speculative_config
+        self._speculator = (
+            None
+            if speculative is None
+            else Speculator(speculative, self._runner, self.model.max_model_len)
+        )
+        self._num_prompt_tokens_computed = 0
 
     # ------------------------------------------------------------------------ requests
 
@@ -233,13 +241,20 @@ class LLMEngine:
                 high=self.config.max_num_batched_tokens,
                 default=AUTO_PREFILL_BUDGET_START,
             )
-        output = self._scheduler.schedule()
+        speculator = self._speculator
+        running = self._scheduler.running
+        output = self._scheduler.schedule(None if speculator is None else speculator.plan(running))
         if output.is_empty:
             return []
+        if speculator is not None:
+            speculator.propose(output, self._scheduler.running)
         now = time.time()
         for item in output.scheduled:
-            if item.request.first_scheduled_at is None:
-                item.request.first_scheduled_at = now  # its queue wait ends (metrics, traces)
+            request = item.request
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = now  # its queue wait ends (metrics, traces)
+            prompt_end = min(request.num_prompt_tokens, request.num_tokens)
+            self._num_prompt_tokens_computed += max(prompt_end - request.num_computed_tokens, 0)
         started = time.perf_counter()
         sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
         if self._step_costs is not None:
@@ -247,17 +262,29 @@ class LLMEngine:
             self._step_costs.observe(
                 num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
             )
-        self._scheduler.update(output)
+        # Accepted drafts are computed tokens: in the request before the cache hashes its blocks.
+        num_rejected = {}
+        for result in sampled:
+            if result.num_drafts:
+                result.request.token_ids.extend(result.token_ids[:-1])
+                num_rejected[result.request.request_id] = result.num_rejected
+        self._scheduler.update(output, num_rejected)
+        if speculator is not None:
+            speculator.record(sampled)
         for request, entries in prompt_logprobs:
             assert request.prompt_logprobs is not None
             request.prompt_logprobs.extend(entries)
         outputs = []
-        for token in sampled:
-            if token.request.status.is_finished:
+        for result in sampled:
+            accepted = len(result.token_ids) - 1
+            if accepted:
+                # Taken out again: the text side and stop checks see them one by one below.
+                del result.request.token_ids[-accepted:]
+            if result.request.status.is_finished:
                 # A static batch's padding row: computed like the others, reported to nobody.
-                token.request.append_token(token.token_id)
+                result.request.token_ids.extend(result.token_ids)
             else:
-                outputs.append(self._postprocess(token))
+                outputs.append(self._postprocess(result))
         return outputs
 
     def _generators(self, output: SchedulerOutput) -> dict[str, torch.Generator]:
@@ -269,15 +296,21 @@ class LLMEngine:
                 generators[request.request_id] = request.generator
         return generators
 
-    def _postprocess(self, sample: SampledToken) -> StepOutput:
+    def _postprocess(self, sample: SampledTokens) -> StepOutput:
+        """The step's tokens for one request, one at a time: the first that ends it ends it (a
+        verification's later tokens are dropped, as a plain run would never sample them)."""
         request = sample.request
-        request.append_token(sample.token_id)
-        if sample.logprobs is not None:
-            request.logprobs = request.logprobs or []
-            request.logprobs.append(sample.logprobs)
-        finish = check_stop(
-            request, sample.token_id, self.model.tokenizer.eos_token_ids, self.model.max_model_len
-        )
+        finish = None
+        for index, token_id in enumerate(sample.token_ids):
+            request.append_token(token_id)
+            if sample.logprobs is not None:
+                request.logprobs = request.logprobs or []
+                request.logprobs.append(sample.logprobs[index])
+            finish = check_stop(
+                request, token_id, self.model.tokenizer.eos_token_ids, self.model.max_model_len
+            )
+            if finish is not None:
+                break
         if finish is not None:
             self._scheduler.finish(request, finish)
         elif request.prefill_only:
@@ -312,6 +345,8 @@ class LLMEngine:
             num_cached_blocks=self._block_manager.num_cached_blocks,
             num_preemptions=scheduler.num_preemptions,
             running_request_ids=frozenset(request.request_id for request in scheduler.running),
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            spec_decode=SpecDecodeCounts() if self._speculator is None else self._speculator.counts,
         )
 
     def close(self) -> None:

@@ -25,11 +25,12 @@ class KVCacheView:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The paged KV cache's tensors (KVCache.tensors), each [layers, 2, blocks, ...]: a
+        """The paged KV cache's tensors (the model's KVCache.tensors, then a draft model's),
+        each [layers, 2, blocks, ...]: a
         decode worker receives transferred blocks straight into them. Under tensor parallelism
         these are rank 0's heads only: blocks go in through `finish_kv_transfer(blocks=...)`
         instead (see `block_layouts`)."""
-        return self._runner.kv_cache.tensors
+        return self._runner.kv_tensors
 
     def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         """Each KV tensor's dtype and per-block shape [layers, 2, block_size, heads, ...] with

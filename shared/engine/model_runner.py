@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,12 +14,13 @@ import torch
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
+from nori.engine.draft_model import DraftModel
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.follower_ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
 from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
-from nori.engine.scheduler import SchedulerOutput
+from nori.engine.scheduler import ScheduledRequest, SchedulerOutput
 from nori.kernels.argmax import argmax_rows
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
@@ -28,6 +30,7 @@ from nori.sampling.batch import RowState, SamplingBatch, make_generator
 from nori.sampling.logprob_math import compute_logprobs
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.sampler import Sampler
+from nori.sampling.speculative import DraftProposal, verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +40,24 @@ PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass(frozen=True)
-class SampledToken:
+class SampledTokens:
+    """What a step sampled for one request: one token, or for a verification (speculative
+    decoding) its accepted drafts and then one token from the model."""
+
     request: Request
-    token_id: int
-    logprobs: TokenLogprobs | None
+    token_ids: list[int]
+    # One per token, or None when the request asked for no logprobs.
+    logprobs: list[TokenLogprobs] | None
+    # Draft tokens verified in the step (0: a plain decode or prompt).
+    num_drafts: int = 0
+
+    @property
+    def num_rejected(self) -> int:
+        return self.num_drafts - (len(self.token_ids) - 1)
 
 
 class StepResult(NamedTuple):
-    sampled: list[SampledToken]
+    sampled: list[SampledTokens]
     # Requests that want prompt logprobs and computed prompt tokens in the step: the log-probs of
     # the prompt tokens they scored, in order, to append to `Request.prompt_logprobs`.
     prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]]
@@ -80,7 +93,9 @@ class ModelRunner:
             self.close()  # the followers would otherwise wait for a rank 0 that is gone
             raise
         self.max_model_len = self._max_model_len(self.kv_cache.num_blocks)
-        self.sampler = Sampler(make_generator(config.seed, self.device))
+        # Unseeded requests' draws (plain sampling and speculative verification).
+        self.generator = make_generator(config.seed, self.device)
+        self.sampler = Sampler(self.generator)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         logger.info(
             "model %s on %s (%s%s%s, %s attention): %d KV blocks of %d tokens (%s, %.1f MiB), "
@@ -117,6 +132,17 @@ class ModelRunner:
             if self.parallel is None
             else local_model_config(self.model_config, self.parallel)
         )
+        speculative = config.speculative_config
+        self.draft: DraftModel | None = None
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft = DraftModel(
+                config,
+                self.model_config,
+                self.dtype,
+                self.device,
+                resolve_attention_backend(config.attention_backend, self.device),
+                self.eos_token_ids,
+            )
         num_blocks = self._num_kv_blocks()
         if self.parallel is not None:
             num_blocks = self.parallel.min_int(num_blocks)  # every rank holds every block
@@ -127,6 +153,8 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
         )
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
@@ -140,23 +168,25 @@ class ModelRunner:
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
     ) -> StepResult:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
-        requests = [s.request for s in output.scheduled if s.samples]
+        sampling = [s for s in output.scheduled if s.samples]
         # Every logits the step needs, as batches of hidden rows: the prompt-logprob rows in
         # chunks, then the sampled rows. Decided before the forward pass so that followers of a
         # tensor-parallel engine compute (and gather) the same batches in the same order.
         prompt_chunks = self._prompt_logprob_chunks(inputs.prompt_logprob_rows)
-        logits_rows = (*prompt_chunks, *([inputs.logits_indices] if requests else []))
+        logits_rows = (*prompt_chunks, *([inputs.logits_indices] if sampling else []))
         if self.followers is not None:
             self.followers.send(
                 StepCommand(inputs.input_ids, inputs.positions, inputs.attention, logits_rows)
             )
         logits = self._forward(inputs.input_ids, inputs.positions, inputs.attention, logits_rows)
+        if self.draft is not None:
+            self.draft.mirror(inputs)
         prompt_logprobs = self._prompt_logprobs(
             logits[: len(prompt_chunks)], inputs.prompt_logprob_rows
         )
-        if not requests:
+        if not sampling:
             return StepResult([], prompt_logprobs)
-        return StepResult(self.sample(requests, logits[-1], generators), prompt_logprobs)
+        return StepResult(self.sample(sampling, logits[-1], generators), prompt_logprobs)
 
     def _forward(
         self,
@@ -191,6 +221,8 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send(ReadBlocks(block_ids))
         local = self.kv_cache.read_blocks(block_ids)
+        if self.draft is not None and self.draft.kv_cache is not None:
+            local += self.draft.kv_cache.read_blocks(block_ids)
         if self.parallel is None:
             return local
         # Heads are dimension 4 of both the values [L, 2, n, bs, H, D] and scales [L, 2, n, bs, H].
@@ -206,6 +238,10 @@ class ModelRunner:
             blocks = tuple(
                 block.narrow(4, self.parallel.rank * heads, heads).contiguous() for block in blocks
             )
+        num_target = len(self.kv_cache.tensors)
+        if self.draft is not None and self.draft.kv_cache is not None:
+            self.draft.kv_cache.write_blocks(block_ids, blocks[num_target:])
+            blocks = blocks[:num_target]
         self.kv_cache.write_blocks(block_ids, blocks)
 
     def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -213,11 +249,19 @@ class ModelRunner:
         ([layers, 2, block_size, heads, ...]): what `read_blocks` gives per block."""
         world_size = 1 if self.parallel is None else self.parallel.world_size
         layouts = []
-        for tensor in self.kv_cache.tensors:
+        for tensor in self.kv_tensors:
             shape = [*tensor.shape[:2], *tensor.shape[3:]]
             shape[3] *= world_size
             layouts.append((tensor.dtype, tuple(shape)))
         return layouts
+
+    @property
+    def kv_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a request's blocks live in (`KVCache.tensors`): the model's, then a
+        draft model's (speculative decoding), all indexed by the same block ids."""
+        if self.draft is None or self.draft.kv_cache is None:
+            return self.kv_cache.tensors
+        return self.kv_cache.tensors + self.draft.kv_cache.tensors
 
     def close(self) -> None:
         """Ends the follower ranks of a tensor-parallel engine (nothing to do otherwise)."""
@@ -263,10 +307,41 @@ class ModelRunner:
 
     def sample(
         self,
+        items: list[ScheduledRequest],
+        logits: torch.Tensor,
+        generators: Mapping[str, torch.Generator],
+    ) -> list[SampledTokens]:
+        """One token per plain request; a verification's kept tokens (`verify_drafts`). The rows
+        of `logits` are the items' in order: one each, 1 + drafts for a verification."""
+        if all(item.num_spec_tokens == 0 for item in items):
+            return self._sample_rows([item.request for item in items], logits, generators)
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        row = 0
+        for item in items:
+            count = 1 + item.num_spec_tokens
+            (spec_rows if item.num_spec_tokens else plain_rows).extend(range(row, row + count))
+            row += count
+        index = {id(item.request): i for i, item in enumerate(items)}
+        results: list[SampledTokens | None] = [None] * len(items)
+        plain = [item.request for item in items if not item.num_spec_tokens]
+        if plain:
+            rows_tensor = torch.tensor(plain_rows, device=logits.device)
+            for result in self._sample_rows(plain, logits[rows_tensor], generators):
+                results[index[id(result.request)]] = result
+        verified = [item for item in items if item.num_spec_tokens]
+        rows_tensor = torch.tensor(spec_rows, device=logits.device)
+        for result in self._verify(verified, logits[rows_tensor], generators):
+            results[index[id(result.request)]] = result
+        assert all(result is not None for result in results)
+        return [result for result in results if result is not None]
+
+    def _sample_rows(
+        self,
         requests: list[Request],
         logits: torch.Tensor,
         generators: Mapping[str, torch.Generator],
-    ) -> list[SampledToken]:
+    ) -> list[SampledTokens]:
         if all(
             r.sampling_params.is_plain_greedy
             and r.num_output_tokens >= r.sampling_params.min_tokens
@@ -275,7 +350,7 @@ class ModelRunner:
             # The common benchmark and evaluation case: one argmax, no per-row tensors.
             token_ids: list[int] = argmax_rows(logits).tolist()
             return [
-                SampledToken(request, token_id, None)
+                SampledTokens(request, [token_id], None)
                 for request, token_id in zip(requests, token_ids, strict=True)
             ]
         rows = [
@@ -291,23 +366,76 @@ class ModelRunner:
         result = self.sampler(logits, batch)
         logprobs = result.logprobs or [None] * len(requests)
         return [
-            SampledToken(request, token_id, token_logprobs)
-            for request, token_id, token_logprobs in zip(
-                requests, result.token_ids, logprobs, strict=True
-            )
+            SampledTokens(request, [token_id], None if entry is None else [entry])
+            for request, token_id, entry in zip(requests, result.token_ids, logprobs, strict=True)
         ]
+
+    def _verify(
+        self,
+        items: list[ScheduledRequest],
+        logits: torch.Tensor,
+        generators: Mapping[str, torch.Generator],
+    ) -> list[SampledTokens]:
+        """Speculative verification: row i of a request scores the token after its draft i - 1
+        (row 0: after its last token), sampled as a plain run would at that position (penalties
+        and min_tokens see the drafts before it as output)."""
+        rows: list[RowState] = []
+        proposals: list[DraftProposal] = []
+        for item in items:
+            r = item.request
+            drafts = list(r.spec_token_ids)
+            output = r.output_token_ids
+            rows.extend(
+                RowState(
+                    params=r.sampling_params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=output + drafts[:i],
+                    generator=generators.get(r.request_id),
+                )
+                for i in range(len(drafts) + 1)
+            )
+            proposals.append(DraftProposal(drafts, r.spec_draft_probs))
+        batch = SamplingBatch.build(rows, self.device, self.eos_token_ids)
+        kept = verify_drafts(logits, batch, proposals, self.generator)
+        logprobs: list[TokenLogprobs | None] = []
+        if batch.max_logprobs >= 0:
+            # The log-probs of each kept token at its own row (row j holds token j's).
+            first_rows = itertools.accumulate((len(p.token_ids) + 1 for p in proposals), initial=0)
+            kept_rows = [
+                first + j
+                for first, tokens in zip(first_rows, kept, strict=False)
+                for j in range(len(tokens))
+            ]
+            requested = tuple(batch.logprobs[row] for row in kept_rows)
+            logprobs = compute_logprobs(
+                logits[torch.tensor(kept_rows, device=logits.device)],
+                torch.tensor([t for tokens in kept for t in tokens], device=logits.device),
+                requested,
+                batch.max_logprobs,
+            )
+        results = []
+        offset = 0
+        for item, tokens in zip(items, kept, strict=True):
+            entries = None
+            if item.request.sampling_params.logprobs is not None:
+                entries = [e for e in logprobs[offset : offset + len(tokens)] if e is not None]
+            offset += len(tokens)
+            results.append(SampledTokens(item.request, tokens, entries, item.num_spec_tokens))
+        return results
 
     # ------------------------------------------------------------------------ sizing
 
     @property
     def kv_cache_bytes(self) -> int:
         """The KV pool's memory, scales included."""
-        return sum(tensor.nbytes for tensor in self.kv_cache.tensors)
+        return sum(tensor.nbytes for tensor in self.kv_tensors)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        if self.draft is not None:
+            per_block += self.draft.bytes_per_block(self.kv_cache_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free

@@ -77,6 +77,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # time.time() of the first step that computed any of it: when it left the queue.
     first_scheduled_at: float | None = None
+    # Speculative decoding: the draft tokens this step verifies after the last token (set once
+    # the scheduler granted them, cleared after the step), and the draft model's distribution at
+    # each (a [k, vocab] tensor; None for one-hot proposals such as n-gram lookups).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = field(default=None, repr=False)
 
     # The engine's side (`request_text.py`; the scheduler never reads these): the text so far,
     # what has been reported, why it stopped, and the seeded sampler's torch.Generator.

@@ -11,12 +11,17 @@ it gives back its blocks and goes back to the waiting queue, in front of its equ
 recomputed (cheaply, when its prefix is still cached); a waiting request may likewise preempt
 running ones of a strictly larger value (`preempt_for`). Requests whose K/V is in transit are
 `held` outside all this until `activate` (their K/V arrived) or `finish` (sent or aborted).
+
+Speculative decoding: a decoding request may carry draft tokens after its last token
+(`schedule(spec_lengths)`); it is granted as many as the token budget and the free blocks allow
+(never preempting for a draft), and after the step `update` keeps the accepted ones and gives
+back the blocks only rejected drafts used.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, MutableSequence, Sequence
+from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
 
@@ -32,18 +37,23 @@ STATIC_PAD_TOKEN_ID = 0
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    # Tokens computed in this step, starting at request.num_computed_tokens.
+    # Tokens computed in this step, starting at request.num_computed_tokens (draft tokens
+    # included).
     num_new_tokens: int
+    # Of those, draft tokens to verify (after the request's last token): a multi-query decode.
+    num_spec_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this step completes the request's known tokens, so a new one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - self.num_spec_tokens
+        return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    # Single-token steps (decodes) first, then multi-token ones: the model runner relies on it.
+    # Single-token steps (decodes) first, then verifications (a decode with drafts), then prompt
+    # chunks: the model runner relies on it.
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
 
@@ -179,7 +189,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_lengths: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """`spec_lengths`: the draft tokens a decoding request would like to verify in this
+        step, by request id (speculative decoding); each gets as many as fit."""
+        spec_lengths = spec_lengths or {}
         # Arrived K/V first: those requests hold their blocks already and cost one token a step.
         self._run_ready()
         budget = self.config.max_num_batched_tokens
@@ -191,6 +204,15 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_uncomputed_tokens, budget)
+            # Drafts take what is left once every running request has one token of the budget.
+            num_spec = min(
+                spec_lengths.get(request.request_id, 0), budget - len(self.running) + index
+            )
+            if num_new == 1 and num_spec > 0 and self.block_manager.allocate(request, 1 + num_spec):
+                scheduled.append(ScheduledRequest(request, 1 + num_spec, num_spec))
+                budget -= 1 + num_spec
+                index += 1
+                continue
             if num_new > 1:
                 # An unfinished prompt: its next chunk shares the prompt-token budget (and a
                 # background prompt the background one too).
@@ -224,7 +246,7 @@ class Scheduler:
             elif not self.running:
                 self._admit_static_batch(budget, scheduled)
 
-        scheduled.sort(key=lambda s: s.num_new_tokens > 1)
+        scheduled.sort(key=lambda s: (s.num_new_tokens > 1, s.num_spec_tokens == 0))
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
 
     def _background_budget(self, budget: int) -> int:
@@ -385,6 +407,7 @@ class Scheduler:
             return
         self.running.remove(request)
         self.block_manager.free(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -393,8 +416,22 @@ class Scheduler:
 
     # ---------------------------------------------------------------------- after a step
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Advances the counters of what was computed and publishes full blocks to the cache."""
+    def update(
+        self, output: SchedulerOutput, num_rejected: Mapping[str, int] | None = None
+    ) -> None:
+        """Advances the counters of what was computed and publishes full blocks to the cache.
+
+        `num_rejected`: draft tokens the model rejected, by request id. Their K/V is computed but
+        stale: they do not count as computed, and blocks only they used are given back. The
+        accepted drafts must already be in `request.token_ids` (the cache hashes those tokens).
+        """
+        num_rejected = num_rejected or {}
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.request)
+            request = item.request
+            rejected = num_rejected.get(request.request_id, 0)
+            assert 0 <= rejected <= item.num_spec_tokens, "more drafts rejected than verified"
+            request.num_computed_tokens += item.num_new_tokens - rejected
+            if item.num_spec_tokens:
+                # Room for the tokens known now and the one sampled from this step.
+                self.block_manager.trim(request, request.num_tokens + 1)
+            self.block_manager.cache_full_blocks(request)
