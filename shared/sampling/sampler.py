@@ -1,17 +1,22 @@
-"""The batched sampler: logits [B, V] -> one token per row.
+"""The batched sampler: logits [B, V] -> one token per row, and the per-row stages it is built of.
 
 Stage order follows vLLM: min_tokens bans, repetition/frequency/presence penalties, then greedy
 rows take the argmax; sampled rows get temperature, top-k, top-p, min-p and a random draw.
 Stages that no row uses are skipped (see SamplingBatch), so an all-greedy batch is one argmax.
+The stages are module functions too (penalised_logits, sampled_probs, target_probs), so that
+speculative decoding (speculative.py) verifies drafts against exactly the distribution the
+sampler would draw from.
 
 Random draws use the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i (E = -log U with U uniform, which is several times faster than exponential_ on
-CPU and the same distribution). Each seeded row fills its E row from its own generator, so its tokens depend
-only on its seed and its own logits, not on batch mates or its position in the batch.
+probability p_i / sum(p) (E = -log U with U uniform, which is several times faster than
+exponential_ on CPU and the same distribution). Each seeded row fills its E row from its own
+generator, so its tokens depend only on its seed and its own logits, not on batch mates or its
+position in the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +31,62 @@ from nori.sampling.truncation import apply_min_p, apply_top_k_top_p
 # Guards p / E against E == 0 (U rounds to 1), which would turn a masked token's 0 / 0 into
 # NaN, and argmax would then pick it. U == 0 gives E = inf and p / E = 0: harmless.
 _MIN_EXPONENTIAL = 1e-10
+
+
+def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 [B, V]: min_tokens bans, then penalties. A greedy row's token is its argmax."""
+    return apply_penalties(ban_stop_tokens(logits.float(), batch), batch)
+
+
+def sampled_probs(penalised: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 [B, V]: what a sampled row draws from: temperature, top-k/top-p, min-p, softmax
+    of `penalised_logits`. Greedy rows get the softmax of their penalised logits (temperature 1,
+    nothing truncated), which the sampler never uses."""
+    logits = penalised
+    if batch.temperature is not None:
+        logits = logits / batch.temperature[:, None]
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
+    logits = apply_min_p(logits, batch.min_p)
+    return logits.softmax(dim=-1)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 [B, V]: each row's processed distribution, the `p` of speculative sampling.
+
+    Sampled rows: `sampled_probs`. Greedy rows: a one-hot of the argmax of the penalised logits,
+    the token the sampler picks for them, as a distribution that always yields that token.
+    """
+    penalised = penalised_logits(logits, batch)
+    if not batch.any_greedy:
+        return sampled_probs(penalised, batch)
+    one_hot = torch.zeros_like(penalised).scatter_(1, argmax_rows(penalised)[:, None], 1.0)
+    if batch.all_greedy:
+        return one_hot
+    return torch.where(batch.greedy[:, None], one_hot, sampled_probs(penalised, batch))
+
+
+def exponential_race(
+    weights: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    seeded_rows: Sequence[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """long [B]: one token per row, drawn with probability weights[row] / sum(weights[row])
+    (weights need not be normalised; a zero weight is never drawn).
+
+    Draw order: unless every row is seeded, one uniform_ over the whole [B, V] tensor from
+    `generator`; then each row in `seeded_rows`, in that order, refills its own V values from
+    `generators[row]`. So a seeded row uses V values from its own generator and nothing else.
+    """
+    uniform = torch.empty_like(weights, dtype=torch.float32)
+    if len(seeded_rows) < weights.shape[0]:
+        # One draw for the whole batch; seeded rows are overwritten below. Cheaper than
+        # gathering the unseeded rows when (as usual) most rows are unseeded.
+        uniform.uniform_(generator=generator)
+    for row in seeded_rows:
+        uniform[row].uniform_(generator=generators[row])
+    noise = uniform.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
+    return argmax_rows(weights / noise)
 
 
 @dataclass(frozen=True)
@@ -46,36 +107,17 @@ class Sampler:
             raise ValueError(
                 f"logits must be [batch={batch.size}, vocab], got {tuple(logits.shape)}"
             )
-        raw = logits
-        logits = logits.float()
-        logits = ban_stop_tokens(logits, batch)
-        logits = apply_penalties(logits, batch)
+        penalised = penalised_logits(logits, batch)
 
         if batch.all_greedy:
-            tokens = argmax_rows(logits)
+            tokens = argmax_rows(penalised)
         else:
-            tokens = self._sample(logits, batch)
+            probs = sampled_probs(penalised, batch)
+            tokens = exponential_race(probs, batch.generators, batch.seeded_rows, self._generator)
             if batch.any_greedy:
-                tokens = torch.where(batch.greedy, argmax_rows(logits), tokens)
+                tokens = torch.where(batch.greedy, argmax_rows(penalised), tokens)
 
         logprobs = None
         if batch.max_logprobs >= 0:
-            logprobs = compute_logprobs(raw, tokens, batch.logprobs, batch.max_logprobs)
+            logprobs = compute_logprobs(logits, tokens, batch.logprobs, batch.max_logprobs)
         return SamplerOutput(tokens.tolist(), tokens, logprobs)
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.temperature is not None:
-            logits = logits / batch.temperature[:, None]
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
-        logits = apply_min_p(logits, batch.min_p)
-        probs = logits.softmax(dim=-1)
-
-        uniform = torch.empty_like(probs)
-        if len(batch.seeded_rows) < batch.size:
-            # One draw for the whole batch; seeded rows are overwritten below. Cheaper than
-            # gathering the unseeded rows when (as usual) most rows are unseeded.
-            uniform.uniform_(generator=self._generator)
-        for row in batch.seeded_rows:
-            uniform[row].uniform_(generator=batch.generators[row])
-        noise = uniform.log_().neg_().clamp_min_(_MIN_EXPONENTIAL)
-        return argmax_rows(probs / noise)
