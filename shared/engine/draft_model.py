@@ -30,7 +30,8 @@ from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.models.loader import load_model
 from nori.sampling.batch import RowState, SamplingBatch
-from nori.sampling.speculative import draw_tokens, target_probs
+from nori.sampling.sampler import target_probs
+from nori.sampling.speculative import draw_tokens
 
 
 class DraftModel:
