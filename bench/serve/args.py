@@ -44,6 +44,15 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="model folder, or 'demo', whose tokenizer builds the prompts "
         "(default: --model when it is a local folder, else demo)",
     )
+    server.add_argument(
+        "--metrics-url",
+        action="append",
+        dest="metrics_urls",
+        metavar="URL",
+        help="Prometheus endpoint read before and after the run for speculative decoding's "
+        "acceptance (repeatable, e.g. each worker's; default: BASE_URL/metrics, which on a "
+        "Nori gateway carries every worker's counters)",
+    )
 
 
 def _add_option(group: argparse._ArgumentGroup, flag: str, help: str | None = None) -> None:
@@ -56,7 +65,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """What is sent, when, and how it is judged."""
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default=_DEFAULTS.dataset)
-    data.add_argument("--dataset-path", help="ShareGPT JSON file (--dataset sharegpt)")
+    data.add_argument("--dataset-path", help="ShareGPT JSON file (--dataset sharegpt, copy)")
     _add_option(data, "--num-prompts")
     data.add_argument(
         "--duration",
@@ -74,6 +83,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     for flag in ("--prefix-num-groups", "--prefix-len", "--suffix-len", "--prefix-output-len"):
         _add_option(data, flag)
+    _add_option(data, "--copy-input-len", "longest prompt of the copy dataset (tokens)")
+    _add_option(data, "--copy-output-len", "max_tokens of the copy dataset's requests")
     _add_option(data, "--long-input-len")
     _add_option(data, "--long-output-len")
     _add_option(
@@ -117,6 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeBenchSettings:
         endpoint_type=args.endpoint_type,
         model=args.model,
         tokenizer=args.tokenizer,
+        metrics_urls=tuple(args.metrics_urls or ()),
     )
 
 

@@ -1,4 +1,4 @@
-"""The request specs of a run, for each dataset: random, sharegpt, prefix and mixed.
+"""The request specs of a run, for each dataset: random, sharegpt, prefix, mixed and copy.
 
 - random: prompt and output lengths uniform in [len*(1-r), len*(1+r)] (vLLM's
   --random-range-ratio), prompts of random vocabulary.
@@ -8,6 +8,8 @@
 - mixed: short requests of the random dataset's lengths on the main arrival process, plus long
   prompts with short outputs that arrive on their own Poisson clock: the long prefills are what
   stall the short requests' decoding on a colocated server.
+- copy: instructions to summarise, quote or rewrite a document given in the prompt (ShareGPT
+  answers): what speculative decoding from the prompt is measured with (see `copy_dataset.py`).
 
 Everything is drawn from one numpy generator seeded with --seed, so a seed gives the same
 prompts, in the same order, every time.
@@ -20,6 +22,7 @@ import math
 
 import numpy as np
 
+from nori.bench.serve.copy_dataset import copy_requests
 from nori.bench.serve.prompts import PromptMaker
 from nori.bench.serve.settings import ServeBenchSettings
 from nori.bench.serve.sharegpt import sharegpt_requests
@@ -103,6 +106,17 @@ def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Worklo
     elif settings.dataset == "sharegpt":
         assert settings.dataset_path is not None  # checked by the settings
         specs = sharegpt_requests(settings.dataset_path, maker, rng, count, settings.max_model_len)
+    elif settings.dataset == "copy":
+        assert settings.dataset_path is not None  # checked by the settings
+        specs = copy_requests(
+            settings.dataset_path,
+            maker,
+            rng,
+            count,
+            settings.copy_input_len,
+            settings.copy_output_len,
+            settings.max_model_len,
+        )
     elif settings.dataset == "prefix":
         specs = prefix_requests(
             maker,

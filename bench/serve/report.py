@@ -1,5 +1,6 @@
 """The human-readable result: vLLM's "Serving Benchmark Result" block, plus Nori's figures
-(truncated requests, effective throughput, per-request decode speed, errors, mixed classes)."""
+(truncated requests, effective throughput, per-request decode speed, speculative decoding's
+acceptance when the server speculated, errors, mixed classes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 from nori.bench.serve.figures import PERCENTILES, Distribution, ServeMetrics
 from nori.bench.serve.result import ServeBenchResult
+from nori.bench.serve.server_metrics import SpecDecodeFigures
 
 _WIDTH = 50
 # (attribute, short name, section title), in vLLM's order.
@@ -47,6 +49,8 @@ def format_report(result: ServeBenchResult) -> str:
         _line("Median decode speed (tok/s):", metrics.median_request_decode_tok_s),
         _line("P10 decode speed (tok/s):", metrics.p10_request_decode_tok_s),
     ]
+    if result.spec_decode is not None:
+        lines += _spec_decode_lines(result.spec_decode)
     for name, class_metrics in result.class_metrics.items():
         lines += _class_lines(name, class_metrics)
     if metrics.errors:
@@ -73,6 +77,17 @@ def _goodput_lines(result: ServeBenchResult) -> list[str]:
         _line("Effective throughput (tok/s):", metrics.effective_throughput),
     ]
     return lines
+
+
+def _spec_decode_lines(figures: SpecDecodeFigures) -> list[str]:
+    return [
+        _rule("Speculative Decoding", "-"),
+        _line("Acceptance rate (%):", figures.acceptance_rate * 100.0),
+        _line("Mean accepted length (tok):", figures.mean_accepted_length),
+        _line("Verifications (drafts):", figures.num_drafts),
+        _line("Draft tokens:", figures.num_draft_tokens),
+        _line("Accepted tokens:", figures.num_accepted_tokens),
+    ]
 
 
 def _distribution_lines(distribution: Distribution, short: str, title: str) -> list[str]:

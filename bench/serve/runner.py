@@ -6,7 +6,9 @@ that waits for a slot is sent late, not early, and its latency is measured from 
 actually sent. The mixed dataset's long requests come on a clock of their own, outside that
 limit (they stand for other users), from the start of the run until the main stream is done.
 
-Every request sent after the warm-ups ends up as exactly one record, failed or not.
+Every request sent after the warm-ups ends up as exactly one record, failed or not. The
+server's Prometheus counters are read right before the first request and after the last one
+(`server_metrics.py`): speculative decoding's acceptance over exactly the measured requests.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nori.bench.serve.datasets import build_workload
 from nori.bench.serve.figures import compute_metrics
 from nori.bench.serve.records import RequestRecord
 from nori.bench.serve.result import ServeBenchResult
+from nori.bench.serve.server_metrics import scrape, spec_decode_figures
 from nori.bench.serve.settings import ServeBenchSettings
 from nori.bench.serve.specs import RequestSpec, Workload
 from nori.models.demo import resolve_model
@@ -79,10 +82,12 @@ async def run_benchmark(
         options = RequestOptions.from_settings(settings, model)
         await _warm_up(client, workload.warmups, options, settings.max_concurrency)
         first_long = workload.background(0) if workload.background is not None else None
+        metrics_before = await scrape(client, settings.server_metrics_urls)
         date = datetime.now(UTC).isoformat(timespec="seconds")
         run = _Run(client, options, settings, time.perf_counter(), itertools.count())
         records = await run.execute(workload, first_long, show_progress)
         duration = time.perf_counter() - run.origin
+        metrics_after = await scrape(client, settings.server_metrics_urls)
     slos = (settings.slo_ttft_ms, settings.slo_tpot_ms)
     class_metrics = {}
     if settings.dataset == "mixed":
@@ -97,6 +102,7 @@ async def run_benchmark(
         records=tuple(records),
         class_metrics=class_metrics,
         date=date,
+        spec_decode=spec_decode_figures(metrics_before, metrics_after),
     )
 
 

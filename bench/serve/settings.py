@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-DATASETS = ("random", "sharegpt", "prefix", "mixed")
+DATASETS = ("random", "sharegpt", "prefix", "mixed", "copy")
 ENDPOINT_PATHS = MappingProxyType(
     {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 )
@@ -23,7 +23,7 @@ MIN_LONG_INPUT_LEN = 1000
 
 
 # The fields that name the server rather than the workload (`nori bench compare` sets them).
-SERVER_FIELDS = ("base_url", "endpoint_type", "model", "tokenizer")
+SERVER_FIELDS = ("base_url", "endpoint_type", "model", "tokenizer", "metrics_urls")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class ServeBenchSettings:
     model: str | None = None
     # None: `model` when it is a local folder, else the demo tokenizer.
     tokenizer: str | None = None
+    # Prometheus endpoints whose speculative decoding counters are read before and after the
+    # run; empty: the server's own `{base_url}/metrics` (a Nori gateway's carries every worker's).
+    metrics_urls: tuple[str, ...] = ()
 
     # The requests.
     dataset: str = "random"
@@ -53,6 +56,9 @@ class ServeBenchSettings:
     long_input_len: int = 1500
     long_output_len: int = 16
     long_request_rate: float = 0.5
+    # The copy dataset: the longest prompt (instruction and document), and every max_tokens.
+    copy_input_len: int = 1024
+    copy_output_len: int = 256
     # Drop ShareGPT conversations that would not fit the server's context.
     max_model_len: int | None = None
 
@@ -79,8 +85,8 @@ class ServeBenchSettings:
             raise ValueError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}")
         if self.prompt_format == "token-ids" and self.endpoint_type == "chat":
             raise ValueError("--prompt-format token-ids needs --endpoint-type completions")
-        if self.dataset == "sharegpt" and not self.dataset_path:
-            raise ValueError("--dataset sharegpt needs --dataset-path FILE")
+        if self.dataset in ("sharegpt", "copy") and not self.dataset_path:
+            raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE (ShareGPT)")
         self._check_counts()
         self._check_rates()
         self._check_lengths()
@@ -121,6 +127,8 @@ class ServeBenchSettings:
             raise ValueError("--prefix-num-groups, --prefix-len and --suffix-len must be >= 1")
         if self.prefix_output_len < 1 or self.long_output_len < 1:
             raise ValueError("--prefix-output-len and --long-output-len must be >= 1")
+        if self.copy_input_len < 1 or self.copy_output_len < 1:
+            raise ValueError("--copy-input-len and --copy-output-len must be >= 1")
         if self.long_input_len < MIN_LONG_INPUT_LEN:
             raise ValueError(f"--long-input-len must be >= {MIN_LONG_INPUT_LEN}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -129,6 +137,10 @@ class ServeBenchSettings:
     @property
     def endpoint_path(self) -> str:
         return ENDPOINT_PATHS[self.endpoint_type]
+
+    @property
+    def server_metrics_urls(self) -> tuple[str, ...]:
+        return self.metrics_urls or (f"{self.base_url}/metrics",)
 
     def tokenizer_for(self, model: str) -> str:
         """The tokenizer to load: --tokenizer, else the model when it is a local folder."""
@@ -182,6 +194,12 @@ class ServeBenchSettings:
                 "long_input_len": self.long_input_len,
                 "long_output_len": self.long_output_len,
                 "long_request_rate": self.long_request_rate,
+            }
+        if self.dataset == "copy":
+            return {
+                "copy_input_len": self.copy_input_len,
+                "copy_output_len": self.copy_output_len,
+                "max_model_len": self.max_model_len,
             }
         return {"max_model_len": self.max_model_len}
 

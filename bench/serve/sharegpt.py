@@ -44,6 +44,17 @@ def first_exchange(entry: object) -> tuple[str, str] | None:
     return None
 
 
+def read_exchanges(path: str | Path) -> list[tuple[str, str]]:
+    """Every conversation's first exchange (human turn, answer), in the file's order."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read the ShareGPT file {path}: {error}") from error
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file holds a JSON list of conversations")
+    return [pair for entry in data if (pair := first_exchange(entry)) is not None]
+
+
 def keep(prompt_len: int, output_len: int, max_model_len: int | None) -> bool:
     if prompt_len < MIN_LEN or output_len < MIN_LEN:
         return False
@@ -61,13 +72,7 @@ def sharegpt_requests(
 ) -> list[RequestSpec]:
     """`count` requests from a seeded shuffle of the file; the kept ones are repeated in turn
     when the file has fewer (vLLM oversamples the same way)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read the ShareGPT file {path}: {error}") from error
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: a ShareGPT file holds a JSON list of conversations")
-    pairs = [pair for entry in data if (pair := first_exchange(entry)) is not None]
+    pairs = read_exchanges(path)
     chosen: list[RequestSpec] = []
     # Tokenizes lazily, in shuffled order, only until enough requests are kept.
     for position in rng.permutation(len(pairs)):

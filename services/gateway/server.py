@@ -84,6 +84,17 @@ def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
         "nori_worker_kv_bytes_received_total": ("counter", "kv_bytes_received"),
         "nori_worker_kv_transfers_total": ("counter", "num_transfers"),
         "nori_worker_requests_total": ("counter", "num_requests"),
+        "nori_worker_prompt_tokens_computed_total": ("counter", "num_prompt_tokens_computed"),
+        # Speculative decoding (zero without it): `nori bench serve` reads these.
+        "nori_worker_spec_decode_num_drafts_total": ("counter", "spec_decode_num_drafts"),
+        "nori_worker_spec_decode_num_draft_tokens_total": (
+            "counter",
+            "spec_decode_num_draft_tokens",
+        ),
+        "nori_worker_spec_decode_num_accepted_tokens_total": (
+            "counter",
+            "spec_decode_num_accepted_tokens",
+        ),
     }
     lines = []
     for name, (kind, field) in gauges.items():

@@ -82,6 +82,10 @@ class EngineServicer:
             num_requests_holding_blocks=load.num_requests_holding_blocks,
             max_num_seqs=self._engine.facts.config.max_num_seqs,
             max_open_calls=self._max_open_calls,
+            num_prompt_tokens_computed=load.num_prompt_tokens_computed,
+            spec_decode_num_drafts=load.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=load.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=load.spec_decode.num_accepted_tokens,
             **transfer_counts,
         )
 

@@ -1,10 +1,11 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
 Counters and histograms are updated as requests pass (`request_telemetry.py`); the state gauges
-(running and waiting requests, KV blocks, preemptions, transfers in flight) are read from the
-engine's last load snapshot when Prometheus scrapes, so the engine thread does no extra work for
-them. A registry of its own per worker (not prometheus_client's global default) lets one process
-hold several workers, as the tests do.
+(running and waiting requests, KV blocks, transfers in flight) and the engine's own counters
+(preemptions, prompt positions computed, speculative decoding's drafts and accepted tokens) are
+read from the engine's last load snapshot when Prometheus scrapes, so the engine thread does no
+extra work for them. A registry of its own per worker (not prometheus_client's global default)
+lets one process hold several workers, as the tests do.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nori.engine.outputs import EngineLoad
+from nori.engine.outputs import EngineLoad, SpecDecodeCounts
 
 # From a cached one-token answer (milliseconds) to a long generation (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -63,6 +64,61 @@ class _EngineStateCollector(Collector):
             "nori_num_preemptions",
             "Requests preempted (blocks taken back, to be recomputed).",
             value=load.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            "nori_prompt_tokens_computed",
+            "Prompt positions this engine computed itself (not found in the prefix cache, not "
+            "received with their KV from another worker; recomputes count again).",
+            value=load.num_prompt_tokens_computed,
+        )
+        yield from _spec_decode_families(load.spec_decode)
+
+
+def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
+    """vLLM's spec_decode counters under Nori's prefix, and two ratios over the worker's life.
+
+    The counters are always there (zero without speculation), so that `rate()` works from the
+    first scrape. The ratios are omitted until the first draft, rather than written as NaN or
+    0: either would read as a measurement, and NaN poisons sums and averages across workers.
+    Over a time window, divide the counters' increases instead (what `nori bench serve` does).
+    """
+    for name, documentation, value in (
+        (
+            "nori_spec_decode_num_drafts",
+            "Speculative verifications: requests x steps that carried draft tokens (each also "
+            "yields one bonus token).",
+            counts.num_drafts,
+        ),
+        (
+            "nori_spec_decode_num_draft_tokens",
+            "Draft tokens proposed and verified.",
+            counts.num_draft_tokens,
+        ),
+        (
+            "nori_spec_decode_num_accepted_tokens",
+            "Draft tokens the model accepted.",
+            counts.num_accepted_tokens,
+        ),
+        (
+            "nori_spec_decode_num_bonus_tokens",
+            "Tokens sampled from the model after a verification's accepted drafts (one per "
+            "verification).",
+            counts.num_bonus_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(name, documentation, value=value)
+    if counts.acceptance_rate is not None:
+        yield GaugeMetricFamily(
+            "nori_spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens since the start (absent before the first draft).",
+            value=counts.acceptance_rate,
+        )
+    if counts.mean_accepted_length is not None:
+        yield GaugeMetricFamily(
+            "nori_spec_decode_mean_accepted_length",
+            "Tokens a verification yields on average since the start: 1 + accepted drafts per "
+            "verification (absent before the first draft).",
+            value=counts.mean_accepted_length,
         )
 
 

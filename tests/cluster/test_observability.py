@@ -289,6 +289,24 @@ def test_every_role_serves_metrics_that_add_up(traced_cluster: LocalCluster) -> 
         before["decode"], "nori_kv_blocks_free"
     )
     assert _value(after["decode"], "nori_num_requests_running") == 0
+    # No speculation here: its counters are there from the start, at zero, on each worker and
+    # in the gateway's per-worker copy (what `nori bench serve` reads); the ratios wait for a
+    # first draft.
+    for role in ("prefill", "decode"):
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_bonus_tokens"):
+            assert after[role][(f"nori_spec_decode_{name}_total", frozenset())] == 0, name
+        assert ("nori_prompt_tokens_computed_total", frozenset()) in after[role]
+        assert ("nori_spec_decode_acceptance_rate", frozenset()) not in after[role]
+    # Prompt positions computed: the prefill worker's, all but its prefix-cache hits; none on
+    # the decode worker, which received every prompt's K/V.
+    computed = delta("prefill", "nori_prompt_tokens_computed_total")
+    assert computed == delta("prefill", "nori_prompt_tokens_total") - delta(
+        "prefill", "nori_prefix_cache_hits_total"
+    )
+    assert delta("decode", "nori_prompt_tokens_computed_total") == 0
+    per_worker = [key for key in after["gateway"] if key[0].startswith("nori_worker_spec_decode")]
+    assert {dict(labels)["role"] for _, labels in per_worker} == {"prefill", "decode"}
+    assert all(after["gateway"][key] == 0 for key in per_worker)
     # The long prompt's full blocks stay in the prefill worker's prefix cache.
     assert _value(after["prefill"], "nori_kv_blocks_cached") > 0
 

@@ -1,11 +1,14 @@
-"""A worker's /metrics: the engine-state gauges read at scrape time, and the per-call record."""
+"""A worker's /metrics: the engine-state gauges and counters read at scrape time (speculative
+decoding's among them), and the per-call record."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nori.engine.outputs import EngineLoad, StepOutput
+from nori.engine.outputs import EngineLoad, SpecDecodeCounts, StepOutput
 from nori.telemetry.tracing import Tracing
 from nori.worker.request_telemetry import WorkerTelemetry
 from nori.worker.worker_metrics import WorkerMetrics
@@ -80,3 +83,29 @@ def test_token_totals_feed_the_load_line() -> None:
     metrics.prompt_tokens.inc(30)
     metrics.generation_tokens.inc(7)
     assert metrics.token_totals() == (30.0, 7.0)
+
+
+def test_the_engine_counters_follow_its_load_and_the_ratios_wait_for_a_draft() -> None:
+    metrics = WorkerMetrics()
+    load = EngineLoad(num_prompt_tokens_computed=1234)
+    metrics.watch_engine(lambda: load, lambda: 0)
+    samples = _samples(generate_latest(metrics.registry).decode())
+    assert samples[("nori_prompt_tokens_computed_total", ())] == 1234
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_bonus_tokens"):
+        assert samples[(f"nori_spec_decode_{name}_total", ())] == 0
+    # No draft yet: no ratio rather than a NaN or a 0 that would read as a measurement.
+    assert ("nori_spec_decode_acceptance_rate", ()) not in samples
+    assert ("nori_spec_decode_mean_accepted_length", ()) not in samples
+
+    # 10 verifications of 3 drafts each, 18 of the 30 accepted: each verification yields its
+    # accepted drafts plus one bonus token, 28 tokens in all.
+    spec = SpecDecodeCounts(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=18)
+    load = EngineLoad(num_prompt_tokens_computed=2000, spec_decode=spec)
+    samples = _samples(generate_latest(metrics.registry).decode())
+    assert samples[("nori_prompt_tokens_computed_total", ())] == 2000
+    assert samples[("nori_spec_decode_num_drafts_total", ())] == 10
+    assert samples[("nori_spec_decode_num_draft_tokens_total", ())] == 30
+    assert samples[("nori_spec_decode_num_accepted_tokens_total", ())] == 18
+    assert samples[("nori_spec_decode_num_bonus_tokens_total", ())] == 10
+    assert samples[("nori_spec_decode_acceptance_rate", ())] == pytest.approx(0.6)
+    assert samples[("nori_spec_decode_mean_accepted_length", ())] == pytest.approx(28 / 10)

@@ -87,7 +87,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_bytes_sent", "kv_bytes_received", "num_transfers", "num_requests", "draining", "num_requests_holding_blocks", "max_num_seqs", "max_open_calls")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_bytes_sent", "kv_bytes_received", "num_transfers", "num_requests", "draining", "num_requests_holding_blocks", "max_num_seqs", "max_open_calls", "num_prompt_tokens_computed", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,10 @@ class WorkerStats(_message.Message):
     NUM_REQUESTS_HOLDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_OPEN_CALLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -116,7 +120,11 @@ class WorkerStats(_message.Message):
     num_requests_holding_blocks: int
     max_num_seqs: int
     max_open_calls: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., num_requests_holding_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_open_calls: _Optional[int] = ...) -> None: ...
+    num_prompt_tokens_computed: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., num_transfers: _Optional[int] = ..., num_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., num_requests_holding_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_open_calls: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
