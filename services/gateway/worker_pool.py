@@ -6,7 +6,8 @@ the workers re-register at their next heartbeats) it keeps them a little longer.
 It also settles the cluster's KV block size, which the gateway needs to hash prompts for the
 block directory: the size the workers state in the registry (or `--block-size`, when given). A
 worker that states another size would be told prompts it cannot look up, and its transfers would
-be refused, so it is left out, with one log line saying why.
+be refused, so it is left out, with one log line saying why; so is a worker whose KV cache dtype
+or speculative decoding differs from the cluster's (`nori.gateway.worker_agreement`).
 In a cluster with a secret the registry lists only entries whose signature verifies and that have
 not expired (`nori.state.registry`); the pool logs each refused worker id once and counts every
 refused write in `refused_entries` (the gateway's /metrics:
@@ -31,6 +32,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from nori.gateway.backend import BackendHealth
+from nori.gateway.worker_agreement import (
+    KVLayoutAgreement,
+    SpeculationAgreement,
+    agree_on_kv_layout,
+    agree_on_speculation,
+    describe_speculation,
+)
 from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.channels import ChannelCache
 from nori.state.registry import RefusedEntry, WorkerInfo, WorkerRegistry
@@ -52,36 +60,6 @@ REGISTRY_LOSS_GRACE_S = 3.0
 MAX_LOGGED_REFUSALS = 1024
 
 
-@dataclass(frozen=True)
-class KVLayoutAgreement:
-    """The KV layout the cluster runs with (block size, cache dtype), the workers that use it
-    and those that do not: KV blocks move between workers as stored, so every worker must
-    agree on both."""
-
-    block_size: int | None
-    kv_cache_dtype: str | None
-    members: list[WorkerInfo]
-    refused: list[WorkerInfo]
-
-
-def agree_on_kv_layout(workers: Sequence[WorkerInfo], expected: int | None) -> KVLayoutAgreement:
-    """The block size `expected` when given; else, as the KV cache dtype, what the
-    longest-running worker states (so a newcomer with another layout cannot take over a running
-    cluster). A worker that states neither (0 / "": an older version) is taken at its word that
-    it matches."""
-    by_age = sorted(workers, key=lambda w: w.started_at)
-    sizes = [w.block_size for w in by_age if w.block_size > 0]
-    block_size = expected if expected is not None else (sizes[0] if sizes else None)
-    dtypes = [w.kv_cache_dtype for w in by_age if w.kv_cache_dtype]
-    kv_cache_dtype = dtypes[0] if dtypes else None
-    members: list[WorkerInfo] = []
-    refused: list[WorkerInfo] = []
-    for w in workers:
-        fits = w.block_size in (0, block_size) and w.kv_cache_dtype in ("", kv_cache_dtype)
-        (members if fits else refused).append(w)
-    return KVLayoutAgreement(block_size, kv_cache_dtype, members, refused)
-
-
 class WorkerPool:
     def __init__(
         self,
@@ -98,6 +76,7 @@ class WorkerPool:
         # None until a worker states one (or --block-size gives it).
         self.block_size: int | None = block_size
         self._refused: set[tuple[str, int, str]] = set()
+        self._refused_speculation: set[tuple[str, str]] = set()
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._failed_until: dict[str, float] = {}
@@ -169,9 +148,11 @@ class WorkerPool:
         agreement = agree_on_kv_layout(
             self._bridge_loss(listing.workers), self._expected_block_size
         )
-        self.workers = agreement.members
+        speculation = agree_on_speculation(agreement.members)
+        self.workers = speculation.members
         self.block_size = agreement.block_size
         self._log_refusals(agreement)
+        self._log_speculation_refusals(speculation)
         if self._on_refresh is not None:
             self._on_refresh(self)
         await self._close_channels_of_departed()
@@ -242,6 +223,19 @@ class WorkerPool:
                 agreement.kv_cache_dtype,
             )
         self._refused = refused
+
+    def _log_speculation_refusals(self, agreement: SpeculationAgreement) -> None:
+        """One line per refused worker and setting (again only if it leaves and comes back)."""
+        refused = {(w.worker_id, w.speculative_config) for w in agreement.refused}
+        for worker_id, speculative_config in sorted(refused - self._refused_speculation):
+            logger.error(
+                "refusing worker %s: its speculative decoding is %s, the cluster's is %s (every "
+                "worker must run with the same --speculative-config)",
+                worker_id,
+                describe_speculation(speculative_config),
+                describe_speculation(agreement.speculative_config),
+            )
+        self._refused_speculation = refused
 
     async def _close_channels_of_departed(self) -> None:
         live = {worker.grpc_address for worker in self.workers}

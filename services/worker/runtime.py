@@ -216,8 +216,15 @@ class Worker(ABC):
             started_at=self._started_at,
             block_size=self.engine_config.block_size,
             kv_cache_dtype=self._kv_cache_dtype(),
+            speculative_config=self._speculative_config(),
             **self.load_info(),
         )
+
+    def _speculative_config(self) -> str:
+        """What the gateway compares to pair workers (from the start: a config, not a fact the
+        loaded engine learns)."""
+        speculative = self.engine_config.speculative_config
+        return speculative.as_json() if speculative is not None else ""
 
     def _kv_cache_dtype(self) -> str:
         if self._engine is None:

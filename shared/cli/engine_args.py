@@ -13,6 +13,7 @@ from nori.engine.config import (
     LoadFormat,
     PrefillBudget,
     Quantization,
+    SpeculativeConfig,
 )
 from nori.settings import DEFAULT_BLOCK_SIZE
 
@@ -196,7 +197,37 @@ def add_engine_args(
         help="auto: Triton kernels on GPU, the C++ CPU kernels on CPU (NORI_CPU_KERNELS=0: "
         "the PyTorch references)",
     )
+    group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding, as vLLM's: a proposer drafts tokens that one step of the "
+        "model verifies. Keys: method (ngram: lookup in the request's own tokens, or "
+        "draft_model: a smaller model, given as model), num_speculative_tokens, "
+        "prompt_lookup_max, prompt_lookup_min, disable_by_batch_size; e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; '
+        "every worker of a cluster must run with the same (none: off)",
+    )
     return list(group._group_actions)
+
+
+def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:
+    """--speculative-config's JSON as the engine takes it; None when not given.
+
+    Kept as text on the command line (a launcher passes it on to its workers as given) and
+    parsed here, so a bad value is one `nori: error:` line (exit 2), not argparse's usage."""
+    if text is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise ValueError(f"--speculative-config: {error}") from None
+    except TypeError as error:
+        # A value of the wrong JSON type that the config's checks compare (a string for
+        # prompt_lookup_max, say).
+        raise ValueError(
+            f"--speculative-config: the numbers must be JSON integers ({error})"
+        ) from None
 
 
 def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
@@ -241,6 +272,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
         "attention_backend": args.attention_backend,
+        "speculative_config": speculative_config_from_flag(args.speculative_config),
     }
     options.update(overrides)
     return EngineConfig(**options)  # type: ignore[arg-type]
@@ -258,6 +290,14 @@ def add_engine_core_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
+def speculative_config_of(worker_flags: tuple[str, ...]) -> SpeculativeConfig | None:
+    """The speculative decoding a worker started with these (checked) engine flags runs."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    add_engine_core_arg(parser)
+    return speculative_config_from_flag(parser.parse_known_args(worker_flags)[0].speculative_config)
+
+
 def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
     """--worker-args (`nori up`, `nori bench compare`; `flag` names another such option in
     messages): checked against the engine options (and --engine-core)."""
@@ -270,9 +310,13 @@ def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
     add_engine_args(parser)
     add_engine_core_arg(parser)
     try:
-        _, unknown = parser.parse_known_args(tokens)
+        parsed, unknown = parser.parse_known_args(tokens)
     except argparse.ArgumentError as error:
         raise ValueError(f"{flag}: {error}") from None
     if unknown:
         raise ValueError(f"{flag}: not an engine option: {' '.join(unknown)}")
+    try:
+        speculative_config_from_flag(parsed.speculative_config)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
     return tokens

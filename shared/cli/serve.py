@@ -230,16 +230,18 @@ def cluster_secret(args: argparse.Namespace) -> str | None:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
+    # The engine options first: a bad one is the process's only line (no binding line above it).
+    config = engine_config_from_args(args)
     _bind(args, "prefill")
     from nori.prefill.worker import PrefillWorker
     from nori.worker.runtime import run_worker
 
-    config = engine_config_from_args(args)
     run_worker(PrefillWorker(_worker_options(args), config, transport=args.transport))
     return 0
 
 
 def run_decode(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)  # before the binding line, as run_prefill
     _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker
     from nori.worker.runtime import run_worker
@@ -252,7 +254,6 @@ def run_decode(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--kv-transfer-timeout-s must be positive, got {args.kv_transfer_timeout_s}"
         )
-    config = engine_config_from_args(args)
     worker = DecodeWorker(
         _worker_options(args),
         config,

@@ -182,7 +182,7 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     build at once (the demo checkpoint, the C++ CPU kernels). Shared with `nori run-batch`."""
     from pathlib import Path
 
-    from nori.cli.engine_args import changed_engine_flags, worker_args
+    from nori.cli.engine_args import changed_engine_flags, speculative_config_from_flag, worker_args
     from nori.cli.serve import served_model_name
     from nori.cluster_auth import generate_secret
     from nori.launch.local_cluster import ClusterSpec, check_port_free
@@ -197,6 +197,8 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
         raise ValueError("--prefill and --decode must be at least 1")
     if args.batch_runners < 0:
         raise ValueError(f"--batch-runners must be at least 0, got {args.batch_runners}")
+    # Checked here, before anything starts, and named as given (not as one of --worker-args).
+    speculative_config_from_flag(args.speculative_config)
     # Before anything starts: a busy port would otherwise show only once the workers are up.
     check_port_free(args.port, args.host)
     cpu_plan = cpu_plan_from_args(args)
@@ -204,6 +206,7 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     extra_worker_args = worker_args(shlex.join(engine_flags) + " " + args.worker_args)
     prefill_args = worker_args(args.prefill_args, "--prefill-args")
     decode_args = worker_args(args.decode_args, "--decode-args")
+    _check_pools_speculate_alike(args, extra_worker_args, prefill_args, decode_args)
     # Create the demo checkpoint (or convert a GGUF file) once here, not in every process.
     resolve_model(args.model)
     if args.tokenizer is not None:
@@ -232,6 +235,34 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
         num_batch_runners=args.batch_runners,
     )
     return spec, redis_server
+
+
+def _check_pools_speculate_alike(
+    args: argparse.Namespace,
+    shared: tuple[str, ...],
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+) -> None:
+    """The gateway pairs only workers with the same --speculative-config: pools given different
+    ones (by --prefill-args, --decode-args) would never serve, so say so before starting."""
+    from nori.cli.engine_args import speculative_config_of
+
+    if args.colocated:
+        return  # one pool
+    settings = {
+        pool: speculative_config_of((*shared, *own))
+        for pool, own in (("prefill", prefill), ("decode", decode))
+    }
+    if settings["prefill"] != settings["decode"]:
+        described = {
+            pool: config.as_json() if config is not None else "off"
+            for pool, config in settings.items()
+        }
+        raise ValueError(
+            f"the prefill workers' --speculative-config ({described['prefill']}) differs from "
+            f"the decode workers' ({described['decode']}); the gateway pairs only workers "
+            "that agree"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

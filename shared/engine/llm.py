@@ -10,7 +10,7 @@ from typing import Any
 
 from nori.engine import outputs as engine
 from nori.engine.completion_outputs import RequestOutput, request_output
-from nori.engine.config import EngineConfig
+from nori.engine.config import EngineConfig, SpeculativeConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.generate_progress import GenerateProgress
 from nori.sampling.params import SamplingParams, choice_params
@@ -32,10 +32,19 @@ class LLM:
     """Generates completions for a batch of prompts with continuous batching.
 
     Keyword arguments are EngineConfig fields (block_size, max_num_seqs, num_kv_blocks, ...).
+    `speculative_config` takes what vLLM's LLM does: a dict or its JSON text (or a
+    SpeculativeConfig); a bad one raises ValueError before any model is loaded.
     """
 
-    def __init__(self, model: str = "demo", **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self,
+        model: str = "demo",
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+        **engine_options: Any,
+    ) -> None:
+        speculative = _as_speculative_config(speculative_config)
+        config = EngineConfig(model=model, speculative_config=speculative, **engine_options)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @property
@@ -187,3 +196,14 @@ def _as_params_list(
     if len(items) != count:
         raise ValueError(f"{len(items)} sampling params for {count} prompts")
     return items
+
+
+def _as_speculative_config(
+    value: SpeculativeConfig | Mapping[str, Any] | str | None,
+) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
+    except TypeError as error:  # a value of the wrong type, e.g. a string for a number
+        raise ValueError(f"speculative config: the numbers must be integers ({error})") from None

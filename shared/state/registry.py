@@ -61,6 +61,9 @@ class WorkerInfo:
     # The KV cache's element type ("float32", "bfloat16", "int8", "float8_e4m3fn"): blocks move
     # between workers as stored, so every worker must agree on it. "": not stated.
     kv_cache_dtype: str = ""
+    # Speculative decoding as the worker runs it: SpeculativeConfig.as_json() (canonical JSON),
+    # "" when off. An entry without the field (a version before speculation) is off too.
+    speculative_config: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
     # Past it the entry is stale (signed: refused); updated_at + the TTL, stamped with it.

@@ -1,11 +1,15 @@
-"""Which KV layout (block size, cache dtype) the cluster runs with, and which workers it leaves
-out (pure logic)."""
+"""Which KV layout (block size, cache dtype) and speculative decoding the cluster runs with, and
+which workers it leaves out (pure logic)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
-from nori.gateway.worker_pool import WorkerPool, agree_on_kv_layout
+import pytest
+
+from nori.gateway.worker_agreement import agree_on_kv_layout, agree_on_speculation
+from nori.gateway.worker_pool import WorkerPool
 from nori.state.registry import WorkerInfo, WorkerListing
 
 
@@ -64,6 +68,71 @@ def test_workers_whose_kv_cache_dtype_differs_from_the_clusters_are_left_out() -
     # A worker wrong on both counts is refused once.
     both = worker("both", 32, 400.0, "int8")
     assert ids(agree_on_kv_layout([*workers, both], expected=None).refused) == ["late-fp8", "both"]
+
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+NGRAM_4 = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def speculating(
+    worker_id: str, started_at: float, speculative_config: str, role: str = "decode"
+) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        started_at=started_at,
+        speculative_config=speculative_config,
+    )
+
+
+def test_the_longest_running_worker_sets_the_speculative_decoding() -> None:
+    workers = [
+        speculating("late-4", 300.0, NGRAM_4),
+        speculating("prefill", 100.0, NGRAM, role="prefill"),
+        speculating("decode", 200.0, NGRAM),
+        speculating("late-off", 400.0, ""),
+    ]
+    agreement = agree_on_speculation(workers)
+    assert agreement.speculative_config == NGRAM
+    assert ids(agreement.members) == ["prefill", "decode"]
+    assert ids(agreement.refused) == ["late-4", "late-off"]
+    assert agree_on_speculation([]).speculative_config is None
+
+
+def test_an_entry_without_speculation_is_off_not_silent() -> None:
+    """Unlike an unstated dtype, a missing speculative_config (a version before it) means off:
+    such a worker does not pair with one that speculates, whichever started first."""
+    old_version = WorkerInfo.from_mapping(
+        {"worker_id": "old", "role": "prefill", "started_at": "1"}
+    )
+    assert old_version.speculative_config == ""
+    agreement = agree_on_speculation([speculating("new", 2.0, NGRAM), old_version])
+    assert agreement.speculative_config == ""
+    assert ids(agreement.members) == ["old"] and ids(agreement.refused) == ["new"]
+    assert agree_on_speculation([speculating("a", 2.0, ""), old_version]).refused == []
+
+
+async def test_a_worker_that_speculates_otherwise_is_refused_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = ListedRegistry()
+    pool = WorkerPool(registry, block_size=16)  # type: ignore[arg-type]
+    first, second = speculating("d0", 1.0, NGRAM), speculating("p0", 2.0, NGRAM, role="prefill")
+    odd = speculating("d1", 3.0, "")
+    with caplog.at_level(logging.ERROR, logger="nori.gateway.worker_pool"):
+        for _ in range(3):  # the pool rereads the registry twice a second: still one line
+            assert await refreshed(pool, registry, [first, second, odd]) == ["d0", "p0"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "refusing worker d1: its speculative decoding is off, the cluster's is "
+        f"{NGRAM} (every worker must run with the same --speculative-config)"
+    )
+    # A worker refused for its KV layout is not what sets the cluster's speculation.
+    caplog.clear()
+    wrong_layout = WorkerInfo(worker_id="d9", role="decode", block_size=32, started_at=0.5)
+    assert await refreshed(pool, registry, [wrong_layout, first, second]) == ["d0", "p0"]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("refusing worker d9: its KV blocks are 32 tokens")
 
 
 def test_a_failure_mark_steers_requests_away_but_never_leaves_none() -> None:

@@ -30,6 +30,7 @@ def make_info(worker_id: str = "w1", role: WorkerRole = "prefill", **changes: An
         kv_bytes_sent=7,
         draining=False,
         started_at=1700000000.125,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
     )
     return dataclasses.replace(info, **changes)
 
@@ -52,6 +53,7 @@ def test_from_mapping_tolerates_other_versions() -> None:
     assert WorkerInfo.from_mapping(newer) == make_info()
     older = WorkerInfo.from_mapping({"worker_id": "w9", "role": "decode", "draining": "true"})
     assert older == WorkerInfo(worker_id="w9", role="decode", draining=True)
+    assert older.speculative_config == ""  # a version before speculative decoding: off
 
 
 @pytest.mark.parametrize(
