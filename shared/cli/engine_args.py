@@ -222,12 +222,6 @@ def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(text)
     except ValueError as error:
         raise ValueError(f"--speculative-config: {error}") from None
-    except TypeError as error:
-        # A value of the wrong JSON type that the config's checks compare (a string for
-        # prompt_lookup_max, say).
-        raise ValueError(
-            f"--speculative-config: the numbers must be JSON integers ({error})"
-        ) from None
 
 
 def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:

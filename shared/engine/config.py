@@ -53,7 +53,18 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         check_mode("method", self.method, SpeculativeMethod)
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+        for name in (
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a string (a checkpoint), got {self.model!r}")
+        if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
             )

@@ -203,7 +203,4 @@ def _as_speculative_config(
 ) -> SpeculativeConfig | None:
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    try:
-        return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
-    except TypeError as error:  # a value of the wrong type, e.g. a string for a number
-        raise ValueError(f"speculative config: the numbers must be integers ({error})") from None
+    return SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)

@@ -92,7 +92,7 @@ BAD_JSON = "{method: ngram}"
 WRONG_TYPE = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "x"}'
 BAD = [
     (BAD_JSON, "--speculative-config: speculative config is not valid JSON"),
-    (WRONG_TYPE, "--speculative-config: the numbers must be JSON integers"),
+    (WRONG_TYPE, "--speculative-config: prompt_lookup_max must be an integer"),
     ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of ngram"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "n": 1}', "unknown speculative config key"),
@@ -151,7 +151,7 @@ def test_llm_takes_a_dict_json_text_or_a_config_and_refuses_a_bad_one(tmp_path: 
     for bad, message in [
         ('{"method": "ngram"', "not valid JSON"),
         ({"method": "ngram", "num_speculative_tokens": "2"}, "num_speculative_tokens must be"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "1"}, "integers"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": "1"}, "an integer"),
         ([("method", "ngram")], "must be a JSON object"),
     ]:
         with pytest.raises(ValueError, match=message):  # before any model is looked for
