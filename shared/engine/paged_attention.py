@@ -1,9 +1,14 @@
 """The engine's `Attention`: write new K/V into the paged cache, then attend over it.
 
 One instance serves one step. What the kernels derive from the step's metadata alone (the CPU
-reference's gather plan) is computed at the first layer and reused by the others, and the
-engine's own, already consistent inputs skip the kernel wrappers' argument checks on the
-reference path: both are per-layer costs the step pays once instead.
+reference's gather plan, the verification rows' sequences and lengths) is computed at the first
+layer and reused by the others, and the engine's own, already consistent inputs skip the kernel
+wrappers' argument checks on the reference path: both are per-layer costs the step pays once
+instead.
+
+A step's rows are decodes (one row a sequence), then speculative verifications (a few rows a
+sequence, causal among themselves: multi-query decodes), then prompt chunks. Decodes and
+verifications take the decode kernels, prompt chunks the prefill kernels.
 
 With an 8-bit cache (--kv-cache-dtype int8|fp8) every attention reads K/V as stored, codes
 times scales, the new prompt tokens' own included: a token's result is then the same whether its
@@ -11,6 +16,8 @@ prefix came from the prefix cache, an earlier chunk or another worker's transfer
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +36,11 @@ from nori.kernels.kv_quant import (
     store_quantized_kv_cache_cpu,
     store_quantized_kv_cache_reference,
 )
+from nori.kernels.multi_query_decode_attention import (
+    MultiQueryRows,
+    multi_query_rows,
+    paged_multi_query_decode_attention,
+)
 from nori.kernels.prefill_attention import paged_prefill_attention_reference
 from nori.kernels.prefill_attention_cpu import CpuPrefillPlan, plan_cpu_prefill, run_cpu_prefill
 from nori.kernels.store_kv import store_kv_cache_cpu
@@ -43,6 +55,7 @@ class PagedAttention:
         self.use_triton = backend == "triton"
         self._decode_plan: ReferenceDecodePlan | None = None
         self._prefill_plan: CpuPrefillPlan | None = None
+        self._verify: _VerifyRows | None = None
         # The current layer's K and V scales (an 8-bit cache), else None and None.
         self._scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
@@ -58,24 +71,37 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache.layer(layer_index)
         self._scales = self.kv_cache.layer_scales(layer_index)
         self._store(key, value, k_cache, v_cache)
-        num_decodes = meta.num_decodes
-        if num_decodes == meta.seq_lens.shape[0]:
+        num_decodes, num_sequences = meta.num_decodes, meta.seq_lens.shape[0]
+        if num_decodes == num_sequences:
             return self._decode(query, k_cache, v_cache, scale)
-        if num_decodes == 0:
-            return self._prefill(query, key, value, k_cache, v_cache, 0, scale)
-        # Mixed step: decodes go through the split-context kernel, prefill chunks through the
-        # tiled one; each is the faster path for its shape.
+        if num_decodes == 0 and meta.num_verifies == 0:
+            return self._prefill(query, key, value, k_cache, v_cache, 0, 0, scale)
+        if num_decodes == 0 and meta.num_verifies == num_sequences:
+            # A speculative step's usual shape: every sequence verifies its drafts.
+            verify = self._verify_rows(query.shape[0])
+            return self._multi_query_decode(query, k_cache, v_cache, verify, scale)
+        # Mixed step: decodes and verifications go through the split-context kernel, prefill
+        # chunks through the tiled one; each is the faster path for its shape.
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, scale)
-        output[num_decodes:] = self._prefill(
-            query[num_decodes:],
-            key[num_decodes:],
-            value[num_decodes:],
-            k_cache,
-            v_cache,
-            num_decodes,
-            scale,
-        )
+        if num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, scale)
+        first_sequence = first_row = num_decodes
+        if meta.num_verifies:
+            verify = self._verify_rows(query.shape[0])
+            rows = slice(num_decodes, verify.end_row)
+            output[rows] = self._multi_query_decode(query[rows], k_cache, v_cache, verify, scale)
+            first_sequence, first_row = num_decodes + meta.num_verifies, verify.end_row
+        if first_sequence < num_sequences:
+            output[first_row:] = self._prefill(
+                query[first_row:],
+                key[first_row:],
+                value[first_row:],
+                k_cache,
+                v_cache,
+                first_sequence,
+                first_row,
+                scale,
+            )
         return output
 
     def _store(
@@ -146,6 +172,69 @@ class PagedAttention:
             query, k_cache, v_cache, self._decode_plan, scale, k_scale, v_scale
         )
 
+    def _verify_rows(self, num_rows: int) -> _VerifyRows:
+        """The verification rows' sequences and context lengths, built at the first layer (the
+        step has num_rows query rows in all)."""
+        if self._verify is not None:
+            return self._verify
+        meta = self.metadata
+        first, end = meta.num_decodes, meta.num_decodes + meta.num_verifies
+        # Decodes have one row each, so the verifications' rows start at row `first`. They end
+        # with the step unless prompt chunks follow; then the end is read from the device, once
+        # a step (a synchronisation on a GPU).
+        end_row = num_rows if end == meta.seq_lens.shape[0] else int(meta.query_start_loc[end])
+        query_start_loc = meta.query_start_loc[first : end + 1] - first
+        rows = multi_query_rows(query_start_loc, meta.seq_lens[first:end], end_row - first)
+        tables = meta.block_tables[first:end]
+        context_starts = None if meta.context_starts is None else meta.context_starts[first:end]
+        if self.use_triton:
+            self._verify = _VerifyRows(end_row, query_start_loc, rows, tables, context_starts)
+            return self._verify
+        # The CPU kernel and the reference take one decode row per verification row.
+        row_starts = None if context_starts is None else rows.expand(context_starts)
+        row_tables = rows.expand(tables)
+        plan = None
+        if self.backend == "reference":
+            plan = plan_reference_decode(
+                row_tables, rows.seq_lens, self.kv_cache.block_size, row_starts
+            )
+        self._verify = _VerifyRows(end_row, query_start_loc, rows, row_tables, row_starts, plan)
+        return self._verify
+
+    def _multi_query_decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        verify: _VerifyRows,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the verification rows, each a decode row over its visible context."""
+        k_scale, v_scale = self._scales
+        if self.use_triton:
+            meta = self.metadata
+            first, end = meta.num_decodes, meta.num_decodes + meta.num_verifies
+            return paged_multi_query_decode_attention(
+                *(query, k_cache, v_cache, verify.block_tables, verify.query_start_loc),
+                *(meta.seq_lens[first:end], scale),
+                max_seq_len=meta.max_seq_len,
+                context_starts=verify.context_starts,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                use_triton=True,
+                rows=verify.rows,
+            )
+        if verify.reference_plan is None:
+            return paged_decode_attention_cpu(
+                *(query, k_cache, v_cache, verify.block_tables, verify.rows.seq_lens, scale),
+                verify.context_starts,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        return run_reference_decode(
+            query, k_cache, v_cache, verify.reference_plan, scale, k_scale, v_scale
+        )
+
     def _prefill(
         self,
         query: torch.Tensor,
@@ -154,13 +243,14 @@ class PagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         first: int,
+        first_row: int,
         scale: float,
     ) -> torch.Tensor:
-        """The prefill kernel over sequences `first:` (which are also query rows `first:`)."""
+        """The prefill kernel over sequences `first:`, whose rows start at `first_row`."""
         meta = self.metadata
         query_start_loc = meta.query_start_loc[first:]
-        if first:
-            query_start_loc = query_start_loc - first
+        if first_row:
+            query_start_loc = query_start_loc - first_row
         context_starts = None if meta.context_starts is None else meta.context_starts[first:]
         tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
         k_scale, v_scale = self._scales
@@ -169,7 +259,7 @@ class PagedAttention:
                 self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, context_starts)
             if k_scale is not None and v_scale is not None:
                 # The fresh prompts attend to their own rows as the cache holds them.
-                slots = meta.slot_mapping[first:]
+                slots = meta.slot_mapping[first_row:]
                 key = _stored_rows(k_cache, k_scale, slots)
                 value = _stored_rows(v_cache, v_scale, slots)
             return run_cpu_prefill(
@@ -191,6 +281,23 @@ class PagedAttention:
             k_scale=k_scale,
             v_scale=v_scale,
         )
+
+
+@dataclass(frozen=True)
+class _VerifyRows:
+    """One step's verification rows as the decode kernels take them."""
+
+    # The row after the last verification row (the first prompt chunk's).
+    end_row: int
+    # [V + 1]: the verifications' rows, counted from their first.
+    query_start_loc: torch.Tensor
+    rows: MultiQueryRows
+    # Triton: the verifications' own block tables [V, M] and context starts [V] (rows.sequences
+    # indexes them); the CPU kernel and the reference: one of each per row [R, ...].
+    block_tables: torch.Tensor
+    context_starts: torch.Tensor | None
+    # The reference's gather plan of the rows; None on the other backends.
+    reference_plan: ReferenceDecodePlan | None = None
 
 
 def _stored_rows(

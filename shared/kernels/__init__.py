@@ -16,6 +16,11 @@ from nori.kernels.kv_quant import (
     store_quantized_kv_cache,
     store_quantized_kv_cache_reference,
 )
+from nori.kernels.multi_query_decode_attention import (
+    paged_multi_query_decode_attention,
+    paged_multi_query_decode_attention_cpu,
+    paged_multi_query_decode_attention_reference,
+)
 from nori.kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
@@ -37,6 +42,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_cpu",
     "paged_decode_attention_reference",
+    "paged_multi_query_decode_attention",
+    "paged_multi_query_decode_attention_cpu",
+    "paged_multi_query_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
     "quantize_kv_reference",

@@ -101,6 +101,7 @@ def _decode_split_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     context_starts_ptr,
+    row_sequences_ptr,
     m_ptr,
     l_ptr,
     acc_ptr,
@@ -121,11 +122,18 @@ def _decode_split_kernel(
     UPCAST_DOT: tl.constexpr,
     MASK_LEFT: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    ROW_SEQUENCES: tl.constexpr,
 ) -> None:
-    seq = tl.program_id(0)
+    # A query row, and the sequence whose block table and context start it reads: the same
+    # index, unless ROW_SEQUENCES (a multi-query decode) maps rows to sequences. seq_lens is per
+    # row either way.
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq = row
+    if ROW_SEQUENCES:
+        seq = tl.load(row_sequences_ptr + row)
+    seq_len = tl.load(seq_lens_ptr + row)
     context_start = 0
     if MASK_LEFT:
         context_start = tl.load(context_starts_ptr + seq)
@@ -141,7 +149,7 @@ def _decode_split_kernel(
     q_heads = kv_head * GROUP + heads
     q = load_dot_operand(
         q_ptr,
-        seq * stride_q_b + q_heads[:, None] * stride_q_h + dims[None, :],
+        row * stride_q_b + q_heads[:, None] * stride_q_h + dims[None, :],
         head_mask[:, None] & dim_mask[None, :],
         UPCAST_DOT,
     )
@@ -185,11 +193,11 @@ def _decode_split_kernel(
 
     # An empty split (past the end of a short sequence, or all left padding) stores m = -inf,
     # l = 0, acc = 0, which the merge weighs by zero.
-    row = (seq * NUM_KV_HEADS * GROUP + q_heads) * NUM_SPLITS + split
-    tl.store(m_ptr + row, m_i, mask=head_mask)
-    tl.store(l_ptr + row, l_i, mask=head_mask)
+    partial = (row * NUM_KV_HEADS * GROUP + q_heads) * NUM_SPLITS + split
+    tl.store(m_ptr + partial, m_i, mask=head_mask)
+    tl.store(l_ptr + partial, l_i, mask=head_mask)
     tl.store(
-        acc_ptr + row[:, None].to(tl.int64) * HEAD_DIM + dims[None, :],
+        acc_ptr + partial[:, None].to(tl.int64) * HEAD_DIM + dims[None, :],
         acc,
         mask=head_mask[:, None] & dim_mask[None, :],
     )
@@ -281,8 +289,7 @@ def paged_decode_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, batch = args
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, _ = args
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if max_seq_len is not None and max_seq_len < 1:
@@ -292,6 +299,28 @@ def paged_decode_attention(
         return paged_decode_attention_reference(
             query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, k_scale, v_scale
         )
+    kernel_args = (num_splits, max_seq_len, context_starts, k_scale, v_scale)
+    return launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, *kernel_args)
+
+
+def launch_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    max_seq_len: int | None,
+    context_starts: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    row_sequences: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Triton kernels on checked arguments. query [R, Hq, D] and seq_lens [R] are per row;
+    row r reads the block table and context start of sequence row_sequences[r] (int32 [R]), or
+    of sequence r when row_sequences is None (a plain decode)."""
+    batch, num_heads, head_dim = query.shape
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
@@ -320,6 +349,7 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         seq_lens if context_starts is None else context_starts,
+        seq_lens if row_sequences is None else row_sequences,
         m,
         l,
         acc,
@@ -340,6 +370,7 @@ def paged_decode_attention(
         UPCAST_DOT=upcast_dot_operands(query.dtype),
         MASK_LEFT=context_starts is not None,
         QUANTIZED=k_scale is not None,
+        ROW_SEQUENCES=row_sequences is not None,
         num_warps=4,
     )
     jit(_decode_merge_kernel)[(batch, num_heads)](

@@ -1,0 +1,164 @@
+"""Multi-query decode: a few query rows per sequence over its paged context, causal among
+themselves. Speculative decoding's verification scores the last sampled token and its k drafts
+this way (k + 1 rows, k up to about 8).
+
+Row i of a sequence with q_len new rows and seq_len context tokens (the new rows included)
+attends to positions [0, seq_len - (q_len - 1 - i)): exactly a decode row whose context is that
+long. So every path is the decode attention with a context length per row:
+- Triton: the decode kernel in its ROW_SEQUENCES mode, where each row names its sequence, so
+  the block tables are read in place, not copied per row;
+- C++ (CPU) and the PyTorch reference: each row becomes a decode row of its own, its sequence's
+  block table row repeated (a few int32 rows a step).
+The prefill kernels compute the same rows, but they are built for long query tiles; a
+verification's few rows per sequence are the decode kernels' shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nori.kernels._common import check_paged_attention_args, should_use_triton
+from nori.kernels.decode_attention import MAX_SPLITS, launch_decode
+from nori.kernels.decode_attention_reference import (
+    paged_decode_attention_cpu,
+    paged_decode_attention_reference,
+)
+
+
+@dataclass(frozen=True)
+class MultiQueryRows:
+    """Each query row's sequence and visible context length: what turns the rows into decode
+    rows. It depends only on the step's metadata, so the engine builds it once per step."""
+
+    # [T] int32: the sequence (index into block_tables, seq_lens, context_starts) of each row.
+    sequences: torch.Tensor
+    # [T] int32: how many context positions each row sees (its own included).
+    seq_lens: torch.Tensor
+
+    def expand(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """A per-sequence tensor [B, ...] as one entry per row [T, ...]."""
+        return per_sequence.index_select(0, self.sequences)
+
+
+def multi_query_rows(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int
+) -> MultiQueryRows:
+    """query_start_loc [B + 1] int32 (from 0 to num_rows) and seq_lens [B] int32 as the kernels
+    take them. Computed on their device without a host synchronisation."""
+    device = seq_lens.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    sequences = torch.repeat_interleave(
+        torch.arange(seq_lens.shape[0], dtype=torch.int32, device=device),
+        q_lens,
+        output_size=num_rows,
+    )
+    rows = torch.arange(num_rows, dtype=torch.int32, device=device)
+    # A row sees one position fewer for each later row of its sequence.
+    later_rows = query_start_loc[1:].index_select(0, sequences) - 1 - rows
+    row_lens = seq_lens.index_select(0, sequences) - later_rows
+    return MultiQueryRows(sequences, row_lens.to(torch.int32))
+
+
+def paged_multi_query_decode_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The PyTorch reference: `paged_decode_attention_reference` on one decode row per query
+    row. Arguments as `paged_multi_query_decode_attention`'s."""
+    rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
+    starts = None if context_starts is None else rows.expand(context_starts)
+    tables = rows.expand(block_tables)
+    return paged_decode_attention_reference(
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+    )
+
+
+def paged_multi_query_decode_attention_cpu(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The C++ CPU decode kernel on one decode row per query row (it reads each row's context
+    in place; rows of a sequence share its blocks in the CPU caches). Same arguments and result
+    as the reference, for CPU tensors. Raises RuntimeError where the kernel cannot be built."""
+    rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
+    starts = None if context_starts is None else rows.expand(context_starts)
+    tables = rows.expand(block_tables)
+    return paged_decode_attention_cpu(
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+    )
+
+
+def paged_multi_query_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    context_starts: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+    rows: MultiQueryRows | None = None,
+) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D]: sequence b owns rows query_start_loc[b] ..
+    query_start_loc[b + 1] (int32 [B + 1], from 0 to T) and has seq_lens[b] (int32 [B]) cached
+    tokens, its new rows' included; its row i (of q_len) sees positions
+    [0, seq_lens[b] - (q_len - 1 - i)), so q_len must not exceed seq_lens[b].
+
+    k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32. num_splits and
+    max_seq_len (the longest seq_lens entry) as `paged_decode_attention` takes them.
+    context_starts [B] int32, if given, hides positions before it (left padding) from every row
+    of the sequence. k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or
+    fp8 cache (nori.kernels.kv_quant). rows: `multi_query_rows` of these arguments, when the
+    caller keeps it across calls (the engine's layers).
+    """
+    args = check_paged_attention_args(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        context_starts,
+        query_start_loc,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, _ = args
+    assert starts is not None  # given query_start_loc, the check returns it checked
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if not should_use_triton(use_triton, [query]):
+        reference_args = (block_tables, starts, seq_lens, scale, context_starts)
+        return paged_multi_query_decode_attention_reference(
+            query, k_cache, v_cache, *reference_args, k_scale, v_scale
+        )
+    if rows is None:
+        rows = multi_query_rows(starts, seq_lens, query.shape[0])
+    kernel_args = (num_splits, max_seq_len, context_starts, k_scale, v_scale, rows.sequences)
+    return launch_decode(query, k_cache, v_cache, block_tables, rows.seq_lens, scale, *kernel_args)
