@@ -29,3 +29,6 @@ class AttentionMetadata:
     # a few query rows (the last token and its drafts), causal among themselves over their
     # paged context: a multi-query decode. Prompt chunks follow them.
     num_verifies: int = 0
+    # Query rows of the decodes and verifications together (known on the host: where the
+    # prompt chunks' rows start without a device sync). 0 when unknown (built by hand).
+    num_verify_end_row: int = 0

@@ -91,6 +91,7 @@ def build_batch_inputs(
         slot_mapping=as_tensor(slots, torch.int64),
         num_decodes=num_decodes,
         num_verifies=num_verifies,
+        num_verify_end_row=query_start_loc[num_decodes + num_verifies],
         seq_lens=as_tensor(seq_lens, torch.int32),
         query_start_loc=as_tensor(query_start_loc, torch.int32),
         block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),

@@ -18,6 +18,7 @@ then rewrites them from the same tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 from nori.engine.attention_metadata import AttentionMetadata
@@ -129,7 +130,10 @@ class DraftModel:
     ) -> torch.Tensor:
         """One single-token step of the draft over `requests`: the logits [rows, vocab]."""
         size = self.block_size
-        slots = [r.block_ids[p // size] * size + p % size for r, p in zip(requests, positions)]
+        slots = [
+            r.block_ids[p // size] * size + p % size
+            for r, p in zip(requests, positions, strict=True)
+        ]
         width = max(len(r.block_ids) for r in requests)
         tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
         device = self.device

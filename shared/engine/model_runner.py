@@ -14,8 +14,8 @@ import torch
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
-from nori.engine.draft_model import DraftModel
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
+from nori.engine.draft_model import DraftModel
 from nori.engine.follower_ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
 from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
 from nori.engine.paged_attention import PagedAttention

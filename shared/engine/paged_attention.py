@@ -182,7 +182,12 @@ class PagedAttention:
         # Decodes have one row each, so the verifications' rows start at row `first`. They end
         # with the step unless prompt chunks follow; then the end is read from the device, once
         # a step (a synchronisation on a GPU).
-        end_row = num_rows if end == meta.seq_lens.shape[0] else int(meta.query_start_loc[end])
+        if end == meta.seq_lens.shape[0]:
+            end_row = num_rows
+        elif meta.num_verify_end_row:
+            end_row = meta.num_verify_end_row
+        else:
+            end_row = int(meta.query_start_loc[end])
         query_start_loc = meta.query_start_loc[first : end + 1] - first
         rows = multi_query_rows(query_start_loc, meta.seq_lens[first:end], end_row - first)
         tables = meta.block_tables[first:end]

@@ -26,9 +26,14 @@ def truncate_layers(source: str | Path, target: str | Path, num_layers: int) -> 
         raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
     target.mkdir(parents=True, exist_ok=True)
     for path in source.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
-            "config.json",
-            "model.safetensors.index.json",
+        if (
+            path.is_file()
+            and path.suffix != ".safetensors"
+            and path.name
+            not in (
+                "config.json",
+                "model.safetensors.index.json",
+            )
         ):
             shutil.copy2(path, target / path.name)
     config["num_hidden_layers"] = num_layers

@@ -176,7 +176,7 @@ def test_requests_see_what_a_plain_run_sees(stories: Path, method: str, tmp_path
                 assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
 
 
-def LLMEngine_for(model: Path, spec: SpeculativeConfig | None) -> LLMEngine:  # noqa: N802
+def LLMEngine_for(model: Path, spec: SpeculativeConfig | None) -> LLMEngine:
     from nori.engine.config import EngineConfig
 
     return LLMEngine(
