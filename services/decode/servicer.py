@@ -224,6 +224,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 nbytes=lease.nbytes,
                 num_blocks=len(lease.block_ids),
                 lease_s=lease.policy.lease_s,
+                draft_nbytes=len(lease.block_ids) * self._engine.facts.draft_kv_bytes_per_block,
             )
         return hand_off
 

@@ -178,7 +178,8 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             self.transfers_in_flight -= 1
-        record.end_kv_send(span, nbytes, time.perf_counter() - started)
+        draft_nbytes = len(block_ids) * self._engine.facts.draft_kv_bytes_per_block
+        record.end_kv_send(span, nbytes, time.perf_counter() - started, draft_nbytes)
         self.kv_bytes_sent += nbytes
         self.num_transfers += 1
         return nbytes

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import threading
@@ -92,6 +93,8 @@ class EngineFacts:
     kv_cache_tensors: tuple[torch.Tensor, ...]
     # Each KV tensor's dtype and per-block shape with every head (a staging receiver's layout).
     kv_block_layouts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    # The last this many of the KV tensors are a draft model's (speculative decoding).
+    num_draft_kv_tensors: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineFacts:
@@ -101,6 +104,17 @@ class EngineFacts:
             kv_block_layouts=tuple(
                 (dtype, tuple(shape)) for dtype, shape in engine.kv_cache.block_layouts()
             ),
+            num_draft_kv_tensors=engine.kv_cache.num_draft_tensors,
+        )
+
+    @property
+    def draft_kv_bytes_per_block(self) -> int:
+        """A block's bytes in the draft model's tensors: the draft K/V a hand-off carries."""
+        count = self.num_draft_kv_tensors
+        layouts = self.kv_block_layouts[len(self.kv_block_layouts) - count :] if count else ()
+        return sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for dtype, shape in layouts
         )
 
     @property

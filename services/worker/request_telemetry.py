@@ -133,9 +133,12 @@ class CallRecord:
         )
         return span, current_carrier(span)
 
-    def end_kv_send(self, span: trace.Span, nbytes: int, seconds: float) -> None:
-        self._metrics.observe_transfer(nbytes, seconds)
+    def end_kv_send(
+        self, span: trace.Span, nbytes: int, seconds: float, draft_nbytes: int = 0
+    ) -> None:
+        self._metrics.observe_transfer(nbytes, seconds, draft_nbytes)
         span.set_attribute("nori.kv.bytes", nbytes)
+        span.set_attribute("nori.kv.draft_bytes", draft_nbytes)
         span.set_attribute("nori.kv.gbps", nbytes / seconds / 1e9 if seconds > 0 else 0.0)
         span.end()
 
@@ -148,11 +151,12 @@ class CallRecord:
         nbytes: int,
         num_blocks: int,
         lease_s: float,
+        draft_nbytes: int = 0,
     ) -> None:
         """The transfer as this decode worker saw it (times from time.monotonic()); its span is
         a child of the sender's, whose context came in the hand-off header."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
-        self._metrics.observe_transfer(nbytes, end - start)
+        self._metrics.observe_transfer(nbytes, end - start, draft_nbytes)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
         span = self._tracer.start_span(
             "kv_receive",
@@ -161,6 +165,7 @@ class CallRecord:
             attributes={
                 "nori.worker_id": self._worker_id,
                 "nori.kv.bytes": nbytes,
+                "nori.kv.draft_bytes": draft_nbytes,
                 "nori.kv.blocks": num_blocks,
                 "nori.kv.lease_s": lease_s,
                 "nori.kv.wait_s": receiving_since - reserved_at,

@@ -176,6 +176,11 @@ class WorkerMetrics:
         self.kv_transfer_bytes = Counter(
             "nori_kv_transfer_bytes", "KV bytes sent or received.", registry=registry
         )
+        self.kv_transfer_draft_bytes = Counter(
+            "nori_kv_transfer_draft_bytes",
+            "Of the KV bytes sent or received, a draft model's (speculative decoding).",
+            registry=registry,
+        )
         self.kv_transfer_seconds = Histogram(
             "nori_kv_transfer_duration_seconds",
             "One request's KV transfer, first byte to last.",
@@ -209,8 +214,10 @@ class WorkerMetrics:
             value("nori_generation_tokens_total") or 0.0,
         )
 
-    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+    def observe_transfer(self, nbytes: int, seconds: float, draft_nbytes: int = 0) -> None:
+        """A hand-off's bytes (`draft_nbytes` of them a draft model's K/V) and time."""
         self.kv_transfer_bytes.inc(nbytes)
+        self.kv_transfer_draft_bytes.inc(draft_nbytes)
         self.kv_transfer_seconds.observe(seconds)
         if seconds > 0:
             self.kv_transfer_gbps.observe(nbytes / seconds / 1e9)

@@ -32,6 +32,12 @@ class KVCacheView:
         instead (see `block_layouts`)."""
         return self._runner.kv_tensors
 
+    @property
+    def num_draft_tensors(self) -> int:
+        """How many of `tensors` (the last ones) hold a draft model's K/V (speculative
+        decoding): they travel with the model's in every hand-off."""
+        return self._runner.num_draft_kv_tensors
+
     def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         """Each KV tensor's dtype and per-block shape [layers, 2, block_size, heads, ...] with
         every kv head: what a transfer carries (a staging receiver allocates these)."""

@@ -256,6 +256,11 @@ class ModelRunner:
         return layouts
 
     @property
+    def num_draft_kv_tensors(self) -> int:
+        """How many of `kv_tensors` (the last ones) are a draft model's."""
+        return len(self.kv_tensors) - len(self.kv_cache.tensors)
+
+    @property
     def kv_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor a request's blocks live in (`KVCache.tensors`): the model's, then a
         draft model's (speculative decoding), all indexed by the same block ids."""
