@@ -126,6 +126,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     roofline.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(roofline)
     roofline.set_defaults(handler=run_roofline)
+    spec = commands.add_parser(
+        "spec-decode",
+        help="decode tokens/s with and without speculative decoding (--speculative-config; "
+        "default n-gram), by batch size, on the copy or ShareGPT prompts",
+    )
+    spec.add_argument("--dataset", choices=("copy", "sharegpt"), default="copy")
+    spec.add_argument(
+        "--dataset-path",
+        default=None,
+        help="a ShareGPT JSON file (default: ../shared/data/sharegpt/ShareGPT_V3_sample2000.json "
+        "beside the checkout, when there)",
+    )
+    spec.add_argument("--batch-sizes", default="1,4,64", metavar="B1,B2,...")
+    spec.add_argument(
+        "--batches-per-size", type=int, default=2, help="requests per batch size, in batches"
+    )
+    spec.add_argument("--max-tokens", type=int, default=128)
+    spec.add_argument("--max-prompt-len", type=int, default=768)
+    spec.add_argument("--rounds", type=int, default=3, help="alternating timed runs per side")
+    spec.add_argument("--json", action="store_true", help="print one JSON object")
+    spec.add_argument("-o", "--output-file", default=None, help="also write the JSON here")
+    add_engine_args(spec)
+    spec.set_defaults(handler=run_spec_decode)
     register_cluster_benchmarks(commands)
 
 
@@ -152,6 +175,41 @@ def run_offline(args: argparse.Namespace) -> int:
         workload=workload,
     )
     _print_report(report, args.json)
+    return 0
+
+
+def run_spec_decode(args: argparse.Namespace) -> int:
+    from nori.bench.spec_decode import (
+        SpecBenchSettings,
+        format_report,
+        run_spec_decode_benchmark,
+    )
+
+    path = args.dataset_path
+    if path is None:
+        default = (
+            Path(__file__).resolve().parents[2].parent
+            / "shared/data/sharegpt/ShareGPT_V3_sample2000.json"
+        )
+        if not default.exists():
+            raise ValueError("--dataset-path is needed: no ShareGPT file beside the checkout")
+        path = str(default)
+    sizes = tuple(int(size) for size in args.batch_sizes.split(","))
+    if min(sizes) < 1 or args.rounds < 1 or args.max_tokens < 2:
+        raise ValueError("--batch-sizes, --rounds must be >= 1 and --max-tokens >= 2")
+    settings = SpecBenchSettings(
+        dataset=args.dataset,
+        dataset_path=Path(path),
+        batch_sizes=sizes,
+        batches_per_size=args.batches_per_size,
+        max_tokens=args.max_tokens,
+        max_prompt_len=args.max_prompt_len,
+        rounds=args.rounds,
+    )
+    report = run_spec_decode_benchmark(engine_config_from_args(args), settings, not args.json)
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
