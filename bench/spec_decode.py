@@ -37,7 +37,7 @@ from nori.sampling.tokenizer import Tokenizer
 
 Dataset = Literal["copy", "sharegpt"]
 DEFAULT_SPECULATIVE = SpeculativeConfig(
-    "ngram", 4, prompt_lookup_min=2, prompt_lookup_max=4, disable_by_batch_size=32
+    "ngram", 6, prompt_lookup_min=2, prompt_lookup_max=4, disable_by_batch_size=32
 )
 
 
