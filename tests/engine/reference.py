@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +68,8 @@ def trace_engine(engine: LLMEngine) -> Iterator[EngineTrace]:
     original_schedule, original_logits = scheduler.schedule, model.compute_logits
     last: list[SchedulerOutput] = []
 
-    def schedule() -> SchedulerOutput:
-        output = original_schedule()
+    def schedule(spec_lengths: Mapping[str, int] | None = None) -> SchedulerOutput:
+        output = original_schedule(spec_lengths)
         last[:] = [output]
         trace.num_preemptions += len(output.preempted)
         trace.max_tokens_in_step = max(trace.max_tokens_in_step, output.num_batched_tokens)
