@@ -1,7 +1,9 @@
 """Model shape and behaviour, parsed from a Hugging Face `config.json`.
 
 One `ModelConfig` describes every supported architecture; the differences between Llama, Mistral,
-Qwen2 and Qwen3 reduce to a few flags (biases, Q/K norm) so one decoder serves them all.
+Qwen2 and Qwen3 reduce to a few flags (biases, Q/K norm) so one decoder serves them all. Their
+mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE) add the expert fields: which layers
+route, how many experts, how the top-k weights are normalised, and Qwen2-MoE's shared expert.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 _MODEL_TYPES: dict[str, str] = {
@@ -25,7 +30,17 @@ _MODEL_TYPES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+# The mixture-of-experts architectures and how each routes a token (see `ModelConfig`).
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -76,10 +91,41 @@ class ModelConfig:
     torch_dtype: str | None = None
     # Only None or a window covering every position is accepted (see `from_dict`).
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense model). Each routed layer picks, per token, the
+    # `num_experts_per_tok` experts of highest softmax probability; `norm_topk_prob` rescales
+    # those probabilities to sum to 1 (Mixtral always does). Each expert is a gated MLP of
+    # `moe_intermediate_size`; Qwen2-MoE adds a shared expert every token goes through, scaled
+    # by a sigmoid gate. Layers in `mlp_only_layers`, or off the `decoder_sparse_step` stride,
+    # keep a dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def model_type(self) -> str:
         return _MODEL_TYPES[self.architecture]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether this decoder layer routes its tokens to experts (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def routing_weights_in_float32(self) -> bool:
+        """Mixtral multiplies expert outputs by float32 routing weights; the Qwen MoE models cast
+        them to the activations' dtype first."""
+        return self.architecture == "MixtralForCausalLM"
 
     @property
     def q_size(self) -> int:
@@ -143,15 +189,29 @@ class ModelConfig:
             "torch_dtype": self.torch_dtype,
             "use_cache": True,
         }
-        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             data["attention_bias"] = self.attention_bias
         if self.architecture == "LlamaForCausalLM":
             data["mlp_bias"] = self.mlp_bias
-        if self.architecture in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture != "LlamaForCausalLM":
             data["sliding_window"] = self.sliding_window
-        if self.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if self.architecture.startswith("Qwen"):
             data["use_sliding_window"] = False
             data["max_window_layers"] = self.num_hidden_layers
+        if self.architecture == "MixtralForCausalLM":
+            data["num_local_experts"] = self.num_experts
+            data["num_experts_per_tok"] = self.num_experts_per_tok
+            data["intermediate_size"] = self.moe_intermediate_size
+        elif self.architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            data["num_experts"] = self.num_experts
+            data["num_experts_per_tok"] = self.num_experts_per_tok
+            data["moe_intermediate_size"] = self.moe_intermediate_size
+            data["norm_topk_prob"] = self.norm_topk_prob
+            data["decoder_sparse_step"] = self.decoder_sparse_step
+            data["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.architecture == "Qwen2MoeForCausalLM":
+            data["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+            data["qkv_bias"] = self.attention_bias
         return data
 
 
@@ -168,8 +228,12 @@ def _parse(architecture: str, data: dict[str, Any], source: str) -> ModelConfig:
     if architecture == "Qwen2ForCausalLM":
         # transformers hard-codes Qwen2's q/k/v bias on and its o_proj bias off.
         qkv_bias, output_bias = True, False
-    elif architecture == "MistralForCausalLM":
+    elif architecture == "Qwen2MoeForCausalLM":
+        # Qwen2-MoE's q/k/v bias follows `qkv_bias` (on unless a config turns it off).
+        qkv_bias, output_bias = bool(data.get("qkv_bias", True)), False
+    elif architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         qkv_bias = output_bias = False
+    experts = _parse_experts(architecture, data, source)
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(data["vocab_size"]),
@@ -187,12 +251,53 @@ def _parse(architecture: str, data: dict[str, Any], source: str) -> ModelConfig:
         attention_bias=qkv_bias,
         attention_output_bias=output_bias,
         mlp_bias=architecture == "LlamaForCausalLM" and bool(data.get("mlp_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         bos_token_id=data.get("bos_token_id"),
         eos_token_id=_parse_eos(data.get("eos_token_id")),
         torch_dtype=data.get("torch_dtype") or data.get("dtype"),
         sliding_window=_parse_sliding_window(architecture, data, max_positions, source),
+        **experts,
     )
+
+
+def _parse_experts(architecture: str, data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts config (none for a dense one).
+
+    Mixtral names its experts `num_local_experts`, sizes them with `intermediate_size` and always
+    renormalises the top-k weights; the Qwen MoE models say `num_experts` (transformers 5 writes
+    Qwen3-MoE's as `num_local_experts`), `moe_intermediate_size` and `norm_topk_prob`.
+    """
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    dense_layers: tuple[int, ...] = ()
+    if architecture == "MixtralForCausalLM":
+        num_experts = int(data.get("num_local_experts", 8))
+        expert_size = int(data["intermediate_size"])
+        renormalise, sparse_step = True, 1
+    else:
+        num_experts = int(data.get("num_experts") or data["num_local_experts"])
+        expert_size = int(data["moe_intermediate_size"])
+        renormalise = bool(data.get("norm_topk_prob", False))
+        sparse_step = int(data.get("decoder_sparse_step", 1))
+        dense_layers = tuple(int(index) for index in data.get("mlp_only_layers") or ())
+    top_k = int(data.get("num_experts_per_tok", 2))
+    if num_experts < 1 or not 1 <= top_k <= num_experts or sparse_step < 1:
+        raise ModelLoadError(
+            f"{source}: {num_experts} experts with {top_k} per token and decoder_sparse_step "
+            f"{sparse_step}: expected 1 <= num_experts_per_tok <= experts, step >= 1"
+        )
+    shared = 0
+    if architecture == "Qwen2MoeForCausalLM":
+        shared = int(data.get("shared_expert_intermediate_size") or 0)
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_size,
+        "shared_expert_intermediate_size": shared,
+        "norm_topk_prob": renormalise,
+        "decoder_sparse_step": sparse_step,
+        "mlp_only_layers": dense_layers,
+    }
 
 
 def _parse_rope(data: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
@@ -240,11 +345,11 @@ def _parse_sliding_window(
     The engine's attention has no window, so a window shorter than the context would silently
     change the model's outputs past that length.
     """
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture.startswith("Qwen"):
         # Qwen configs carry a window but transformers ignores it unless this flag is on.
         if not data.get("use_sliding_window", False):
             return None
-    elif architecture != "MistralForCausalLM":
+    elif architecture not in ("MistralForCausalLM", "MixtralForCausalLM"):
         return None
     # transformers' MistralConfig defaults to a 4096 window when the key is absent.
     window = data.get("sliding_window", 4096)

@@ -1,4 +1,6 @@
-"""One decoder for Llama 2/3, Mistral, Qwen2 and Qwen3; config flags select the differences.
+"""One decoder for Llama 2/3, Mistral, Qwen2 and Qwen3, and for their mixture-of-experts
+relatives Mixtral, Qwen2-MoE and Qwen3-MoE (whose routed layers' MLP is `nori.models.moe`'s);
+config flags select the differences.
 
 Tokens of all sequences in a batch are flattened into one axis T. Everything here is per token
 except the `attention` callable, which alone knows which tokens belong together.
@@ -18,22 +20,26 @@ from torch import nn
 from nori.kernels.silu_and_mul import silu_and_mul
 from nori.models.attention import Attention
 from nori.models.config import ModelConfig
+from nori.models.moe import ExpertWeights, SparseMoeBlock
 from nori.models.rmsnorm import RMSNorm
 from nori.models.rope import RotaryEmbedding, RotaryTables
 
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows [start, stop) of `parameter` (all rows if None)."""
+    """Where one checkpoint tensor goes: rows [start, stop) of `parameter` (all rows if None),
+    or of its `expert`-th matrix for the experts' stacked weights."""
 
     parameter: torch.Tensor
     start: int | None = None
     stop: int | None = None
+    expert: int | None = None
 
     def view(self) -> torch.Tensor:
+        data = self.parameter.data if self.expert is None else self.parameter.data[self.expert]
         if self.start is None:
-            return self.parameter.data
-        return self.parameter.data[self.start : self.stop]
+            return data
+        return data[self.start : self.stop]
 
 
 @dataclass(frozen=True)
@@ -82,13 +88,14 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig, make: _Factory) -> None:
+    def __init__(self, config: ModelConfig, make: _Factory, intermediate_size: int = 0) -> None:
+        """`intermediate_size` 0 means the config's (a shared expert has its own)."""
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = make.linear(
-            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias
+            config.hidden_size, 2 * self.intermediate_size, config.mlp_bias
         )
-        self.down_proj = make.linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.down_proj = make.linear(self.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -100,7 +107,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make.norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_index, make)
         self.post_attention_layernorm = make.norm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config, make)
+        self.mlp: GatedMLP | SparseMoeBlock = (
+            _moe_block(config, make) if config.is_moe_layer(layer_index) else GatedMLP(config, make)
+        )
 
     def forward(
         self,
@@ -119,6 +128,23 @@ class DecoderLayer(nn.Module):
             self.self_attn(hidden, rotary, attention), residual
         )
         return self.mlp(hidden), residual
+
+
+def _moe_block(config: ModelConfig, make: _Factory) -> SparseMoeBlock:
+    shared = config.shared_expert_intermediate_size
+    return SparseMoeBlock(
+        config,
+        gate=make.linear(config.hidden_size, config.num_experts, False),
+        experts=ExpertWeights(
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.hidden_size,
+            make.dtype,
+            make.device,
+        ),
+        shared_expert=GatedMLP(config, make, intermediate_size=shared) if shared else None,
+        shared_expert_gate=make.linear(config.hidden_size, 1, False) if shared else None,
+    )
 
 
 class DecoderStack(nn.Module):
@@ -202,6 +228,8 @@ class CausalLM(nn.Module):
                 if isinstance(module, nn.Linear):
                     transposed = module.weight.t().contiguous().t()
                     module.weight = nn.Parameter(transposed, requires_grad=False)
+                elif isinstance(module, ExpertWeights) and module.w13_scale is None:
+                    module.store_transposed()
             if self.lm_head is None and self.head_module is None:
                 # Tied: the embedding lookup wants rows contiguous and the head the transpose,
                 # so the head gets its own copy (vocab x hidden more memory).
@@ -211,6 +239,17 @@ class CausalLM(nn.Module):
     def reset_buffers(self) -> None:
         """Refills derived buffers after `to_empty` (which leaves them uninitialized)."""
         self.rotary.reset_buffers()
+        for block in self.moe_blocks().values():
+            block.reset_buffers()
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """Decoder layer index -> its mixture-of-experts block, for the routed layers."""
+        blocks: dict[int, SparseMoeBlock] = {}
+        for index, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                blocks[index] = layer.mlp
+        return blocks
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
         """Hugging Face checkpoint tensor name -> where its values go in this module."""
@@ -221,7 +260,7 @@ class CausalLM(nn.Module):
         }
         if self.lm_head is not None:
             targets["lm_head.weight"] = WeightTarget(self.lm_head.weight)
-        q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+        q, kv = config.q_size, config.kv_size
         for index, layer in enumerate(self.model.layers):
             assert isinstance(layer, DecoderLayer)
             prefix = f"model.layers.{index}"
@@ -244,12 +283,48 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 targets[f"{prefix}.self_attn.q_norm.weight"] = WeightTarget(attn.q_norm.weight)
                 targets[f"{prefix}.self_attn.k_norm.weight"] = WeightTarget(attn.k_norm.weight)
-            mlp_suffixes = ["weight"] + (["bias"] if config.mlp_bias else [])
-            for suffix in mlp_suffixes:
-                fused = getattr(mlp.gate_up_proj, suffix)
-                targets[f"{prefix}.mlp.gate_proj.{suffix}"] = WeightTarget(fused, 0, inter)
-                targets[f"{prefix}.mlp.up_proj.{suffix}"] = WeightTarget(fused, inter, 2 * inter)
-                targets[f"{prefix}.mlp.down_proj.{suffix}"] = WeightTarget(
-                    getattr(mlp.down_proj, suffix)
-                )
+            if isinstance(mlp, SparseMoeBlock):
+                targets.update(_moe_targets(config, prefix, mlp))
+            else:
+                targets.update(_mlp_targets(config, f"{prefix}.mlp", mlp))
         return targets
+
+
+def _mlp_targets(config: ModelConfig, prefix: str, mlp: GatedMLP) -> dict[str, WeightTarget]:
+    inter = mlp.intermediate_size
+    targets: dict[str, WeightTarget] = {}
+    for suffix in ["weight"] + (["bias"] if config.mlp_bias else []):
+        fused = getattr(mlp.gate_up_proj, suffix)
+        targets[f"{prefix}.gate_proj.{suffix}"] = WeightTarget(fused, 0, inter)
+        targets[f"{prefix}.up_proj.{suffix}"] = WeightTarget(fused, inter, 2 * inter)
+        targets[f"{prefix}.down_proj.{suffix}"] = WeightTarget(getattr(mlp.down_proj, suffix))
+    return targets
+
+
+def _moe_targets(
+    config: ModelConfig, prefix: str, block: SparseMoeBlock
+) -> dict[str, WeightTarget]:
+    """Each expert's three matrices into its slices of the stacked weights. Mixtral calls the
+    block `block_sparse_moe` and the matrices w1 (gate), w3 (up), w2 (down)."""
+    inter = block.experts.intermediate_size
+    w13, w2 = block.experts.w13, block.experts.w2
+    if config.architecture == "MixtralForCausalLM":
+        block_prefix, names = f"{prefix}.block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        block_prefix, names = f"{prefix}.mlp", ("gate_proj", "up_proj", "down_proj")
+    assert isinstance(block.gate, nn.Linear)
+    targets = {f"{block_prefix}.gate.weight": WeightTarget(block.gate.weight)}
+    for expert in range(block.num_experts):
+        expert_prefix = f"{block_prefix}.experts.{expert}"
+        gate_name, up_name, down_name = names
+        targets[f"{expert_prefix}.{gate_name}.weight"] = WeightTarget(w13, 0, inter, expert)
+        targets[f"{expert_prefix}.{up_name}.weight"] = WeightTarget(w13, inter, 2 * inter, expert)
+        targets[f"{expert_prefix}.{down_name}.weight"] = WeightTarget(w2, expert=expert)
+    if isinstance(block.shared_expert, GatedMLP) and isinstance(
+        block.shared_expert_gate, nn.Linear
+    ):
+        targets.update(_mlp_targets(config, f"{block_prefix}.shared_expert", block.shared_expert))
+        targets[f"{block_prefix}.shared_expert_gate.weight"] = WeightTarget(
+            block.shared_expert_gate.weight
+        )
+    return targets

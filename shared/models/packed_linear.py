@@ -86,7 +86,9 @@ def pack_bf16_linears(model: CausalLM) -> int:
         packed = replace_linears(
             model,
             lambda linear: PackedBf16Linear(linear.weight, linear.bias),
-            skip=lambda name: name == "lm_head",  # the head is packed below, as head_module
+            # The head is packed below, as head_module; a shared expert's one-output gate
+            # gains nothing from packing.
+            skip=lambda name: name in ("lm_head", "shared_expert_gate"),
         )
         if model.head_module is None:
             model.head_module = PackedBf16Linear(model.head_weight(), None)

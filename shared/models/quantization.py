@@ -138,9 +138,16 @@ def quantize_model(model: CausalLM, method: str, include_lm_head: bool = False) 
     if method not in QUANT_METHODS:
         raise ValueError(f"unknown quantization {method!r}; expected one of {QUANT_METHODS}")
     with torch.no_grad():
+        # A mixture-of-experts router stays in full precision (as vLLM keeps it): its
+        # logits pick the experts, and a flipped pick costs more than its few bytes save.
         replaced = replace_linears(
-            model.model.layers, lambda linear: quantized_linear(linear.weight, linear.bias, method)
+            model.model.layers,
+            lambda linear: quantized_linear(linear.weight, linear.bias, method),
+            skip=lambda name: name in ("gate", "shared_expert_gate"),
         )
+        for block in model.moe_blocks().values():
+            block.experts.quantize_(method)
+            replaced += 1
         if include_lm_head and model.head_module is not None:
             # A head already in a module of its own (a tensor-parallel shard): its linear.
             replaced += replace_linears(

@@ -5,6 +5,10 @@ the cut itself, in place (`shard_model`, Megatron-style):
   (column-parallel); o_proj takes the matching input columns (row-parallel, summed over ranks);
 - MLP: the rank's share of gate and up (column-parallel), down_proj's matching columns
   (row-parallel);
+- mixture-of-experts MLP: the router whole; every expert's share of its intermediate features
+  (as a dense MLP's), or with expert parallelism whole experts, E / world_size per rank; the
+  shared expert's share of its features. The block adds the routed and shared partial sums and
+  all-reduces them once (`nori.models.moe`);
 - the embedding and the LM head: the rank's share of the vocabulary.
 
 Norms and rotary tables are small and kept whole. Runs right after the checkpoint is read and
@@ -20,6 +24,7 @@ from torch import nn
 
 from nori.models.config import ModelConfig
 from nori.models.llama import CausalLM, DecoderLayer, GatedMLP, SelfAttention
+from nori.models.moe import SparseMoeBlock
 from nori.parallel.group import TensorParallelGroup
 from nori.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
 
@@ -27,7 +32,17 @@ from nori.parallel.layers import RowParallelLinear, VocabParallelEmbedding, Voca
 def local_model_config(config: ModelConfig, group: TensorParallelGroup) -> ModelConfig:
     """The shapes `group`'s rank's shard has: its query and kv heads (what its KV cache holds).
     ValueError when the model does not split into world_size shards."""
-    group.part(config.intermediate_size, "intermediate size")
+    if not config.is_moe or any(
+        not config.is_moe_layer(index) for index in range(config.num_hidden_layers)
+    ):
+        group.part(config.intermediate_size, "intermediate size")
+    if config.is_moe:
+        if group.expert_parallel:
+            group.part(config.num_experts, "experts (--enable-expert-parallel)")
+        else:
+            group.part(config.moe_intermediate_size, "expert intermediate size")
+        if config.shared_expert_intermediate_size:
+            group.part(config.shared_expert_intermediate_size, "shared expert intermediate size")
     q_start, q_stop = group.part(config.num_attention_heads, "attention heads")
     kv_start, kv_stop = group.part(config.num_key_value_heads, "key-value heads")
     return replace(
@@ -45,7 +60,10 @@ def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)
             _shard_attention(layer.self_attn, group)
-            _shard_mlp(layer.mlp, group)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                _shard_moe(layer.mlp, group)
+            else:
+                _shard_mlp(layer.mlp, group)
         embedding = model.model.embed_tokens
         model.head_module = VocabParallelHead(model.head_weight().data, group)
         model.model.embed_tokens = VocabParallelEmbedding(embedding, group)  # type: ignore[assignment]
@@ -80,6 +98,34 @@ def _shard_mlp(mlp: GatedMLP, group: TensorParallelGroup) -> None:
     mlp.gate_up_proj = _rows_of(mlp.gate_up_proj, rows)
     mlp.down_proj = _row_parallel(mlp.down_proj, start, stop, group)  # type: ignore[assignment]
     mlp.intermediate_size = stop - start
+
+
+def _shard_moe(block: SparseMoeBlock, group: TensorParallelGroup) -> None:
+    experts = block.experts
+    if group.expert_parallel:
+        start, stop = group.part(experts.num_experts, "experts")
+        experts.keep_slices(slice(start, stop))
+        block.expert_start = start
+    else:
+        start, stop = group.part(experts.intermediate_size, "expert intermediate size")
+        experts.keep_slices(slice(None), torch.arange(start, stop))
+    shared = block.shared_expert
+    if isinstance(shared, GatedMLP):
+        # Column-parallel gate/up and the matching columns of down, without down's own
+        # all-reduce: the block all-reduces routed and shared partial sums together.
+        start, stop = group.part(shared.intermediate_size, "shared expert intermediate size")
+        inter = shared.intermediate_size
+        device = shared.gate_up_proj.weight.device
+        rows = torch.cat([torch.arange(start, stop), inter + torch.arange(start, stop)])
+        shared.gate_up_proj = _rows_of(shared.gate_up_proj, rows.to(device))
+        down = shared.down_proj
+        columns = nn.Linear(stop - start, down.out_features, bias=False, dtype=down.weight.dtype)
+        columns.weight = nn.Parameter(
+            down.weight.data[:, start:stop].contiguous(), requires_grad=False
+        )
+        shared.down_proj = columns
+        shared.intermediate_size = stop - start
+    block.group = group
 
 
 def _rows_of(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:

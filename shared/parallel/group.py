@@ -16,6 +16,9 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int
     world_size: int
+    # `--enable-expert-parallel`: a mixture-of-experts model's experts are split whole across
+    # the ranks instead of each expert being cut into slices (attention is sharded either way).
+    expert_parallel: bool = False
 
     @property
     def is_leader(self) -> bool:

@@ -1,0 +1,166 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's
+top-k experts, the fused expert kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds
+a shared expert scaled by a sigmoid gate.
+
+Routing follows transformers exactly: softmax over all experts in float32, top-k of those
+probabilities, then (Mixtral always, the Qwen models when `norm_topk_prob`) rescaled to sum to 1;
+Mixtral keeps the weights in float32, the Qwen models cast them to the activations' dtype.
+
+Parallelism (set by `nori.models.shard`): with tensor parallelism every rank holds a slice of
+every expert's intermediate features; with expert parallelism (`--enable-expert-parallel`) a
+rank holds whole experts [expert_start, expert_start + local experts). Either way each rank
+computes its partial sum for every token that needs it and one all-reduce adds them up, the
+shared expert's slice included.
+
+Each block counts the tokens routed to each of its experts (`routed_tokens`, cumulative since
+load): the load-balance metrics read those counters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nori.kernels.fused_moe import fused_experts
+from nori.kernels.quantized_linear import quantize_weight
+from nori.models.config import ModelConfig
+from nori.parallel.group import TensorParallelGroup
+
+
+def route_tokens(
+    router_logits: torch.Tensor, top_k: int, renormalise: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] in weights_dtype, expert ids [T, k] int64)."""
+    probabilities = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probabilities, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), ids
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's gated MLP, stacked: w13 [E, 2I, H] (gate rows, then up rows) and
+    w2 [E, H, I]; after `quantize_` 8-bit with one float32 scale per output row."""
+
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+
+    def __init__(
+        self,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(
+            torch.empty(
+                num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device
+            ),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_experts(
+            hidden, self.w13, self.w2, topk_weights, local_ids, self.w13_scale, self.w2_scale
+        )
+
+    def keep_slices(self, experts: slice, intermediate_rows: torch.Tensor | None = None) -> None:
+        """Keeps only experts `experts` and, of each, the intermediate features
+        `intermediate_rows` (tensor parallelism); in place, before any quantization."""
+        w13, w2 = self.w13.data[experts], self.w2.data[experts]
+        if intermediate_rows is not None:
+            inter = self.intermediate_size
+            gate_up_rows = torch.cat([intermediate_rows, inter + intermediate_rows])
+            w13 = w13.index_select(1, gate_up_rows.to(w13.device))
+            w2 = w2.index_select(2, intermediate_rows.to(w2.device))
+            self.intermediate_size = int(intermediate_rows.numel())
+        self.w13 = nn.Parameter(w13.contiguous(), requires_grad=False)
+        self.w2 = nn.Parameter(w2.contiguous(), requires_grad=False)
+        self.num_experts = w13.shape[0]
+
+    def quantize_(self, method: str) -> None:
+        """8-bit weights (int8 or fp8) with one scale per output row, as the dense layers'
+        (`quantize_weight` per expert)."""
+        for name in ("w13", "w2"):
+            weights = getattr(self, name)
+            codes, scales = zip(
+                *(quantize_weight(weights[e], method) for e in range(self.num_experts)),
+                strict=True,
+            )
+            setattr(self, name, nn.Parameter(torch.stack(codes), requires_grad=False))
+            setattr(self, f"{name}_scale", torch.stack(scales))
+
+    def store_transposed(self) -> None:
+        """Each expert's weights in [in, out] memory order (still seen as [out, in]): the CPU's
+        small-batch GEMMs run faster on it, as for the dense layers (`store_weights_transposed`)."""
+        for name in ("w13", "w2"):
+            weights = getattr(self, name).data
+            transposed = weights.transpose(1, 2).contiguous().transpose(1, 2)
+            setattr(self, name, nn.Parameter(transposed, requires_grad=False))
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a routed decoder layer. Attribute names follow the Qwen MoE checkpoints
+    (`gate` is the router); `hf_weight_targets` maps Mixtral's names onto the same. The decoder
+    builds the parts: the router `gate` [E, H], the experts, and Qwen2-MoE's shared expert (a
+    gated MLP) with its one-output `shared_expert_gate`."""
+
+    routed_tokens: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        gate: nn.Module,
+        experts: ExpertWeights,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
+        self.weights_in_float32 = config.routing_weights_in_float32
+        self.gate = gate
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        # Expert parallelism: this rank's experts are [expert_start, expert_start + local).
+        self.expert_start = 0
+        # Where the ranks' partial sums meet (set by `nori.models.shard`); None on one rank.
+        self.group: TensorParallelGroup | None = None
+        self.register_buffer(
+            "routed_tokens",
+            torch.zeros(config.num_experts, dtype=torch.int64, device=experts.w13.device),
+            persistent=False,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(hidden)
+        weights_dtype = torch.float32 if self.weights_in_float32 else hidden.dtype
+        weights, ids = route_tokens(router_logits, self.top_k, self.renormalise, weights_dtype)
+        flat_ids = ids.flatten()
+        self.routed_tokens.index_add_(0, flat_ids, torch.ones_like(flat_ids))
+        local_ids = ids if self.group is None else ids - self.expert_start
+        out = self.experts(hidden, weights, local_ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared_gate = torch.sigmoid(self.shared_expert_gate(hidden))
+            out = out + shared_gate * self.shared_expert(hidden)
+        if self.group is not None:
+            out = self.group.all_reduce_(out)
+        return out
+
+    def reset_buffers(self) -> None:
+        """Zeroes the counters after `to_empty` (which leaves buffers uninitialized)."""
+        self.routed_tokens.zero_()
