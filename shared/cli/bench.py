@@ -149,6 +149,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     spec.add_argument("-o", "--output-file", default=None, help="also write the JSON here")
     add_engine_args(spec)
     spec.set_defaults(handler=run_spec_decode)
+    moe_decode = commands.add_parser(
+        "moe-decode",
+        help="decode tokens/s of a mixture-of-experts model beside a dense one with the same "
+        "active parameters (default small-moe vs small), by batch size",
+    )
+    moe_decode.add_argument("--dense-model", default="small")
+    moe_decode.add_argument("--moe-model", default="small-moe")
+    moe_decode.add_argument("--batch-sizes", default="16", metavar="B1,B2,...")
+    moe_decode.add_argument(
+        "--context", type=int, default=128, help="tokens in each decode row's KV (its prompt)"
+    )
+    moe_decode.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
+    moe_decode.add_argument("--rounds", type=int, default=3, help="alternating runs per side")
+    moe_decode.add_argument("--json", action="store_true", help="print one JSON object")
+    moe_decode.add_argument("-o", "--output-file", default=None, help="also write the JSON here")
+    add_engine_args(moe_decode, with_model=False)
+    moe_decode.set_defaults(handler=run_moe_decode)
     register_cluster_benchmarks(commands)
 
 
@@ -312,3 +329,25 @@ def _print_report(report: dict[str, object], as_json: bool) -> None:
     else:
         for key, value in report.items():
             print(f"{key:>28}: {value}")
+
+
+def run_moe_decode(args: argparse.Namespace) -> int:
+    from nori.bench.moe_decode import format_report, run_moe_decode_benchmark
+
+    sizes = tuple(int(size) for size in args.batch_sizes.split(","))
+    if min(sizes) < 1 or args.rounds < 1 or args.steps < 1 or args.context < 1:
+        raise ValueError("--batch-sizes, --rounds, --steps and --context must be >= 1")
+    args.model = args.dense_model
+    report = run_moe_decode_benchmark(
+        engine_config_from_args(args),
+        dense_model=args.dense_model,
+        moe_model=args.moe_model,
+        batch_sizes=sizes,
+        context=args.context,
+        steps=args.steps,
+        rounds=args.rounds,
+    )
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

@@ -87,7 +87,8 @@ def add_engine_args(
             "--model",
             default="demo",
             help="a local Hugging Face checkpoint folder, or a built-in random-weight model "
-            "created on first use: 'demo' (3.7M parameters) or 'small' (24M); their text is "
+            "created on first use: 'demo' (3.7M parameters), 'small' (24M) or 'small-moe' (75M, "
+            "8 experts, 2 active: small's active parameters); their text is "
             "meaningless",
         )
     group.add_argument(

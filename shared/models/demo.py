@@ -1,7 +1,8 @@
 """Turns a `--model` argument into a model folder, creating a built-in checkpoint on first use.
 
 Built-in models are random-weight presets with a real tokenizer, small enough to write on first
-use: `demo` (the default everywhere) and `small` (a 24M-parameter shape for serving benchmarks).
+use: `demo` (the default everywhere), `small` (a 24M-parameter shape for serving benchmarks) and
+`small-moe` (`small` with 8 experts of half its MLP, 2 active per token).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from nori.models.model_cache import build_once
 from nori.settings import Environment
 
 DEMO_NAME = "demo"
-BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small")
+BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small", "small-moe")
 
 
 def default_cache_dir() -> Path:

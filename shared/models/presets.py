@@ -101,6 +101,21 @@ _QWEN3_06B = ModelConfig(
     torch_dtype="bfloat16",
 )
 
+# Mixture-of-experts shapes. `small-moe` is `small` with each MLP made 8 experts of half its
+# width, 2 per token: the same parameters active per token (the MoE decode benchmark's pair),
+# four times the MLP parameters in all. Mixtral's attention is `small`'s Llama attention.
+_SMALL_MOE = replace(
+    _SMALL,
+    architecture="MixtralForCausalLM",
+    rope_scaling=None,
+    intermediate_size=_SMALL.intermediate_size // 2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=_SMALL.intermediate_size // 2,
+    norm_topk_prob=True,
+)
+_TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
     {
         "tiny": _TINY,
@@ -120,8 +135,34 @@ PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
             rms_norm_eps=1e-6,
             rope_theta=1000000.0,
         ),
+        "tiny-mixtral": replace(
+            _TINY,
+            architecture="MixtralForCausalLM",
+            intermediate_size=32,
+            norm_topk_prob=True,
+            **_TINY_MOE,
+        ),
+        "tiny-qwen2-moe": replace(
+            _TINY,
+            architecture="Qwen2MoeForCausalLM",
+            attention_bias=True,
+            shared_expert_intermediate_size=96,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            **_TINY_MOE,
+        ),
+        "tiny-qwen3-moe": replace(
+            _TINY,
+            architecture="Qwen3MoeForCausalLM",
+            qk_norm=True,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            **_TINY_MOE,
+        ),
         "demo": _DEMO,
         "small": _SMALL,
+        "small-moe": _SMALL_MOE,
         "llama3-1b": _LLAMA3_1B,
         "llama3-8b": replace(
             _LLAMA3_1B,

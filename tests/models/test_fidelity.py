@@ -23,6 +23,11 @@ CONFIGS: dict[str, ModelConfig] = {
     "tiny": PRESETS["tiny"],
     "tiny-qwen2": PRESETS["tiny-qwen2"],
     "tiny-qwen3": PRESETS["tiny-qwen3"],
+    "tiny-mixtral": PRESETS["tiny-mixtral"],
+    "tiny-qwen2-moe": PRESETS["tiny-qwen2-moe"],
+    "tiny-qwen3-moe": PRESETS["tiny-qwen3-moe"],
+    # A dense layer between routed ones (Qwen2-MoE's `mlp_only_layers`).
+    "qwen2-moe-dense-layer": replace(PRESETS["tiny-qwen2-moe"], mlp_only_layers=(0,)),
     # Short original context so positions below 64 already reach the scaled frequencies.
     "llama3-scaling-tied": replace(
         PRESETS["tiny"],
