@@ -160,22 +160,40 @@ def weight_bytes(
     embedding table is only gathered, B rows, unless tied to the head)."""
     projection = 1 if quantization in ("int8", "fp8") else _element_bytes(dtype)
     head = projection if quantize_lm_head else _element_bytes(dtype)
+    # A mixture-of-experts step at decode batch sizes touches nearly every expert: all of them
+    # are counted (a lower bound on the floor at batch 1, where only top-k experts are read).
     return (
-        model.num_hidden_layers * _layer_projection_params(model) * projection
+        _projection_params(model, every_expert=True) * projection
         + model.vocab_size * model.hidden_size * head
     )
 
 
-def _layer_projection_params(model: ModelConfig) -> int:
+def _projection_params(model: ModelConfig, every_expert: bool) -> int:
+    """All decoder layers' projection parameters; of a mixture-of-experts layer's experts, all
+    of them (`every_expert`: the bytes a step may read) or the top-k a token runs (its FLOPs)."""
     q_dim = model.num_attention_heads * model.head_dim
     kv_dim = model.num_key_value_heads * model.head_dim
     hidden = model.hidden_size
-    return hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * model.intermediate_size
+    attention = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+    total = 0
+    for index in range(model.num_hidden_layers):
+        if not model.is_moe_layer(index):
+            total += attention + 3 * hidden * model.intermediate_size
+            continue
+        experts = model.num_experts if every_expert else model.num_experts_per_tok
+        shared = model.shared_expert_intermediate_size
+        total += (
+            attention
+            + hidden * model.num_experts  # the router
+            + experts * 3 * hidden * model.moe_intermediate_size
+            + (3 * hidden * shared + hidden if shared else 0)
+        )
+    return total
 
 
 def prefill_flops(model: ModelConfig, prompt_len: int) -> float:
     layers = model.num_hidden_layers
-    projections = 2 * layers * _layer_projection_params(model) * prompt_len
+    projections = 2 * _projection_params(model, every_expert=False) * prompt_len
     attention = 2 * layers * model.num_attention_heads * model.head_dim * prompt_len**2
     head = 2 * model.hidden_size * model.vocab_size
     return float(projections + attention + head)
@@ -185,7 +203,7 @@ def decode_flops(model: ModelConfig, batch: int, context: int) -> float:
     """A decode step of `batch` rows, each attending to `context` tokens: every row's
     projections and LM head, and its QK and PV products."""
     layers = model.num_hidden_layers
-    projections = 2 * layers * _layer_projection_params(model)
+    projections = 2 * _projection_params(model, every_expert=False)
     attention = 4 * layers * model.num_attention_heads * model.head_dim * context
     head = 2 * model.hidden_size * model.vocab_size
     return float(batch * (projections + attention + head))
