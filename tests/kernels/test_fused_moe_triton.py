@@ -110,15 +110,18 @@ def test_random_routing_matches_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_with_no_one_and_all_tokens(dtype: torch.dtype) -> None:
-    # 18 tokens, k = 2, 5 experts: expert 0 takes every token (two 16-row blocks), expert 1 and
-    # 4 none, expert 2 one token, expert 3 all the others.
-    num_tokens = 18
-    ids = torch.stack(
-        [torch.zeros(num_tokens, dtype=torch.long), torch.full((num_tokens,), 3)], dim=1
-    )
+    # 16 tokens, k = 3, 6 experts (16-row blocks): expert 0 takes every token, exactly one
+    # full block; expert 2 one token; expert 3 the 15 others in slot 1 and tokens 0-9 again in
+    # slot 2 (a repeated id counts twice; slot 2 of tokens 10-15 is another rank's), 25 pairs in
+    # two blocks; experts 1, 4 and 5 none.
+    num_tokens = 16
+    ids = torch.zeros(num_tokens, 3, dtype=torch.long)
+    ids[:, 1] = 3
     ids[7, 1] = 2
+    ids[:, 2] = 3
+    ids[10:, 2] = -1
     ids = ids.to(DEVICE)
-    w13, w2 = _expert_weights(5, dtype)
+    w13, w2 = _expert_weights(6, dtype)
     _assert_matches_reference(_hidden(num_tokens, dtype), w13, w2, _weights_for(ids), ids)
 
 
