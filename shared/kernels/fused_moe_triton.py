@@ -103,6 +103,8 @@ def align_pairs_by_expert(
     (each of at most min(E, T*k) non-empty groups adds under block_m padding rows), and the
     blocks past the actual total are marked -1.
     """
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     num_blocks = cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
@@ -116,7 +118,7 @@ def align_pairs_by_expert(
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, buckets, torch.ones_like(buckets))
     group_starts = counts.cumsum(0) - counts
-    padded_counts = cdiv_tensor(counts[:num_experts], block_m) * block_m
+    padded_counts = _cdiv_tensor(counts[:num_experts], block_m) * block_m
     padded_ends = padded_counts.cumsum(0)
     padded_starts = padded_ends - padded_counts
 
@@ -142,7 +144,7 @@ def align_pairs_by_expert(
     )
 
 
-def cdiv_tensor(values: torch.Tensor, divisor: int) -> torch.Tensor:
+def _cdiv_tensor(values: torch.Tensor, divisor: int) -> torch.Tensor:
     return (values + divisor - 1) // divisor
 
 

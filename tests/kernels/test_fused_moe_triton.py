@@ -132,9 +132,12 @@ def test_single_token() -> None:
 
 
 def test_ids_outside_the_local_experts_are_skipped() -> None:
-    # Expert parallelism: this rank holds 4 experts; -1, 4 and 9 belong to other ranks. Token 2
-    # has none here and must come out zero; the others keep only their local slots' share.
-    ids = torch.tensor([[0, -1, 3], [4, 2, 9], [-3, 5, 4], [1, 1, 2]], device=DEVICE)
+    # Expert parallelism: this rank holds 4 experts, and -3, -1, 4, 5 and 9 belong to other
+    # ranks (int32 ids, as routers often give them). Token 2 has none here and must come out
+    # zero; the others keep only their local slots' share.
+    ids = torch.tensor(
+        [[0, -1, 3], [4, 2, 9], [-3, 5, 4], [1, 1, 2]], dtype=torch.int32, device=DEVICE
+    )
     w13, w2 = _expert_weights(4, torch.float32)
     hidden = _hidden(4, torch.float32)
     out = _assert_matches_reference(hidden, w13, w2, _weights_for(ids), ids)
