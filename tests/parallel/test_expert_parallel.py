@@ -3,7 +3,8 @@
 and Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE give the tokens of one rank
 and transformers' logits to 1e-4; without expert parallelism (every expert sliced across the
 ranks) Qwen2-MoE does too. An expert count the ranks do not split is refused before any rank
-starts.
+starts; a dense model ignores the flag, saying so. The flag itself reaches the engine from every
+command that builds one, and `nori up` gives it to one pool only.
 
 The checkpoints are transformers' own (`tests/engine/moe_checkpoints.py`); each test checks the
 shard it ran on (experts per rank, expert ids shifted) so that a flag that silently did nothing
@@ -12,6 +13,7 @@ would fail here.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 from nori.cli.engine_args import changed_engine_flags, engine_config_from_args, worker_args
 from nori.cli.main import build_parser
 from nori.engine.llm import LLM
+from nori.models.init_checkpoint import init_checkpoint
 from nori.models.moe import SparseMoeBlock
 from nori.sampling.params import SamplingParams
 from tests.engine.moe_checkpoints import MOE_ARCHITECTURES, VOCAB_SIZE, write_moe_checkpoint
@@ -122,3 +125,13 @@ def test_an_expert_count_the_ranks_do_not_split_is_refused(tmp_path: Path) -> No
         ValueError, match=r"--tensor-parallel-size 4 must divide the model's experts"
     ):
         LLM(str(folder), tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE)
+
+
+def test_a_dense_model_ignores_the_flag_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    init_checkpoint(tmp_path, "tiny", seed=1)
+    with caplog.at_level(logging.INFO, logger="nori.engine.model_runner"):
+        llm = LLM(str(tmp_path), enable_expert_parallel=True, **ENGINE)
+    assert "has no experts; ignored" in caplog.text
+    assert not llm.engine._runner.model.moe_blocks()
