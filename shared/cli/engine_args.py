@@ -135,6 +135,14 @@ def add_engine_args(
         "each with its share of the heads, MLP, vocabulary and KV cache and of the threads",
     )
     group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size N, a mixture-of-experts model's experts go whole to "
+        "the ranks (E/N each) instead of every expert being sliced N ways; attention, dense "
+        "layers and a shared expert stay tensor-parallel, and the KV layout is unchanged "
+        "(a no-op for a dense model or one rank)",
+    )
+    group.add_argument(
         "--load-format",
         default="auto",
         choices=get_args(LoadFormat),
@@ -254,6 +262,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "quantize_lm_head": args.quantize_lm_head,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "load_format": args.load_format,
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,

@@ -145,6 +145,11 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
     # Ranks (processes) one model is split across, Megatron-style (nori.parallel): 1 = none.
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: a mixture-of-experts model's experts go whole to the
+    # ranks (E / tensor_parallel_size each) instead of each expert being sliced across them.
+    # Attention, dense layers and a shared expert stay tensor-parallel; the KV layout is the
+    # same either way. A no-op at tensor_parallel_size 1 and for a dense model.
+    enable_expert_parallel: bool = False
     # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: LoadFormat = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE

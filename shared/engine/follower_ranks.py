@@ -70,6 +70,14 @@ class Stop:
 Command = StepCommand | ReadBlocks | WriteBlocks | Stop
 
 
+def rank_group(config: EngineConfig, rank: int) -> TensorParallelGroup:
+    """Rank `rank`'s view of `config`'s group: its size, and whether a mixture-of-experts model's
+    experts go whole to the ranks (--enable-expert-parallel) or are sliced across them."""
+    return TensorParallelGroup(
+        rank, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel
+    )
+
+
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
@@ -136,7 +144,7 @@ class FollowerRanks:
             _stop_processes(processes)
             raise
         logger.info("tensor parallel: %d ranks (%s)", world_size, backend_for(device_type))
-        return cls(TensorParallelGroup(0, world_size), processes)
+        return cls(rank_group(config, 0), processes)
 
     def send(self, command: Command) -> None:
         self.group.broadcast_object(command)
@@ -191,7 +199,7 @@ def follower_main(
         timeout=COLLECTIVE_TIMEOUT,
     )
     runner = ModelRunner(config, model_dir, rank=rank)
-    group = TensorParallelGroup(rank, world_size)
+    group = rank_group(config, rank)
     try:
         while True:
             command = group.broadcast_object()

@@ -16,7 +16,14 @@ from nori.engine.batch_inputs import PromptLogprobRows, build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.draft_model import DraftModel
-from nori.engine.follower_ranks import Command, FollowerRanks, ReadBlocks, StepCommand, WriteBlocks
+from nori.engine.follower_ranks import (
+    Command,
+    FollowerRanks,
+    ReadBlocks,
+    StepCommand,
+    WriteBlocks,
+    rank_group,
+)
 from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
@@ -81,12 +88,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.parallel: TensorParallelGroup | None = None
         self.followers: FollowerRanks | None = None
+        if config.enable_expert_parallel and rank == 0 and not model_config.is_moe:
+            logger.info("--enable-expert-parallel: %s has no experts; ignored", model_dir.name)
         if config.tensor_parallel_size > 1:
             # Checked before any process starts.
-            local_model_config(model_config, TensorParallelGroup(0, config.tensor_parallel_size))
+            local_model_config(model_config, rank_group(config, 0))
             if rank == 0:
                 self.followers = FollowerRanks.start(config, model_dir, self.device.type)
-            self.parallel = TensorParallelGroup(rank, config.tensor_parallel_size)
+            self.parallel = rank_group(config, rank)
         try:
             self._load(config, model_dir)
         except BaseException:
@@ -104,7 +113,12 @@ class ModelRunner:
             self.device,
             self.dtype,
             f", {config.quantization} weights" if config.quantization else "",
-            f", rank {rank} of {config.tensor_parallel_size}" if self.parallel else "",
+            (
+                f", rank {rank} of {config.tensor_parallel_size}"
+                + (", expert parallel" if self.parallel.expert_parallel else "")
+            )
+            if self.parallel
+            else "",
             self.attention_backend,
             self.kv_cache.num_blocks,
             config.block_size,
