@@ -11,6 +11,10 @@ with an empty prefix cache (static batching has none).
 
 With repeats, the policies take turns (continuous, static, continuous, ...), so that a slow
 spell of a shared machine hits both, and each policy's median run is reported.
+
+A mixture-of-experts model's load balance comes with the continuous run reported: per routed
+layer the tokens each expert received and max/mean (1.0 = even), and their sum, checked against
+the tokens the engine forwarded x top_k x routed layers (`moe_*` fields).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, replace
 from nori.engine.config import EngineConfig, SchedulingPolicy
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner
-from nori.engine.outputs import StepOutput
+from nori.engine.outputs import ExpertRoutingCounts, StepOutput, expert_imbalance
 from nori.models.demo import resolve_model
 from nori.sampling.params import SamplingParams
 
@@ -46,6 +50,12 @@ class RunResult:
     num_input_tokens: int
     num_steps: int
     num_preemptions: int
+    # Positions the model computed: prompt positions (none came from the prefix cache, which
+    # starts empty) and every sampled token but each request's last. Exact without preemption
+    # (a recompute also recomputes sampled tokens) and without speculative decoding.
+    num_tokens_forwarded: int = 0
+    # A mixture-of-experts model's tokens per expert in this run (None for a dense model).
+    expert_load: ExpertRoutingCounts | None = None
 
     @property
     def output_tok_s(self) -> float:
@@ -123,6 +133,9 @@ def run_policy(
     finished: list[StepOutput] = []
     steps = 0
     total = sum(workload.output_lens)
+    # The runner's counters are cumulative over the engines it served: this run's are the
+    # difference (read outside the timed span: each read waits for the device).
+    experts_before = engine.expert_routing_counts()
     start = time.perf_counter()
     # Output tokens (the bar's rate is output tok/s), and the requests done in the postfix.
     with tqdm(
@@ -140,6 +153,8 @@ def run_policy(
             progress.update(len(outputs))
     runner.synchronize()
     seconds = time.perf_counter() - start
+    experts_after = engine.expert_routing_counts()
+    load = engine.load()
     produced = sum(len(o.token_ids) for o in finished)
     if produced != total:
         # check_fits rules this out; a figure built on fewer tokens than asked must never pass.
@@ -152,8 +167,47 @@ def run_policy(
         num_output_tokens=sum(len(o.token_ids) for o in finished),
         num_input_tokens=workload.num_input_tokens,
         num_steps=steps,
-        num_preemptions=engine.load().num_preemptions,
+        num_preemptions=load.num_preemptions,
+        num_tokens_forwarded=load.num_prompt_tokens_computed
+        + sum(len(o.token_ids) - 1 for o in finished),
+        expert_load=(
+            None
+            if experts_before is None or experts_after is None
+            else experts_after.since(experts_before)
+        ),
     )
+
+
+def expert_load_report(run: RunResult, exact: bool) -> dict[str, object]:
+    """`moe_*` fields of a run on a mixture-of-experts model ({} for a dense one): per routed
+    layer the tokens per expert and max/mean, and the sum, which must be the forwarded tokens
+    x top_k x routed layers whenever `exact` (no preemption, no speculative decoding)."""
+    load = run.expert_load
+    if load is None:
+        return {}
+    expected = run.num_tokens_forwarded * load.top_k * len(load.layers) if exact else None
+    if expected is not None and load.total != expected:
+        raise RuntimeError(
+            f"{run.policy}: the routers counted {load.total} routed tokens, expected "
+            f"{run.num_tokens_forwarded} tokens x top_k {load.top_k} x {len(load.layers)} "
+            f"routed layers = {expected}"
+        )
+    imbalances = {layer: expert_imbalance(counts) for layer, counts in load.layers}
+    worst = max((value for value in imbalances.values() if value is not None), default=None)
+    report: dict[str, object] = {
+        "moe_top_k": load.top_k,
+        "moe_routed_layers": len(load.layers),
+        "moe_tokens_forwarded": run.num_tokens_forwarded,
+        "moe_routed_tokens": load.total,
+        # tokens x top_k x routed layers (None where preemption or drafts make it inexact).
+        "moe_routed_tokens_expected": expected,
+        "moe_imbalance_max": None if worst is None else round(worst, 3),
+    }
+    for layer, counts in load.layers:
+        value = imbalances[layer]
+        report[f"moe_layer_{layer}_imbalance"] = None if value is None else round(value, 3)
+        report[f"moe_layer_{layer}_expert_tokens"] = list(counts)
+    return report
 
 
 def median_run(runs: list[RunResult]) -> RunResult:
@@ -219,6 +273,10 @@ def run_offline_benchmark(
         "continuous_steps": continuous.num_steps,
         "continuous_preemptions": continuous.num_preemptions,
         "continuous_seconds_all": [round(run.seconds, 3) for run in runs["continuous"]],
+        **expert_load_report(
+            continuous,
+            exact=continuous.num_preemptions == 0 and config.speculative_config is None,
+        ),
     }
     if compare_static:
         static = median_run(runs["static"])

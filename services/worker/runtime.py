@@ -35,7 +35,7 @@ from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
 from nori.worker.request_telemetry import WorkerTelemetry
-from nori.worker.worker_metrics import WorkerMetrics
+from nori.worker.worker_metrics import EngineExpertCounts, WorkerMetrics
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -313,6 +313,8 @@ class Worker(ABC):
         engine = self._engine
         assert engine is not None
         self.metrics.watch_engine(lambda: engine.load, self.transfers_in_flight)
+        # A mixture-of-experts model's tokens per expert: asked of the engine at each scrape.
+        self.metrics.watch_experts(EngineExpertCounts(engine, asyncio.get_running_loop()))
         if self.options.metrics_port < 0:
             return None
         server, port = self.metrics.serve(self.options.host, self.options.metrics_port)

@@ -4,20 +4,39 @@ Counters and histograms are updated as requests pass (`request_telemetry.py`); t
 (running and waiting requests, KV blocks, transfers in flight) and the engine's own counters
 (preemptions, prompt positions computed, speculative decoding's drafts and accepted tokens) are
 read from the engine's last load snapshot when Prometheus scrapes, so the engine thread does no
-extra work for them. A registry of its own per worker (not prometheus_client's global default)
+extra work for them. A mixture-of-experts model's tokens per expert are read from the engine
+when scraped (`watch_experts`): one operation between steps, one device copy. A registry of its own per worker (not prometheus_client's global default)
 lets one process hold several workers, as the tests do.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from nori.engine.outputs import EngineLoad, SpecDecodeCounts
+from nori.engine.engine import LLMEngine
+from nori.engine.outputs import (
+    EngineLoad,
+    ExpertRoutingCounts,
+    SpecDecodeCounts,
+    expert_imbalance,
+)
+
+if TYPE_CHECKING:
+    from nori.worker.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
 
 # From a cached one-token answer (milliseconds) to a long generation (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -30,6 +49,13 @@ GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 400)
 # "length"), handed on to a decode worker ("transferred"), ended by its caller ("abort"),
 # or failed here ("error").
 OUTCOMES = ("stop", "length", "transferred", "abort", "error")
+
+# nori_moe_expert_imbalance's window: the tokens routed since the latest scrape at least this
+# long before the current one (four Prometheus scrapes at its default 15 s interval).
+IMBALANCE_WINDOW_S = 60.0
+# How long a scrape waits for the engine loop to read the expert counts (it answers between
+# steps); past it the scrape shows the last counts read.
+EXPERT_COUNTS_WAIT_S = 5.0
 
 
 class _EngineStateCollector(Collector):
@@ -122,6 +148,131 @@ def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
         )
 
 
+class _ExpertLoadCollector(Collector):
+    """A mixture-of-experts model's load balance, read from the engine at scrape time: nothing
+    at all for a dense model.
+
+    - `nori_moe_expert_tokens_total{layer, expert}`: tokens routed to each expert of each
+      routed decoder layer since the engine loaded (each token counts in each of its top-k
+      experts); `increase()` over a range gives that window's tokens per expert.
+    - `nori_moe_expert_imbalance{layer}`: the busiest expert's tokens over the mean per expert
+      (1.0 perfectly even, num_experts all on one), over the tokens routed since the latest
+      earlier scrape at least IMBALANCE_WINDOW_S before this one, or since the earliest scrape
+      while none is that old (the first scrape: since the engine loaded). About the last
+      minute at any scrape interval, and one window for every scraper (a window "since the
+      previous scrape" would split between two scrapers). A layer that routed nothing in the
+      window has no sample.
+    """
+
+    def __init__(
+        self,
+        counts: Callable[[], ExpertRoutingCounts | None],
+        window_s: float = IMBALANCE_WINDOW_S,
+    ) -> None:
+        self._counts = counts
+        self._window_s = window_s
+        # (time.monotonic(), counts) of earlier scrapes, the oldest the window's start.
+        self._history: deque[tuple[float, ExpertRoutingCounts]] = deque()
+        self._lock = threading.Lock()  # scrapes may overlap (one thread per HTTP request)
+
+    def describe(self) -> list[Metric]:
+        """The names, without asking the engine (registering must not wait for a step)."""
+        return [
+            CounterMetricFamily("nori_moe_expert_tokens", "", labels=["layer", "expert"]),
+            GaugeMetricFamily("nori_moe_expert_imbalance", "", labels=["layer"]),
+        ]
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        if counts is None:
+            return
+        window = self._window(counts)
+        tokens = CounterMetricFamily(
+            "nori_moe_expert_tokens",
+            "Tokens routed to each expert of each routed layer (each token counts in each of "
+            "its top-k experts).",
+            labels=["layer", "expert"],
+        )
+        for layer, layer_counts in counts.layers:
+            for expert, num_tokens in enumerate(layer_counts):
+                tokens.add_metric([str(layer), str(expert)], num_tokens)
+        yield tokens
+        imbalance = GaugeMetricFamily(
+            "nori_moe_expert_imbalance",
+            f"Busiest expert's tokens over the mean per expert (1.0 = even), over the tokens "
+            f"routed in about the last {self._window_s:g} s (since the latest scrape at least "
+            "that old).",
+            labels=["layer"],
+        )
+        for layer, layer_counts in window.layers:
+            ratio = expert_imbalance(layer_counts)
+            if ratio is not None:
+                imbalance.add_metric([str(layer)], ratio)
+        yield imbalance
+
+    def _window(self, counts: ExpertRoutingCounts) -> ExpertRoutingCounts:
+        """The tokens routed since the window's start; records this scrape."""
+        now = time.monotonic()
+        with self._lock:
+            history = self._history
+            # Keep one scrape at least window_s old (the start), drop those before it.
+            while len(history) >= 2 and now - history[1][0] >= self._window_s:
+                history.popleft()
+            start = history[0][1] if history else None
+            history.append((now, counts))
+        if start is None or [layer for layer, _ in start.layers] != [
+            layer for layer, _ in counts.layers
+        ]:
+            return counts
+        return counts.since(start)
+
+
+class EngineExpertCounts:
+    """`LLMEngine.expert_routing_counts` of a worker's engine core, for a scrape on another
+    thread: one operation between two steps (the engine thread or process owns the model),
+    waited for up to `wait_s`; past it, or on the event loop's own thread (which must never
+    wait on the engine), the last counts read. A dense model is asked once."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        loop: asyncio.AbstractEventLoop,
+        wait_s: float = EXPERT_COUNTS_WAIT_S,
+    ) -> None:
+        self._core = core
+        self._loop = loop
+        self._wait_s = wait_s
+        self._dense = False
+        self._last: ExpertRoutingCounts | None = None
+
+    def __call__(self) -> ExpertRoutingCounts | None:
+        if self._dense or _on_loop(self._loop):
+            return self._last
+        future = asyncio.run_coroutine_threadsafe(
+            self._core.call(LLMEngine.expert_routing_counts), self._loop
+        )
+        try:
+            counts = future.result(self._wait_s)
+        except FutureTimeout:
+            future.cancel()
+            logger.warning("expert counts: no answer from the engine in %.1f s", self._wait_s)
+            return self._last
+        except Exception:
+            logger.warning("expert counts: reading them failed", exc_info=True)
+            return self._last
+        if counts is None:
+            self._dense = True
+        self._last = counts
+        return counts
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -206,13 +357,21 @@ class WorkerMetrics:
     ) -> None:
         self.registry.register(_EngineStateCollector(load, transfers_in_flight))
 
+    def watch_experts(
+        self,
+        counts: Callable[[], ExpertRoutingCounts | None],
+        window_s: float = IMBALANCE_WINDOW_S,
+    ) -> None:
+        """The load-balance figures of a mixture-of-experts model (`counts`: its engine's
+        `expert_routing_counts`, e.g. an EngineExpertCounts), read at scrape time; a dense
+        model's None leaves them out."""
+        self.registry.register(_ExpertLoadCollector(counts, window_s))
+
     def token_totals(self) -> tuple[float, float]:
-        """Prompt tokens taken and tokens generated since the start (for the load line)."""
-        value = self.registry.get_sample_value
-        return (
-            value("nori_prompt_tokens_total") or 0.0,
-            value("nori_generation_tokens_total") or 0.0,
-        )
+        """Prompt tokens taken and tokens generated since the start (for the load line): read
+        from the two counters, not the registry, which would also ask the engine for its
+        expert counts."""
+        return _counter_total(self.prompt_tokens), _counter_total(self.generation_tokens)
 
     def observe_transfer(self, nbytes: int, seconds: float, draft_nbytes: int = 0) -> None:
         """A hand-off's bytes (`draft_nbytes` of them a draft model's K/V) and time."""
@@ -226,3 +385,12 @@ class WorkerMetrics:
         """Serves /metrics on a thread of its own; port 0 picks a free one (returned)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server, int(server.server_port)
+
+
+def _counter_total(counter: Counter) -> float:
+    return next(
+        sample.value
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )

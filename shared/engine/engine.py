@@ -5,13 +5,15 @@ the scheduler's; everything about tensors is the model runner's; this file owns 
 text state (detokenizer, stop conditions) and the hand-off of a request's K/V between engines.
 
 The surface, all of it (nobody outside reaches the scheduler, block manager or runner):
-`LLMEngine`'s ten members
+`LLMEngine`'s eleven members
 - `config` (EngineConfig), `model` (ServedModel: model config, tokenizer, max_model_len);
 - `add_request` (every request comes in here; `remote_kv` says when its K/V is computed
   elsewhere), `step`, `abort_request`, `has_unfinished_requests`;
 - `finish_kv_transfer`: the K/V of a remote-KV request is in (decode side) or was sent (prefill);
 - `load()` (EngineLoad: queue, blocks, preemptions, the running batch); `kv_cache` (KVCacheView:
-  tensors, block layouts and reads, prefix-cache events, `check_invariants`); `close()`;
+  tensors, block layouts and reads, prefix-cache events, `check_invariants`);
+  `expert_routing_counts()` (a mixture-of-experts model's tokens per expert, read when asked);
+  `close()`;
 and four module functions an engine core sends by name like the methods: `abort_all`,
 `prefilled_kv` (a prefilled request's state and block ids, for a reader of the cache),
 `export_request` and `import_request` (the hand-off within one process).
@@ -50,7 +52,13 @@ from nori.engine.kv_transfer import (
     set_generator_state,
 )
 from nori.engine.model_runner import ModelRunner, SampledTokens
-from nori.engine.outputs import EngineLoad, ServedModel, SpecDecodeCounts, StepOutput
+from nori.engine.outputs import (
+    EngineLoad,
+    ExpertRoutingCounts,
+    ServedModel,
+    SpecDecodeCounts,
+    StepOutput,
+)
 from nori.engine.prompt_checks import validate_prompt
 from nori.engine.request import Request, RequestStatus
 from nori.engine.request_text import add_known_tokens, check_stop, make_output, resume_text
@@ -253,8 +261,10 @@ class LLMEngine:
             request = item.request
             if request.first_scheduled_at is None:
                 request.first_scheduled_at = now  # its queue wait ends (metrics, traces)
+            # This step's positions that are prompt positions (a chunk computes only part).
             prompt_end = min(request.num_prompt_tokens, request.num_tokens)
-            self._num_prompt_tokens_computed += max(prompt_end - request.num_computed_tokens, 0)
+            step_end = min(prompt_end, request.num_computed_tokens + item.num_new_tokens)
+            self._num_prompt_tokens_computed += max(step_end - request.num_computed_tokens, 0)
         started = time.perf_counter()
         sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
         if self._step_costs is not None:
@@ -347,6 +357,30 @@ class LLMEngine:
             running_request_ids=frozenset(request.request_id for request in scheduler.running),
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             spec_decode=SpecDecodeCounts() if self._speculator is None else self._speculator.counts,
+        )
+
+    def expert_routing_counts(self) -> ExpertRoutingCounts | None:
+        """Tokens routed to each expert of each routed layer since the model loaded (None for a
+        dense model): a copy of the mixture-of-experts blocks' counters, for load-balance
+        metrics (a worker's /metrics, `nori bench offline`).
+
+        The counters live on the model's device and grow inside the forward pass; reading them
+        waits for the device (one copy of all layers at once), so it is done when asked (a
+        scrape, the end of a benchmark run), never per step. Under tensor or expert
+        parallelism every rank runs the router on every token identically and counts into a
+        full [num_experts] counter, so this rank's (the leader's) counts are the whole count.
+        An engine given a shared runner (`runner=`) reads the counts of every engine on it.
+        """
+        blocks = self._runner.model.moe_blocks()
+        if not blocks:
+            return None
+        counts = torch.stack([block.routed_tokens for block in blocks.values()]).tolist()
+        return ExpertRoutingCounts(
+            top_k=self._runner.model_config.num_experts_per_tok,
+            layers=tuple(
+                (layer, tuple(layer_counts))
+                for layer, layer_counts in zip(blocks, counts, strict=True)
+            ),
         )
 
     def close(self) -> None:

@@ -81,6 +81,47 @@ class SpecDecodeCounts:
 
 
 @dataclass(frozen=True)
+class ExpertRoutingCounts:
+    """Tokens a mixture-of-experts model routed to each expert of each routed layer, cumulative
+    since the model loaded (`LLMEngine.expert_routing_counts`). Every forwarded position counts
+    once in each of its top-k experts: prompt positions computed, decode and verification rows,
+    a static batch's padding rows; not prompt positions found in the prefix cache or received
+    with their K/V."""
+
+    # Experts each token is routed to.
+    top_k: int
+    # (decoder layer index, tokens per expert), the routed layers in order (a dense layer,
+    # Qwen2-MoE's `mlp_only_layers`, has none).
+    layers: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def total(self) -> int:
+        """Token slots routed over every expert and routed layer: tokens x top_k x layers."""
+        return sum(sum(counts) for _, counts in self.layers)
+
+    def since(self, earlier: ExpertRoutingCounts) -> ExpertRoutingCounts:
+        """The tokens routed between `earlier` (a snapshot of the same model) and this one."""
+        if [layer for layer, _ in earlier.layers] != [layer for layer, _ in self.layers]:
+            raise ValueError("snapshots of different models")
+        return replace(
+            self,
+            layers=tuple(
+                (layer, tuple(now - before for now, before in zip(counts, old, strict=True)))
+                for (layer, counts), (_, old) in zip(self.layers, earlier.layers, strict=True)
+            ),
+        )
+
+
+def expert_imbalance(counts: tuple[int, ...]) -> float | None:
+    """The busiest expert's tokens over the mean per expert: 1.0 is perfectly even, E (the
+    number of experts) is every token on one expert; None when no token was routed. With
+    expert parallelism the busiest expert's rank sets the step's pace, so max/mean is the
+    slowdown over an even spread (the figure vLLM's EPLB balances)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else None
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """How busy an engine is: taken after every step, read from any thread."""
 
