@@ -149,6 +149,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     spec.add_argument("-o", "--output-file", default=None, help="also write the JSON here")
     add_engine_args(spec)
     spec.set_defaults(handler=run_spec_decode)
+    moe = commands.add_parser(
+        "moe-layer",
+        help="one mixture-of-experts layer on CPU: the PyTorch reference loop against the C++ "
+        "fused kernel, by batch size",
+    )
+    moe.add_argument("--batch-sizes", default="1,16,64", metavar="B1,B2,...")
+    moe.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    moe.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side")
+    moe.add_argument("--iterations", type=int, default=20, help="timed calls per round")
+    moe.add_argument(
+        "--in-out-order",
+        action="store_true",
+        help="store each expert's weights in [in, out] memory order (as the CPU model may)",
+    )
+    moe.add_argument("--json", action="store_true", help="print one JSON object")
+    moe.set_defaults(handler=run_moe_layer)
     register_cluster_benchmarks(commands)
 
 
@@ -210,6 +226,27 @@ def run_spec_decode(args: argparse.Namespace) -> int:
     if args.output_file:
         Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def run_moe_layer(args: argparse.Namespace) -> int:
+    from nori.bench.moe_layer import (
+        MoeLayerBenchSettings,
+        dtypes_from_arg,
+        parse_batch_sizes,
+        run_moe_layer_benchmark,
+    )
+
+    settings = MoeLayerBenchSettings(
+        batch_sizes=parse_batch_sizes(args.batch_sizes),
+        dtypes=dtypes_from_arg(args.dtype),
+        rounds=args.rounds,
+        iterations=args.iterations,
+        in_out_order=args.in_out_order,
+    )
+    report = run_moe_layer_benchmark(settings, show=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
     return 0
 
 
