@@ -2,7 +2,10 @@
 loop (`fused_experts_reference`) against the C++ kernel (`fused_experts_cpu`), by batch size.
 
 The shape defaults to the "small" preset's MoE (hidden 512, 8 experts, top-2, expert
-intermediate 688). Per batch size and dtype both paths run on the same random inputs and
+intermediate 688), the weights to the [in, out] memory order the model should store (the C++
+kernel's streamed route; `weight_order="out-in"` times its library-GEMM route instead; the
+reference takes the same tensors either way). On a shared or small machine `threads=1` gives
+steadier figures than torch's default thread count. Per batch size and dtype both paths run on the same random inputs and
 routing, back to back and alternating (reference, C++; then C++, reference) for `rounds` rounds;
 each round times `iterations` calls after a warm-up, and each figure is the median over the
 rounds, as is the speed-up (the median of the rounds' ratios, each taken back to back). The
@@ -16,13 +19,17 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from nori.kernels.fused_moe import fused_experts_cpu, fused_experts_reference
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Each expert's matrices as stored: "in-out" has the output dimension contiguous
+# (`w.transpose(1, 2).contiguous().transpose(1, 2)`, the C++ kernel's streamed route and the
+# order the model should use), "out-in" is PyTorch's [out, in] row-major (library GEMMs).
+WeightOrder = Literal["in-out", "out-in"]
 
 
 @dataclass(frozen=True)
@@ -41,19 +48,20 @@ class MoeLayerBenchSettings:
     rounds: int = 3
     # Timed calls per round (after one warm-up call per path).
     iterations: int = 20
-    # Store each expert's weights in [in, out] memory order (as the CPU model does).
-    in_out_order: bool = False
+    weight_order: WeightOrder = "in-out"
+    # torch's intra-op threads during the run (None: as they are); restored afterwards.
+    threads: int | None = None
     seed: int = 0
 
 
 def _layer_inputs(
-    shape: MoeLayerShape, tokens: int, dtype: torch.dtype, in_out_order: bool, seed: int
+    shape: MoeLayerShape, tokens: int, dtype: torch.dtype, weight_order: WeightOrder, seed: int
 ) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
     hidden, inter, experts = shape.hidden_size, shape.intermediate_size, shape.num_experts
     w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=generator) / inter**0.5
-    if in_out_order:
+    if weight_order == "in-out":
         w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
         w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
     x = torch.randn(tokens, hidden, generator=generator)
@@ -81,22 +89,31 @@ def run_moe_layer_benchmark(
     unknown = [name for name in settings.dtypes if name not in DTYPES]
     if unknown:
         raise ValueError(f"dtypes must be among {sorted(DTYPES)}, got {unknown}")
+    if settings.threads is not None and settings.threads < 1:
+        raise ValueError("threads must be >= 1")
     rows: list[dict[str, Any]] = []
-    with torch.inference_mode():
-        for dtype_name in settings.dtypes:
-            for tokens in settings.batch_sizes:
-                args = _layer_inputs(
-                    settings.shape,
-                    tokens,
-                    DTYPES[dtype_name],
-                    settings.in_out_order,
-                    settings.seed,
-                )
-                rows.append(_time_both(args, dtype_name, tokens, settings))
+    threads_before = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        threads = torch.get_num_threads()
+        with torch.inference_mode():
+            for dtype_name in settings.dtypes:
+                for tokens in settings.batch_sizes:
+                    args = _layer_inputs(
+                        settings.shape,
+                        tokens,
+                        DTYPES[dtype_name],
+                        settings.weight_order,
+                        settings.seed,
+                    )
+                    rows.append(_time_both(args, dtype_name, tokens, settings))
+    finally:
+        torch.set_num_threads(threads_before)
     report = {
         "benchmark": "moe-layer",
         "cpu": _cpu_model(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,
         "settings": asdict(settings),
         "results": rows,
     }
@@ -149,7 +166,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"MoE layer on CPU ({report['cpu']}, {report['torch_threads']} threads): hidden "
         f"{shape['hidden_size']}, {shape['num_experts']} experts, top-{shape['top_k']}, "
         f"intermediate {shape['intermediate_size']}"
-        + (", weights in [in, out] order" if report["settings"]["in_out_order"] else ""),
+        + f", weights {report['settings']['weight_order']}",
         f"{'dtype':<9} {'tokens':>6} {'reference us':>13} {'C++ us':>10} {'speed-up':>9}",
     ]
     for row in report["results"]:

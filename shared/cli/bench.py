@@ -159,10 +159,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     moe.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side")
     moe.add_argument("--iterations", type=int, default=20, help="timed calls per round")
     moe.add_argument(
-        "--in-out-order",
-        action="store_true",
-        help="store each expert's weights in [in, out] memory order (as the CPU model may)",
+        "--weight-order",
+        choices=("in-out", "out-in"),
+        default="in-out",
+        help="each expert's matrices with the output dimension contiguous (in-out: the C++ "
+        "kernel's streamed route) or PyTorch's [out, in] rows (library GEMMs)",
     )
+    moe.add_argument("--threads", type=int, default=None, help="torch threads for the run")
     moe.add_argument("--json", action="store_true", help="print one JSON object")
     moe.set_defaults(handler=run_moe_layer)
     register_cluster_benchmarks(commands)
@@ -242,7 +245,8 @@ def run_moe_layer(args: argparse.Namespace) -> int:
         dtypes=dtypes_from_arg(args.dtype),
         rounds=args.rounds,
         iterations=args.iterations,
-        in_out_order=args.in_out_order,
+        weight_order=args.weight_order,
+        threads=args.threads,
     )
     report = run_moe_layer_benchmark(settings, show=not args.json)
     if args.json:

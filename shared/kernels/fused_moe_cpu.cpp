@@ -1,29 +1,43 @@
 // A mixture-of-experts layer's experts on CPU (the contract and the PyTorch reference are in
-// fused_moe.py): the (token, slot) pairs grouped by expert, ONE gate/up GEMM and ONE down GEMM
-// per expert that any token chose, then each token's rows summed back with its routing weights.
+// fused_moe.py): the (token, slot) pairs grouped by expert, ONE gate/up product and ONE down
+// product per expert that any token chose, then each token's rows summed back with its routing
+// weights.
 //
 // The reference loops over every expert in Python (a torch.where, an index, two linears, a
-// silu, an index_add per expert); at a decode step's few tokens that overhead, not the
-// arithmetic, is the layer's time. Here one call does it all:
+// silu, an index_add per expert); at a decode step's few tokens that overhead is a large part
+// of the layer's time. Here one call does it all:
 //   1. a counting sort of the pairs by expert id (ids outside [0, E) are skipped: expert
 //      parallelism hands a rank only its own experts' ids);
 //   2. one gather of the chosen rows, grouped by expert, contiguous;
-//   3. per expert, gate_up = rows @ w13[e]^T into one [N, 2I] buffer (oneDNN/MKL GEMMs; the
-//      weights may have any strides: w13[e] stored in [in, out] order makes it a plain
-//      row-major product), int8 weights through at::_weight_int8pack_mm;
+//   3. per expert, gate_up = rows @ w13[e]^T for all its rows at once;
 //   4. silu(gate) * up over all rows in one pass, in float32;
-//   5. per expert, down = act @ w2[e]^T into one [N, H] buffer;
+//   5. per expert, down = act @ w2[e]^T;
 //   6. per token, out[t] = sum over its slots of weight * down[pair], in float32, written once
 //      in hidden's dtype (no scatter races: each token is summed by one thread).
-// At a decode step's few rows per expert the experts' GEMMs run side by side on the cores
-// (at::parallel_for, each GEMM single-threaded inside it); past that each GEMM uses them all.
+// The products take one of two routes, by the weights' memory order:
+// - [in, out] (each expert's matrix with its output dimension contiguous, as
+//   `w.transpose(1, 2).contiguous().transpose(1, 2)` stores it): the streamed kernel below,
+//   which reads each weight line once per 4 rows and widens bfloat16/int8 in registers; the
+//   faster route for every dtype measured (docs in fused_moe.py), and the one the model should
+//   store its experts in;
+// - [out, in] (or any other strides): the library GEMMs (at::mm, oneDNN/MKL), int8 through
+//   at::_weight_int8pack_mm for bfloat16 rows. At a decode step's few rows per expert the
+//   experts' GEMMs run side by side on the cores, each single-threaded; past that one after
+//   another, each using them all.
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/extension.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -74,6 +88,14 @@ void expert_product(torch::Tensor& out, const torch::Tensor& rows, const torch::
     at::mm_out(out, rows, weight.t());
     return;
   }
+  if (rows.scalar_type() == at::kFloat || rows.size(1) % 8 != 0) {
+    // torch's int8 GEMM is slow for float32 rows (it is made for bfloat16 ones), and on CPU it
+    // reads past a row whose length is not a multiple of 8 (wrong sums, or a crash): widen the
+    // expert's int8 weight to the rows' dtype and scale the product's columns instead.
+    at::mm_out(out, rows, weight.to(rows.scalar_type()).t());
+    out.mul_(*scale);
+    return;
+  }
   out.copy_(at::_weight_int8pack_mm(rows, weight.contiguous(),
                                     scale->to(rows.scalar_type()).contiguous()));
 }
@@ -102,6 +124,159 @@ void for_each_expert(const std::vector<int64_t>& offsets, const Product& product
   }
 }
 
+// ---- The streamed path: weights stored [in, out] (each expert's matrix with its output
+// dimension contiguous, `w.transpose(1, 2).contiguous().transpose(1, 2)`).
+//
+// A group of a few rows times a [K, N] weight is bound by reading the weight, and the GEMM
+// libraries' small-M products are not (ATen's bfloat16 GEMM without AVX-512 BF16 is several
+// times slower than the float32 one). Here each weight line k (N outputs, contiguous) is read
+// once per tile of 4 rows and 16 outputs, widened to float32 in registers (bfloat16 by a
+// shift, int8 by a conversion) and multiplied into the 4 x 16 float32 sums: the compiler
+// vectorises the 16 outputs (2 AVX2 or 1 AVX-512 register per row). The activations are float32
+// rows throughout (gate_up, silu * up, down), rounded only on the way out.
+
+inline float widen(float value) { return value; }
+inline float widen(int8_t value) { return static_cast<float>(value); }
+inline float widen(c10::BFloat16 value) {
+  const uint32_t bits = static_cast<uint32_t>(value.x) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+// Eight float32 lanes (one AVX2 register; GCC's vector extensions, so the same source builds
+// for any x86 -march=native) and the loads that widen 8 weights into them.
+typedef float Float8 __attribute__((vector_size(32)));
+typedef int32_t Int8x32 __attribute__((vector_size(32)));
+typedef uint32_t Uint8x32 __attribute__((vector_size(32)));
+typedef uint16_t Uint8x16 __attribute__((vector_size(16)));
+typedef int8_t Int8x8 __attribute__((vector_size(8)));
+
+inline Float8 load8(const float* p) {
+  Float8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Float8 load8(const c10::BFloat16* p) {
+#ifdef __AVX2__
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<Float8>(_mm256_castsi256_ps(bits));
+#else
+  Uint8x16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const Uint8x32 bits = __builtin_convertvector(half, Uint8x32) << 16;
+  Float8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+inline Float8 load8(const int8_t* p) {
+#ifdef __AVX2__
+  const __m256i wide =
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<Float8>(_mm256_cvtepi32_ps(wide));
+#else
+  Int8x8 bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(__builtin_convertvector(bytes, Int8x32), Float8);
+#endif
+}
+
+constexpr int64_t kTileCols = 16;
+constexpr int64_t kTileRows = 4;
+constexpr int64_t kPrefetchLines = 8;
+// Output columns per parallel task: 4 tiles, a 128-byte stripe of each bfloat16 weight line.
+constexpr int64_t kTaskCols = 4 * kTileCols;
+
+// out[r, j] = scale[j] * sum_k x[r, k] * w[k, j] for r < kRows (<= kTileRows), j < cols
+// (<= kTileCols); x float32 rows (stride ldx), w [K, *] with line stride ldw.
+template <typename weight_t, int64_t kRows>
+void streamed_tile(const float* __restrict__ x, int64_t ldx, const weight_t* __restrict__ w,
+                   int64_t ldw, int64_t depth, int64_t cols, const float* scale,
+                   float* __restrict__ out, int64_t ldo) {
+  if (cols == kTileCols) {
+    Float8 acc[kRows][2] = {};
+    for (int64_t k = 0; k < depth; ++k) {
+      const weight_t* line = w + k * ldw;
+      // The lines are a page or more apart: the hardware prefetcher does not follow them.
+      __builtin_prefetch(line + kPrefetchLines * ldw);
+      const Float8 low = load8(line), high = load8(line + 8);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const float xv = x[r * ldx + k];
+        acc[r][0] += xv * low;
+        acc[r][1] += xv * high;
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t half = 0; half < 2; ++half) {
+        Float8 sum = acc[r][half];
+        if (scale != nullptr) sum *= load8(scale + 8 * half);
+        std::memcpy(out + r * ldo + 8 * half, &sum, sizeof(sum));
+      }
+    }
+    return;
+  }
+  // The last, narrower tile of a width that is not a multiple of 16.
+  float acc[kRows][kTileCols] = {};
+  for (int64_t k = 0; k < depth; ++k) {
+    const weight_t* __restrict__ line = w + k * ldw;
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int64_t j = 0; j < cols; ++j) acc[r][j] += xv * widen(line[j]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      out[r * ldo + j] = scale == nullptr ? acc[r][j] : acc[r][j] * scale[j];
+}
+
+// out [rows, N] (float32, stride ldo) = x [rows, K] (float32, stride ldx) @ w [K, N] for the
+// columns [col_begin, col_end), tile by tile: each stripe of weight lines stays in cache while
+// the row tiles reuse it.
+template <typename weight_t>
+void streamed_product(const float* x, int64_t ldx, int64_t rows, const weight_t* w, int64_t ldw,
+                      int64_t depth, const float* scale, int64_t col_begin, int64_t col_end,
+                      float* out, int64_t ldo) {
+  for (int64_t c = col_begin; c < col_end; c += kTileCols) {
+    const int64_t cols = std::min(kTileCols, col_end - c);
+    const float* col_scale = scale == nullptr ? nullptr : scale + c;
+    for (int64_t r = 0; r < rows; r += kTileRows) {
+      const float* xr = x + r * ldx;
+      float* o = out + r * ldo + c;
+      switch (std::min(kTileRows, rows - r)) {
+        case 4: streamed_tile<weight_t, 4>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
+        case 3: streamed_tile<weight_t, 3>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
+        case 2: streamed_tile<weight_t, 2>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
+        default: streamed_tile<weight_t, 1>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo);
+      }
+    }
+  }
+}
+
+// One phase of the streamed path: for every expert with rows, out[group] = in[group] @ w[e]
+// (w [E, K, N] viewed with strides (stride_e, ldw, 1)), split into (expert, 64 columns) tasks
+// that the cores share: at a decode step's one or two experts both cores still work.
+template <typename weight_t>
+void streamed_phase(const std::vector<int64_t>& offsets, const float* in, int64_t depth,
+                    const weight_t* w, int64_t stride_e, int64_t ldw, int64_t width,
+                    const float* scale, float* out) {
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first column)
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    for (int64_t c = 0; c < width; c += kTaskCols) tasks.emplace_back(e, c);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, c] = tasks[i];
+      const int64_t first = offsets[e], rows = offsets[e + 1] - offsets[e];
+      streamed_product(in + first * depth, depth, rows, w + e * stride_e, ldw, depth,
+                       scale == nullptr ? nullptr : scale + e * width, c,
+                       std::min(width, c + kTaskCols), out + first * width, width);
+    }
+  });
+}
+
 template <typename scalar_t>
 void silu_and_mul_rows(const torch::Tensor& gate_up, torch::Tensor& act) {
   const int64_t rows = gate_up.size(0);
@@ -122,13 +297,13 @@ void silu_and_mul_rows(const torch::Tensor& gate_up, torch::Tensor& act) {
   });
 }
 
-template <typename scalar_t>
+template <typename down_t, typename scalar_t>
 void weighted_sum_back(const torch::Tensor& down, const torch::Tensor& weights,
                        const std::vector<int64_t>& position_of_pair, int64_t slots,
                        torch::Tensor& out) {
   const int64_t tokens = out.size(0);
   const int64_t hidden = out.size(1);
-  const scalar_t* d = down.data_ptr<scalar_t>();
+  const down_t* d = down.data_ptr<down_t>();
   const float* w = weights.data_ptr<float>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(hidden * slots, 1));
@@ -140,7 +315,7 @@ void weighted_sum_back(const torch::Tensor& down, const torch::Tensor& weights,
         const int64_t position = position_of_pair[t * slots + j];
         if (position < 0) continue;
         const float weight = w[t * slots + j];
-        const scalar_t* __restrict__ row = d + position * hidden;
+        const down_t* __restrict__ row = d + position * hidden;
         float* __restrict__ acc = sum.data();
         for (int64_t i = 0; i < hidden; ++i) acc[i] += weight * static_cast<float>(row[i]);
       }
@@ -207,6 +382,46 @@ torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w1
     token_of_position[position] = groups.pair_of_position[position] / slots;
   const auto rows = hidden.index_select(
       0, torch::from_blob(token_of_position.data(), {pairs}, torch::kLong));
+  const auto weights = topk_weights.to(torch::kFloat).contiguous();
+
+  // Weights stored [in, out] (output dimension contiguous): the streamed path.
+  if (w13.stride(1) == 1 && w2.stride(1) == 1) {
+    const auto rows_f = rows.to(torch::kFloat).contiguous();
+    const auto float_options = options.dtype(torch::kFloat);
+    auto gate_up_f = torch::empty({pairs, 2 * intermediate}, float_options);
+    auto act_f = torch::empty({pairs, intermediate}, float_options);
+    auto down_f = torch::empty({pairs, hidden_size}, float_options);
+    torch::Tensor scale13, scale2;
+    if (w13_scale.has_value()) {
+      scale13 = w13_scale->to(torch::kFloat).contiguous();
+      scale2 = w2_scale->to(torch::kFloat).contiguous();
+    }
+    const auto phases = [&](auto weight_tag) {
+      using weight_t = decltype(weight_tag);
+      streamed_phase<weight_t>(groups.offsets, rows_f.data_ptr<float>(), hidden_size,
+                               w13.data_ptr<weight_t>(), w13.stride(0), w13.stride(2),
+                               2 * intermediate,
+                               scale13.defined() ? scale13.data_ptr<float>() : nullptr,
+                               gate_up_f.data_ptr<float>());
+      silu_and_mul_rows<float>(gate_up_f, act_f);
+      streamed_phase<weight_t>(groups.offsets, act_f.data_ptr<float>(), intermediate,
+                               w2.data_ptr<weight_t>(), w2.stride(0), w2.stride(2), hidden_size,
+                               scale2.defined() ? scale2.data_ptr<float>() : nullptr,
+                               down_f.data_ptr<float>());
+    };
+    switch (w13.scalar_type()) {
+      case at::kFloat: phases(float{}); break;
+      case at::kBFloat16: phases(c10::BFloat16{}); break;
+      default: phases(int8_t{});
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND(
+        at::ScalarType::BFloat16, hidden.scalar_type(), "weighted_sum_back", [&] {
+          weighted_sum_back<float, scalar_t>(down_f, weights, groups.position_of_pair, slots, out);
+        });
+    return out;
+  }
+
+  // Weights stored [out, in]: one library GEMM per expert group, in hidden's dtype.
   auto gate_up = torch::empty({pairs, 2 * intermediate}, options);
   auto act = torch::empty({pairs, intermediate}, options);
   auto down = torch::empty({pairs, hidden_size}, options);
@@ -233,9 +448,9 @@ torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w1
     expert_product(down_rows, act.narrow(0, begin, count), w2[e], w2_scale_per_expert(e));
   });
 
-  const auto weights = topk_weights.to(torch::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(
-      at::ScalarType::BFloat16, hidden.scalar_type(), "weighted_sum_back",
-      [&] { weighted_sum_back<scalar_t>(down, weights, groups.position_of_pair, slots, out); });
+      at::ScalarType::BFloat16, hidden.scalar_type(), "weighted_sum_back", [&] {
+        weighted_sum_back<scalar_t, scalar_t>(down, weights, groups.position_of_pair, slots, out);
+      });
   return out;
 }

@@ -25,11 +25,12 @@ TINY = MoeLayerShape(hidden_size=32, num_experts=4, top_k=2, intermediate_size=2
 
 def test_report_has_one_sane_row_per_dtype_and_batch() -> None:
     settings = MoeLayerBenchSettings(
-        shape=TINY, batch_sizes=(1, 5), rounds=2, iterations=2, in_out_order=True
+        shape=TINY, batch_sizes=(1, 5), rounds=2, iterations=2, threads=1
     )
     report = run_moe_layer_benchmark(settings, show=False)
     assert report["benchmark"] == "moe-layer"
     assert report["settings"]["shape"]["num_experts"] == 4
+    assert report["torch_threads"] == 1 and report["settings"]["weight_order"] == "in-out"
     assert [(row["dtype"], row["tokens"]) for row in report["results"]] == [
         ("float32", 1),
         ("float32", 5),
@@ -68,6 +69,8 @@ def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
             "1",
             "--iterations",
             "1",
+            "--weight-order",
+            "out-in",
             "--json",
         ]
     )
@@ -75,3 +78,4 @@ def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert [(row["dtype"], row["tokens"]) for row in report["results"]] == [("float32", 2)]
     assert report["settings"]["shape"]["hidden_size"] == 512
+    assert report["settings"]["weight_order"] == "out-in"
