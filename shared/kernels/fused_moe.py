@@ -81,11 +81,12 @@ def fused_experts_cpu(
     contiguous: `w.transpose(1, 2).contiguous().transpose(1, 2)`) they take the streamed kernel,
     which reads each weight line once per 4 rows and widens bfloat16/int8 in registers; any
     other strides take one library GEMM per expert group (at::mm; int8 through torch's int8
-    GEMM for bfloat16 rows). Measured single-threaded on a 2-core AMD EPYC (Zen 2, AVX2, no
-    AVX-512) at the small preset's shape, [in, out] is as fast or faster in every case:
-    float32 equal at batch 1-16 and ~1.1x at 64; bfloat16 ~4-7x faster at batch 16-64 (torch's
-    bfloat16 GEMM without AVX-512 BF16 is slow); int8 ~1.5-3x. The model should store its
-    experts [in, out].
+    GEMM for bfloat16 rows). Measured on a 2-core AMD EPYC (Zen 2: AVX2, no AVX-512) at the
+    small preset's shape (`nori bench moe-layer`), [in, out] is as fast or faster in every
+    case: float32 alike at batch 1 and ~1.2x faster at 16-64 (both bound by reading the
+    weights); bfloat16 2-7x (torch's bfloat16 GEMM without AVX-512 BF16 is slow); int8 1.4-2x
+    for bfloat16 rows and 2-9x for float32 ones.
+    The model should store its experts [in, out].
     """
     kernels = cpu_kernels()
     if kernels is None:
