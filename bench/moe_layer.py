@@ -3,13 +3,16 @@ loop (`fused_experts_reference`) against the C++ kernel (`fused_experts_cpu`), b
 
 The shape defaults to the "small" preset's MoE (hidden 512, 8 experts, top-2, expert
 intermediate 688), the weights to the [in, out] memory order the model should store (the C++
-kernel's streamed route; `weight_order="out-in"` times its library-GEMM route instead; the
-reference takes the same tensors either way). On a shared or small machine `threads=1` gives
-steadier figures than torch's default thread count. Per batch size and dtype both paths run on the same random inputs and
-routing, back to back and alternating (reference, C++; then C++, reference) for `rounds` rounds;
-each round times `iterations` calls after a warm-up, and each figure is the median over the
-rounds, as is the speed-up (the median of the rounds' ratios, each taken back to back). The
-issue's target: the C++ layer at least 3x the reference at batch 16 and 64.
+kernel's streamed route; `weight_order="out-in"` times its library-GEMM route instead). The
+reference takes the same tensors either way, and is itself slower on [in, out] bfloat16 weights
+than on [out, in] ones: compare across both orders for the layer's real gain. On a shared or
+small machine `threads=1` gives steadier figures than torch's default thread count.
+
+Per batch size and dtype both paths run on the same random inputs and routing, back to back and
+alternating (reference, C++; then C++, reference) for `rounds` rounds; each round times
+`iterations` calls after a warm-up, and each figure is the median over the rounds, as is the
+speed-up (the median of the rounds' ratios, each taken back to back). The issue's target: the
+C++ layer at least 3x the reference at batch 16 and 64.
 """
 
 from __future__ import annotations

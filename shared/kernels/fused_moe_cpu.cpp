@@ -81,7 +81,7 @@ ExpertGroups group_by_expert(const torch::Tensor& topk_ids, int64_t num_experts)
 }
 
 // out = rows @ weight^T for weight [N, K] in the rows' dtype (any strides), or int8 with one
-// scale per output row (scale [N], converted to the rows' dtype as the int8 GEMM wants it).
+// float32 scale per output row (scale [N]; torch's int8 GEMM wants it in the rows' dtype).
 void expert_product(torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& weight,
                     const std::optional<torch::Tensor>& scale) {
   if (!scale.has_value()) {
@@ -127,9 +127,9 @@ void for_each_expert(const std::vector<int64_t>& offsets, const Product& product
 // ---- The streamed path: weights stored [in, out] (each expert's matrix with its output
 // dimension contiguous, `w.transpose(1, 2).contiguous().transpose(1, 2)`).
 //
-// A group of a few rows times a [K, N] weight is bound by reading the weight, and the GEMM
-// libraries' small-M products are not (ATen's bfloat16 GEMM without AVX-512 BF16 is several
-// times slower than the float32 one). Here each weight line k (N outputs, contiguous) is read
+// A group of a few rows times a [K, N] weight should be bound by reading the weight; the
+// libraries' small-M products fall short of that, bfloat16 most (ATen's bfloat16 GEMM without
+// AVX-512 BF16 is several times slower than its float32 one). Here each weight line k (N outputs, contiguous) is read
 // once per tile of 4 rows and 16 outputs, widened to float32 in registers (bfloat16 by a
 // shift, int8 by a conversion) and multiplied into the 4 x 16 float32 sums: the compiler
 // vectorises the 16 outputs (2 AVX2 or 1 AVX-512 register per row). The activations are float32
