@@ -166,6 +166,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     moe_decode.add_argument("-o", "--output-file", default=None, help="also write the JSON here")
     add_engine_args(moe_decode, with_model=False)
     moe_decode.set_defaults(handler=run_moe_decode)
+    moe = commands.add_parser(
+        "moe-layer",
+        help="one mixture-of-experts layer on CPU: the PyTorch reference loop against the C++ "
+        "fused kernel, by batch size",
+    )
+    moe.add_argument("--batch-sizes", default="1,16,64", metavar="B1,B2,...")
+    moe.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    moe.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side")
+    moe.add_argument("--iterations", type=int, default=20, help="timed calls per round")
+    moe.add_argument(
+        "--weight-order",
+        choices=("in-out", "out-in"),
+        default="in-out",
+        help="each expert's matrices with the output dimension contiguous (in-out: the C++ "
+        "kernel's streamed route) or PyTorch's [out, in] rows (library GEMMs)",
+    )
+    moe.add_argument("--threads", type=int, default=None, help="torch threads for the run")
+    moe.add_argument("--json", action="store_true", help="print one JSON object")
+    moe.set_defaults(handler=run_moe_layer)
     register_cluster_benchmarks(commands)
 
 
@@ -227,6 +246,28 @@ def run_spec_decode(args: argparse.Namespace) -> int:
     if args.output_file:
         Path(args.output_file).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def run_moe_layer(args: argparse.Namespace) -> int:
+    from nori.bench.moe_layer import (
+        MoeLayerBenchSettings,
+        dtypes_from_arg,
+        parse_batch_sizes,
+        run_moe_layer_benchmark,
+    )
+
+    settings = MoeLayerBenchSettings(
+        batch_sizes=parse_batch_sizes(args.batch_sizes),
+        dtypes=dtypes_from_arg(args.dtype),
+        rounds=args.rounds,
+        iterations=args.iterations,
+        weight_order=args.weight_order,
+        threads=args.threads,
+    )
+    report = run_moe_layer_benchmark(settings, show=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
     return 0
 
 

@@ -26,6 +26,7 @@ _SOURCES = (
     "argmax_cpu.cpp",
     "bf16_gemv_cpu.cpp",
     "decode_attention_cpu.cpp",
+    "fused_moe_cpu.cpp",
     "int8_gemv_cpu.cpp",
     "rms_norm_cpu.cpp",
     "rotary_cpu.cpp",

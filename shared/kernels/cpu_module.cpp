@@ -33,6 +33,11 @@ void scale_rows_back(torch::Tensor& output, const torch::Tensor& row_max,
                      const std::optional<torch::Tensor>& bias);
 torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
                         int64_t outputs, const std::optional<torch::Tensor>& bias);
+torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w13,
+                            const torch::Tensor& w2, const torch::Tensor& topk_weights,
+                            const torch::Tensor& topk_ids,
+                            const std::optional<torch::Tensor>& w13_scale,
+                            const std::optional<torch::Tensor>& w2_scale);
 torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
                         int64_t outputs, const torch::Tensor& weight_scale,
                         const torch::Tensor& row_sums, const std::optional<torch::Tensor>& bias);
@@ -59,6 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv, release(),
         "a few bfloat16 rows times bfloat16 weights packed as [N/16, ceil(K/2), 16, 2] (+ bias), "
         "float32 sums");
+  m.def("fused_experts", &fused_experts, release(),
+        "a mixture-of-experts layer's experts: hidden [T, H] through each token's top-k "
+        "experts' gated MLPs (w13 [E, 2I, H], w2 [E, H, I], int8 with per-row scales), "
+        "weighted and summed; ids outside [0, E) skipped");
   m.def("int8_gemv", &int8_gemv, release(),
         "a few float32 rows, each quantized to int8, times int8 weights packed as "
         "[N/16, ceil(K/4), 16, 4] (+ bias)");
