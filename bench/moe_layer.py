@@ -2,10 +2,11 @@
 loop (`fused_experts_reference`) against the C++ kernel (`fused_experts_cpu`), by batch size.
 
 The shape defaults to the "small" preset's MoE (hidden 512, 8 experts, top-2, expert
-intermediate 688), the weights to the [in, out] memory order the model should store (the C++
-kernel's streamed route; `weight_order="out-in"` times its library-GEMM route instead). The
-reference takes the same tensors either way, and is itself slower on [in, out] bfloat16 weights
-than on [out, in] ones: compare across both orders for the layer's real gain. On a shared or
+intermediate 688). By default (`weight_order="each-best"`) each path gets the weights in the
+memory order it runs fastest on: the reference loop PyTorch's [out, in] rows (as transformers
+stores them), the C++ kernel the [in, out] order the model stores on CPU (its streamed route).
+`"in-out"` and `"out-in"` give both paths the same tensors (the reference is much slower on
+[in, out] bfloat16 weights; "out-in" times the C++ kernel's library-GEMM route). On a shared or
 small machine `threads=1` gives steadier figures than torch's default thread count.
 
 Per batch size and dtype both paths run on the same random inputs and routing, back to back and
@@ -32,7 +33,8 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 # Each expert's matrices as stored: "in-out" has the output dimension contiguous
 # (`w.transpose(1, 2).contiguous().transpose(1, 2)`, the C++ kernel's streamed route and the
 # order the model should use), "out-in" is PyTorch's [out, in] row-major (library GEMMs).
-WeightOrder = Literal["in-out", "out-in"]
+# "each-best": the reference on "out-in", the C++ kernel on "in-out".
+WeightOrder = Literal["each-best", "in-out", "out-in"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class MoeLayerBenchSettings:
     rounds: int = 3
     # Timed calls per round (after one warm-up call per path).
     iterations: int = 20
-    weight_order: WeightOrder = "in-out"
+    weight_order: WeightOrder = "each-best"
     # torch's intra-op threads during the run (None: as they are); restored afterwards.
     threads: int | None = None
     seed: int = 0
@@ -59,18 +61,27 @@ class MoeLayerBenchSettings:
 
 def _layer_inputs(
     shape: MoeLayerShape, tokens: int, dtype: torch.dtype, weight_order: WeightOrder, seed: int
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     generator = torch.Generator().manual_seed(seed)
     hidden, inter, experts = shape.hidden_size, shape.intermediate_size, shape.num_experts
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(experts, hidden, inter, generator=generator) / inter**0.5
-    if weight_order == "in-out":
-        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
-        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
-    x = torch.randn(tokens, hidden, generator=generator)
+    """(reference's arguments, the C++ kernel's arguments): the same values, each path's
+    weights in the memory order `weight_order` gives it."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, inter, experts = shape.hidden_size, shape.intermediate_size, shape.num_experts
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=generator) / inter**0.5).to(dtype)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     logits = torch.randn(tokens, experts, generator=generator)
     weights, ids = logits.softmax(dim=-1).topk(shape.top_k, dim=-1)
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+    def in_out(w: torch.Tensor) -> torch.Tensor:
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+    reference_order = "out-in" if weight_order == "each-best" else weight_order
+    fused_order = "in-out" if weight_order == "each-best" else weight_order
+    reference_w = (w13, w2) if reference_order == "out-in" else (in_out(w13), in_out(w2))
+    fused_w = (w13, w2) if fused_order == "out-in" else (in_out(w13), in_out(w2))
+    return (x, *reference_w, weights, ids), (x, *fused_w, weights, ids)
 
 
 def _seconds_per_call(call: Callable[[], torch.Tensor], iterations: int) -> float:
@@ -126,13 +137,18 @@ def run_moe_layer_benchmark(
 
 
 def _time_both(
-    args: tuple[torch.Tensor, ...], dtype_name: str, tokens: int, settings: MoeLayerBenchSettings
+    args: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    dtype_name: str,
+    tokens: int,
+    settings: MoeLayerBenchSettings,
 ) -> dict[str, Any]:
+    reference_args, fused_args = args
+
     def reference() -> torch.Tensor:
-        return fused_experts_reference(*args)
+        return fused_experts_reference(*reference_args)
 
     def fused() -> torch.Tensor:
-        return fused_experts_cpu(*args)
+        return fused_experts_cpu(*fused_args)
 
     reference_s: list[float] = []
     fused_s: list[float] = []

@@ -30,7 +30,7 @@ def test_report_has_one_sane_row_per_dtype_and_batch() -> None:
     report = run_moe_layer_benchmark(settings, show=False)
     assert report["benchmark"] == "moe-layer"
     assert report["settings"]["shape"]["num_experts"] == 4
-    assert report["torch_threads"] == 1 and report["settings"]["weight_order"] == "in-out"
+    assert report["torch_threads"] == 1 and report["settings"]["weight_order"] == "each-best"
     assert [(row["dtype"], row["tokens"]) for row in report["results"]] == [
         ("float32", 1),
         ("float32", 5),
