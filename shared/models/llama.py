@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
                 if isinstance(module, nn.Linear):
                     transposed = module.weight.t().contiguous().t()
                     module.weight = nn.Parameter(transposed, requires_grad=False)
-                elif isinstance(module, ExpertWeights) and module.w13_scale is None:
+                elif isinstance(module, ExpertWeights):
                     module.store_transposed()
             if self.lm_head is None and self.head_module is None:
                 # Tied: the embedding lookup wants rows contiguous and the head the transpose,
