@@ -3,10 +3,11 @@ loop (`fused_experts_reference`) against the C++ kernel (`fused_experts_cpu`), b
 
 The shape defaults to the "small" preset's MoE (hidden 512, 8 experts, top-2, expert
 intermediate 688). By default (`weight_order="each-best"`) each path gets the weights in the
-memory order it runs fastest on: the reference loop PyTorch's [out, in] rows (as transformers
-stores them), the C++ kernel the [in, out] order the model stores on CPU (its streamed route).
+layout it runs fastest on: the reference loop PyTorch's [out, in] rows (as transformers stores
+them), the C++ kernel the panels of 16 outputs the model stores on CPU (`pack_expert_panels`).
 `"in-out"` and `"out-in"` give both paths the same tensors (the reference is much slower on
-[in, out] bfloat16 weights; "out-in" times the C++ kernel's library-GEMM route). On a shared or
+[in, out] bfloat16 weights; "out-in" times the C++ kernel's library-GEMM route); `"panels"`
+gives the reference [out, in] as well (it cannot read panels). On a shared or
 small machine `threads=1` gives steadier figures than torch's default thread count.
 
 Per batch size and dtype both paths run on the same random inputs and routing, back to back and
@@ -27,14 +28,18 @@ from typing import Any, Literal
 
 import torch
 
-from nori.kernels.fused_moe import fused_experts_cpu, fused_experts_reference
+from nori.kernels.fused_moe import (
+    fused_experts_cpu,
+    fused_experts_reference,
+    pack_expert_panels,
+)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Each expert's matrices as stored: "in-out" has the output dimension contiguous
 # (`w.transpose(1, 2).contiguous().transpose(1, 2)`, the C++ kernel's streamed route and the
 # order the model should use), "out-in" is PyTorch's [out, in] row-major (library GEMMs).
-# "each-best": the reference on "out-in", the C++ kernel on "in-out".
-WeightOrder = Literal["each-best", "in-out", "out-in"]
+# "each-best" (and "panels"): the reference on "out-in", the C++ kernel on panels.
+WeightOrder = Literal["each-best", "panels", "in-out", "out-in"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,13 @@ def _layer_inputs(
     def in_out(w: torch.Tensor) -> torch.Tensor:
         return w.transpose(1, 2).contiguous().transpose(1, 2)
 
-    reference_order = "out-in" if weight_order == "each-best" else weight_order
-    fused_order = "in-out" if weight_order == "each-best" else weight_order
-    reference_w = (w13, w2) if reference_order == "out-in" else (in_out(w13), in_out(w2))
-    fused_w = (w13, w2) if fused_order == "out-in" else (in_out(w13), in_out(w2))
+    if weight_order in ("each-best", "panels"):
+        reference_w = (w13, w2)
+        fused_w = (pack_expert_panels(w13), pack_expert_panels(w2))
+    elif weight_order == "in-out":
+        reference_w = fused_w = (in_out(w13), in_out(w2))
+    else:
+        reference_w = fused_w = (w13, w2)
     return (x, *reference_w, weights, ids), (x, *fused_w, weights, ids)
 
 

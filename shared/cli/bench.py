@@ -177,11 +177,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     moe.add_argument("--iterations", type=int, default=20, help="timed calls per round")
     moe.add_argument(
         "--weight-order",
-        choices=("each-best", "in-out", "out-in"),
+        choices=("each-best", "panels", "in-out", "out-in"),
         default="each-best",
-        help="each-best: the reference on PyTorch's [out, in] rows (as transformers stores "
-        "them), the C++ kernel on the [in, out] order the model stores on CPU; in-out/out-in: "
-        "both paths on the same order",
+        help="each-best (= panels): the reference on PyTorch's [out, in] rows (as transformers "
+        "stores them), the C++ kernel on the panels of 16 outputs the model stores on CPU; "
+        "in-out/out-in: both paths on the same order",
     )
     moe.add_argument("--threads", type=int, default=None, help="torch threads for the run")
     moe.add_argument("--json", action="store_true", help="print one JSON object")

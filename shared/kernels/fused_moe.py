@@ -86,7 +86,9 @@ def fused_experts_cpu(
     case: float32 alike at batch 1 and ~1.2x faster at 16-64 (both bound by reading the
     weights); bfloat16 2-7x (torch's bfloat16 GEMM without AVX-512 BF16 is slow); int8 1.4-2x
     for bfloat16 rows and 2-9x for float32 ones.
-    The model should store its experts [in, out].
+    Weights packed in panels of 16 outputs (`pack_expert_panels`) take the same streamed
+    kernel reading each tile's weights as one contiguous block, which the hardware prefetcher
+    follows: what the CPU model stores (measured in docs/benchmarks.md).
     """
     kernels = cpu_kernels()
     if kernels is None:
@@ -100,6 +102,29 @@ def fused_experts_cpu(
     return result
 
 
+PANEL_WIDTH = 16
+
+
+def pack_expert_panels(weights: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, ceil(N/16), K, 16], contiguous: each expert's outputs in panels of 16,
+    each panel's K lines of 16 outputs one after another (the last panel zero-padded). The C++
+    kernel's fastest layout: a tile of 16 outputs reads one contiguous block."""
+    experts, outputs, depth = weights.shape
+    num_panels = -(-outputs // PANEL_WIDTH)
+    padded = torch.zeros(
+        experts, num_panels * PANEL_WIDTH, depth, dtype=weights.dtype, device=weights.device
+    )
+    padded[:, :outputs] = weights
+    return padded.view(experts, num_panels, PANEL_WIDTH, depth).transpose(2, 3).contiguous()
+
+
+def unpack_expert_panels(panels: torch.Tensor, outputs: int) -> torch.Tensor:
+    """`pack_expert_panels`' inverse: [E, P, K, 16] -> [E, outputs, K]."""
+    experts, num_panels, depth, width = panels.shape
+    rows = panels.transpose(2, 3).reshape(experts, num_panels * width, depth)
+    return rows[:, :outputs]
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -110,7 +135,9 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fastest path for the data's device: Triton on a GPU, C++ on CPU where it is built
-    (float32/bfloat16 activations, weights in that dtype or int8), else the reference."""
+    (float32/bfloat16 activations, weights in that dtype or int8), else the reference. On CPU
+    the weights may be packed in panels (`pack_expert_panels`: both 4-D), which only the C++
+    kernel reads as they are; the reference unpacks them first."""
     if hidden.device.type == "cuda":
         from nori.kernels.fused_moe_triton import fused_experts_triton
 
@@ -124,4 +151,8 @@ def fused_experts(
         and cpu_kernels() is not None
     ):
         return fused_experts_cpu(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if w13.dim() == 4:
+        hidden_size = w13.shape[2]
+        w13 = unpack_expert_panels(w13, 2 * w2.shape[2])
+        w2 = unpack_expert_panels(w2, hidden_size)
     return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

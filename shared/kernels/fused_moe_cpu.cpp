@@ -14,7 +14,9 @@
 //   5. per expert, down = act @ w2[e]^T;
 //   6. per token, out[t] = sum over its slots of weight * down[pair], in float32, written once
 //      in hidden's dtype (no scatter races: each token is summed by one thread).
-// The products take one of two routes, by the weights' memory order:
+// The products take one of three routes, by the weights' layout (panels of 16 outputs,
+// `pack_expert_panels`, [E, ceil(N/16), K, 16], are what the CPU model stores: the streamed kernel
+// reading each tile's weights as one contiguous block; otherwise by memory order):
 // - [in, out] (each expert's matrix with its output dimension contiguous, as
 //   `w.transpose(1, 2).contiguous().transpose(1, 2)` stores it): the streamed kernel below,
 //   which reads each weight line once per 4 rows and widens bfloat16/int8 in registers; the
@@ -234,21 +236,26 @@ void streamed_tile(const float* __restrict__ x, int64_t ldx, const weight_t* __r
 // out [rows, N] (float32, stride ldo) = x [rows, K] (float32, stride ldx) @ w [K, N] for the
 // columns [col_begin, col_end), tile by tile: each stripe of weight lines stays in cache while
 // the row tiles reuse it.
+// With `panels` the weight is packed in panels of 16 outputs ([N/16, K, 16]: `w` points at the
+// expert's first panel and `ldw` is ignored): each tile then reads one contiguous block, which
+// the hardware prefetcher streams, instead of one line per page of an [in, out] matrix.
 template <typename weight_t>
 void streamed_product(const float* x, int64_t ldx, int64_t rows, const weight_t* w, int64_t ldw,
-                      int64_t depth, const float* scale, int64_t col_begin, int64_t col_end,
-                      float* out, int64_t ldo) {
+                      bool panels, int64_t depth, const float* scale, int64_t col_begin,
+                      int64_t col_end, float* out, int64_t ldo) {
   for (int64_t c = col_begin; c < col_end; c += kTileCols) {
     const int64_t cols = std::min(kTileCols, col_end - c);
     const float* col_scale = scale == nullptr ? nullptr : scale + c;
+    const weight_t* tile_w = panels ? w + (c / kTileCols) * depth * kTileCols : w + c;
+    const int64_t tile_ldw = panels ? kTileCols : ldw;
     for (int64_t r = 0; r < rows; r += kTileRows) {
       const float* xr = x + r * ldx;
       float* o = out + r * ldo + c;
       switch (std::min(kTileRows, rows - r)) {
-        case 4: streamed_tile<weight_t, 4>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
-        case 3: streamed_tile<weight_t, 3>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
-        case 2: streamed_tile<weight_t, 2>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo); break;
-        default: streamed_tile<weight_t, 1>(xr, ldx, w + c, ldw, depth, cols, col_scale, o, ldo);
+        case 4: streamed_tile<weight_t, 4>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
+        case 3: streamed_tile<weight_t, 3>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
+        case 2: streamed_tile<weight_t, 2>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
+        default: streamed_tile<weight_t, 1>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo);
       }
     }
   }
@@ -259,7 +266,7 @@ void streamed_product(const float* x, int64_t ldx, int64_t rows, const weight_t*
 // that the cores share: at a decode step's one or two experts both cores still work.
 template <typename weight_t>
 void streamed_phase(const std::vector<int64_t>& offsets, const float* in, int64_t depth,
-                    const weight_t* w, int64_t stride_e, int64_t ldw, int64_t width,
+                    const weight_t* w, int64_t stride_e, int64_t ldw, bool panels, int64_t width,
                     const float* scale, float* out) {
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (expert, first column)
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
@@ -270,7 +277,7 @@ void streamed_phase(const std::vector<int64_t>& offsets, const float* in, int64_
     for (int64_t i = begin; i < end; ++i) {
       const auto [e, c] = tasks[i];
       const int64_t first = offsets[e], rows = offsets[e + 1] - offsets[e];
-      streamed_product(in + first * depth, depth, rows, w + e * stride_e, ldw, depth,
+      streamed_product(in + first * depth, depth, rows, w + e * stride_e, ldw, panels, depth,
                        scale == nullptr ? nullptr : scale + e * width, c,
                        std::min(width, c + kTaskCols), out + first * width, width);
     }
@@ -326,12 +333,11 @@ void weighted_sum_back(const torch::Tensor& down, const torch::Tensor& weights,
 }
 
 void check_scale(const std::optional<torch::Tensor>& scale, const torch::Tensor& weight,
-                 const char* name) {
+                 int64_t outputs, const char* name) {
   if (!scale.has_value()) return;
   TORCH_CHECK(weight.scalar_type() == at::kChar, name, " must be int8 when its scale is given");
-  TORCH_CHECK(scale->dim() == 2 && scale->size(0) == weight.size(0) &&
-                  scale->size(1) == weight.size(1),
-              name, "_scale must be [E, ", weight.size(1), "], one scale per output row");
+  TORCH_CHECK(scale->dim() == 2 && scale->size(0) == weight.size(0) && scale->size(1) == outputs,
+              name, "_scale must be [E, ", outputs, "], one scale per output row");
 }
 
 }  // namespace
@@ -344,18 +350,31 @@ torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w1
   TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, H]");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
               "hidden must be float32 or bfloat16");
-  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 must be [E, 2I, H] and w2 [E, H, I]");
+  // Panel-packed weights (`pack_expert_panels`): w13 [E, ceil(2I/16), H, 16], w2
+  // [E, ceil(H/16), I, 16], contiguous.
+  const bool panels = w13.dim() == 4 && w2.dim() == 4;
+  TORCH_CHECK((w13.dim() == 3 && w2.dim() == 3) || panels,
+              "w13 must be [E, 2I, H] and w2 [E, H, I] (or both packed in panels of 16)");
   const int64_t tokens = hidden.size(0);
   const int64_t hidden_size = hidden.size(1);
   const int64_t num_experts = w13.size(0);
   const int64_t intermediate = w2.size(2);
-  TORCH_CHECK(w13.size(1) == 2 * intermediate && w13.size(2) == hidden_size &&
-                  w2.size(0) == num_experts && w2.size(1) == hidden_size,
-              "w13 must be [E, 2I, H] and w2 [E, H, I] for hidden [T, H]");
+  if (panels) {
+    TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.size(3) == kTileCols &&
+                    w2.size(3) == kTileCols && w13.size(2) == hidden_size &&
+                    w13.size(1) == (2 * intermediate + kTileCols - 1) / kTileCols &&
+                    w2.size(0) == num_experts &&
+                    w2.size(1) == (hidden_size + kTileCols - 1) / kTileCols,
+                "packed w13 must be [E, ceil(2I/16), H, 16] and w2 [E, ceil(H/16), I, 16]");
+  } else {
+    TORCH_CHECK(w13.size(1) == 2 * intermediate && w13.size(2) == hidden_size &&
+                    w2.size(0) == num_experts && w2.size(1) == hidden_size,
+                "w13 must be [E, 2I, H] and w2 [E, H, I] for hidden [T, H]");
+  }
   TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
               "w13_scale and w2_scale come together (int8 weights) or not at all");
-  check_scale(w13_scale, w13, "w13");
-  check_scale(w2_scale, w2, "w2");
+  check_scale(w13_scale, w13, 2 * intermediate, "w13");
+  check_scale(w2_scale, w2, hidden_size, "w2");
   if (!w13_scale.has_value()) {
     TORCH_CHECK(w13.scalar_type() == hidden.scalar_type() &&
                     w2.scalar_type() == hidden.scalar_type(),
@@ -384,8 +403,9 @@ torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w1
       0, torch::from_blob(token_of_position.data(), {pairs}, torch::kLong));
   const auto weights = topk_weights.to(torch::kFloat).contiguous();
 
-  // Weights stored [in, out] (output dimension contiguous): the streamed path.
-  if (w13.stride(1) == 1 && w2.stride(1) == 1) {
+  // Weights packed in panels or stored [in, out] (output dimension contiguous): the streamed
+  // path.
+  if (panels || (w13.stride(1) == 1 && w2.stride(1) == 1)) {
     const auto rows_f = rows.to(torch::kFloat).contiguous();
     const auto float_options = options.dtype(torch::kFloat);
     auto gate_up_f = torch::empty({pairs, 2 * intermediate}, float_options);
@@ -399,13 +419,14 @@ torch::Tensor fused_experts(const torch::Tensor& hidden, const torch::Tensor& w1
     const auto phases = [&](auto weight_tag) {
       using weight_t = decltype(weight_tag);
       streamed_phase<weight_t>(groups.offsets, rows_f.data_ptr<float>(), hidden_size,
-                               w13.data_ptr<weight_t>(), w13.stride(0), w13.stride(2),
-                               2 * intermediate,
+                               w13.data_ptr<weight_t>(), w13.stride(0),
+                               panels ? 0 : w13.stride(2), panels, 2 * intermediate,
                                scale13.defined() ? scale13.data_ptr<float>() : nullptr,
                                gate_up_f.data_ptr<float>());
       silu_and_mul_rows<float>(gate_up_f, act_f);
       streamed_phase<weight_t>(groups.offsets, act_f.data_ptr<float>(), intermediate,
-                               w2.data_ptr<weight_t>(), w2.stride(0), w2.stride(2), hidden_size,
+                               w2.data_ptr<weight_t>(), w2.stride(0),
+                               panels ? 0 : w2.stride(2), panels, hidden_size,
                                scale2.defined() ? scale2.data_ptr<float>() : nullptr,
                                down_f.data_ptr<float>());
     };

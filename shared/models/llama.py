@@ -229,7 +229,7 @@ class CausalLM(nn.Module):
                     transposed = module.weight.t().contiguous().t()
                     module.weight = nn.Parameter(transposed, requires_grad=False)
                 elif isinstance(module, ExpertWeights):
-                    module.store_transposed()
+                    module.pack_for_cpu()
             if self.lm_head is None and self.head_module is None:
                 # Tied: the embedding lookup wants rows contiguous and the head the transpose,
                 # so the head gets its own copy (vocab x hidden more memory).

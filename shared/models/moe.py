@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nori.kernels.fused_moe import fused_experts
+from nori.kernels.fused_moe import fused_experts, pack_expert_panels, unpack_expert_panels
 from nori.kernels.quantized_linear import quantize_weight
 from nori.models.config import ModelConfig
 from nori.parallel.group import TensorParallelGroup
@@ -40,7 +40,9 @@ def route_tokens(
 
 class ExpertWeights(nn.Module):
     """Every expert's gated MLP, stacked: w13 [E, 2I, H] (gate rows, then up rows) and
-    w2 [E, H, I]; after `quantize_` 8-bit with one float32 scale per output row."""
+    w2 [E, H, I]; after `quantize_` 8-bit with one float32 scale per output row; on CPU, after
+    `pack_for_cpu`, packed in panels of 16 outputs (4-D; `gate_up_weights()` and
+    `down_weights()` give the [E, N, K] matrices whatever the storage)."""
 
     w13_scale: torch.Tensor | None
     w2_scale: torch.Tensor | None
@@ -102,14 +104,25 @@ class ExpertWeights(nn.Module):
             setattr(self, name, nn.Parameter(torch.stack(codes), requires_grad=False))
             setattr(self, f"{name}_scale", torch.stack(scales))
 
-    def store_transposed(self) -> None:
-        """Each expert's weights in [in, out] memory order (still seen as [out, in]), float or
-        8-bit: the C++ kernel streams them with the outputs contiguous, its fastest route at
-        every batch size measured (`nori bench moe-layer --weight-order`)."""
+    def pack_for_cpu(self) -> None:
+        """Packs both matrices in panels of 16 outputs (`pack_expert_panels`), float or 8-bit:
+        the C++ kernel streams each tile's weights as one contiguous block, its fastest route
+        (docs/benchmarks.md: 1.6x the [in, out] order at batch 16 in float32)."""
         for name in ("w13", "w2"):
-            weights = getattr(self, name).data
-            transposed = weights.transpose(1, 2).contiguous().transpose(1, 2)
-            setattr(self, name, nn.Parameter(transposed, requires_grad=False))
+            packed = pack_expert_panels(getattr(self, name).data)
+            setattr(self, name, nn.Parameter(packed, requires_grad=False))
+
+    def gate_up_weights(self) -> torch.Tensor:
+        """w13 as [E, 2I, H], unpacked if packed (a copy then)."""
+        if self.w13.dim() == 3:
+            return self.w13.data
+        return unpack_expert_panels(self.w13.data, 2 * self.intermediate_size)
+
+    def down_weights(self) -> torch.Tensor:
+        """w2 as [E, H, I], unpacked if packed (a copy then)."""
+        if self.w2.dim() == 3:
+            return self.w2.data
+        return unpack_expert_panels(self.w2.data, self.w13.shape[2])
 
 
 class SparseMoeBlock(nn.Module):

@@ -114,7 +114,7 @@ _SMALL_MOE = replace(
     moe_intermediate_size=_SMALL.intermediate_size // 2,
     norm_topk_prob=True,
 )
-_TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_TINY_MOE = replace(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
     {
@@ -136,29 +136,26 @@ PRESETS: Mapping[str, ModelConfig] = MappingProxyType(
             rope_theta=1000000.0,
         ),
         "tiny-mixtral": replace(
-            _TINY,
+            _TINY_MOE,
             architecture="MixtralForCausalLM",
             intermediate_size=32,
             norm_topk_prob=True,
-            **_TINY_MOE,
         ),
         "tiny-qwen2-moe": replace(
-            _TINY,
+            _TINY_MOE,
             architecture="Qwen2MoeForCausalLM",
             attention_bias=True,
             shared_expert_intermediate_size=96,
             rms_norm_eps=1e-6,
             rope_theta=1000000.0,
-            **_TINY_MOE,
         ),
         "tiny-qwen3-moe": replace(
-            _TINY,
+            _TINY_MOE,
             architecture="Qwen3MoeForCausalLM",
             qk_norm=True,
             norm_topk_prob=True,
             rms_norm_eps=1e-6,
             rope_theta=1000000.0,
-            **_TINY_MOE,
         ),
         "demo": _DEMO,
         "small": _SMALL,

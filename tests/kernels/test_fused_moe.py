@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from nori.kernels.cpu_build import cpu_kernels
-from nori.kernels.fused_moe import fused_experts, fused_experts_cpu, fused_experts_reference
+from nori.kernels.fused_moe import (
+    fused_experts,
+    fused_experts_cpu,
+    fused_experts_reference,
+    pack_expert_panels,
+    unpack_expert_panels,
+)
 from nori.kernels.quantized_linear import quantize_weight
 
 needs_cpu_kernels = pytest.mark.skipif(
@@ -78,9 +84,19 @@ def _dense_experts(
     return out
 
 
-def _in_out_order(weights: torch.Tensor) -> torch.Tensor:
-    """The same values with each expert's matrix stored [in, out] (as the CPU model keeps it)."""
-    return weights.transpose(1, 2).contiguous().transpose(1, 2)
+# How the weights are stored: PyTorch's [out, in] rows (the library-GEMM route), each expert's
+# matrix [in, out] (the streamed route), or packed in panels of 16 outputs (the streamed route
+# over contiguous blocks; what the CPU model keeps).
+LAYOUTS = ["out-in", "in-out", "panels"]
+
+
+def _stored(weights: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as `layout` stores them."""
+    if layout == "in-out":
+        return weights.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "panels":
+        return pack_expert_panels(weights)
+    return weights
 
 
 # (tokens, experts, top-k, a note): random routings plus the edge cases of the grouping.
@@ -114,16 +130,16 @@ def test_reference_skips_ids_outside_the_rank() -> None:
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k"), ROUTINGS)
 def test_cpu_kernel_matches_reference_float32(
-    tokens: int, num_experts: int, top_k: int, id_dtype: torch.dtype, in_out_order: bool
+    tokens: int, num_experts: int, top_k: int, id_dtype: torch.dtype, layout: str
 ) -> None:
     w13, w2 = _layer(num_experts)
     weights, ids = _routing(tokens, num_experts, top_k)
     hidden = _hidden(tokens)
-    stored13, stored2 = (_in_out_order(w13), _in_out_order(w2)) if in_out_order else (w13, w2)
+    stored13, stored2 = (_stored(w13, layout), _stored(w2, layout))
     out = fused_experts_cpu(hidden, stored13, stored2, weights, ids.to(id_dtype))
     expected = fused_experts_reference(hidden, w13, w2, weights, ids)
     assert out.dtype == torch.float32 and out.shape == hidden.shape
@@ -131,26 +147,26 @@ def test_cpu_kernel_matches_reference_float32(
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
-def test_cpu_kernel_experts_with_one_token_and_none(in_out_order: bool) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_kernel_experts_with_one_token_and_none(layout: str) -> None:
     """Expert 0 chosen by every token, 1..3 by exactly one each, 4..7 by none."""
     w13, w2 = _layer(8)
     ids = torch.tensor([[0, 1], [2, 0], [0, 3]])
     weights = torch.tensor([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])
     hidden = _hidden(3)
-    stored13, stored2 = (_in_out_order(w13), _in_out_order(w2)) if in_out_order else (w13, w2)
+    stored13, stored2 = (_stored(w13, layout), _stored(w2, layout))
     out = fused_experts_cpu(hidden, stored13, stored2, weights, ids)
     expected = _dense_experts(hidden, w13, w2, weights, ids)
     torch.testing.assert_close(out.double(), expected, atol=FLOAT32_ATOL, rtol=FLOAT32_RTOL)
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
-def test_cpu_kernel_skips_ids_outside_the_rank(in_out_order: bool) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_kernel_skips_ids_outside_the_rank(layout: str) -> None:
     w13, w2 = _layer(4)
     weights, ids = _routing(33, 8, 2)
     hidden = _hidden(33)
-    stored13, stored2 = (_in_out_order(w13), _in_out_order(w2)) if in_out_order else (w13, w2)
+    stored13, stored2 = (_stored(w13, layout), _stored(w2, layout))
     for start in (0, 2, 4):  # the ranks of two-way expert parallelism, and one in between
         rank_ids = ids - start
         out = fused_experts_cpu(hidden, stored13, stored2, weights, rank_ids)
@@ -172,16 +188,15 @@ def test_cpu_kernel_no_tokens() -> None:
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 16, 70])
-def test_cpu_kernel_bfloat16(tokens: int, in_out_order: bool) -> None:
+def test_cpu_kernel_bfloat16(tokens: int, layout: str) -> None:
     w13, w2 = _layer(8)
     weights, ids = _routing(tokens, 8, 2)
     hidden = _hidden(tokens)
     w13_bf16, w2_bf16 = w13.bfloat16(), w2.bfloat16()
-    if in_out_order:
-        w13_bf16, w2_bf16 = _in_out_order(w13_bf16), _in_out_order(w2_bf16)
-    out = fused_experts_cpu(hidden.bfloat16(), w13_bf16, w2_bf16, weights, ids)
+    stored13, stored2 = _stored(w13_bf16, layout), _stored(w2_bf16, layout)
+    out = fused_experts_cpu(hidden.bfloat16(), stored13, stored2, weights, ids)
     # The reference in float32 on the same (bfloat16-rounded) values.
     expected = fused_experts_reference(
         hidden.bfloat16().float(), w13_bf16.float(), w2_bf16.float(), weights, ids
@@ -197,15 +212,15 @@ def _quantized(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 16, 70])
-def test_cpu_kernel_int8_weights(tokens: int, dtype: torch.dtype, in_out_order: bool) -> None:
+def test_cpu_kernel_int8_weights(tokens: int, dtype: torch.dtype, layout: str) -> None:
     w13, w2 = _layer(8)
     (q13, s13), (q2, s2) = _quantized(w13), _quantized(w2)
     weights, ids = _routing(tokens, 8, 2)
     hidden = _hidden(tokens).to(dtype)
-    stored13, stored2 = (_in_out_order(q13), _in_out_order(q2)) if in_out_order else (q13, q2)
+    stored13, stored2 = (_stored(q13, layout), _stored(q2, layout))
     out = fused_experts_cpu(hidden, stored13, stored2, weights, ids, s13, s2)
     # The reference dequantizes (in float32 here, on the same rounded activations).
     expected = fused_experts_reference(hidden.float(), q13, q2, weights, ids, s13, s2)
@@ -220,16 +235,15 @@ def test_cpu_kernel_int8_weights(tokens: int, dtype: torch.dtype, in_out_order: 
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("in_out_order", [False, True])
-def test_a_swapped_routing_is_caught(in_out_order: bool) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_swapped_routing_is_caught(layout: str) -> None:
     """Two tokens' routings exchanged (what a wrong permutation or scatter index does) move
     the output by ten times the loosest tolerance above or more: the equality tests would fail on it."""
     w13, w2 = _layer(8)
     weights, ids = _routing(16, 8, 2)
     hidden = _hidden(16)
     expected = fused_experts_reference(hidden, w13, w2, weights, ids)
-    if in_out_order:
-        w13, w2 = _in_out_order(w13), _in_out_order(w2)
+    w13, w2 = _stored(w13, layout), _stored(w2, layout)
     swapped = ids.clone()
     swapped[[3, 11]] = ids[[11, 3]]
     out = fused_experts_cpu(hidden, w13, w2, weights, swapped)
@@ -291,3 +305,28 @@ def test_cpu_kernel_rejects_bad_shapes() -> None:
             torch.ones(4, 2 * INTERMEDIATE),
             torch.ones(4, HIDDEN),
         )
+
+
+@pytest.mark.parametrize("outputs", [16, 37])
+def test_panels_pack_and_unpack(outputs: int) -> None:
+    """Panel p, line k holds outputs 16p..16p+15 of input k (zeros past the end)."""
+    weights = torch.randn(3, outputs, 5)
+    panels = pack_expert_panels(weights)
+    assert panels.shape == (3, -(-outputs // 16), 5, 16) and panels.is_contiguous()
+    last = outputs - 1
+    assert float(panels[1, last // 16, 4, last % 16]) == float(weights[1, last, 4])
+    assert float(panels[:, -1, :, outputs - 16 * (panels.shape[1] - 1) :].abs().sum()) == 0.0
+    torch.testing.assert_close(unpack_expert_panels(panels, outputs), weights, rtol=0, atol=0)
+
+
+def test_fused_experts_unpacks_panels_for_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C++ kernels (NORI_CPU_KERNELS=0 or no compiler) packed weights still work."""
+    import nori.kernels.fused_moe as fused_moe
+
+    monkeypatch.setattr(fused_moe, "cpu_kernels", lambda: None)
+    w13, w2 = _layer(8)
+    weights, ids = _routing(9, 8, 2)
+    hidden = _hidden(9)
+    out = fused_experts(hidden, pack_expert_panels(w13), pack_expert_panels(w2), weights, ids)
+    expected = fused_experts_reference(hidden, w13, w2, weights, ids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
