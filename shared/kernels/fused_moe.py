@@ -79,7 +79,7 @@ def fused_experts_cpu(
 
     The weights' memory order picks the route. Stored [in, out] (each expert's output dimension
     contiguous: `w.transpose(1, 2).contiguous().transpose(1, 2)`) they take the streamed kernel,
-    which reads each weight line once per 4 rows and widens bfloat16/int8 in registers; any
+    which reads each weight line once per 6 rows and widens bfloat16/int8 in registers; any
     other strides take one library GEMM per expert group (at::mm; int8 through torch's int8
     GEMM for bfloat16 rows). Measured on a 2-core AMD EPYC (Zen 2: AVX2, no AVX-512) at the
     small preset's shape (`nori bench moe-layer`), [in, out] is as fast or faster in every

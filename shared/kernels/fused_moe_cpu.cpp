@@ -19,7 +19,7 @@
 // reading each tile's weights as one contiguous block; otherwise by memory order):
 // - [in, out] (each expert's matrix with its output dimension contiguous, as
 //   `w.transpose(1, 2).contiguous().transpose(1, 2)` stores it): the streamed kernel below,
-//   which reads each weight line once per 4 rows and widens bfloat16/int8 in registers; the
+//   which reads each weight line once per 6 rows and widens bfloat16/int8 in registers; the
 //   faster route for every dtype measured (docs in fused_moe.py), and the one the model should
 //   store its experts in;
 // - [out, in] (or any other strides): the library GEMMs (at::mm, oneDNN/MKL), int8 through
@@ -132,8 +132,8 @@ void for_each_expert(const std::vector<int64_t>& offsets, const Product& product
 // A group of a few rows times a [K, N] weight should be bound by reading the weight; the
 // libraries' small-M products fall short of that, bfloat16 most (ATen's bfloat16 GEMM without
 // AVX-512 BF16 is several times slower than its float32 one). Here each weight line k (N outputs, contiguous) is read
-// once per tile of 4 rows and 16 outputs, widened to float32 in registers (bfloat16 by a
-// shift, int8 by a conversion) and multiplied into the 4 x 16 float32 sums: the compiler
+// once per tile of 6 rows and 16 outputs, widened to float32 in registers (bfloat16 by a
+// shift, int8 by a conversion) and multiplied into the 6 x 16 float32 sums (12 of AVX2's 16 vector registers): the compiler
 // vectorises the 16 outputs (2 AVX2 or 1 AVX-512 register per row). The activations are float32
 // rows throughout (gate_up, silu * up, down), rounded only on the way out.
 
@@ -186,7 +186,7 @@ inline Float8 load8(const int8_t* p) {
 }
 
 constexpr int64_t kTileCols = 16;
-constexpr int64_t kTileRows = 4;
+constexpr int64_t kTileRows = 6;
 constexpr int64_t kPrefetchLines = 8;
 // Output columns per parallel task: 4 tiles, a 128-byte stripe of each bfloat16 weight line.
 constexpr int64_t kTaskCols = 4 * kTileCols;
@@ -252,6 +252,8 @@ void streamed_product(const float* x, int64_t ldx, int64_t rows, const weight_t*
       const float* xr = x + r * ldx;
       float* o = out + r * ldo + c;
       switch (std::min(kTileRows, rows - r)) {
+        case 6: streamed_tile<weight_t, 6>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
+        case 5: streamed_tile<weight_t, 5>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
         case 4: streamed_tile<weight_t, 4>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
         case 3: streamed_tile<weight_t, 3>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
         case 2: streamed_tile<weight_t, 2>(xr, ldx, tile_w, tile_ldw, depth, cols, col_scale, o, ldo); break;
