@@ -31,6 +31,11 @@ from typing import Any, Literal, TypeVar, get_args
 WorkerRole = Literal["prefill", "decode", "colocated"]
 Role = Literal["gateway", "prefill", "decode", "colocated", "batch"]
 WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
+# Where a disaggregated cluster computes a prompt (the gateway's --disaggregation): "always" on a
+# prefill worker (its KV then moves to the decode worker), "never" on the decode worker that
+# decodes it, "auto" per request, by what each path would cost (nori.gateway.disaggregation).
+DisaggregationMode = Literal["auto", "always", "never"]
+DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.

@@ -31,7 +31,7 @@ from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullErro
 from nori.gateway.request_flow import RequestFlow
 from nori.gateway.worker_calls import RetryLimits
 from nori.gateway.worker_pool import Router, WorkerPool
-from nori.settings import RoleSettings
+from nori.settings import DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
@@ -88,6 +88,10 @@ class ClusterOptions(RoleSettings):
             raise ValueError(f"--max-request-members must be >= 1, got {self.max_request_members}")
         if not 0 < self.max_decode_share <= 1:
             raise ValueError(f"--max-decode-share must be in (0, 1], got {self.max_decode_share}")
+
+    # Where a prompt is computed when there are decode workers: "always" on a prefill worker,
+    # "never" on its decode worker, "auto" per request (nori.gateway.disaggregation).
+    disaggregation: DisaggregationMode = "always"
 
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.

@@ -22,7 +22,7 @@ from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
-from nori.settings import RoleSettings
+from nori.settings import DisaggregationMode, RoleSettings
 from nori.state.connection import connect
 from nori.state.keys import Keys
 from nori.telemetry.tracing import Tracing
@@ -48,6 +48,8 @@ class GatewayOptions(RoleSettings):
     max_queued_prompt_tokens: int = 8192
     # --stream-interval: a streamed request's tokens reach its client this many at a time.
     stream_interval: int = 1
+    # Where prompts are computed (ClusterOptions.disaggregation).
+    disaggregation: DisaggregationMode = "always"
     # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
     access_log: bool = True
@@ -127,6 +129,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             block_size=options.block_size,
             max_in_flight=options.max_in_flight,
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
+            disaggregation=options.disaggregation,
             migration_limit=options.migration_limit,
             stream_stall_timeout_s=options.stream_stall_timeout_s,
             group_wait_s=options.group_wait_s,

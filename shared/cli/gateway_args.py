@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from nori.cli.engine_args import positive_int
+from nori.settings import DISAGGREGATION_MODES
 
 
 def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
@@ -102,6 +103,15 @@ def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
         help="admission: refuse new requests (429 with Retry-After) while this many prompt "
         "tokens per prefill (or colocated) worker wait for their first token; about TTFT target "
         "x prefill tokens/s; 0 = no bound (default %(default)s: four 2048-token steps)",
+    )
+    gateway.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION_MODES,
+        default="always",
+        help="where a prompt is computed in a disaggregated cluster: always on a prefill worker, "
+        "never (on the decode worker that decodes it), or auto: per request, by what each path "
+        "would cost, from the workers' measured step costs, queues and transfer rate "
+        "(default %(default)s)",
     )
     gateway.add_argument(
         "--stream-interval",

@@ -16,7 +16,13 @@ from nori.cli.engine_args import (
     positive_int,
 )
 from nori.launch.cpu_plan import PINNED_ROLES
-from nori.settings import DEFAULT_KV_LEASE_S, DEFAULT_NAMESPACE, Environment, settings_from
+from nori.settings import (
+    DEFAULT_KV_LEASE_S,
+    DEFAULT_NAMESPACE,
+    DISAGGREGATION_MODES,
+    Environment,
+    settings_from,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -116,6 +122,13 @@ def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -
     group.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     group.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     group.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
+    group.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION_MODES,
+        default="always",
+        help="where prompts are computed: always on a prefill worker, never (on the decode "
+        "worker), or auto: per request, by measured costs (default %(default)s)",
+    )
     group.add_argument(
         "--max-queued-prompt-tokens",
         type=int,

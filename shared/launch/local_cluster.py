@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nori.launch.cpu_plan import CpuPlan
 from nori.launch.role_process import RoleProcess, start_process
-from nori.settings import DEFAULT_KV_LEASE_S, Role, RoleSettings, WorkerRole
+from nori.settings import DEFAULT_KV_LEASE_S, DisaggregationMode, Role, RoleSettings, WorkerRole
 
 
 def free_port() -> int:
@@ -67,6 +67,8 @@ class ClusterSpec(RoleSettings):
     max_queued_prompt_tokens: int = 8192
     # The gateway's --stream-interval: streamed tokens per event.
     stream_interval: int = 1
+    # The gateway's --disaggregation: where prompts are computed (disaggregated clusters).
+    disaggregation: DisaggregationMode = "always"
     # The workers' --max-model-len, which the gateway must check requests against too.
     max_model_len: int | None = None
     # Every process logs at INFO (`nori up -v`).
@@ -127,6 +129,8 @@ class LocalCluster:
             options += ["--tokenizer", self.spec.tokenizer]
         if self.spec.stream_interval != 1:
             options += ["--stream-interval", str(self.spec.stream_interval)]
+        if self.spec.disaggregation != "always":
+            options += ["--disaggregation", self.spec.disaggregation]
         return options
 
     # ------------------------------------------------------------------ start
