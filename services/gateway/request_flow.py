@@ -2,8 +2,11 @@
 
 `RequestFlow.run` is the whole of it, top to bottom:
 
-1. **route**: pick a decode worker (fewest in flight, most free blocks: `worker_pool.Router`);
-2. on a disaggregated decode worker, `prefill_then_decode`:
+1. **route**: pick a decode worker (fewest in flight, most free blocks: `worker_pool.Router`),
+   and on a disaggregated one, where the prompt is computed (`--disaggregation`: always on a
+   prefill worker, never, or auto: by what each path costs now, `disaggregation.choose_path`;
+   the choice and its reason go on the request's span);
+2. prompt on a prefill worker, `prefill_then_decode`:
    - **reserve**: open the decode worker's Generate stream; its first message is a reservation
      (block ids under a lease, and the address to send their KV to);
    - **prefill**: call the prefill worker (the one with the longest cached prefix and the least
@@ -12,8 +15,8 @@
      the decode stream is watched: it ends early when the lease runs out (the prefill worker
      hung or died, or the prompt never left its queue);
    - **stream**: token one, then the rest from the decode stream;
-3. on a colocated worker, or to continue a request whose decode worker died (**migrate**),
-   `compute_and_decode`: the worker computes the prompt (and what was already streamed) itself
+3. on a colocated worker, a prompt the decode worker computes itself, or to continue a request
+   whose decode worker died (**migrate**), `compute_and_decode`: the worker computes the prompt (and what was already streamed) itself
    and its stream carries every later token;
 4. on a failure, `worker_calls.RetryPolicy.after` decides, in one place, whether and how to try
    again.
@@ -28,7 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +40,7 @@ from opentelemetry import trace
 
 from nori.gateway.admission import GroupWait, QueuedPrompt
 from nori.gateway.backend import GenerationChunk, GenerationRequest
+from nori.gateway.disaggregation import DisaggregationPolicy, PathQueues
 from nori.gateway.errors import (
     BackendError,
     DecodeFullError,
@@ -71,18 +75,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PromptSlot:
-    """A prompt counted on its prefill worker by the router, from the pick to its first token
-    (so that a burst spreads over the prefill pool); released exactly once, on any path."""
+    """A prompt counted on the worker computing it by the router, from the pick to its first
+    token (so that a burst spreads over the prefill pool, and the cost model sees the queues);
+    released exactly once, on any path. On a prefill worker it counts a request in flight there
+    too; on a decode worker computing it (`whole_request=False`) only its tokens, since the
+    request is already counted there."""
 
     router: Router
     worker: WorkerInfo
     num_tokens: int
+    whole_request: bool = True
     _held: bool = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.router.ended(self.worker.worker_id, self.num_tokens)
+            if self.whole_request:
+                self.router.ended(self.worker.worker_id, self.num_tokens)
+            else:
+                self.router.prompt_done(self.worker.worker_id, self.num_tokens)
 
 
 @dataclass
@@ -110,8 +121,10 @@ class RequestFlow:
         stall_timeout_s: float = 300.0,
         rpc_metadata: tuple[tuple[str, str], ...] = (),
         limits: RetryLimits | None = None,
+        policy: DisaggregationPolicy | None = None,
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
+        self.disaggregation = policy or DisaggregationPolicy("always")
         # What every worker call carries besides its trace context: the cluster's token
         # (`ClusterAuth.rpc_metadata()`; none in an open cluster).
         self._rpc_metadata = rpc_metadata
@@ -151,7 +164,7 @@ class RequestFlow:
                 elif decode.role == "colocated":
                     chunks = self.compute_and_decode(request, decode, queued)
                 else:
-                    chunks = self.prefill_then_decode(request, decode, queued)
+                    chunks = self.serve_disaggregated(request, decode, queued)
                 async for chunk in chunks:
                     streamed.add(chunk)
                     yield chunk
@@ -178,10 +191,13 @@ class RequestFlow:
         worker: WorkerInfo,
         queued: QueuedPrompt,
         resumed: Resumed | None = None,
-    ) -> AsyncIterator[GenerationChunk]:
-        """One worker computes the prompt and decodes: a colocated worker, or (migration) the
-        decode worker that continues a request whose worker died, from `resumed` (what that one
-        had streamed), which it computes with the prompt before it goes on."""
+        prompt_slot: PromptSlot | None = None,
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """One worker computes the prompt and decodes: a colocated worker, a decode worker the
+        prompt was routed to (conditional disaggregation; `prompt_slot` counts its tokens there
+        until token one), or (migration) the decode worker that continues a request whose
+        worker died, from `resumed` (what that one had streamed), which it computes with the
+        prompt before it goes on."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
             worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
@@ -191,6 +207,8 @@ class RequestFlow:
         try:
             async for message in messages(call, worker.worker_id, self._stall_timeout_s):
                 answered = True
+                if prompt_slot is not None:
+                    prompt_slot.release()
                 queued.prefilled(time.monotonic())
                 yield chunk_from_delta(message.delta)
         except WorkerFullError as error:
@@ -203,19 +221,68 @@ class RequestFlow:
             raise DecodeFullError(str(error), retry_after_s=1.0) from None
         finally:
             call.cancel()
+            if prompt_slot is not None:
+                prompt_slot.release()
+
+    async def serve_disaggregated(
+        self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The request on a disaggregated decode worker, its prompt computed where the policy
+        chooses: the choice is made before the reservation is taken (the lease starts with the
+        reservation, so nothing slow, a Redis lookup, sits between it and the Prefill call)."""
+        num_tokens = len(request.prompt_token_ids)
+        request_span = trace.get_current_span()
+        with self._tracer.start_as_current_span("route") as span:
+            span.set_attribute("nori.decode.worker", decode.worker_id)
+            prefill, cached = await self._pick_prefill(request, span)
+            choice = self.disaggregation.choose(
+                num_tokens,
+                decode,
+                prefill,
+                cached,
+                PathQueues(
+                    decode_running=max(
+                        decode.num_running, self._router.in_flight[decode.worker_id]
+                    ),
+                    decode_pending_tokens=self._router.pending_prompt_tokens[decode.worker_id],
+                    prefill_pending_tokens=(
+                        self._router.pending_prompt_tokens[prefill.worker_id] if prefill else 0
+                    ),
+                ),
+            )
+            attributes = choice.span_attributes()
+            span.set_attributes(attributes)
+            # On the request's own span too: what a trace search filters by.
+            request_span.set_attributes(attributes)
+        if choice.path == "decode":
+            self._router.prompt_started(decode.worker_id, num_tokens)
+            slot = PromptSlot(self._router, decode, num_tokens, whole_request=False)
+            chunks = self.compute_and_decode(request, decode, queued, prompt_slot=slot)
+        elif prefill is None:
+            raise SaturatedError("no prefill worker is available")
+        else:
+            self._router.started(prefill.worker_id, num_tokens)
+            slot = PromptSlot(self._router, prefill, num_tokens)
+            chunks = self.prefill_then_decode(request, decode, queued, slot)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            slot.release()  # counted from the pick: no path may leave it held
+            await chunks.aclose()
 
     async def prefill_then_decode(
-        self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
-    ) -> AsyncIterator[GenerationChunk]:
-        """Reserve on the decode worker, prefill on a prefill worker, stream from the decode
-        worker."""
-        # The prefill worker is chosen before the reservation is taken: the lease starts with
-        # the reservation, so nothing slow (a Redis lookup) sits between it and the Prefill call.
-        # Both workers' spans are children of the request's (the current) span.
+        self,
+        request: GenerationRequest,
+        decode: WorkerInfo,
+        queued: QueuedPrompt,
+        slot: PromptSlot,
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """Reserve on the decode worker, prefill on the prefill worker of `slot` (counted there
+        from its pick), stream from the decode worker. Both workers' spans are children of the
+        request's (the current) span."""
         metadata = self._call_metadata()
-        with self._tracer.start_as_current_span("route") as span:
-            slot = await self._take_prefill_slot(request, span)
-            span.set_attribute("nori.decode.worker", decode.worker_id)
+        started = time.monotonic()
         try:
             decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
         except BaseException:
@@ -241,6 +308,12 @@ class RequestFlow:
             response = await self._prefill(request, slot.worker, destination, decode_next, metadata)
             slot.release()
             queued.prefilled(time.monotonic())
+            self.disaggregation.observe_prefill_path(
+                len(request.prompt_token_ids),
+                time.monotonic() - started,
+                response.prefill_seconds,
+                response.transfer_seconds,
+            )
             # 3. stream
             first = chunk_from_delta(response.first)
             yield first
@@ -331,13 +404,16 @@ class RequestFlow:
             answer.cancel()
             call.cancel()  # a no-op once answered
 
-    async def _take_prefill_slot(self, request: GenerationRequest, span: trace.Span) -> PromptSlot:
+    async def _pick_prefill(
+        self, request: GenerationRequest, span: trace.Span
+    ) -> tuple[WorkerInfo | None, int]:
         """The prefill worker that would finish this prompt first (its cached prefix there,
-        from the block directory, and what is queued on it), counted at once."""
+        from the block directory, and what is queued on it), and the prompt tokens it has
+        cached; (None, 0) when none is available."""
         candidates = self._pool.available("prefill")
         block_size = self._pool.block_size
         if not candidates or block_size is None:
-            raise SaturatedError("no prefill worker is available")
+            return None, 0
         hashes = prompt_block_hashes(request.prompt_token_ids, block_size)
         try:
             cached = await self._directory.longest_prefixes(
@@ -350,10 +426,9 @@ class RequestFlow:
         num_tokens = len(request.prompt_token_ids)
         chosen = self._router.pick_prefill(candidates, cached_tokens, num_tokens)
         assert chosen is not None
-        self._router.started(chosen.worker_id, num_tokens)
         span.set_attribute("nori.prefill.worker", chosen.worker_id)
         span.set_attribute("nori.prefix_hit_blocks", cached.get(chosen.worker_id, 0))
-        return PromptSlot(self._router, chosen, num_tokens)
+        return chosen, cached_tokens.get(chosen.worker_id, 0)
 
     def _generate(
         self,

@@ -165,7 +165,13 @@ async def serve_gateway(options: GatewayOptions) -> None:
                 f'nori_gateway_batches{{status="{status}"}} {by_status.get(status, 0)}\n'
                 for status in get_args(BatchStatus)
             )
-        return admission + refused + batches + worker_metrics_text(await backend.worker_stats())
+        return (
+            admission
+            + refused
+            + batches
+            + backend.disaggregation.metrics_text()
+            + worker_metrics_text(await backend.worker_stats())
+        )
 
     batch_store = BatchStore(Path(options.batch_dir)) if options.batch_dir else None
     batch_redis = connect(options.redis_url) if batch_store is not None else None

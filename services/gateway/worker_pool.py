@@ -304,7 +304,8 @@ class Router:
 
     # Requests this gateway has routed to each worker and not yet seen finish.
     in_flight: Counter[str] = field(default_factory=Counter)
-    # Prompt tokens this gateway has sent to each prefill worker and not yet seen prefilled.
+    # Prompt tokens this gateway has sent to each worker to compute (a prefill worker, or a
+    # decode worker computing a prompt itself) and not yet seen computed.
     pending_prompt_tokens: Counter[str] = field(default_factory=Counter)
     _decode_picks: int = 0
     _prefill_picks: int = 0
@@ -364,14 +365,21 @@ class Router:
 
     def started(self, worker_id: str, prompt_tokens: int = 0) -> None:
         self.in_flight[worker_id] += 1
-        self.pending_prompt_tokens[worker_id] += prompt_tokens
+        self.prompt_started(worker_id, prompt_tokens)
 
     def ended(self, worker_id: str, prompt_tokens: int = 0) -> None:
         self.in_flight[worker_id] -= 1
-        self.pending_prompt_tokens[worker_id] -= prompt_tokens
         # Drop zero entries: worker ids come and go, the counters must not grow with them.
         if self.in_flight[worker_id] <= 0:
             del self.in_flight[worker_id]
+        self.prompt_done(worker_id, prompt_tokens)
+
+    def prompt_started(self, worker_id: str, prompt_tokens: int) -> None:
+        """A prompt sent to `worker_id` to be computed (its request counted elsewhere)."""
+        self.pending_prompt_tokens[worker_id] += prompt_tokens
+
+    def prompt_done(self, worker_id: str, prompt_tokens: int) -> None:
+        self.pending_prompt_tokens[worker_id] -= prompt_tokens
         if self.pending_prompt_tokens[worker_id] <= 0:
             del self.pending_prompt_tokens[worker_id]
 

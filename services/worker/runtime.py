@@ -195,7 +195,7 @@ class Worker(ABC):
         """Requests this worker still owes an answer (what draining waits for)."""
         return self._servicer.num_active_requests if self._servicer is not None else 0
 
-    def load_info(self) -> dict[str, int]:
+    def load_info(self) -> dict[str, Any]:
         """WorkerInfo load fields: num_running, num_free_blocks, kv_bytes_received, ..."""
         if self._engine is None or self._servicer is None:
             return {}

@@ -33,6 +33,7 @@ A remote-KV request's life (`abort_request` frees its blocks from any state):
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 
@@ -64,7 +65,7 @@ from nori.engine.request import Request, RequestStatus
 from nori.engine.request_text import add_known_tokens, check_stop, make_output, resume_text
 from nori.engine.scheduler import Scheduler, SchedulerOutput
 from nori.engine.speculative import Speculator
-from nori.engine.step_cost import StepCostModel
+from nori.engine.step_cost import StepCostFit, StepCostModel
 from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams
@@ -72,6 +73,8 @@ from nori.sampling.tokenizer import Tokenizer
 
 # The "auto" prompt cap before any step has been timed.
 AUTO_PREFILL_BUDGET_START = 256
+# Seconds between solves of the published step-cost fit (EngineLoad.step_cost_fit).
+_STEP_COST_FIT_EVERY_S = 0.25
 
 
 class LLMEngine:
@@ -92,8 +95,15 @@ class LLMEngine:
             config.enable_prefix_caching and config.scheduling_policy == "continuous",
         )
         budget = config.prefill_budget_with_decodes
-        # "auto": the cap follows what steps cost (step_cost.py), updated before every step.
-        self._step_costs = StepCostModel() if budget == "auto" else None
+        # What steps cost (step_cost.py), fitted over every timed step: published in the load
+        # (the gateway weighs where to compute prompts by it), and with "auto" the cap on a
+        # step's prompt tokens follows it, updated before every step.
+        self._step_costs = StepCostModel()
+        self._auto_prefill_budget = budget == "auto"
+        # The fit as of the last solve, refreshed at most every _STEP_COST_FIT_EVERY_S (a 3x3
+        # solve per step would cost more than it tells; the registry hears of it once a second).
+        self._step_cost_fit: StepCostFit | None = None
+        self._step_cost_fit_at = -math.inf
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -240,7 +250,7 @@ class LLMEngine:
     # ------------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
-        if self._step_costs is not None:
+        if self._auto_prefill_budget:
             self._scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
                 # The running requests are (about) the decode rows of the coming step.
                 num_decodes=len(self._scheduler.running),
@@ -267,11 +277,14 @@ class LLMEngine:
             self._num_prompt_tokens_computed += max(step_end - request.num_computed_tokens, 0)
         started = time.perf_counter()
         sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
-        if self._step_costs is not None:
-            num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
-            self._step_costs.observe(
-                num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
-            )
+        num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
+        self._step_costs.observe(
+            num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
+        )
+        fit_age_s = time.monotonic() - self._step_cost_fit_at
+        if fit_age_s >= _STEP_COST_FIT_EVERY_S or self._step_costs.adds_to(self._step_cost_fit):
+            self._step_cost_fit = self._step_costs.fit()
+            self._step_cost_fit_at = time.monotonic()
         # Accepted drafts are computed tokens: in the request before the cache hashes its blocks.
         num_rejected = {}
         for result in sampled:
@@ -357,6 +370,7 @@ class LLMEngine:
             running_request_ids=frozenset(request.request_id for request in scheduler.running),
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             spec_decode=SpecDecodeCounts() if self._speculator is None else self._speculator.counts,
+            step_cost_fit=self._step_cost_fit,
         )
 
     def expert_routing_counts(self) -> ExpertRoutingCounts | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from nori.engine.step_cost import StepCostFit
 from nori.sampling.logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ class EngineLoad:
     num_prompt_tokens_computed: int = 0
     # Speculative decoding's counters (all zero without it).
     spec_decode: SpecDecodeCounts = SpecDecodeCounts()
+    # What this engine's steps cost (step_cost.py), as last fitted; None before any step.
+    step_cost_fit: StepCostFit | None = None
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 
@@ -153,13 +156,18 @@ class EngineLoad:
     def num_requests_holding_blocks(self) -> int:
         return self.num_running + self.num_held
 
-    def registry_fields(self) -> dict[str, int]:
-        """The load figures a worker publishes in the registry for routing."""
+    def registry_fields(self) -> dict[str, int | float]:
+        """The load figures a worker publishes in the registry for routing (a step cost not
+        yet fitted is 0.0)."""
+        fit = self.step_cost_fit
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_free_blocks": self.num_free_blocks,
             "num_total_blocks": self.num_total_blocks,
+            "step_fixed_s": fit.fixed_s if fit is not None else 0.0,
+            "step_per_row_s": (fit.per_row_s or 0.0) if fit is not None else 0.0,
+            "step_per_token_s": (fit.per_token_s or 0.0) if fit is not None else 0.0,
         }
 
 

@@ -13,6 +13,13 @@ some, so a decode-only estimate would stay frozen at the batch size of the last 
 (Frozen at 1 row, it made a 24M model's budget 23 tokens where 16 rows allowed 53, and a burst
 of 15 prompts of 512 tokens waited 7.0-7.8 s instead of 4.4.) No torch (numpy solves the
 3x3 system); the clock is the caller's.
+
+The same fit, published in the worker registry (`StepCostFit`, `fit()`), is what the gateway's
+conditional disaggregation weighs: a prompt's cost on its prefill worker against its cost on the
+decode worker beside that worker's running streams (nori.gateway.disaggregation). A prefill
+worker times prompt steps only and a disaggregated decode worker mostly decode steps, so `fit()`
+also answers from steps of one kind: a feature never seen gets no cost (None), the others are
+fitted without it.
 """
 
 from __future__ import annotations
@@ -23,8 +30,20 @@ import numpy as np
 
 # Features of a step: 1 (the fixed part), decode rows, prompt tokens.
 _NUM_FEATURES = 3
+# Steps of a kind (with decode rows, with prompt tokens) before `fit()` states that kind's cost.
+_MIN_STEPS_OF_A_KIND = 4
 # Keeps the fit defined while a feature has not varied yet; tiny beside any real step's weight.
 _RIDGE = 1e-9
+
+
+@dataclass(frozen=True)
+class StepCostFit:
+    """A step's fitted costs in seconds: `fixed_s + per_row_s * decode rows + per_token_s *
+    prompt tokens`; a cost is None until steps of its kind have been timed."""
+
+    fixed_s: float
+    per_row_s: float | None
+    per_token_s: float | None
 
 
 @dataclass
@@ -39,6 +58,10 @@ class StepCostModel:
     _moment: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
     _seen_decodes: bool = False
     _seen_prompts: bool = False
+    # Steps timed with decode rows, with prompt tokens: `fit()` states a kind's cost only after
+    # a few (one step splits its time between the fixed part and its kind arbitrarily).
+    _num_decode_steps: int = 0
+    _num_prompt_steps: int = 0
 
     def observe(self, num_decodes: int, num_prompt_tokens: int, seconds: float) -> None:
         """One timed step: how many decode rows and prompt tokens it computed."""
@@ -52,6 +75,8 @@ class StepCostModel:
                 self._gram[i][j] = keep * self._gram[i][j] + x[i] * x[j]
         self._seen_decodes |= num_decodes > 0
         self._seen_prompts |= num_prompt_tokens > 0
+        self._num_decode_steps += num_decodes > 0
+        self._num_prompt_steps += num_prompt_tokens > 0
 
     def costs(self) -> tuple[float, float, float] | None:
         """(fixed, per decode row, per prompt token) seconds; None until steps of both kinds
@@ -67,6 +92,39 @@ class StepCostModel:
         if per_token <= 0.0 or fixed + per_row <= 0.0:
             return None
         return fixed, per_row, per_token
+
+    def adds_to(self, fit: StepCostFit | None) -> bool:
+        """Whether `fit()` would now state a cost that `fit` (an earlier one) lacks."""
+        if fit is None:
+            return self._seen_decodes or self._seen_prompts
+        return (fit.per_row_s is None and self._num_decode_steps >= _MIN_STEPS_OF_A_KIND) or (
+            fit.per_token_s is None and self._num_prompt_steps >= _MIN_STEPS_OF_A_KIND
+        )
+
+    def fit(self) -> StepCostFit | None:
+        """The fitted costs, each None until `_MIN_STEPS_OF_A_KIND` steps of its kind have been
+        timed; None before any step."""
+        if not (self._seen_decodes or self._seen_prompts):
+            return None
+        gram = np.array(self._gram) + _RIDGE * np.eye(_NUM_FEATURES)
+        try:
+            solution = np.linalg.solve(gram, np.array(self._moment))
+        except np.linalg.LinAlgError:
+            return None
+        # A feature that was always 0 has only the ridge on its row: its coefficient is 0 and the
+        # others are the fit without it.
+        fixed, per_row, per_token = (max(float(value), 0.0) for value in solution)
+        return StepCostFit(
+            fixed_s=fixed,
+            per_row_s=(
+                per_row if self._num_decode_steps >= _MIN_STEPS_OF_A_KIND and per_row > 0 else None
+            ),
+            per_token_s=(
+                per_token
+                if self._num_prompt_steps >= _MIN_STEPS_OF_A_KIND and per_token > 0
+                else None
+            ),
+        )
 
     def decode_step_s(self, num_decodes: int) -> float | None:
         """The fitted time of a step of `num_decodes` decode rows and no prompt."""

@@ -55,6 +55,12 @@ class WorkerInfo:
     num_total_blocks: int = 0
     kv_bytes_received: int = 0
     kv_bytes_sent: int = 0
+    # What one engine step costs, as the worker fits it (nori.engine.step_cost): seconds fixed,
+    # per decode row and per prompt token; 0.0 while not yet fitted. The gateway's conditional
+    # disaggregation weighs where to compute a prompt by them.
+    step_fixed_s: float = 0.0
+    step_per_row_s: float = 0.0
+    step_per_token_s: float = 0.0
     draining: bool = False  # finishing its requests before leaving: route nothing new to it
     # KV block size in tokens: the gateway hashes prompts in blocks of it. 0: not stated.
     block_size: int = 0

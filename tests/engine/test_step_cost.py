@@ -74,3 +74,40 @@ def test_the_budget_stays_within_bounds() -> None:
     cheap.observe(1, 0, 0.010)
     cheap.observe(0, 10_000, 0.011)
     assert cheap.prompt_budget(1, 1.0, 16, 2048, 256) == 2048  # capped at the ceiling
+
+
+def test_the_published_fit_answers_from_steps_of_one_kind() -> None:
+    # A prefill worker: prompt steps only. Its fit recovers 2 ms + 0.1 ms a token, with no
+    # decode-row cost (None, not 0: never measured).
+    model = StepCostModel()
+    for tokens in (16, 64, 128, 512, 33):
+        model.observe(0, tokens, 0.002 + 1e-4 * tokens)
+    fit = model.fit()
+    assert fit is not None
+    assert fit.fixed_s == pytest.approx(0.002, rel=1e-3)
+    assert fit.per_token_s == pytest.approx(1e-4, rel=1e-3)
+    assert fit.per_row_s is None
+    assert model.costs() is None  # the prompt budget still waits for both kinds
+    # A disaggregated decode worker: decode steps only.
+    model = StepCostModel()
+    for rows in (1, 4, 8, 16, 3):
+        model.observe(rows, 0, 0.005 + 5e-4 * rows)
+    fit = model.fit()
+    assert fit is not None
+    assert (fit.fixed_s, fit.per_row_s) == (pytest.approx(0.005), pytest.approx(5e-4))
+    assert fit.per_token_s is None
+    assert StepCostModel().fit() is None
+
+
+def test_adds_to_says_when_a_kind_has_become_known() -> None:
+    model = StepCostModel()
+    assert not model.adds_to(None)
+    for _ in range(3):
+        model.observe(0, 64, 0.01)
+    assert model.adds_to(None)
+    fit = model.fit()
+    assert fit is not None and fit.per_token_s is None
+    assert not model.adds_to(fit)
+    model.observe(0, 32, 0.005)
+    assert model.adds_to(fit)
+    assert not model.adds_to(model.fit())

@@ -51,7 +51,7 @@ async def test_a_failure_after_the_prefill_pick_releases_the_slot() -> None:
     request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=4, top_k=2**31))
     queued = PromptQueue(0).admit(3, 1, 0.0, None)
     with pytest.raises(ValueError, match="out of range"):
-        async for _ in flow.prefill_then_decode(request, DECODE, queued):
+        async for _ in flow.serve_disaggregated(request, DECODE, queued):
             pass
     assert router.pending_prompt_tokens == {}
     assert router.in_flight == {}

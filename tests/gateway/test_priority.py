@@ -168,7 +168,7 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
     )
     flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, stream_interval=3)
-    chunks = [c async for c in flow.prefill_then_decode(request, DECODE, Queued())]  # type: ignore[arg-type]
+    chunks = [c async for c in flow.serve_disaggregated(request, DECODE, Queued())]  # type: ignore[arg-type]
     assert [c.new_token_ids for c in chunks] == [[7], [8]]
     generate, prefill = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest) and generate.priority == 7

@@ -1,0 +1,324 @@
+"""Conditional disaggregation: per request, where its prompt is computed.
+
+In a disaggregated cluster a prompt can be computed on a prefill worker, whose KV blocks then
+move to the decode worker ("prefill"), or on the decode worker that will decode it, beside its
+running streams ("decode"). The first keeps long prompts from stalling those streams; for a
+short prompt it costs more than it saves (a reservation, a second gRPC call, a transfer), and
+behind a long prompt in the prefill worker's queue a short one waits for all of it. Dynamo
+prefills short or well-cached prompts on the decode worker; llm-d disaggregates only when the
+uncached suffix is long. Here the choice is made per request, by what each path would cost now,
+from figures measured in the cluster, not from a hard-coded length:
+
+- the workers' step-cost fits (nori.engine.step_cost, published in the registry): seconds fixed,
+  per decode row and per prompt token of one engine step, on each side;
+- the queues: prompt tokens this gateway has sent each worker and not yet seen computed, and the
+  decode worker's running streams;
+- what this gateway measured of the prefill path on requests it sent there
+  (`observe_prefill_path`): the transfer's time as a line in the prompt's length, and the hop
+  (the reservation and the two calls: the first token's wait minus the prefill worker's own
+  queue, compute and transfer time).
+
+The cost of a path is the request's own time to its first token plus the delay it puts on the
+decode worker's running streams (each of them waits while that worker computes the prompt, or
+receives its KV): in request-seconds,
+
+    decode:  (pending_d + T) d_tok + d_step(N)                        + N T d_tok
+    prefill: hop + x_fixed + p_fixed + (pending_p + T_u) p_tok + T x_tok + N T x_tok
+
+(T prompt tokens, T_u of them not cached on the prefill worker, N other streams running on the
+decode worker, x_fixed + T x_tok the transfer's time). The cheaper path wins; a prompt whose computation would lengthen one
+decode step by more than `max_stall_s` never goes to the decode worker (a long prompt there is
+what disaggregation exists to avoid: it would stall every stream at once). Both costs are linear
+in T, so for the present queues there is one prompt length where they meet: the learnt
+threshold, on the trace and in the metrics. Until both workers have fitted their step costs and
+one request has measured the prefill path, prompts go to the prefill worker (today's path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from nori.settings import DisaggregationMode
+from nori.state.registry import WorkerInfo
+
+PromptPath = Literal["prefill", "decode"]
+DecisionReason = Literal[
+    # --disaggregation always / never
+    "mode",
+    # auto, with no prefill worker available: the decode worker computes it rather than refuse
+    "no_prefill_worker",
+    # auto, before the costs are known (no step-cost fit yet, or the prefill path unmeasured)
+    "not_measured",
+    # auto: the cheaper path by the cost model
+    "cheaper_on_decode",
+    "cheaper_on_prefill",
+    # auto: cheaper on the decode worker, but it would stall its streams by more than max_stall_s
+    "stall_cap",
+]
+PROMPT_PATHS: tuple[PromptPath, ...] = ("prefill", "decode")
+DECISION_REASONS: tuple[DecisionReason, ...] = (
+    "mode",
+    "no_prefill_worker",
+    "not_measured",
+    "cheaper_on_decode",
+    "cheaper_on_prefill",
+    "stall_cap",
+)
+
+# Weight of a new measurement of the prefill path in its running averages: about the last 20
+# requests count.
+_SMOOTHING = 0.05
+# A decode step may grow by at most this much for a prompt computed beside its streams (auto):
+# half a 50 ms inter-token latency, the SLO the serving benchmarks hold streams to.
+DEFAULT_MAX_STALL_S = 0.025
+
+
+@dataclass(frozen=True)
+class PathQueues:
+    """What waits on the two workers a request could use, as this gateway counts it."""
+
+    # Streams the decode worker is generating (its registry figure, or this gateway's count).
+    decode_running: int
+    # Prompt tokens sent to be computed and not yet seen computed, on each worker.
+    decode_pending_tokens: int
+    prefill_pending_tokens: int
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """Where a prompt is computed, why, and the figures the choice was made on."""
+
+    path: PromptPath
+    reason: DecisionReason
+    num_prompt_tokens: int
+    uncached_tokens: int  # not in the chosen prefill worker's prefix cache
+    decode_cost_s: float | None = None
+    prefill_cost_s: float | None = None
+    # The prompt length at which both paths would cost the same now (None: not measured;
+    # inf: the decode worker is cheaper at any length the stall cap allows).
+    threshold_tokens: float | None = None
+
+    def span_attributes(self) -> dict[str, str | int | float]:
+        attributes: dict[str, str | int | float] = {
+            "nori.disaggregation.path": self.path,
+            "nori.disaggregation.reason": self.reason,
+            "nori.disaggregation.uncached_tokens": self.uncached_tokens,
+        }
+        for name, value in (
+            ("decode_cost_s", self.decode_cost_s),
+            ("prefill_cost_s", self.prefill_cost_s),
+            ("threshold_tokens", self.threshold_tokens),
+        ):
+            if value is not None:
+                attributes[f"nori.disaggregation.{name}"] = round(value, 6)
+        return attributes
+
+
+@dataclass(frozen=True)
+class PrefillPathFigures:
+    """What the prefill path costs beyond the prefill worker's compute, as measured (None: not
+    yet): its hop, and its transfer as `transfer_fixed_s + transfer_s_per_token * tokens`."""
+
+    hop_s: float | None = None
+    transfer_fixed_s: float | None = None
+    transfer_s_per_token: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.hop_s, self.transfer_fixed_s, self.transfer_s_per_token)
+
+
+@dataclass
+class PrefillPathMeter:
+    """Running figures of the prefill path from the requests this gateway sent there: the hop
+    as an exponential average, the transfer time as a line in the prompt's length, fitted by
+    least squares with older requests weighing less (a transfer has a fixed cost, a header and
+    acknowledgements, beside its bytes: one average rate would charge a long prompt for every
+    short one's fixed cost)."""
+
+    hop_s: float | None = None
+    # Σw, Σw·tokens, Σw·tokens², Σw·seconds, Σw·tokens·seconds over the transfers.
+    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def observe(
+        self,
+        num_prompt_tokens: int,
+        first_token_wait_s: float,
+        prefill_seconds: float,
+        transfer_seconds: float,
+    ) -> None:
+        """One request served by the prefill path: its wait for token one at the gateway, and
+        what its prefill worker reported (its queue and compute, its transfer)."""
+        self.hop_s = _average(
+            self.hop_s, max(first_token_wait_s - prefill_seconds - transfer_seconds, 0.0)
+        )
+        if transfer_seconds <= 0 or num_prompt_tokens <= 0:
+            return  # finished with token one: nothing was sent
+        x, y = float(num_prompt_tokens), transfer_seconds
+        keep = 1 - _SMOOTHING
+        n, sx, sxx, sy, sxy = (keep * value for value in self._sums)
+        self._sums = (n + 1, sx + x, sxx + x * x, sy + y, sxy + x * y)
+
+    def figures(self) -> PrefillPathFigures:
+        n, sx, sxx, sy, sxy = self._sums
+        if n == 0:
+            return PrefillPathFigures(self.hop_s)
+        spread = n * sxx - sx * sx
+        if spread <= 1e-9 * n * sxx:
+            # Prompts of one length so far: fixed part and slope cannot be told apart; all of it
+            # per token (the dearer guess for longer prompts).
+            return PrefillPathFigures(self.hop_s, 0.0, sy / sx)
+        slope = max((n * sxy - sx * sy) / spread, 0.0)
+        fixed = max((sy - slope * sx) / n, 0.0)
+        return PrefillPathFigures(self.hop_s, fixed, slope)
+
+
+def _average(current: float | None, sample: float) -> float:
+    return sample if current is None else (1 - _SMOOTHING) * current + _SMOOTHING * sample
+
+
+def choose_path(
+    mode: DisaggregationMode,
+    num_prompt_tokens: int,
+    decode: WorkerInfo,
+    prefill: WorkerInfo | None,
+    cached_on_prefill: int,
+    queues: PathQueues,
+    measured: PrefillPathFigures,
+    max_stall_s: float = DEFAULT_MAX_STALL_S,
+) -> PathChoice:
+    """Where this prompt is computed (see the module doc). Pure: every input is a figure."""
+    uncached = max(num_prompt_tokens - min(cached_on_prefill, num_prompt_tokens), 1)
+    if mode == "always":
+        return PathChoice("prefill", "mode", num_prompt_tokens, uncached)
+    if mode == "never":
+        return PathChoice("decode", "mode", num_prompt_tokens, num_prompt_tokens)
+    if prefill is None:
+        return PathChoice("decode", "no_prefill_worker", num_prompt_tokens, num_prompt_tokens)
+    # A disaggregated decode worker computes no prompts until some are sent to it: until then
+    # its cost per prompt token is taken to be the prefill worker's (the same model and kernels).
+    decode_per_token = decode.step_per_token_s or prefill.step_per_token_s
+    if (
+        decode_per_token <= 0
+        or prefill.step_per_token_s <= 0
+        or decode.step_fixed_s + decode.step_per_row_s <= 0
+        or not measured.complete
+    ):
+        return PathChoice("prefill", "not_measured", num_prompt_tokens, uncached)
+    assert measured.hop_s is not None and measured.transfer_fixed_s is not None
+    assert measured.transfer_s_per_token is not None
+    running = queues.decode_running
+    # Token one comes out of the step that computes the prompt, beside the others' rows.
+    decode_step_s = decode.step_fixed_s + decode.step_per_row_s * running
+    # decode: a_d + b_d T, prefill: a_p + b_p T (+ the prefix cache's saving on the prefill side)
+    decode_fixed = queues.decode_pending_tokens * decode_per_token + decode_step_s
+    decode_slope = decode_per_token * (1 + running)
+    prefill_fixed = (
+        measured.hop_s
+        + measured.transfer_fixed_s
+        + prefill.step_fixed_s
+        + queues.prefill_pending_tokens * prefill.step_per_token_s
+    )
+    prefill_slope = measured.transfer_s_per_token * (1 + running)
+    decode_cost = decode_fixed + decode_slope * num_prompt_tokens
+    prefill_cost = (
+        prefill_fixed + prefill.step_per_token_s * uncached + prefill_slope * num_prompt_tokens
+    )
+    slope_gap = decode_slope - (prefill.step_per_token_s + prefill_slope)
+    threshold = (prefill_fixed - decode_fixed) / slope_gap if slope_gap > 0 else math.inf
+    threshold = max(threshold, 0.0)
+    costs = {
+        "decode_cost_s": decode_cost,
+        "prefill_cost_s": prefill_cost,
+        "threshold_tokens": threshold,
+    }
+    if decode_cost >= prefill_cost:
+        return PathChoice("prefill", "cheaper_on_prefill", num_prompt_tokens, uncached, **costs)
+    if num_prompt_tokens * decode_per_token > max_stall_s:
+        return PathChoice("prefill", "stall_cap", num_prompt_tokens, uncached, **costs)
+    return PathChoice("decode", "cheaper_on_decode", num_prompt_tokens, num_prompt_tokens, **costs)
+
+
+class DisaggregationPolicy:
+    """The gateway's side of conditional disaggregation: the mode, what it measured of the
+    prefill path, and the per-decision counter (Prometheus, in a registry of its own)."""
+
+    def __init__(self, mode: DisaggregationMode, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
+        if max_stall_s <= 0:
+            raise ValueError(f"the local prefill stall cap must be positive, got {max_stall_s}")
+        self.mode = mode
+        self.max_stall_s = max_stall_s
+        self.meter = PrefillPathMeter()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._decisions = Counter(
+            "nori_gateway_disaggregation_decisions",
+            "Where prompts were computed (prefill worker or decode worker), and why.",
+            ["path", "reason"],
+            registry=self.registry,
+        )
+        self._threshold = Gauge(
+            "nori_gateway_disaggregation_threshold_tokens",
+            "The prompt length at which both paths cost the same, at the last auto decision "
+            "(+Inf: the decode worker is cheaper at any length).",
+            registry=self.registry,
+        )
+        self._hop = Gauge(
+            "nori_gateway_prefill_hop_seconds",
+            "The prefill path's own overhead (reservation and calls), as measured.",
+            registry=self.registry,
+        )
+        self._transfer_per_token = Gauge(
+            "nori_gateway_kv_transfer_seconds_per_token",
+            "KV transfer time from prefill to decode workers per prompt token, as measured.",
+            registry=self.registry,
+        )
+
+    def choose(
+        self,
+        num_prompt_tokens: int,
+        decode: WorkerInfo,
+        prefill: WorkerInfo | None,
+        cached_on_prefill: int,
+        queues: PathQueues,
+    ) -> PathChoice:
+        choice = choose_path(
+            self.mode,
+            num_prompt_tokens,
+            decode,
+            prefill,
+            cached_on_prefill,
+            queues,
+            self.meter.figures(),
+            self.max_stall_s,
+        )
+        self._decisions.labels(choice.path, choice.reason).inc()
+        if choice.threshold_tokens is not None:
+            self._threshold.set(choice.threshold_tokens)
+        return choice
+
+    def observe_prefill_path(
+        self,
+        num_prompt_tokens: int,
+        first_token_wait_s: float,
+        prefill_seconds: float,
+        transfer_seconds: float,
+    ) -> None:
+        self.meter.observe(num_prompt_tokens, first_token_wait_s, prefill_seconds, transfer_seconds)
+        figures = self.meter.figures()
+        if figures.hop_s is not None:
+            self._hop.set(figures.hop_s)
+        if figures.transfer_s_per_token is not None:
+            self._transfer_per_token.set(figures.transfer_s_per_token)
+
+    def decision_count(self, path: PromptPath, reason: DecisionReason) -> float:
+        value = self.registry.get_sample_value(
+            "nori_gateway_disaggregation_decisions_total", {"path": path, "reason": reason}
+        )
+        return value or 0.0
+
+    def metrics_text(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,95 @@
+"""Conditional disaggregation through real processes (--disaggregation auto): a gateway, one
+prefill and one decode worker, UCX, Redis, the openai client.
+
+The first prompts go to the prefill worker (nothing is measured yet); once the workers have
+published their step-cost fits and the gateway has measured the prefill path, short prompts on
+an idle cluster cost less on the decode worker, which computes them itself. Whichever path a
+request takes, greedy outputs are token-identical to the offline engine, the decision is
+counted on the gateway's /metrics, and every KV block comes back.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nori.engine.llm import LLM
+from nori.launch.local_cluster import LocalCluster
+from nori.sampling.params import SamplingParams
+from tests.cluster.conftest import running_cluster
+from tests.cluster.test_cluster_e2e import client, idle_free_blocks, model_name, stats
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog ran to the",
+    "In a small village there lived an old man who",
+    "1 2 3 4 5 6 7 8 9 10",
+    "She looked at the sky and said",
+    "a b c d e f g h",
+]
+_DECISION = re.compile(
+    r'^nori_gateway_disaggregation_decisions_total\{path="(\w+)",reason="(\w+)"\} ([0-9.]+)$',
+    re.MULTILINE,
+)
+
+
+@pytest.fixture(scope="module")
+def auto_cluster(
+    redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    yield from running_cluster(
+        redis_url, checkpoint, tmp_path_factory, num_decode=1, disaggregation="auto"
+    )
+
+
+def decisions(cluster: LocalCluster) -> dict[tuple[str, str], int]:
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    return {(path, reason): int(float(n)) for path, reason, n in _DECISION.findall(text)}
+
+
+def test_short_prompts_move_to_the_decode_worker_and_stay_token_exact(
+    auto_cluster: LocalCluster, checkpoint: Path
+) -> None:
+    offline = LLM(str(checkpoint), dtype="float32", num_kv_blocks=512)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [output.outputs[0].text for output in offline.generate(PROMPTS, params)]
+    baseline = idle_free_blocks(auto_cluster)
+    openai_client = client(auto_cluster)
+
+    def complete(prompt: str) -> str:
+        response = openai_client.completions.create(
+            model=model_name(auto_cluster),
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        return response.choices[0].text
+
+    # Until the workers have fitted their step costs (a few steps of each kind), prompts go to
+    # the prefill worker, as they always did.
+    warm_up = ["a " * length for length in (3, 40, 9, 70, 20)]
+    for prompt in warm_up:
+        complete(prompt)
+    assert decisions(auto_cluster) == {("prefill", "not_measured"): len(warm_up)}
+    # The fits reach the gateway with the workers' heartbeats.
+    time.sleep(2.5)
+    computed_before = stats(auto_cluster, "decode-0").num_prompt_tokens_computed
+    texts = [complete(prompt) for prompt in PROMPTS]
+    assert texts == expected
+
+    counted = decisions(auto_cluster)
+    assert sum(counted.values()) == len(warm_up) + len(PROMPTS)
+    on_decode = counted.get(("decode", "cheaper_on_decode"), 0)
+    assert on_decode >= 1, counted
+    # The decode worker computed those prompts itself.
+    computed = stats(auto_cluster, "decode-0").num_prompt_tokens_computed - computed_before
+    assert computed > 0
+    assert idle_free_blocks(auto_cluster) == baseline
