@@ -27,7 +27,7 @@ from nori.cluster_auth import ClusterAuth
 from nori.gateway.admission import GroupWait, PromptQueue, QueuedPrompt
 from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
 from nori.gateway.decode_shares import DecodeShare, DecodeShares, pool_capacity
-from nori.gateway.disaggregation import DEFAULT_MAX_STALL_S, DisaggregationPolicy
+from nori.gateway.disaggregation import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationPolicy
 from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
 from nori.gateway.request_flow import RequestFlow
 from nori.gateway.worker_calls import RetryLimits
@@ -93,8 +93,8 @@ class ClusterOptions(RoleSettings):
     # Where a prompt is computed when there are decode workers: "always" on a prefill worker,
     # "never" on its decode worker, "auto" per request (nori.gateway.disaggregation).
     disaggregation: DisaggregationMode = "always"
-    # auto: the longest a decode step may grow by for a prompt computed beside its streams.
-    local_prefill_max_stall_s: float = DEFAULT_MAX_STALL_S
+    # auto: the most decode-worker compute one prompt may take there.
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
 
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
     # (prefill or colocated); 0 = no bound. See admission.py for the default.
@@ -116,7 +116,7 @@ class ClusterBackend:
         self.decode_shares = DecodeShares(options.max_decode_share)
         # Where prompts are computed, its measurements and its decision counter (/metrics).
         self.disaggregation = DisaggregationPolicy(
-            options.disaggregation, options.local_prefill_max_stall_s
+            options.disaggregation, options.max_local_compute_s
         )
         # Each decode worker's last (rows, calls) from GetStats: one whose GetStats timed out
         # (busy) keeps them rather than dropping out of the pool's capacity.

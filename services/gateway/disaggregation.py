@@ -22,13 +22,17 @@ The cost of a path is the request's own time to its first token plus the delay i
 decode worker's running streams (each of them waits while that worker computes the prompt, or
 receives its KV): in request-seconds,
 
-    decode:  (pending_d + T) d_tok + d_step(N)                        + N T d_tok
+    decode:  (pending_d + T) d_tok c + d_step(N)                      + N T d_tok
     prefill: hop + x_fixed + p_fixed + (pending_p + T_u) p_tok + T x_tok + N T x_tok
 
 (T prompt tokens, T_u of them not cached on the prefill worker, N other streams running on the
-decode worker, x_fixed + T x_tok the transfer's time). The cheaper path wins; a prompt whose computation would lengthen one
-decode step by more than `max_stall_s` never goes to the decode worker (a long prompt there is
-what disaggregation exists to avoid: it would stall every stream at once). Both costs are linear
+decode worker, x_fixed + T x_tok the transfer's time; c = 2 while streams run there, 1 when
+none do: a decode worker computes a prompt beside its streams in chunks of about one decode
+step's cost, `--prefill-budget-with-decodes auto`, so the prompt takes about twice its compute
+and no step stalls the streams for long). The cheaper path wins; a prompt whose computation on
+the decode worker would take longer than `max_local_compute_s` goes to the prefill worker
+whatever the queues (halving the speed of every stream for that long is what disaggregation
+exists to avoid). Both costs are linear
 in T, so for the present queues there is one prompt length where they meet: the learnt
 threshold, on the trace and in the metrics. Until both workers have fitted their step costs and
 one request has measured the prefill path, prompts go to the prefill worker (today's path).
@@ -56,8 +60,8 @@ DecisionReason = Literal[
     # auto: the cheaper path by the cost model
     "cheaper_on_decode",
     "cheaper_on_prefill",
-    # auto: cheaper on the decode worker, but it would stall its streams by more than max_stall_s
-    "stall_cap",
+    # auto: cheaper on the decode worker, but its compute there would exceed max_local_compute_s
+    "local_cap",
 ]
 PROMPT_PATHS: tuple[PromptPath, ...] = ("prefill", "decode")
 DECISION_REASONS: tuple[DecisionReason, ...] = (
@@ -66,15 +70,15 @@ DECISION_REASONS: tuple[DecisionReason, ...] = (
     "not_measured",
     "cheaper_on_decode",
     "cheaper_on_prefill",
-    "stall_cap",
+    "local_cap",
 )
 
 # Weight of a new measurement of the prefill path in its running averages: about the last 20
 # requests count.
 _SMOOTHING = 0.05
-# A decode step may grow by at most this much for a prompt computed beside its streams (auto):
-# half a 50 ms inter-token latency, the SLO the serving benchmarks hold streams to.
-DEFAULT_MAX_STALL_S = 0.025
+# The most decode-worker compute one prompt may take there (auto): short prompts (a 128-token
+# prompt of the 24M model is ~50 ms on one core) fit, long ones (1-2k tokens: 0.4-0.8 s) do not.
+DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class PathChoice:
     decode_cost_s: float | None = None
     prefill_cost_s: float | None = None
     # The prompt length at which both paths would cost the same now (None: not measured;
-    # inf: the decode worker is cheaper at any length the stall cap allows).
+    # inf: the decode worker is cheaper at any length the compute cap allows).
     threshold_tokens: float | None = None
 
     def span_attributes(self) -> dict[str, str | int | float]:
@@ -189,7 +193,7 @@ def choose_path(
     cached_on_prefill: int,
     queues: PathQueues,
     measured: PrefillPathFigures,
-    max_stall_s: float = DEFAULT_MAX_STALL_S,
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S,
 ) -> PathChoice:
     """Where this prompt is computed (see the module doc). Pure: every input is a figure."""
     uncached = max(num_prompt_tokens - min(cached_on_prefill, num_prompt_tokens), 1)
@@ -215,8 +219,9 @@ def choose_path(
     # Token one comes out of the step that computes the prompt, beside the others' rows.
     decode_step_s = decode.step_fixed_s + decode.step_per_row_s * running
     # decode: a_d + b_d T, prefill: a_p + b_p T (+ the prefix cache's saving on the prefill side)
-    decode_fixed = queues.decode_pending_tokens * decode_per_token + decode_step_s
-    decode_slope = decode_per_token * (1 + running)
+    chunking = 2.0 if running > 0 else 1.0
+    decode_fixed = queues.decode_pending_tokens * decode_per_token * chunking + decode_step_s
+    decode_slope = decode_per_token * (chunking + running)
     prefill_fixed = (
         measured.hop_s
         + measured.transfer_fixed_s
@@ -238,8 +243,8 @@ def choose_path(
     }
     if decode_cost >= prefill_cost:
         return PathChoice("prefill", "cheaper_on_prefill", num_prompt_tokens, uncached, **costs)
-    if num_prompt_tokens * decode_per_token > max_stall_s:
-        return PathChoice("prefill", "stall_cap", num_prompt_tokens, uncached, **costs)
+    if num_prompt_tokens * decode_per_token > max_local_compute_s:
+        return PathChoice("prefill", "local_cap", num_prompt_tokens, uncached, **costs)
     return PathChoice("decode", "cheaper_on_decode", num_prompt_tokens, num_prompt_tokens, **costs)
 
 
@@ -247,11 +252,15 @@ class DisaggregationPolicy:
     """The gateway's side of conditional disaggregation: the mode, what it measured of the
     prefill path, and the per-decision counter (Prometheus, in a registry of its own)."""
 
-    def __init__(self, mode: DisaggregationMode, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
-        if max_stall_s <= 0:
-            raise ValueError(f"the local prefill stall cap must be positive, got {max_stall_s}")
+    def __init__(
+        self, mode: DisaggregationMode, max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
+    ) -> None:
+        if max_local_compute_s <= 0:
+            raise ValueError(
+                f"the local prompt compute cap must be positive, got {max_local_compute_s}"
+            )
         self.mode = mode
-        self.max_stall_s = max_stall_s
+        self.max_local_compute_s = max_local_compute_s
         self.meter = PrefillPathMeter()
         self.registry = CollectorRegistry(auto_describe=True)
         self._decisions = Counter(
@@ -293,7 +302,7 @@ class DisaggregationPolicy:
             cached_on_prefill,
             queues,
             self.meter.figures(),
-            self.max_stall_s,
+            self.max_local_compute_s,
         )
         self._decisions.labels(choice.path, choice.reason).inc()
         if choice.threshold_tokens is not None:

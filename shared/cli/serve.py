@@ -210,7 +210,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="compute prompts here too (one worker doing prefill and decode, no transfers)",
     )
-    decode.set_defaults(handler=run_decode)
+    # Unset, the budget depends on --colocated (run_decode).
+    decode.set_defaults(handler=run_decode, prefill_budget_with_decodes=_ROLE_DEFAULT)
 
 
 def _worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -240,7 +241,17 @@ def run_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+# --prefill-budget-with-decodes not given to `nori serve decode` (not a string: argparse would
+# parse it as if given).
+_ROLE_DEFAULT = -1
+
+
 def run_decode(args: argparse.Namespace) -> int:
+    if args.prefill_budget_with_decodes == _ROLE_DEFAULT:
+        # A decode worker computes prompts only beside running streams (the gateway's
+        # --disaggregation auto or never, or a migrated request): in chunks of about one decode
+        # step's cost, so that none stalls them. A colocated worker is the throughput setting.
+        args.prefill_budget_with_decodes = SERVING_PREFILL_BUDGET if args.colocated else "auto"
     config = engine_config_from_args(args)  # before the binding line, as run_prefill
     _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker

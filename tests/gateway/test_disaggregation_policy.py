@@ -38,15 +38,16 @@ def test_a_short_prompt_on_an_idle_cluster_is_computed_on_the_decode_worker() ->
     assert choice.decode_cost_s == pytest.approx(0.0114)
     assert choice.prefill_cost_s == pytest.approx(0.028464)
     # Equal at (0.022 - 0.005) / (1e-4 - 1e-4 - 1e-6): the slopes favour prefill by the
-    # transfer only, so the decode worker wins at every length the stall cap allows.
+    # transfer only, so the decode worker wins at every length the compute cap allows.
     assert choice.threshold_tokens == math.inf
 
 
 def test_streams_on_the_decode_worker_make_the_prefill_worker_cheaper_past_a_threshold() -> None:
     queues = PathQueues(decode_running=8, decode_pending_tokens=0, prefill_pending_tokens=0)
-    # decode: 0.005 + 0.0005 * 8 = 0.009 + 9e-4 T; prefill: 0.022 + 1e-4 T + 9e-6 T
-    threshold = (0.022 - 0.009) / (9e-4 - 1e-4 - 9e-6)
-    short = choose_path("auto", 16, DECODE, PREFILL, 0, queues, measured())
+    # decode, in chunks beside 8 streams (c = 2): 0.005 + 0.0005 * 8 = 0.009 + 1e-4 (2 + 8) T;
+    # prefill: 0.022 + 1e-4 T + 1e-6 (1 + 8) T
+    threshold = (0.022 - 0.009) / (1e-3 - 1e-4 - 9e-6)
+    short = choose_path("auto", 8, DECODE, PREFILL, 0, queues, measured())
     assert short.path == "decode"
     assert short.threshold_tokens == pytest.approx(threshold)
     longer = choose_path("auto", math.ceil(threshold) + 1, DECODE, PREFILL, 0, queues, measured())
@@ -69,10 +70,10 @@ def test_the_prefill_workers_cached_prefix_counts_for_the_prefill_path() -> None
     assert cached.prefill_cost_s == pytest.approx(uncached.prefill_cost_s - 16 * 1e-4)
 
 
-def test_the_stall_cap_keeps_long_prompts_off_the_decode_worker() -> None:
-    # Idle: the decode worker is cheaper at any length, but 300 tokens would stall a step 30 ms.
-    choice = choose_path("auto", 300, DECODE, PREFILL, 0, IDLE, measured(), max_stall_s=0.025)
-    assert (choice.path, choice.reason) == ("prefill", "stall_cap")
+def test_the_compute_cap_keeps_long_prompts_off_the_decode_worker() -> None:
+    # Idle: the decode worker is cheaper at any length, but 300 tokens would take it 30 ms.
+    choice = choose_path("auto", 300, DECODE, PREFILL, 0, IDLE, measured(), 0.025)
+    assert (choice.path, choice.reason) == ("prefill", "local_cap")
     assert choose_path("auto", 200, DECODE, PREFILL, 0, IDLE, measured(), 0.025).path == "decode"
 
 
@@ -132,4 +133,4 @@ def test_the_policy_counts_each_decision_by_path_and_reason() -> None:
     hop = policy.registry.get_sample_value("nori_gateway_prefill_hop_seconds")
     assert hop == pytest.approx(0.006)
     with pytest.raises(ValueError):
-        DisaggregationPolicy("auto", max_stall_s=0)
+        DisaggregationPolicy("auto", max_local_compute_s=0)
