@@ -31,9 +31,14 @@ PYTHONPATH="$before-tree" TORCH_EXTENSIONS_DIR="$before-ext" "$python" -c \
   'from nori.kernels.cpu_build import cpu_kernels; assert cpu_kernels() is not None'
 
 run() {  # run SIDE ROUND
-  local tree=()
+  local tree=() sides=()
   [ "$1" = before ] && tree=(env "PYTHONPATH=$before-tree" "TORCH_EXTENSIONS_DIR=$before-ext")
-  "${tree[@]}" "$python" -m nori.cli.main bench compare "${load[@]}" --repeats 1 --json \
+  # Colocated and disaggregated only, where the commit's bench compare has more sides.
+  local source="$root"
+  [ "$1" = before ] && source="$before"
+  grep -q -- '"--sides"' "$source/shared/cli/cluster_bench.py" &&
+    sides=(--sides colocated,disaggregated)
+  "${tree[@]}" "$python" -m nori.cli.main bench compare "${load[@]}" "${sides[@]}" --repeats 1 --json \
     2>/dev/null >"$out/$1-$2.json"
   "$python" -c 'import json, sys
 d = json.load(open(sys.argv[1]))

@@ -1,17 +1,21 @@
-"""`nori bench compare`: the same `bench serve` workload on a colocated and on a disaggregated
-cluster, on the same CPUs, in turn.
+"""`nori bench compare`: the same `bench serve` workload on up to three clusters, on the same
+CPUs, in turn: colocated (`nori up --colocated`), disaggregated (`nori up`: every prompt on a
+prefill worker, `--disaggregation always`) and conditional (the same workers, the gateway
+choosing per request whether a prompt goes to a prefill worker: `--disaggregation auto`).
+`--sides` picks two or three of them.
 
-- Both clusters run on the same CPUs (this process's, or --cpus): the colocated worker on all of
-  them, the disaggregated workers with the default CPU plan (`nori.launch.cpu_plan`).
-- Both are started once and stay up for the whole comparison, and the runs alternate between
-  them (c, d, c, d, ...), so that a slow spell of a shared machine hits both sides. An idle
-  cluster sleeps (its engine thread blocks, heartbeats once a second), and each side's runs
-  have the other one idle beside them, so what it costs is the same on both sides; restarting
-  would instead cost two cluster starts per repeat.
-- Since a cluster keeps its prefix cache between runs, every pair of runs (one per side) uses
-  its own seed (--seed + pair number): both sides of a pair get identical requests, and no run
-  finds the prompts of an earlier one in the cache. Each run starts with `bench serve`'s warm-ups.
-- Whatever happens (an error, Ctrl-C, SIGTERM), both clusters, and a private Redis started for
+- Every cluster runs on the same CPUs (this process's, or --cpus): the colocated worker on all
+  of them, the workers of the other two with the default CPU plan (`nori.launch.cpu_plan`).
+- All are started once and stay up for the whole comparison, and the runs alternate between
+  them (c, d, a, c, d, a, ...), so that a slow spell of a shared machine hits every side. An
+  idle cluster sleeps (its engine thread blocks, heartbeats once a second), and each side's runs
+  have the others idle beside them, so what they cost is the same for every side; restarting
+  would instead cost a cluster start per side and repeat.
+- Since a cluster keeps its prefix cache between runs, every round of runs (one per side) uses
+  its own seed (--seed + round number): every side of a round gets identical requests, and no
+  run finds the prompts of an earlier one in the cache. Each run starts with `bench serve`'s
+  warm-ups.
+- Whatever happens (an error, Ctrl-C, SIGTERM), every cluster, and a private Redis started for
   them, are stopped on the way out.
 """
 
@@ -25,7 +29,15 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from nori.bench.compare_report import MEDIAN_BY, SHORT_CLASS, SIDES, compare_runs, median_index
+from nori.bench.compare_report import (
+    MEDIAN_BY,
+    SHORT_CLASS,
+    SIDES,
+    Side,
+    check_sides,
+    compare_runs,
+    median_index,
+)
 from nori.bench.serve.result import ServeBenchResult
 from nori.bench.serve.runner import run_benchmark_sync
 from nori.bench.serve.settings import ServeBenchSettings, json_number
@@ -51,14 +63,16 @@ class CompareSettings:
     )
     # A model folder or a built-in model (demo, small).
     model: str = "demo"
-    # The disaggregated side's workers.
+    # Which clusters are compared, in `SIDES` order.
+    sides: tuple[Side, ...] = SIDES
+    # The workers of the disaggregated and conditional sides.
     num_prefill: int = 1
     num_decode: int = 1
-    # `nori serve` engine options for every worker of both sides.
+    # `nori serve` engine options for every worker of every side.
     worker_args: tuple[str, ...] = ()
     transport: str = "auto"
     max_queued_prompt_tokens: int = 8192
-    # The CPUs both sides run on (taskset syntax); None: this process's.
+    # The CPUs every side runs on (taskset syntax); None: this process's.
     cpus: str | None = None
     repeats: int = 3
     # --sweep: one comparison per request rate; empty: one at the workload's rate.
@@ -67,6 +81,8 @@ class CompareSettings:
     log_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        if check_sides(self.sides) != self.sides:
+            raise ValueError(f"sides must be two or three of {SIDES}, in that order")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -92,13 +108,13 @@ def parse_rates(text: str) -> tuple[float, ...]:
 
 
 def cpu_plans(usable: frozenset[int], settings: CompareSettings) -> dict[str, CpuPlan]:
-    """The colocated side on all the CPUs, the disaggregated side on the default plan."""
-    return {
-        "colocated": plan_cpus(usable, CpuRequest(colocated=True)),
-        "disaggregated": plan_cpus(
-            usable, CpuRequest(num_prefill=settings.num_prefill, num_decode=settings.num_decode)
-        ),
-    }
+    """The colocated side on all the CPUs, the disaggregated and conditional sides (the same
+    workers) on the default plan."""
+    split = plan_cpus(
+        usable, CpuRequest(num_prefill=settings.num_prefill, num_decode=settings.num_decode)
+    )
+    whole = plan_cpus(usable, CpuRequest(colocated=True))
+    return {side: whole if side == "colocated" else split for side in settings.sides}
 
 
 def usable_cpus(cpus: str | None) -> frozenset[int]:
@@ -110,19 +126,19 @@ def usable_cpus(cpus: str | None) -> frozenset[int]:
 @dataclass(frozen=True)
 class ComparePoint:
     request_rate: float
-    # Per side, its runs in the order they ran.
+    # Per side (in `SIDES` order), its runs in the order they ran.
     runs: Mapping[str, tuple[ServeBenchResult, ...]]
 
     def report(self) -> dict[str, object]:
         """The comparison's JSON (`compare_runs`)."""
-        runs = {side: [run.to_dict() for run in self.runs[side]] for side in SIDES}
+        runs = {side: [run.to_dict() for run in side_runs] for side, side_runs in self.runs.items()}
         return compare_runs(runs, json_number(self.request_rate))
 
     def median_runs(self) -> dict[str, ServeBenchResult]:
         """Each side's reported run (what `--plot` draws)."""
         return {
-            side: self.runs[side][median_index([run_headline(run) for run in self.runs[side]])]
-            for side in SIDES
+            side: side_runs[median_index([run_headline(run) for run in side_runs])]
+            for side, side_runs in self.runs.items()
         }
 
 
@@ -138,7 +154,7 @@ class CompareOutcome:
     def report(self) -> dict[str, object]:
         report: dict[str, object] = {
             "cpus": format_cpu_list(self.cpus),
-            "cpu_plans": {side: self.plans[side].to_dict() for side in SIDES},
+            "cpu_plans": {side: plan.to_dict() for side, plan in self.plans.items()},
             "repeats": self.repeats,
         }
         points = self.point_reports()
@@ -155,7 +171,7 @@ def run_headline(result: ServeBenchResult) -> float:
 
 
 def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> CompareOutcome:
-    """Starts both clusters, runs the alternating repeats for every rate, stops both."""
+    """Starts every side's cluster, runs the alternating repeats for every rate, stops them."""
     usable = usable_cpus(settings.cpus)
     plans = cpu_plans(usable, settings)
     model_dir = resolve_model(settings.model)
@@ -165,7 +181,7 @@ def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> Compar
         if redis_server is not None:
             stack.callback(redis_server.stop)
         clusters = {}
-        for side in SIDES:
+        for side in settings.sides:
             log(f"starting the {side} cluster:")
             for line in plans[side].describe():
                 log(f"  {line}")
@@ -175,10 +191,10 @@ def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> Compar
             clusters[side] = cluster
         points = []
         for point_index, rate in enumerate(settings.rates):
-            runs: dict[str, list[ServeBenchResult]] = {side: [] for side in SIDES}
+            runs: dict[str, list[ServeBenchResult]] = {side: [] for side in settings.sides}
             for repeat in range(settings.repeats):
                 seed = settings.workload.seed + point_index * settings.repeats + repeat
-                for side in SIDES:
+                for side in settings.sides:
                     cluster = clusters[side]
                     cluster.check_alive()
                     workload = replace(
@@ -192,15 +208,17 @@ def run_compare(settings: CompareSettings, log: Callable[[str], None]) -> Compar
                     result = run_benchmark_sync(workload, tokenizer=tokenizer)
                     runs[side].append(result)
                     log(_run_line(side, rate, repeat, settings.repeats, result))
-            points.append(ComparePoint(rate, {side: tuple(runs[side]) for side in SIDES}))
-        log("stopping both clusters...")
+            points.append(
+                ComparePoint(rate, {side: tuple(side_runs) for side, side_runs in runs.items()})
+            )
+        log("stopping the clusters...")
     return CompareOutcome(
         usable, plans, tuple(points), settings.repeats, sweep=bool(settings.request_rates)
     )
 
 
 def _cluster_spec(
-    settings: CompareSettings, side: str, redis_url: str, model: str, plan: CpuPlan
+    settings: CompareSettings, side: Side, redis_url: str, model: str, plan: CpuPlan
 ) -> ClusterSpec:
     log_dir = settings.log_dir / side if settings.log_dir is not None else None
     return ClusterSpec(
@@ -209,6 +227,8 @@ def _cluster_spec(
         num_prefill=settings.num_prefill,
         num_decode=settings.num_decode,
         colocated=side == "colocated",
+        # The gateway's choice of where prompts are computed (a colocated cluster has no choice).
+        disaggregation="auto" if side == "conditional" else "always",
         port=free_port(),
         namespace=f"compare-{uuid.uuid4().hex[:8]}-{side}",
         served_model_name=Path(model).name,

@@ -1,5 +1,7 @@
-"""`nori bench compare --sweep --plot`: both sides against the request rate, so that the rate
-where disaggregation starts to pay (or stops) shows as a crossing of the two curves.
+"""`nori bench compare --sweep --plot`: every side against the request rate (one line each:
+colocated, disaggregated, conditional), so that the rate where disaggregation starts to pay (or
+stops) shows as a crossing of the curves, and conditional disaggregation as a curve that should
+follow the higher of the other two.
 
 Two panels: effective throughput, and the p99 inter-token latency of the requests the
 comparison judges ITL by (the mixed dataset's short ones). Drawn like `bench serve`'s plots:
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from nori.bench.compare_report import SIDES, figure_of
+from nori.bench.compare_report import figure_of, sides_of
 
 
 def plot_sweep(points: Sequence[Mapping[str, object]], path: str | Path) -> Path:
@@ -26,7 +28,7 @@ def plot_sweep(points: Sequence[Mapping[str, object]], path: str | Path) -> Path
     throughput_axes, itl_axes = figure.subplots(1, 2)
     rates = [float(str(point["request_rate"])) for point in points]
     request_class = str(points[0]["itl_p99_class"])
-    for side in SIDES:
+    for side in sides_of(points[0]):
         runs = [point[side] for point in points]
         throughputs = [_value(run, "effective_throughput", "all") for run in runs]
         itls = [_value(run, "p99_itl_ms", request_class) for run in runs]

@@ -1,27 +1,67 @@
-"""`nori bench compare`'s figures: each side's median run, the d/c ratios, the table.
+"""`nori bench compare`'s figures: each side's median run, the ratios, the winner, the tables.
 
 Pure: it reads the JSON form of `bench serve` results (`ServeBenchResult.to_dict()`), so that it
 is tested on fixed numbers.
 
+- The sides (`SIDES`, in the order they run): "colocated" (`nori up --colocated`),
+  "disaggregated" (`nori up`, every prompt on a prefill worker: `--disaggregation always`) and
+  "conditional" (the same workers, the gateway choosing per request: `--disaggregation auto`).
+  A comparison holds two or three of them.
 - Each side's reported run is its median run by output throughput (the lower middle one of an
   even number of runs); every run stays in the JSON under "runs".
-- `effective_throughput_ratio` and `itl_p99_ratio` are disaggregated / colocated of those runs.
-  With the mixed dataset, `itl_p99_ratio` is that of the short requests: the interactive
-  streams whose decoding a colocated server stalls with long prefills, which is what
-  disaggregation protects (`itl_p99_class` says which; `itl_p99_ratio_all` pools every request).
+- `ratios` holds each side's figures over the colocated side's (`effective_throughput_ratio`,
+  `output_throughput_ratio`, `itl_p99_ratio`, `itl_p99_ratio_all`); the flat keys of the same
+  names are the disaggregated side's, as before the third side came. With the mixed dataset,
+  `itl_p99_ratio` is that of the short requests: the interactive streams whose decoding a
+  colocated server stalls with long prefills, which is what disaggregation protects
+  (`itl_p99_class` says which; `itl_p99_ratio_all` pools every request).
+- The conditional side is also judged against the better of the other two, figure by figure
+  (`conditional_vs_best_effective_throughput`: its effective tok/s over the higher of theirs;
+  `conditional_vs_best_itl_p99`: its p99 ITL over the lower of theirs): above 1.0 in
+  throughput (below in ITL), choosing per request beats both fixed policies.
+- `winner`: the side with the highest effective throughput (None when no side has any).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, get_args
 
-SIDES = ("colocated", "disaggregated")
+Side = Literal["colocated", "disaggregated", "conditional"]
+SIDES: tuple[Side, ...] = get_args(Side)
+# The column letters of the tables.
+SIDE_LETTERS: Mapping[Side, str] = {"colocated": "c", "disaggregated": "d", "conditional": "a"}
+BASELINE: Side = "colocated"
 MEDIAN_BY = "output_throughput"
+WINNER_BY = "effective_throughput"
 # The mixed dataset's interactive requests.
 SHORT_CLASS = "short"
+# The figures each side is compared by: (report key, figure name, judged on the ITL class).
+_RATIOS = (
+    ("itl_p99_ratio", "p99_itl_ms", True),
+    ("itl_p99_ratio_all", "p99_itl_ms", False),
+    ("effective_throughput_ratio", "effective_throughput", False),
+    ("output_throughput_ratio", "output_throughput", False),
+)
 
 Run = Mapping[str, object]
+
+
+def parse_sides(text: str) -> tuple[Side, ...]:
+    """--sides "colocated,conditional" -> the sides, in the order they run."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in SIDES]
+    if unknown:
+        raise ValueError(f"--sides: unknown side {unknown[0]!r} (choose from {', '.join(SIDES)})")
+    return check_sides(tuple(side for side in SIDES if side in names))
+
+
+def check_sides(sides: Sequence[str]) -> tuple[Side, ...]:
+    """Two or three distinct known sides, in `SIDES` order."""
+    if len(set(sides)) < 2 or not set(sides) <= set(SIDES):
+        raise ValueError(f"--sides needs two or three of {', '.join(SIDES)}")
+    return tuple(side for side in SIDES if side in sides)
 
 
 def median_index(values: Sequence[float]) -> int:
@@ -32,13 +72,13 @@ def median_index(values: Sequence[float]) -> int:
     return order[(len(order) - 1) // 2]
 
 
-def ratio(disaggregated: object, colocated: object) -> float | None:
-    """d / c, or None when either is missing or c is zero."""
-    if not isinstance(disaggregated, int | float) or not isinstance(colocated, int | float):
+def ratio(numerator: object, denominator: object) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is zero."""
+    if not isinstance(numerator, int | float) or not isinstance(denominator, int | float):
         return None
-    if colocated == 0 or math.isnan(colocated) or math.isnan(disaggregated):
+    if denominator == 0 or math.isnan(denominator) or math.isnan(numerator):
         return None
-    return float(disaggregated) / float(colocated)
+    return float(numerator) / float(denominator)
 
 
 def itl_class(run: Run) -> str:
@@ -58,43 +98,98 @@ def _number(value: object) -> float:
     return float(value) if isinstance(value, int | float) else 0.0
 
 
+def _known(value: object) -> float | None:
+    """A figure that can be compared: a number, not NaN."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def ratios_against(side: Run, baseline: Run, request_class: str) -> dict[str, float | None]:
+    """The side's figures over the baseline's (`_RATIOS`)."""
+    return {
+        key: ratio(
+            figure_of(side, name, request_class if on_class else "all"),
+            figure_of(baseline, name, request_class if on_class else "all"),
+        )
+        for key, name, on_class in _RATIOS
+    }
+
+
+def best_of(
+    medians: Mapping[str, Run], sides: Sequence[str], figure: Callable[[Run], object], higher: bool
+) -> tuple[str | None, float | None]:
+    """The side whose figure is best (the highest, or the lowest), and that figure; the first
+    in `sides` order on a tie; (None, None) when no side has the figure."""
+    best: tuple[str | None, float | None] = (None, None)
+    for side in sides:
+        value = _known(figure(medians[side]))
+        if value is None:
+            continue
+        if best[1] is None or (value > best[1] if higher else value < best[1]):
+            best = (side, value)
+    return best
+
+
 def compare_runs(
     runs: Mapping[str, Sequence[Run]], request_rate: float | str | None = None
 ) -> dict[str, object]:
-    """One comparison: the median run of each side, the ratios, and every run."""
-    medians = {}
-    for side in SIDES:
+    """One comparison of the sides in `runs` (two or three of `SIDES`): the median run of each
+    side, the ratios, the winner, and every run."""
+    sides = check_sides(tuple(runs))
+    medians: dict[str, dict[str, object]] = {}
+    for side in sides:
         side_runs = runs[side]
         index = median_index([_number(run.get(MEDIAN_BY)) for run in side_runs])
         medians[side] = {"run_index": index, **side_runs[index]}
-    colocated, disaggregated = medians["colocated"], medians["disaggregated"]
-    request_class = itl_class(colocated)
+    request_class = itl_class(medians[sides[0]])
     report: dict[str, object] = {}
     if request_rate is not None:
         report["request_rate"] = request_rate
     report.update(
-        {
-            "median_by": MEDIAN_BY,
-            "itl_p99_class": request_class,
-            "colocated": colocated,
-            "disaggregated": disaggregated,
-            "itl_p99_ratio": ratio(
-                figure_of(disaggregated, "p99_itl_ms", request_class),
-                figure_of(colocated, "p99_itl_ms", request_class),
-            ),
-            "itl_p99_ratio_all": ratio(
-                disaggregated.get("p99_itl_ms"), colocated.get("p99_itl_ms")
-            ),
-            "effective_throughput_ratio": ratio(
-                disaggregated.get("effective_throughput"), colocated.get("effective_throughput")
-            ),
-            "output_throughput_ratio": ratio(
-                disaggregated.get("output_throughput"), colocated.get("output_throughput")
-            ),
-            "runs": {side: [dict(run) for run in runs[side]] for side in SIDES},
-        }
+        {"median_by": MEDIAN_BY, "itl_p99_class": request_class, "sides": list(sides), **medians}
     )
+    if BASELINE in medians:
+        ratios = {
+            side: ratios_against(medians[side], medians[BASELINE], request_class)
+            for side in sides
+            if side != BASELINE
+        }
+        report["ratios"] = ratios
+        # The keys of the two-sided comparison: disaggregated / colocated.
+        report.update(ratios.get("disaggregated", {}))
+    others = [side for side in sides if side != "conditional"]
+    if "conditional" in medians:
+        conditional = medians["conditional"]
+        best_side, best = best_of(medians, others, lambda run: run.get(WINNER_BY), higher=True)
+        itl_side, lowest = best_of(
+            medians,
+            others,
+            lambda run: figure_of(run, "p99_itl_ms", request_class),
+            higher=False,
+        )
+        report.update(
+            {
+                "best_other_side": best_side,
+                "conditional_vs_best_effective_throughput": ratio(conditional.get(WINNER_BY), best),
+                "best_other_itl_side": itl_side,
+                "conditional_vs_best_itl_p99": ratio(
+                    figure_of(conditional, "p99_itl_ms", request_class), lowest
+                ),
+            }
+        )
+    winner, top = best_of(medians, sides, lambda run: run.get(WINNER_BY), higher=True)
+    report["winner"] = winner if top else None
+    report["runs"] = {side: [dict(run) for run in runs[side]] for side in sides}
     return report
+
+
+def sides_of(report: Mapping[str, object]) -> tuple[Side, ...]:
+    """The sides a report holds (a report from before "sides": colocated and disaggregated)."""
+    listed = report.get("sides")
+    if isinstance(listed, list):
+        return check_sides([str(side) for side in listed])
+    return check_sides([side for side in SIDES if side in report])
 
 
 # ------------------------------------------------------------------------------ tables
@@ -110,60 +205,106 @@ _ROWS = (
 
 
 def format_comparison(report: Mapping[str, object]) -> str:
-    """The two median runs side by side, their ratio, and every run's headline figure."""
-    colocated = _mapping(report["colocated"])
-    disaggregated = _mapping(report["disaggregated"])
+    """The median runs side by side, their ratios to the first side (colocated when it is
+    there), the winner, and every run's headline figure."""
+    sides = sides_of(report)
+    medians = {side: _mapping(report[side]) for side in sides}
+    base, others = sides[0], sides[1:]
     rows = [(label, name, "all") for label, name in _ROWS]
     request_class = str(report["itl_p99_class"])
     for cls in dict.fromkeys((request_class, "all")):
         rows.append((f"Median ITL, {cls} requests (ms)", "median_itl_ms", cls))
         rows.append((f"P99 ITL, {cls} requests (ms)", "p99_itl_ms", cls))
-    lines = _header(report)
-    lines.append(f"{'':<34}{'colocated':>14}{'disaggregated':>16}{'d/c':>8}")
+    widths = {side: max(14, len(side) + 3) for side in sides}
+    lines = _header(report, sides)
+    lines.append(
+        f"{'':<34}"
+        + "".join(f"{side:>{widths[side]}}" for side in sides)
+        + "".join(f"{_ratio_label(side, base):>8}" for side in others)
+    )
     for label, name, cls in rows:
-        c, d = figure_of(colocated, name, cls), figure_of(disaggregated, name, cls)
-        lines.append(f"{label:<34}{_cell(c):>14}{_cell(d):>16}{_cell(ratio(d, c)):>8}")
+        figures = {side: figure_of(medians[side], name, cls) for side in sides}
+        lines.append(
+            f"{label:<34}"
+            + "".join(f"{_cell(figures[side]):>{widths[side]}}" for side in sides)
+            + "".join(f"{_cell(ratio(figures[side], figures[base])):>8}" for side in others)
+        )
+    lines.append(f"Winner by effective throughput: {report.get('winner') or 'none'}")
+    if "conditional_vs_best_effective_throughput" in report:
+        lines.append(
+            "Conditional / the better of the others: "
+            f"{_cell(report['conditional_vs_best_effective_throughput'])} effective tok/s "
+            f"(vs {report.get('best_other_side') or 'n/a'}), "
+            f"{_cell(report.get('conditional_vs_best_itl_p99'))} p99 ITL "
+            f"(vs {report.get('best_other_itl_side') or 'n/a'})"
+        )
     runs = _mapping(report["runs"])
-    for side in SIDES:
+    for side in sides:
         values = ", ".join(_cell(run.get(MEDIAN_BY)) for run in _runs(runs[side]))
         lines.append(f"{side} runs, output tok/s: {values}")
     return "\n".join(lines)
 
 
-def _header(report: Mapping[str, object]) -> list[str]:
+def _ratio_label(side: Side, base: Side) -> str:
+    return f"{SIDE_LETTERS[side]}/{SIDE_LETTERS[base]}"
+
+
+def _header(report: Mapping[str, object], sides: Sequence[Side]) -> list[str]:
     """What the figures are of, when the report says (the command's top-level report does)."""
     if "cpus" not in report:
         return []
     rate = report.get("request_rate")
     at = f" at {_cell(rate)} req/s" if rate is not None else ""
+    names = ", ".join(f"{side} ({SIDE_LETTERS[side]})" for side in sides)
     return [
-        f"Colocated vs disaggregated on CPUs {report['cpus']}{at}: the median of "
+        f"{names} on CPUs {report['cpus']}{at}: the median of "
         f"{report.get('repeats')} run(s) per side by output throughput"
     ]
 
 
 def format_sweep(points: Sequence[Mapping[str, object]]) -> str:
-    """One row per request rate: effective throughput and p99 ITL of both sides."""
+    """One row per request rate: effective throughput and p99 ITL of every side, their ratios
+    to the first side, conditional over the better of the others, and the winner."""
+    if not points:
+        return ""
+    sides = sides_of(points[0])
+    base, others = sides[0], sides[1:]
+    letters = [SIDE_LETTERS[side] for side in sides]
+    versus_best = "conditional_vs_best_effective_throughput" in points[0]
     header = (
-        f"{'rate (req/s)':>12}{'eff tok/s c':>13}{'eff tok/s d':>13}{'d/c':>7}"
-        f"{'p99 ITL c':>12}{'p99 ITL d':>12}{'d/c':>7}"
+        f"{'rate (req/s)':>12}"
+        + "".join(f"{'eff tok/s ' + letter:>13}" for letter in letters)
+        + "".join(f"{_ratio_label(side, base):>7}" for side in others)
+        + "".join(f"{'p99 ITL ' + letter:>12}" for letter in letters)
+        + "".join(f"{_ratio_label(side, base):>7}" for side in others)
+        + (f"{'a/best':>8}" if versus_best else "")
+        + f"{'winner':>15}"
     )
     lines = [header]
     for point in points:
-        colocated, disaggregated = _mapping(point["colocated"]), _mapping(point["disaggregated"])
+        medians = {side: _mapping(point[side]) for side in sides}
         request_class = str(point["itl_p99_class"])
+        throughputs = {side: medians[side].get(WINNER_BY) for side in sides}
+        itls = {side: figure_of(medians[side], "p99_itl_ms", request_class) for side in sides}
         lines.append(
             f"{_cell(point.get('request_rate')):>12}"
-            f"{_cell(colocated.get('effective_throughput')):>13}"
-            f"{_cell(disaggregated.get('effective_throughput')):>13}"
-            f"{_cell(point.get('effective_throughput_ratio')):>7}"
-            f"{_cell(figure_of(colocated, 'p99_itl_ms', request_class)):>12}"
-            f"{_cell(figure_of(disaggregated, 'p99_itl_ms', request_class)):>12}"
-            f"{_cell(point.get('itl_p99_ratio')):>7}"
+            + "".join(f"{_cell(throughputs[side]):>13}" for side in sides)
+            + "".join(f"{_cell(ratio(throughputs[side], throughputs[base])):>7}" for side in others)
+            + "".join(f"{_cell(itls[side]):>12}" for side in sides)
+            + "".join(f"{_cell(ratio(itls[side], itls[base])):>7}" for side in others)
+            + (
+                f"{_cell(point.get('conditional_vs_best_effective_throughput')):>8}"
+                if versus_best
+                else ""
+            )
+            + f"{point.get('winner') or 'none':>15}"
         )
-    if points:
-        which = str(points[0]["itl_p99_class"])
-        lines.append(f"(ITL in ms, {which} requests; median run of each side by output tok/s)")
+    which = str(points[0]["itl_p99_class"])
+    names = ", ".join(f"{letter}: {side}" for side, letter in zip(sides, letters, strict=True))
+    lines.append(
+        f"(ITL in ms, {which} requests; median run of each side by output tok/s; {names}; "
+        "winner by effective tok/s)"
+    )
     return "\n".join(lines)
 
 

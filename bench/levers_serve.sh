@@ -45,7 +45,7 @@ case "$suite" in
 esac
 for round in $(seq "$rounds"); do
   for lever in "${order[@]}"; do
-    "$python" -m nori.cli.main bench compare --model "$model" \
+    "$python" -m nori.cli.main bench compare --model "$model" --sides colocated,disaggregated \
       --worker-args "${levers[$lever]} $pool" \
       --dataset random --random-input-len 128 --random-output-len 128 --random-range-ratio 0 \
       --prompt-format token-ids "${load[@]}" --ignore-eos \

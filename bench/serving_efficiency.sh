@@ -19,8 +19,8 @@ for round in $(seq "$rounds"); do
   "$python" -m nori.cli.main bench offline "${model[@]}" --num-prompts 64 \
     --input-len-range 128:128 --output-len-range 128:128 --max-num-seqs 16 --repeats 1 --json \
     2>/dev/null >"$out/offline-$round.json"
-  "$python" -m nori.cli.main bench compare "${model[@]}" --dataset random \
-    --random-input-len 128 --random-output-len 128 --random-range-ratio 0 \
+  "$python" -m nori.cli.main bench compare "${model[@]}" --sides colocated,disaggregated \
+    --dataset random --random-input-len 128 --random-output-len 128 --random-range-ratio 0 \
     --prompt-format token-ids --num-prompts 64 --max-concurrency 16 --ignore-eos \
     --num-warmups 16 --repeats 1 --json 2>/dev/null >"$out/served-$round.json"
   "$python" - "$out" "$round" <<'EOF'

@@ -4,8 +4,13 @@
 # Usage: bench/serving_suite.sh NAME OUT_DIR
 #   latency   small model, colocated, prefill budget auto, random 512/128 at concurrency 16:
 #             3 runs on one cluster
-#   compare   nori bench compare on the mixed workload (small model), 3 alternating runs a side
+#   compare   nori bench compare on the mixed workload (small model): colocated, disaggregated
+#             and conditional (--disaggregation auto), 3 alternating runs a side
 #   sweep     the same comparison over request rates of the short requests
+#   conditional  issue 28's sweep: the small model, 1 prefill + 1 decode, 80% short prompts
+#             (32-128 tokens) and 20% long ones (1000-2000) on one arrival process, at each of
+#             CONDITIONAL_RATES (default 1,2,4,8 req/s, both classes), 15 s a run, 3 alternating
+#             runs a side of colocated, disaggregated and conditional
 #   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
 #   prefix    the prefix dataset with and without prefix caching, 3 alternating runs
 #   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating
@@ -50,6 +55,11 @@ mixed=(--dataset mixed --random-input-len 128 --random-output-len 128 --long-inp
   --long-output-len 16 --long-request-rate 0.5 --prompt-format token-ids --ignore-eos
   --slo-ttft-ms 2000 --slo-tpot-ms 50)
 
+# Issue 28's load: 20% of the arrivals are long prompts (--long-fraction), so the rate scales both.
+conditional=(--dataset mixed --random-input-len 80 --random-range-ratio 0.6 --random-output-len 64
+  --long-fraction 0.2 --long-input-len 1500 --long-range-ratio 0.333 --long-output-len 16
+  --prompt-format token-ids --ignore-eos --slo-ttft-ms 2000 --slo-tpot-ms 50)
+
 case $name in
 latency)
   # The latency setting (the cap), unless LATENCY_WORKER_ARGS says otherwise: e.g.
@@ -72,6 +82,12 @@ sweep)
   "${nori[@]}" bench compare --model small "${mixed[@]}" --duration 15 --num-warmups 8 \
     --repeats 3 --sweep 1,2,4,8 --json --plot "$out/sweep.png" --log-dir "$out/logs" \
     >"$out/sweep.json"
+  ;;
+conditional)
+  "${nori[@]}" bench compare --model small --prefill 1 --decode 1 "${conditional[@]}" \
+    --duration 15 --num-warmups 8 --repeats 3 --sweep "${CONDITIONAL_RATES:-1,2,4,8}" \
+    --sides colocated,disaggregated,conditional --json --plot "$out/conditional.png" \
+    --log-dir "$out/logs" >"$out/conditional.json"
   ;;
 burst)
   # The gateway's default admission bound (429 up front), then none (every request queues).

@@ -85,10 +85,21 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         _add_option(data, flag)
     _add_option(data, "--copy-input-len", "longest prompt of the copy dataset (tokens)")
     _add_option(data, "--copy-output-len", "max_tokens of the copy dataset's requests")
-    _add_option(data, "--long-input-len")
+    _add_option(data, "--long-input-len", "the mixed dataset's long prompts (tokens, >= 1000)")
+    _add_option(data, "--long-range-ratio", "long prompt lengths uniform in [len*(1-r), len*(1+r)]")
     _add_option(data, "--long-output-len")
     _add_option(
-        data, "--long-request-rate", "long requests per second of the mixed dataset (Poisson)"
+        data,
+        "--long-request-rate",
+        "long requests per second of the mixed dataset, on their own Poisson clock",
+    )
+    data.add_argument(
+        "--long-fraction",
+        type=float,
+        default=_DEFAULTS.long_fraction,
+        metavar="F",
+        help="instead of --long-request-rate: this fraction of the mixed dataset's requests is "
+        "long, on the main arrival process (e.g. 0.2: --request-rate sets both classes' rate)",
     )
     data.add_argument(
         "--max-model-len", type=int, help="drop ShareGPT pairs longer than the server's context"

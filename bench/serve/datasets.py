@@ -5,9 +5,11 @@
 - sharegpt: real conversations (see `sharegpt.py`).
 - prefix: groups of requests that share one long prefix, token for token, then a random
   suffix each: what a prefix cache is measured with.
-- mixed: short requests of the random dataset's lengths on the main arrival process, plus long
-  prompts with short outputs that arrive on their own Poisson clock: the long prefills are what
-  stall the short requests' decoding on a colocated server.
+- mixed: short requests of the random dataset's lengths ("short") and long prompts with short
+  outputs ("long"): the long prefills are what stall the short requests' decoding on a
+  colocated server. The long ones arrive on their own Poisson clock (--long-request-rate), or,
+  with --long-fraction F, they are that fraction of the main arrival process's requests, so
+  that --request-rate scales both classes.
 - copy: instructions to summarise, quote or rewrite a document given in the prompt (ShareGPT
   answers): what speculative decoding from the prompt is measured with (see `copy_dataset.py`).
 
@@ -84,12 +86,58 @@ def prefix_requests(
 
 
 def long_request(
-    maker: PromptMaker, seed: int, input_len: int, output_len: int, index: int
+    maker: PromptMaker,
+    seed: int,
+    input_len: int,
+    range_ratio: float,
+    output_len: int,
+    index: int,
 ) -> RequestSpec:
-    """The mixed dataset's `index`-th long request, the same for the same seed and index."""
+    """The mixed dataset's `index`-th long request of its own clock, the same for the same seed
+    and index."""
     rng = np.random.default_rng((seed, _LONG_STREAM, index))
-    prompt = maker.random_prompt(rng, input_len)
+    (length,) = sample_lengths(rng, 1, input_len, range_ratio, maker.min_length)
+    prompt = maker.random_prompt(rng, length)
     return RequestSpec(prompt.value, prompt.length, output_len, "long")
+
+
+def long_positions(rng: np.random.Generator, count: int, fraction: float) -> list[bool]:
+    """Which of `count` requests are long: exactly round(count * fraction) of them, at random
+    places (a run that sends only part of them, with --duration, sends about that fraction)."""
+    longs = round(count * fraction)
+    return [bool(index < longs) for index in rng.permutation(count)]
+
+
+def mixed_requests(
+    maker: PromptMaker, rng: np.random.Generator, settings: ServeBenchSettings, count: int
+) -> list[RequestSpec]:
+    """--long-fraction: `count` short and long requests on one arrival process, the long ones
+    that fraction of them."""
+    assert settings.long_fraction is not None
+    is_long = long_positions(rng, count, settings.long_fraction)
+    shorts = iter(
+        random_requests(
+            maker,
+            rng,
+            is_long.count(False),
+            settings.random_input_len,
+            settings.random_output_len,
+            settings.random_range_ratio,
+            request_class="short",
+        )
+    )
+    long_lens = sample_lengths(
+        rng, is_long.count(True), settings.long_input_len, settings.long_range_ratio
+    )
+    longs = iter(long_lens)
+    specs = []
+    for long in is_long:
+        if not long:
+            specs.append(next(shorts))
+            continue
+        prompt = maker.random_prompt(rng, next(longs))
+        specs.append(RequestSpec(prompt.value, prompt.length, settings.long_output_len, "long"))
+    return specs
 
 
 def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Workload:
@@ -127,6 +175,10 @@ def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Worklo
             settings.suffix_len,
             settings.prefix_output_len,
         )
+    elif settings.long_fraction is not None:
+        # Warm-ups and measured requests each hold the fraction.
+        specs = mixed_requests(maker, rng, settings, settings.num_warmups)
+        specs += mixed_requests(maker, rng, settings, settings.num_prompts)
     else:
         specs = random_requests(
             maker, rng, count, *random_lengths, settings.random_range_ratio, request_class="short"
@@ -136,6 +188,7 @@ def build_workload(settings: ServeBenchSettings, tokenizer: Tokenizer) -> Worklo
             maker,
             settings.seed,
             settings.long_input_len,
+            settings.long_range_ratio,
             settings.long_output_len,
         )
     warmups = settings.num_warmups

@@ -53,9 +53,16 @@ class ServeBenchSettings:
     prefix_len: int = 512
     suffix_len: int = 64
     prefix_output_len: int = 128
+    # The mixed dataset's long requests: prompt lengths uniform in
+    # [long_input_len*(1-r), long_input_len*(1+r)] (r: long_range_ratio), long_output_len tokens.
     long_input_len: int = 1500
+    long_range_ratio: float = 0.0
     long_output_len: int = 16
+    # Long requests per second on a Poisson clock of their own, beside the short ones...
     long_request_rate: float = 0.5
+    # ... or, when set, this fraction of the main arrival process's requests (the rest short):
+    # the request rate then sets the rate of both classes.
+    long_fraction: float | None = None
     # The copy dataset: the longest prompt (instruction and document), and every max_tokens.
     copy_input_len: int = 1024
     copy_output_len: int = 256
@@ -112,6 +119,8 @@ class ServeBenchSettings:
             raise ValueError("--burstiness must be > 0")
         if not (0 < self.long_request_rate < math.inf):
             raise ValueError("--long-request-rate must be a finite rate > 0")
+        if self.long_fraction is not None and not 0 < self.long_fraction < 1:
+            raise ValueError("--long-fraction must be in (0, 1)")
         if self.request_timeout_s <= 0:
             raise ValueError("--request-timeout-s must be > 0")
         for name, slo in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-tpot-ms", self.slo_tpot_ms)):
@@ -129,8 +138,13 @@ class ServeBenchSettings:
             raise ValueError("--prefix-output-len and --long-output-len must be >= 1")
         if self.copy_input_len < 1 or self.copy_output_len < 1:
             raise ValueError("--copy-input-len and --copy-output-len must be >= 1")
-        if self.long_input_len < MIN_LONG_INPUT_LEN:
-            raise ValueError(f"--long-input-len must be >= {MIN_LONG_INPUT_LEN}")
+        if not 0 <= self.long_range_ratio < 1:
+            raise ValueError("--long-range-ratio must be in [0, 1)")
+        if math.floor(self.long_input_len * (1 - self.long_range_ratio)) < MIN_LONG_INPUT_LEN:
+            raise ValueError(
+                f"--long-input-len must be >= {MIN_LONG_INPUT_LEN}, and so must "
+                "the shortest long prompt: --long-input-len * (1 - --long-range-ratio)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
 
@@ -189,11 +203,17 @@ class ServeBenchSettings:
                 "prefix_output_len": self.prefix_output_len,
             }
         if self.dataset == "mixed":
+            arrivals: dict[str, object] = (
+                {"long_request_rate": self.long_request_rate}
+                if self.long_fraction is None
+                else {"long_fraction": self.long_fraction}
+            )
             return {
                 **random,
                 "long_input_len": self.long_input_len,
+                "long_range_ratio": self.long_range_ratio,
                 "long_output_len": self.long_output_len,
-                "long_request_rate": self.long_request_rate,
+                **arrivals,
             }
         if self.dataset == "copy":
             return {

@@ -65,8 +65,8 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
 
     compare = commands.add_parser(
         "compare",
-        help="the same bench serve workload on `nori up --colocated` and on `nori up`, in turn, "
-        "on the same CPUs",
+        help="the same bench serve workload on `nori up --colocated`, `nori up` and `nori up "
+        "--disaggregation auto`, in turn, on the same CPUs",
     )
     cluster = compare.add_argument_group("clusters")
     add_cluster_args(cluster)
@@ -74,18 +74,26 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
         "--cpus",
         default=None,
         metavar="LIST",
-        help="the CPUs both sides run on (taskset syntax; default: all this process may use)",
+        help="the CPUs every side runs on (taskset syntax; default: all this process may use)",
     )
     cluster.add_argument("--startup-timeout-s", type=float, default=300.0)
     cluster.add_argument("--log-dir", default=None, help="where each process writes its log")
     add_workload_args(compare)
     runs = compare.add_argument_group("comparison")
     runs.add_argument(
+        "--sides",
+        default="colocated,disaggregated,conditional",
+        metavar="SIDE,SIDE[,SIDE]",
+        help="two or three of: colocated (nori up --colocated), disaggregated (nori up: every "
+        "prompt on a prefill worker), conditional (the same workers, --disaggregation auto) "
+        "(default: all three)",
+    )
+    runs.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="runs per side, alternating (c, d, c, d, ...); each side's median run by output "
-        "throughput is reported",
+        help="runs per side, alternating (c, d, a, c, d, a, ...); each side's median run by "
+        "output throughput is reported",
     )
     runs.add_argument(
         "--sweep",
@@ -98,8 +106,8 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
         "--plot",
         default=None,
         metavar="FILE.png",
-        help="both median runs side by side; with --sweep, effective throughput and p99 ITL "
-        "against the request rate",
+        help="the median runs side by side; with --sweep, effective throughput and p99 ITL "
+        "against the request rate, a line per side",
     )
     # The workload that shows what disaggregation is for; warm-ups before every timed run.
     compare.set_defaults(handler=run_compare, dataset="mixed", num_warmups=2)
@@ -107,7 +115,14 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
 
 def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     from nori.bench.compare import CompareSettings, parse_rates
+    from nori.bench.compare_report import parse_sides
 
+    if args.disaggregation != "always":
+        raise ValueError(
+            "--disaggregation: bench compare sets it per side (disaggregated: always, "
+            "conditional: auto); choose the sides with --sides"
+        )
+    sides = parse_sides(args.sides)
     rates = parse_rates(args.sweep) if args.sweep is not None else ()
     if rates:
         # The sweep sets the rate of every run; the workload is checked at the first one (a
@@ -116,6 +131,7 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     return CompareSettings(
         workload=workload_settings_from_args(args),
         model=args.model,
+        sides=sides,
         num_prefill=args.prefill,
         num_decode=args.decode,
         worker_args=worker_args(args.worker_args),
@@ -221,7 +237,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from nori.bench.compare import run_compare as compare
 
     settings = compare_settings_from_args(args)
-    # SIGTERM unwinds like Ctrl-C, so that both clusters are stopped on the way out.
+    # SIGTERM unwinds like Ctrl-C, so that every cluster is stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         outcome = compare(

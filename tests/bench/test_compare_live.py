@@ -1,5 +1,6 @@
-"""`nori bench compare` as a user runs it: a real subprocess that starts a colocated and a
-disaggregated cluster (tiny random checkpoint) and loads each with a handful of short requests."""
+"""`nori bench compare` as a user runs it: a real subprocess that starts a colocated, a
+disaggregated and a conditional (`--disaggregation auto`) cluster (tiny random checkpoint) and
+loads each with a handful of requests; the table test compares two sides only (`--sides`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from nori.models.init_checkpoint import init_checkpoint
 
 pytestmark = pytest.mark.slow
 
-SIDES = ("colocated", "disaggregated")
+SIDES = ("colocated", "disaggregated", "conditional")
 # A handful of short requests; the mixed dataset's long prompts just fit the tiny context (1024).
 WORKLOAD = (
     *("--num-prompts", "4", "--random-input-len", "24", "--random-output-len", "4"),
@@ -67,22 +68,32 @@ def test_sweep_json_and_plot(redis_url: str, checkpoint: Path, tmp_path: Path) -
     assert set(data["cpu_plans"]) == set(SIDES)
     names = [placement["name"] for placement in data["cpu_plans"]["disaggregated"]]
     assert names == ["prefill-0", "decode-0", "gateway"]
+    assert data["cpu_plans"]["conditional"] == data["cpu_plans"]["disaggregated"]
     assert [point["request_rate"] for point in data["sweep"]] == [4.0, 8.0]
     for point in data["sweep"]:
         assert point["itl_p99_class"] == "short" and point["median_by"] == "output_throughput"
         for side in SIDES:
             check_side(point[side])
             assert len(point["runs"][side]) == 1 and point[side]["run_index"] == 0
+        assert point["sides"] == list(SIDES)
         for name in ("itl_p99_ratio", "itl_p99_ratio_all", "effective_throughput_ratio"):
             assert isinstance(point[name], float) and point[name] > 0, name
+            assert point["ratios"]["conditional"][name] > 0, name
         short = [point[side]["short"]["p99_itl_ms"] for side in SIDES]
         assert point["itl_p99_ratio"] == pytest.approx(short[1] / short[0])
-        # Both sides of a pair got the same short requests.
+        assert point["ratios"]["conditional"]["itl_p99_ratio"] == pytest.approx(short[2] / short[0])
+        assert point["conditional_vs_best_itl_p99"] == pytest.approx(short[2] / min(short[:2]))
+        effective = [point[side]["effective_throughput"] for side in SIDES]
+        assert point["conditional_vs_best_effective_throughput"] == pytest.approx(
+            effective[2] / max(effective[:2])
+        )
+        assert point["winner"] == SIDES[effective.index(max(effective))]
+        # Every side of a round got the same short requests.
         inputs = [point[side]["short"]["total_input_tokens"] for side in SIDES]
-        assert inputs[0] == inputs[1] == 4 * 24
+        assert inputs[0] == inputs[1] == inputs[2] == 4 * 24
     assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 10_000
-    assert "starting the disaggregated cluster" in completed.stderr
-    assert not leftover_processes(checkpoint), "both clusters were stopped"
+    assert "starting the conditional cluster" in completed.stderr
+    assert not leftover_processes(checkpoint), "every cluster was stopped"
 
 
 def test_one_comparison_table_and_plot(redis_url: str, checkpoint: Path, tmp_path: Path) -> None:
@@ -91,6 +102,7 @@ def test_one_comparison_table_and_plot(redis_url: str, checkpoint: Path, tmp_pat
         redis_url,
         *("--model", str(checkpoint), "--worker-args", WORKER_ARGS, *WORKLOAD),
         *("--dataset", "random", "--request-rate", "8", "--plot", str(plot)),
+        *("--sides", "colocated,disaggregated"),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     rows = {line[:34].strip(): line[34:].split() for line in completed.stdout.splitlines()}
@@ -98,6 +110,7 @@ def test_one_comparison_table_and_plot(redis_url: str, checkpoint: Path, tmp_pat
     assert rows["Failed requests"][:2] == ["0", "0"]
     assert "P99 ITL, all requests (ms)" in rows and "P99 ITL, short requests (ms)" not in rows
     assert plot.read_bytes()[:4] == b"\x89PNG" and plot.stat().st_size > 10_000
+    assert "starting the conditional cluster" not in completed.stderr
     assert not leftover_processes(checkpoint)
 
 

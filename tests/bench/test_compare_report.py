@@ -1,4 +1,4 @@
-"""`nori bench compare`'s figures on fixed results: median runs, d/c ratios, tables, plot."""
+"""`nori bench compare`'s figures on fixed results: median runs, ratios, winners, tables, plot."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from nori.bench.compare_report import (
     format_comparison,
     format_sweep,
     median_index,
+    parse_sides,
     ratio,
 )
 from nori.cli.engine_args import worker_args
@@ -80,6 +81,108 @@ def test_mixed_comparison_takes_each_sides_median_run_and_the_short_requests_itl
     assert report["effective_throughput_ratio"] == pytest.approx(99.0 / 90.0)
     assert report["output_throughput_ratio"] == pytest.approx(1.1)
     assert report["runs"] == runs
+    # Two sides: no conditional keys; the winner by effective throughput.
+    assert report["sides"] == ["colocated", "disaggregated"]
+    assert report["winner"] == "disaggregated"
+    assert "conditional" not in report and "conditional_vs_best_effective_throughput" not in report
+    assert report["ratios"] == {
+        "disaggregated": {
+            "itl_p99_ratio": report["itl_p99_ratio"],
+            "itl_p99_ratio_all": report["itl_p99_ratio_all"],
+            "effective_throughput_ratio": report["effective_throughput_ratio"],
+            "output_throughput_ratio": report["output_throughput_ratio"],
+        }
+    }
+
+
+def three_sides(conditional: list[dict[str, object]]) -> dict[str, list[dict[str, object]]]:
+    return {
+        "colocated": [run(100.0, 90.0, 50.0, 40.0), run(80.0, 70.0, 70.0, 90.0)],
+        "disaggregated": [run(110.0, 99.0, 45.0, 30.0)],
+        "conditional": conditional,
+    }
+
+
+def test_three_sides_judge_conditional_against_colocated_and_the_better_of_the_others() -> None:
+    # Median by output throughput (lower middle of two): colocated 80 (run 1): eff 70, ITL 90.
+    report = compare_runs(
+        three_sides([run(120.0, 105.0, 60.0, 36.0), run(100.0, 80.0, 40.0, 20.0)]), 2.0
+    )
+    assert report["sides"] == ["colocated", "disaggregated", "conditional"]
+    conditional = report["conditional"]
+    assert isinstance(conditional, dict) and conditional["run_index"] == 1
+    ratios = report["ratios"]
+    assert isinstance(ratios, dict) and set(ratios) == {"disaggregated", "conditional"}
+    assert ratios["conditional"]["effective_throughput_ratio"] == pytest.approx(80.0 / 70.0)
+    assert ratios["conditional"]["itl_p99_ratio"] == pytest.approx(20.0 / 90.0)
+    assert ratios["conditional"]["itl_p99_ratio_all"] == pytest.approx(40.0 / 70.0)
+    assert ratios["conditional"]["output_throughput_ratio"] == pytest.approx(100.0 / 80.0)
+    # The old flat keys stay disaggregated / colocated.
+    assert report["effective_throughput_ratio"] == pytest.approx(99.0 / 70.0)
+    assert report["itl_p99_ratio"] == pytest.approx(30.0 / 90.0)
+    # Against the better of the others: the highest effective throughput (disaggregated, 99),
+    # the lowest short-request p99 ITL (disaggregated, 30).
+    assert report["best_other_side"] == "disaggregated"
+    assert report["conditional_vs_best_effective_throughput"] == pytest.approx(80.0 / 99.0)
+    assert report["best_other_itl_side"] == "disaggregated"
+    assert report["conditional_vs_best_itl_p99"] == pytest.approx(20.0 / 30.0)
+    assert report["winner"] == "disaggregated"
+
+
+def test_conditional_wins_when_its_effective_throughput_is_highest() -> None:
+    report = compare_runs(three_sides([run(100.0, 120.0, 40.0, 50.0)]))
+    assert report["winner"] == "conditional"
+    assert report["conditional_vs_best_effective_throughput"] == pytest.approx(120.0 / 99.0)
+    # Its ITL is worse than disaggregated's: above 1.
+    assert report["conditional_vs_best_itl_p99"] == pytest.approx(50.0 / 30.0)
+
+
+def test_the_better_side_is_chosen_figure_by_figure_and_ties_go_to_the_first() -> None:
+    runs = {
+        "colocated": [run(100.0, 99.0, 50.0, 10.0)],
+        "disaggregated": [run(100.0, 99.0, 50.0, 30.0)],
+        "conditional": [run(100.0, 99.0, 50.0, 20.0)],
+    }
+    report = compare_runs(runs)
+    assert report["best_other_side"] == "colocated" and report["winner"] == "colocated"
+    assert report["conditional_vs_best_effective_throughput"] == 1.0
+    assert report["best_other_itl_side"] == "colocated"
+    assert report["conditional_vs_best_itl_p99"] == pytest.approx(2.0)
+
+
+def test_no_winner_when_no_side_meets_the_slos() -> None:
+    report = compare_runs(
+        {"colocated": [run(10.0, 0.0, 20.0)], "conditional": [run(12.0, 0.0, 10.0)]}
+    )
+    assert report["winner"] is None
+    assert report["conditional_vs_best_effective_throughput"] is None  # 0 / 0
+    assert report["conditional_vs_best_itl_p99"] == 0.5
+    assert "effective_throughput_ratio" not in report  # no disaggregated side
+    assert report["ratios"] == {
+        "conditional": {
+            "itl_p99_ratio": 0.5,
+            "itl_p99_ratio_all": 0.5,
+            "effective_throughput_ratio": None,
+            "output_throughput_ratio": 1.2,
+        }
+    }
+
+
+def test_sides_are_checked() -> None:
+    assert parse_sides("conditional, colocated") == ("colocated", "conditional")
+    assert parse_sides("colocated,disaggregated,conditional") == (
+        "colocated",
+        "disaggregated",
+        "conditional",
+    )
+    with pytest.raises(ValueError, match="unknown side 'auto'"):
+        parse_sides("colocated,auto")
+    with pytest.raises(ValueError, match="two or three"):
+        parse_sides("colocated,colocated")
+    with pytest.raises(ValueError, match="two or three"):
+        compare_runs({"colocated": [run(1.0, 1.0, 1.0)]})
+    with pytest.raises(ValueError, match="in that order"):
+        CompareSettings(sides=("disaggregated", "colocated"))  # type: ignore[arg-type]
 
 
 def test_other_datasets_judge_the_itl_of_all_requests() -> None:
@@ -102,36 +205,72 @@ def test_comparison_table() -> None:
     table = format_comparison(report)
     lines = table.splitlines()
     assert lines[0].split() == ["colocated", "disaggregated", "d/c"]
-    rows = {line[:34].strip(): line[34:].split() for line in lines[1:-2]}
+    rows = {line[:34].strip(): line[34:].split() for line in lines[1:-3]}
     assert rows["Effective throughput (tok/s)"] == ["90.00", "99.00", "1.10"]
     assert rows["P99 ITL, short requests (ms)"] == ["40.00", "30.00", "0.75"]
     assert rows["P99 ITL, all requests (ms)"] == ["50.00", "45.00", "0.90"]
     assert rows["Failed requests"] == ["0", "0", "n/a"]
-    assert lines[-2:] == [
+    assert lines[-3:] == [
+        "Winner by effective throughput: disaggregated",
         "colocated runs, output tok/s: 100.00",
         "disaggregated runs, output tok/s: 110.00",
     ]
 
 
-def sweep_points() -> list[dict[str, object]]:
-    return [
-        compare_runs(
-            {"colocated": [run(c, c, 10.0, 8.0)], "disaggregated": [run(d, d, 9.0, 4.0)]},
-            request_rate=rate,
-        )
-        for rate, c, d in ((1.0, 50.0, 40.0), (4.0, 100.0, 120.0))
+def test_three_sided_table() -> None:
+    report = compare_runs(three_sides([run(120.0, 105.0, 60.0, 36.0)]))
+    lines = format_comparison(report).splitlines()
+    assert lines[0].split() == ["colocated", "disaggregated", "conditional", "d/c", "a/c"]
+    rows = {line[:34].strip(): line[34:].split() for line in lines[1:-5]}
+    assert rows["Effective throughput (tok/s)"] == ["70.00", "99.00", "105.00", "1.41", "1.50"]
+    assert rows["P99 ITL, short requests (ms)"] == ["90.00", "30.00", "36.00", "0.33", "0.40"]
+    assert lines[-5:] == [
+        "Winner by effective throughput: conditional",
+        "Conditional / the better of the others: 1.06 effective tok/s (vs disaggregated), "
+        "1.20 p99 ITL (vs disaggregated)",
+        "colocated runs, output tok/s: 100.00, 80.00",
+        "disaggregated runs, output tok/s: 110.00",
+        "conditional runs, output tok/s: 120.00",
     ]
+
+
+def sweep_points(conditional: bool = False) -> list[dict[str, object]]:
+    points = []
+    for rate, c, d, a in ((1.0, 50.0, 40.0, 55.0), (4.0, 100.0, 120.0, 110.0)):
+        runs = {"colocated": [run(c, c, 10.0, 8.0)], "disaggregated": [run(d, d, 9.0, 4.0)]}
+        if conditional:
+            runs["conditional"] = [run(a, a, 9.5, 6.0)]
+        points.append(compare_runs(runs, request_rate=rate))
+    return points
 
 
 def test_sweep_table_has_one_row_per_rate() -> None:
     rows = format_sweep(sweep_points()).splitlines()
-    assert rows[1].split() == ["1.00", "50.00", "40.00", "0.80", "8.00", "4.00", "0.50"]
-    assert rows[2].split() == ["4.00", "100.00", "120.00", "1.20", "8.00", "4.00", "0.50"]
+    assert rows[0].split()[-1] == "winner"
+    assert rows[1].split() == [
+        *("1.00", "50.00", "40.00", "0.80", "8.00", "4.00", "0.50", "colocated")
+    ]
+    assert rows[2].split() == [
+        *("4.00", "100.00", "120.00", "1.20", "8.00", "4.00", "0.50", "disaggregated")
+    ]
     assert "short requests" in rows[3]
 
 
-def test_sweep_plot(tmp_path: Path) -> None:
-    path = plot_sweep(sweep_points(), tmp_path / "sweep.png")
+def test_three_sided_sweep_table() -> None:
+    rows = format_sweep(sweep_points(conditional=True)).splitlines()
+    assert rows[0].split()[-2:] == ["a/best", "winner"]
+    # rate, eff c d a, d/c a/c, p99 ITL c d a, d/c a/c, a/best, winner
+    assert rows[1].split() == [
+        *("1.00", "50.00", "40.00", "55.00", "0.80", "1.10"),
+        *("8.00", "4.00", "6.00", "0.50", "0.75", "1.10", "conditional"),
+    ]
+    assert rows[2].split()[-2:] == ["0.92", "disaggregated"]
+    assert "a: conditional" in rows[3]
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_sweep_plot(tmp_path: Path, conditional: bool) -> None:
+    path = plot_sweep(sweep_points(conditional), tmp_path / "sweep.png")
     assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 10_000
 
 
@@ -145,6 +284,7 @@ def test_settings_and_options_are_checked() -> None:
         CompareSettings(repeats=0)
     assert CompareSettings(request_rates=(2.0,)).rates == (2.0,)
     assert CompareSettings().rates == (math.inf,)
+    assert CompareSettings().sides == ("colocated", "disaggregated", "conditional")
     assert worker_args("--num-kv-blocks 64 --dtype float32") == (
         "--num-kv-blocks",
         "64",
@@ -168,6 +308,36 @@ def test_a_sweep_with_a_duration_needs_no_request_rate_of_its_own() -> None:
     args = parser.parse_args(["bench", "compare", "--duration", "20", "--sweep", "2,4"])
     settings = compare_settings_from_args(args)
     assert settings.rates == (2.0, 4.0) and settings.workload.duration_s == 20.0
+    assert settings.sides == ("colocated", "disaggregated", "conditional")
     without = parser.parse_args(["bench", "compare", "--duration", "20"])
     with pytest.raises(ValueError, match="--duration needs a finite --request-rate"):
         compare_settings_from_args(without)
+
+
+def test_sides_and_the_conditional_workload_from_the_command_line() -> None:
+    from nori.bench.compare import cpu_plans
+    from nori.cli.cluster_bench import compare_settings_from_args
+    from nori.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            *("bench", "compare", "--sides", "colocated,conditional", "--request-rate", "4"),
+            *("--long-fraction", "0.2", "--long-input-len", "1500", "--long-range-ratio", "0.333"),
+        ]
+    )
+    settings = compare_settings_from_args(args)
+    assert settings.sides == ("colocated", "conditional")
+    workload = settings.workload
+    assert (workload.dataset, workload.long_fraction, workload.long_range_ratio) == (
+        "mixed",
+        0.2,
+        0.333,
+    )
+    plans = cpu_plans(frozenset({0, 1, 2, 3}), settings)
+    assert set(plans) == {"colocated", "conditional"}
+    names = [placement.name for placement in plans["conditional"].placements]
+    assert names == ["prefill-0", "decode-0", "gateway"]
+    rejected = parser.parse_args(["bench", "compare", "--disaggregation", "auto"])
+    with pytest.raises(ValueError, match="--disaggregation: bench compare sets it per side"):
+        compare_settings_from_args(rejected)

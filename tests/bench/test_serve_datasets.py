@@ -120,6 +120,93 @@ def test_mixed_has_short_requests_and_long_prompts_on_demand(tokenizer: Tokenize
 def test_long_prompts_must_be_long() -> None:
     with pytest.raises(ValueError, match="--long-input-len must be >= 1000"):
         settings(dataset="mixed", long_input_len=999)
+    with pytest.raises(ValueError, match="the shortest long prompt"):
+        settings(dataset="mixed", long_input_len=1400, long_range_ratio=0.3)
+    with pytest.raises(ValueError, match="--long-fraction must be in"):
+        settings(dataset="mixed", long_fraction=1.0)
+    with pytest.raises(ValueError, match="--long-range-ratio must be in"):
+        settings(dataset="mixed", long_range_ratio=-0.1)
+
+
+def fraction_settings(**overrides: object) -> ServeBenchSettings:
+    """The issue's conditional-disaggregation load: 80% short prompts of 32-128 tokens, 20%
+    long ones of 1000-2000 tokens, on one arrival process."""
+    chosen = settings(
+        dataset="mixed",
+        prompt_format="token-ids",
+        random_input_len=80,
+        random_range_ratio=0.6,
+        random_output_len=32,
+        long_input_len=1500,
+        long_range_ratio=0.333,
+        long_output_len=16,
+        long_fraction=0.2,
+        num_prompts=200,
+        num_warmups=10,
+    )
+    return replace(chosen, **overrides)  # type: ignore[arg-type]
+
+
+def test_long_fraction_mixes_both_classes_on_the_main_arrivals(tokenizer: Tokenizer) -> None:
+    workload = build_workload(fraction_settings(), tokenizer)
+    assert workload.background is None  # no clock of their own
+    classes = [spec.request_class for spec in workload.requests]
+    assert len(classes) == 200 and classes.count("long") == 40 and classes.count("short") == 160
+    warmup_classes = [spec.request_class for spec in workload.warmups]
+    assert warmup_classes.count("long") == 2 and len(warmup_classes) == 10
+    # Interleaved at random places, not in one block.
+    first_long = classes.index("long")
+    assert classes[first_long : first_long + 40] != ["long"] * 40
+    assert "long" in classes[:100] and "long" in classes[100:]
+    for spec in workload.requests:
+        assert isinstance(spec.prompt, tuple) and len(spec.prompt) == spec.prompt_len
+        if spec.request_class == "short":
+            assert 32 <= spec.prompt_len <= 128
+            assert 12 <= spec.max_tokens <= 52
+        else:
+            assert 1000 <= spec.prompt_len <= 2000
+            assert spec.max_tokens == 16
+    short_lens = {s.prompt_len for s in workload.requests if s.request_class == "short"}
+    long_lens = {s.prompt_len for s in workload.requests if s.request_class == "long"}
+    assert len(short_lens) > 40 and len(long_lens) > 30  # the ranges are used
+    assert min(long_lens) < 1300 and max(long_lens) > 1700
+    # Every prompt is its own: no prefix-cache hits between them.
+    assert len({spec.prompt for spec in workload.requests}) == 200
+
+
+def test_long_fraction_is_reproducible_per_seed_and_rounds(tokenizer: Tokenizer) -> None:
+    chosen = fraction_settings(seed=3, num_prompts=50, num_warmups=0)
+    first, again = build_workload(chosen, tokenizer), build_workload(chosen, tokenizer)
+    assert first.requests == again.requests
+    other = build_workload(replace(chosen, seed=4), tokenizer)
+    assert [s.request_class for s in other.requests] != [s.request_class for s in first.requests]
+    assert [s.request_class for s in first.requests].count("long") == 10
+    odd = build_workload(replace(chosen, num_prompts=7, long_fraction=0.3), tokenizer)
+    assert [s.request_class for s in odd.requests].count("long") == 2  # round(2.1)
+
+
+def test_long_fraction_is_in_the_echoed_settings() -> None:
+    echo = fraction_settings().echo("m")
+    assert echo["long_fraction"] == 0.2 and echo["long_range_ratio"] == 0.333
+    assert "long_request_rate" not in echo
+    clocked = settings(dataset="mixed").echo("m")
+    assert clocked["long_request_rate"] == 0.5 and "long_fraction" not in clocked
+
+
+def test_long_range_ratio_on_the_long_clock(tokenizer: Tokenizer) -> None:
+    workload = build_workload(
+        settings(
+            dataset="mixed",
+            prompt_format="token-ids",
+            long_input_len=1500,
+            long_range_ratio=0.333,
+            num_prompts=2,
+        ),
+        tokenizer,
+    )
+    assert workload.background is not None
+    lengths = [workload.background(index).prompt_len for index in range(30)]
+    assert all(1000 <= length <= 2000 for length in lengths) and len(set(lengths)) > 20
 
 
 def test_seed_reproduces_the_workload_and_warmups_are_distinct(tokenizer: Tokenizer) -> None:
