@@ -246,12 +246,20 @@ def run_prefill(args: argparse.Namespace) -> int:
 _ROLE_DEFAULT = -1
 
 
+def decode_prefill_budget(given: object, colocated: bool) -> object:
+    """`nori serve decode`'s --prefill-budget-with-decodes: as given, else by role. A decode
+    worker computes prompts only beside running streams (the gateway's --disaggregation auto or
+    never, or a migrated request): in chunks of about one decode step's cost ("auto"), so that
+    none stalls them. A colocated worker takes the serving default (throughput first)."""
+    if given != _ROLE_DEFAULT:
+        return given
+    return SERVING_PREFILL_BUDGET if colocated else "auto"
+
+
 def run_decode(args: argparse.Namespace) -> int:
-    if args.prefill_budget_with_decodes == _ROLE_DEFAULT:
-        # A decode worker computes prompts only beside running streams (the gateway's
-        # --disaggregation auto or never, or a migrated request): in chunks of about one decode
-        # step's cost, so that none stalls them. A colocated worker is the throughput setting.
-        args.prefill_budget_with_decodes = SERVING_PREFILL_BUDGET if args.colocated else "auto"
+    args.prefill_budget_with_decodes = decode_prefill_budget(
+        args.prefill_budget_with_decodes, args.colocated
+    )
     config = engine_config_from_args(args)  # before the binding line, as run_prefill
     _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker
