@@ -42,6 +42,21 @@ def prefill_budget(text: str) -> PrefillBudget:
 # stays for those whose streams' inter-token latency matters more.
 SERVING_PREFILL_BUDGET: str | None = None
 
+# --prefill-budget-with-decodes not given to `nori serve decode` (an int, not a string: argparse
+# would parse a string default as if given): decided by the role, `role_prefill_budget`.
+ROLE_PREFILL_BUDGET = -1
+
+
+def role_prefill_budget(given: object, colocated: bool) -> object:
+    """--prefill-budget-with-decodes as given, else by role. A decode worker computes prompts
+    only beside running streams (the gateway's --disaggregation auto or never, or a migrated
+    request): in chunks of about one decode step's cost ("auto"), so that none stalls them. A
+    colocated worker takes the serving default (throughput first)."""
+    if given != ROLE_PREFILL_BUDGET:
+        return given
+    return SERVING_PREFILL_BUDGET if colocated else "auto"
+
+
 # A batch's prompt tokens per step on a serving worker (--background-prefill-budget): a step of
 # 256 prompt tokens of the demo model takes about 0.1 s on one core of an AVX2 EPYC, which an
 # interactive prompt arriving beside a batch waits for (2048, the whole step, waited about 1 s).
@@ -270,7 +285,9 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefill_budget_with_decodes": args.prefill_budget_with_decodes,
+        "prefill_budget_with_decodes": role_prefill_budget(
+            args.prefill_budget_with_decodes, getattr(args, "colocated", False)
+        ),
         "background_prefill_budget": args.background_prefill_budget or None,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import (
+    ROLE_PREFILL_BUDGET,
     SERVING_BACKGROUND_PREFILL_BUDGET,
     SERVING_PREFILL_BUDGET,
     add_engine_args,
@@ -211,7 +212,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compute prompts here too (one worker doing prefill and decode, no transfers)",
     )
     # Unset, the budget depends on --colocated (run_decode).
-    decode.set_defaults(handler=run_decode, prefill_budget_with_decodes=_ROLE_DEFAULT)
+    decode.set_defaults(handler=run_decode, prefill_budget_with_decodes=ROLE_PREFILL_BUDGET)
 
 
 def _worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -241,25 +242,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
-# --prefill-budget-with-decodes not given to `nori serve decode` (not a string: argparse would
-# parse it as if given).
-_ROLE_DEFAULT = -1
-
-
-def decode_prefill_budget(given: object, colocated: bool) -> object:
-    """`nori serve decode`'s --prefill-budget-with-decodes: as given, else by role. A decode
-    worker computes prompts only beside running streams (the gateway's --disaggregation auto or
-    never, or a migrated request): in chunks of about one decode step's cost ("auto"), so that
-    none stalls them. A colocated worker takes the serving default (throughput first)."""
-    if given != _ROLE_DEFAULT:
-        return given
-    return SERVING_PREFILL_BUDGET if colocated else "auto"
-
-
 def run_decode(args: argparse.Namespace) -> int:
-    args.prefill_budget_with_decodes = decode_prefill_budget(
-        args.prefill_budget_with_decodes, args.colocated
-    )
     config = engine_config_from_args(args)  # before the binding line, as run_prefill
     _bind(args, "colocated" if args.colocated else "decode")
     from nori.decode.worker import DecodeWorker

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from nori.cli.engine_args import changed_engine_flags, worker_args
+from nori.cli.engine_args import changed_engine_flags, role_prefill_budget, worker_args
 from nori.cli.main import build_parser
-from nori.cli.serve import decode_prefill_budget
 
 
 def test_engine_options_given_to_up_reach_every_worker() -> None:
@@ -38,12 +37,12 @@ def test_the_prefill_budget_is_uncapped_unless_asked() -> None:
     # A decode worker chunks the prompts it computes beside its streams, unless told otherwise;
     # a colocated one takes them uncapped.
     serve = build_parser().parse_args(["serve", "decode"])
-    assert decode_prefill_budget(serve.prefill_budget_with_decodes, colocated=False) == "auto"
-    assert decode_prefill_budget(serve.prefill_budget_with_decodes, colocated=True) is None
+    assert role_prefill_budget(serve.prefill_budget_with_decodes, colocated=False) == "auto"
+    assert role_prefill_budget(serve.prefill_budget_with_decodes, colocated=True) is None
     given = build_parser().parse_args(["serve", "decode", "--prefill-budget-with-decodes", "0"])
-    assert decode_prefill_budget(given.prefill_budget_with_decodes, colocated=False) is None
+    assert role_prefill_budget(given.prefill_budget_with_decodes, colocated=False) is None
     given = build_parser().parse_args(["serve", "decode", "--prefill-budget-with-decodes", "64"])
-    assert decode_prefill_budget(given.prefill_budget_with_decodes, colocated=False) == 64
+    assert role_prefill_budget(given.prefill_budget_with_decodes, colocated=False) == 64
 
 
 @pytest.mark.parametrize("argv", [["-v", "up"], ["up", "-v"], ["serve", "decode", "--verbose"]])
