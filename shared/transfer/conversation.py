@@ -13,7 +13,9 @@ provides a `Channel`; this module holds the logic, so the two transports cannot 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import struct
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
@@ -61,12 +63,20 @@ class Channel(Protocol):
         MessageTooLarge above max_bytes, TransferError on other failures."""
         ...
 
-    async def send_buffers(self, views: list[torch.Tensor]) -> None:
-        """Sends flat uint8 views, all in flight at once (no round trip per buffer)."""
+    async def send_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
+        """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given
+        `checksums` (an empty list), fills it with each view's xxh3-64, hashing each right
+        before it is posted where the transport can (UCX), so its copy finds it in cache."""
         ...
 
-    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
-        """Receives into flat uint8 views in place."""
+    async def recv_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
+        """Receives into flat uint8 views in place. Given `checksums` (an empty list), fills it
+        with the xxh3-64 of each view's received bytes (`nori.transfer.integrity`), hashing each
+        as soon as it lands where the transport can (UCX), while it is still in cache."""
         ...
 
     async def close(self) -> None:
@@ -146,7 +156,13 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     _expect(_decode_reply(reply), "accepted")
-    await _within(channel.send_buffers(views), config.timeout_s, "sending KV data")
+    # (No message for a transfer without buffers: nothing to check, and UCX sends no empty one.)
+    checksums: list[int] | None = [] if header.checksums_follow else None
+    await _within(channel.send_buffers(views, checksums), config.timeout_s, "sending KV data")
+    if checksums:
+        await _within(
+            channel.send_message(pack_checksums(checksums)), config.timeout_s, "sending checksums"
+        )
     done = _expect(
         _decode_reply(
             await _within(
@@ -161,6 +177,17 @@ async def send_transfer(
         raise TransferError(
             f"the receiver acknowledged {done.done_nbytes} bytes of {header.total_nbytes}"
         )
+
+
+def pack_checksums(checksums: list[int]) -> bytes:
+    """The message that follows the buffers of a `checksums_follow` transfer."""
+    return struct.pack(f"<{len(checksums)}Q", *checksums)
+
+
+def unpack_checksums(payload: bytes, count: int) -> tuple[int, ...]:
+    if len(payload) != 8 * count:
+        raise ValueError(f"{len(payload)} bytes of checksums for {count} buffers")
+    return struct.unpack(f"<{count}Q", payload)
 
 
 def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
@@ -239,8 +266,10 @@ async def _serve_one(
     if not await _reply(channel, KVTransferReply(accepted=True)):
         _notify_failed(sink, header, "connection lost before the data")
         return False
+    # The sender's checksums are checked over the bytes as they land (see Channel.recv_buffers).
+    received: list[int] | None = [] if header.buffer_checksums or header.checksums_follow else None
     try:
-        await _within(channel.recv_buffers(views), config.timeout_s, "receiving KV data")
+        await _within(channel.recv_buffers(views, received), config.timeout_s, "receiving KV data")
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
         await channel.close()
@@ -250,7 +279,25 @@ async def _serve_one(
             return False
         raise
 
+    if header.checksums_follow and header.buffer_nbytes:
+        try:
+            sent = unpack_checksums(
+                await _within(
+                    channel.recv_message(8 * len(header.buffer_nbytes)),
+                    config.timeout_s,
+                    "receiving the checksums",
+                ),
+                len(header.buffer_nbytes),
+            )
+        except (TransferError, OSError, ValueError) as error:
+            # Bytes nobody can check are never decoded on.
+            await channel.close()
+            _notify_failed(sink, header, f"no checksums after the data: {error}")
+            return False
+        header = dataclasses.replace(header, buffer_checksums=sent)
     nbytes = header.total_nbytes
+    if received is not None:
+        header = dataclasses.replace(header, received_checksums=tuple(received))
     try:
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.
         sink.completed(header, nbytes)

@@ -23,6 +23,7 @@ from nori.transfer.base import (
 )
 from nori.transfer.buffers import check_sources
 from nori.transfer.handoff import TransferHeader
+from nori.transfer.integrity import buffer_checksums
 from nori.transfer.pool import ConnectionPool
 
 logger = logging.getLogger(__name__)
@@ -165,12 +166,19 @@ class _TcpChannel:
         await self._read_into(memoryview(payload))
         return bytes(payload)
 
-    async def send_buffers(self, views: list[torch.Tensor]) -> None:
+    async def send_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
+        if checksums is not None:
+            # Before the whole transfer (a socket sends many views per call): one pass.
+            checksums.extend(buffer_checksums(views))
         await self._vectored(
             [self._staging.host_bytes(view) for view in views if view.numel()], send=True
         )
 
-    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
+    async def recv_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
         targets = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view in views:
@@ -185,6 +193,9 @@ class _TcpChannel:
         await self._vectored(targets, send=False)
         for device_view, host in staged:
             device_view.copy_(host)
+        if checksums is not None:
+            # After the whole transfer (a socket fills many views per call): one more pass.
+            checksums.extend(buffer_checksums(views))
 
     async def close(self) -> None:
         if not self._closed:

@@ -31,6 +31,7 @@ from nori.transfer.conversation import (
     serve_connection,
 )
 from nori.transfer.handoff import TransferHeader
+from nori.transfer.integrity import EMPTY_CHECKSUM, array_checksum, buffer_checksums
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.ucx_env import is_loopback
 from nori.transfer.ucx_progress import (
@@ -127,24 +128,48 @@ class _UcxChannel:
     def _peer_said_bye(self) -> bool:
         return self._peer is not None and self._peer()
 
-    async def _post_all(self, views: list[torch.Tensor], send: bool) -> None:
+    async def _post_all(
+        self, views: list[torch.Tensor], send: bool, checksums: list[int] | None = None
+    ) -> None:
+        """Posts every view; given `checksums`, fills it with their xxh3-64. A CPU sender hashes
+        each view right before posting it, and a CPU receiver each one the moment its receive
+        completes: either way UCX's copy and the hash share one trip of the bytes through the
+        cache, instead of a pass of their own over the whole transfer."""
         post = self._poster.send if send else self._poster.recv
+        # One NumPy view (or CUDA tensor) per buffer: what UCX reads or writes, and hashes.
+        buffers = [_ucx_buffer(view) for view in views]
+        posted = [index for index, view in enumerate(views) if view.numel()]
+        on_host = not any(view.is_cuda for view in views)
+        hashing = checksums is not None and on_host
+        sums = [EMPTY_CHECKSUM] * len(views)
         requests: list[UcxRequest] = []
-        for start in range(0, len(views), _POST_BATCH):
-            requests.extend(
-                post(_ucx_buffer(view))
-                for view in views[start : start + _POST_BATCH]
-                if view.numel()
-            )
+        for start in range(0, len(posted), _POST_BATCH):
+            for index in posted[start : start + _POST_BATCH]:
+                if hashing and send:
+                    sums[index] = array_checksum(buffers[index])  # type: ignore[arg-type]
+                requests.append(post(buffers[index]))
             self._progress.poll()
+
+        def hash_landed(position: int) -> None:
+            index = posted[position]
+            sums[index] = array_checksum(buffers[index])  # type: ignore[arg-type]
+
         # Two one-way endpoints: a peer that leaves mid-transfer says so only with its bye.
-        await self._progress.wait_all(requests, self._peer)
+        await self._progress.wait_all(
+            requests, self._peer, hash_landed if hashing and not send else None
+        )
+        if checksums is not None:
+            checksums.extend(sums if on_host else buffer_checksums(views))
 
-    async def send_buffers(self, views: list[torch.Tensor]) -> None:
-        await self._transport(self._post_all(views, send=True), "send")
+    async def send_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
+        await self._transport(self._post_all(views, send=True, checksums=checksums), "send")
 
-    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
-        await self._transport(self._post_all(views, send=False), "receive")
+    async def recv_buffers(
+        self, views: list[torch.Tensor], checksums: list[int] | None = None
+    ) -> None:
+        await self._transport(self._post_all(views, send=False, checksums=checksums), "receive")
 
     async def close(self) -> None:
         if not self._closed:
