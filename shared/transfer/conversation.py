@@ -20,6 +20,7 @@ from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
 import torch
+import xxhash
 
 from nori.transfer.base import (
     KVSink,
@@ -29,6 +30,7 @@ from nori.transfer.base import (
 )
 from nori.transfer.buffers import check_destinations
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
+from nori.transfer.integrity import transfer_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +66,20 @@ class Channel(Protocol):
         ...
 
     async def send_buffers(
-        self, views: list[torch.Tensor], checksums: list[int] | None = None
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given
-        `checksums` (an empty list), fills it with each view's xxh3-64, hashing each right
-        before it is posted where the transport can (UCX), so its copy finds it in cache."""
+        """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given a
+        `hasher` (`integrity.transfer_hasher`), feeds it every byte, in order; where it can
+        (UCX) it hashes each run of views right before posting it, so its copy finds it in
+        cache."""
         ...
 
     async def recv_buffers(
-        self, views: list[torch.Tensor], checksums: list[int] | None = None
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        """Receives into flat uint8 views in place. Given `checksums` (an empty list), fills it
-        with the xxh3-64 of each view's received bytes (`nori.transfer.integrity`), hashing each
-        as soon as it lands where the transport can (UCX), while it is still in cache."""
+        """Receives into flat uint8 views in place. Given a `hasher`, feeds it every byte
+        received, in order; where it can (UCX) it hashes each run of views as soon as it has
+        landed, while it is still in cache."""
         ...
 
     async def close(self) -> None:
@@ -156,12 +159,13 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     _expect(_decode_reply(reply), "accepted")
-    # (No message for a transfer without buffers: nothing to check, and UCX sends no empty one.)
-    checksums: list[int] | None = [] if header.checksums_follow else None
-    await _within(channel.send_buffers(views, checksums), config.timeout_s, "sending KV data")
-    if checksums:
+    hasher = transfer_hasher() if header.checksums_follow else None
+    await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
+    if hasher is not None:
         await _within(
-            channel.send_message(pack_checksums(checksums)), config.timeout_s, "sending checksums"
+            channel.send_message(pack_checksum(hasher.intdigest())),
+            config.timeout_s,
+            "sending the checksum",
         )
     done = _expect(
         _decode_reply(
@@ -179,15 +183,17 @@ async def send_transfer(
         )
 
 
-def pack_checksums(checksums: list[int]) -> bytes:
-    """The message that follows the buffers of a `checksums_follow` transfer."""
-    return struct.pack(f"<{len(checksums)}Q", *checksums)
+def pack_checksum(checksum: int) -> bytes:
+    """The message that follows the buffers of a `checksums_follow` transfer: the sender's
+    `transfer_hasher` digest, 8 bytes little-endian."""
+    return struct.pack("<Q", checksum)
 
 
-def unpack_checksums(payload: bytes, count: int) -> tuple[int, ...]:
-    if len(payload) != 8 * count:
-        raise ValueError(f"{len(payload)} bytes of checksums for {count} buffers")
-    return struct.unpack(f"<{count}Q", payload)
+def unpack_checksum(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise ValueError(f"a checksum of {len(payload)} bytes, not 8")
+    checksum: int = struct.unpack("<Q", payload)[0]
+    return checksum
 
 
 def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
@@ -266,10 +272,11 @@ async def _serve_one(
     if not await _reply(channel, KVTransferReply(accepted=True)):
         _notify_failed(sink, header, "connection lost before the data")
         return False
-    # The sender's checksums are checked over the bytes as they land (see Channel.recv_buffers).
-    received: list[int] | None = [] if header.buffer_checksums or header.checksums_follow else None
+    # A sender's checksum that follows the data is checked over the bytes as they land (see
+    # Channel.recv_buffers); checksums in the header are the sink's to check.
+    hasher = transfer_hasher() if header.checksums_follow else None
     try:
-        await _within(channel.recv_buffers(views, received), config.timeout_s, "receiving KV data")
+        await _within(channel.recv_buffers(views, hasher), config.timeout_s, "receiving KV data")
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
         await channel.close()
@@ -279,25 +286,20 @@ async def _serve_one(
             return False
         raise
 
-    if header.checksums_follow and header.buffer_nbytes:
+    if hasher is not None:
         try:
-            sent = unpack_checksums(
-                await _within(
-                    channel.recv_message(8 * len(header.buffer_nbytes)),
-                    config.timeout_s,
-                    "receiving the checksums",
-                ),
-                len(header.buffer_nbytes),
+            sent = unpack_checksum(
+                await _within(channel.recv_message(8), config.timeout_s, "receiving the checksum")
             )
         except (TransferError, OSError, ValueError) as error:
             # Bytes nobody can check are never decoded on.
             await channel.close()
-            _notify_failed(sink, header, f"no checksums after the data: {error}")
+            _notify_failed(sink, header, f"no checksum after the data: {error}")
             return False
-        header = dataclasses.replace(header, buffer_checksums=sent)
+        header = dataclasses.replace(
+            header, buffer_checksums=(sent,), received_checksums=(hasher.intdigest(),)
+        )
     nbytes = header.total_nbytes
-    if received is not None:
-        header = dataclasses.replace(header, received_checksums=tuple(received))
     try:
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.
         sink.completed(header, nbytes)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from nori.transfer.address import Address, parse_address, worker_peer
 from nori.transfer.base import KVSink, TransferConfig, TransferError
@@ -31,7 +32,7 @@ from nori.transfer.conversation import (
     serve_connection,
 )
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import EMPTY_CHECKSUM, array_checksum, buffer_checksums
+from nori.transfer.integrity import hash_chunks
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.ucx_env import is_loopback
 from nori.transfer.ucx_progress import (
@@ -129,47 +130,56 @@ class _UcxChannel:
         return self._peer is not None and self._peer()
 
     async def _post_all(
-        self, views: list[torch.Tensor], send: bool, checksums: list[int] | None = None
+        self, views: list[torch.Tensor], send: bool, hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        """Posts every view; given `checksums`, fills it with their xxh3-64. A CPU sender hashes
-        each view right before posting it, and a CPU receiver each one the moment its receive
-        completes: either way UCX's copy and the hash share one trip of the bytes through the
-        cache, instead of a pass of their own over the whole transfer."""
+        """Posts every view; given a `hasher`, feeds it every byte in order. A CPU sender hashes
+        each run of adjacent views (`integrity.hash_chunks`, at most 512 KiB) right before
+        posting it, a CPU receiver each run the moment its last receive completes: either way
+        UCX's copy and the hash share one trip of the bytes through the cache, instead of a
+        pass of their own over the whole transfer."""
         post = self._poster.send if send else self._poster.recv
-        # One NumPy view (or CUDA tensor) per buffer: what UCX reads or writes, and hashes.
-        buffers = [_ucx_buffer(view) for view in views]
-        posted = [index for index, view in enumerate(views) if view.numel()]
         on_host = not any(view.is_cuda for view in views)
-        hashing = checksums is not None and on_host
-        sums = [EMPTY_CHECKSUM] * len(views)
+        # Per view: the end of the hash chunk it closes, if any.
+        chunk_ends: dict[int, memoryview] = (
+            dict(hash_chunks(views)) if hasher is not None and on_host else {}
+        )
         requests: list[UcxRequest] = []
-        for start in range(0, len(posted), _POST_BATCH):
-            for index in posted[start : start + _POST_BATCH]:
-                if hashing and send:
-                    sums[index] = array_checksum(buffers[index])  # type: ignore[arg-type]
-                requests.append(post(buffers[index]))
-            self._progress.poll()
+        # The view index of each request (empty views are not posted).
+        posted: list[int] = []
+        pending: list[int] = []
+        for index, view in enumerate(views):
+            if view.numel():
+                pending.append(index)
+            if index in chunk_ends or len(pending) >= _POST_BATCH or index == len(views) - 1:
+                if send and index in chunk_ends:
+                    hasher.update(chunk_ends[index])  # type: ignore[union-attr]
+                requests.extend(post(_ucx_buffer(views[i])) for i in pending)
+                posted.extend(pending)
+                pending = []
+                self._progress.poll()
 
         def hash_landed(position: int) -> None:
-            index = posted[position]
-            sums[index] = array_checksum(buffers[index])  # type: ignore[arg-type]
+            chunk = chunk_ends.get(posted[position])
+            if chunk is not None:
+                hasher.update(chunk)  # type: ignore[union-attr]
 
         # Two one-way endpoints: a peer that leaves mid-transfer says so only with its bye.
         await self._progress.wait_all(
-            requests, self._peer, hash_landed if hashing and not send else None
+            requests, self._peer, hash_landed if chunk_ends and not send else None
         )
-        if checksums is not None:
-            checksums.extend(sums if on_host else buffer_checksums(views))
+        if hasher is not None and not on_host:
+            for view in views:  # CUDA: from host copies, after the transfer
+                hasher.update(view.cpu().numpy())
 
     async def send_buffers(
-        self, views: list[torch.Tensor], checksums: list[int] | None = None
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        await self._transport(self._post_all(views, send=True, checksums=checksums), "send")
+        await self._transport(self._post_all(views, send=True, hasher=hasher), "send")
 
     async def recv_buffers(
-        self, views: list[torch.Tensor], checksums: list[int] | None = None
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        await self._transport(self._post_all(views, send=False, checksums=checksums), "receive")
+        await self._transport(self._post_all(views, send=False, hasher=hasher), "receive")
 
     async def close(self) -> None:
         if not self._closed:
