@@ -361,7 +361,7 @@ def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor
 
 def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
     """Runs the selected transports; returns one flat JSON-able report."""
-    from nori.transfer.factory import ucx_available
+    from nori.transfer.factory import probe_transports, ucx_available
 
     source = torch.randint(0, 256, (settings.num_blocks * settings.block_bytes,), dtype=torch.uint8)
     report: dict[str, Any] = {
@@ -370,6 +370,8 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
         "statistic": f"median of {settings.repeats} timed repeats after 1 warm-up",
         "cpu_count": os.cpu_count(),
     }
+    # What `--transport auto` would choose here, and the probe's figures behind it.
+    report["auto_transport"] = asdict(probe_transports())
     samples: dict[str, list[float]] = {}
     for transport in settings.transports:
         if transport == "ucx" and not ucx_available():

@@ -5,21 +5,24 @@
 only one: it shows in its address scheme (ucx:// or tcp://), and an "auto" sender sends over
 whatever the address names, so prefill and decode workers always agree.
 
-The probe moves 8 MiB in 32 KiB messages (3 rounds, the best counts) within this process: over
-UCX between two workers of a second UCX context (they reach each other as two processes do,
-through shared memory when UCX may use it, else TCP), and over a loopback TCP connection, one
-thread driving both ends of each. So it compares what a byte costs each transport on this host's
-CPUs rather than a two-process race; it takes ~0.1 s. On an Intel Xeon (AVX-512, 2 cores shared
-with other work) it measured UCX (sysv shared memory) at 1.9-2.2 GB/s and TCP loopback at
-~1.0-1.5 GB/s. Host memory only: a CUDA cache's path is not probed.
+The probe moves 8 MiB in 32 KiB messages (3 rounds, the best counts; ~0.5 s in all): over UCX
+between two workers of a second UCX context in this process (they reach each other as two
+processes do: shared memory where UCX may use it, else TCP), and over loopback TCP to a forked
+child that receives each block in place (a socket's cost is largely its reader's sleeping and
+waking, which one thread driving both ends never pays: 4.4 GB/s in one thread against 2.1-3.2
+GB/s across two processes). The TCP figure is a plain socket's, an upper bound of the TCP
+transport (0.7-0.9x of a socket in `nori bench transfer`), so a close call goes to TCP. On an
+Intel Xeon (AVX-512, 2 cores shared with other work) UCX measured 2.0-2.3 GB/s and TCP 2.1-3.2:
+"auto" chose either from run to run; each process keeps its choice. Host memory only: a CUDA
+cache's path is not probed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -151,31 +154,53 @@ def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
         endpoint.close()
 
 
-def _probe_tcp(source: np.ndarray, destination: np.ndarray) -> float:
-    """A loopback TCP connection, both ends non-blocking in this thread."""
+def _probe_tcp(source: np.ndarray) -> float:
+    """Loopback TCP to a forked child that receives each block in place, as a TCP receiver
+    does. Across two processes, not in one thread: a socket's cost is largely the sleeping and
+    waking of its reader, which one thread doing both ends never pays (it measured 4.4 GB/s
+    in-process against 1.5-1.8 GB/s between two processes on the 2-core Xeon)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        client = socket.create_connection(listener.getsockname())
-        server, _ = listener.accept()
-    with client, server:
-        client.setblocking(False)
-        server.setblocking(False)
-        out, into = memoryview(source), memoryview(destination)
-        total = len(out)
+        port = listener.getsockname()[1]
+        pid = os.fork()
+        if pid == 0:  # the child: nothing but sockets, then out without cleanup
+            code = 1
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as peer:
+                    into = np.empty(_PROBE_BLOCK_BYTES, dtype=np.uint8).data
+                    for _ in range(_PROBE_ROUNDS):
+                        for _ in range(_PROBE_BLOCKS):
+                            view = into
+                            while len(view):
+                                received = peer.recv_into(view)
+                                if not received:
+                                    raise ConnectionError("the prober left")
+                                view = view[received:]
+                        peer.sendall(b"k")  # this round arrived
+                code = 0
+            finally:
+                os._exit(code)
+        listener.settimeout(5.0)
+        try:
+            peer, _ = listener.accept()
+        except OSError:
+            os.waitpid(pid, 0)
+            raise
+    size = _PROBE_BLOCK_BYTES
+    blocks = [source[i * size : (i + 1) * size].data for i in range(_PROBE_BLOCKS)]
 
-        def run_once() -> None:
-            sent = received = 0
-            deadline = time.monotonic() + 5.0
-            while received < total:
-                if sent < total:
-                    with contextlib.suppress(BlockingIOError):
-                        sent += client.send(out[sent : sent + _PROBE_BLOCK_BYTES])
-                try:
-                    received += server.recv_into(into[received:])
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the TCP probe made no progress") from None
+    def run_once() -> None:
+        for block in blocks:
+            peer.sendall(block)
+        if peer.recv(1) != b"k":  # the round is over once the child has every byte
+            raise ConnectionError("the TCP probe's receiver failed")
 
-        return _best_rate(run_once)
+    try:
+        with peer:
+            peer.settimeout(5.0)
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return _best_rate(run_once)
+    finally:
+        os.waitpid(pid, 0)
 
 
 @functools.cache
@@ -187,7 +212,7 @@ def probe_transports() -> ProbeResult:
     ucx_gbps: float | None = None
     ucx_problem: str | None = None
     try:
-        tcp_gbps = _probe_tcp(source, np.zeros_like(source))
+        tcp_gbps = _probe_tcp(source)
     except OSError as error:
         logger.warning("the TCP transport failed its probe: %s", error)
     module = _load_ucx()

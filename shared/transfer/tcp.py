@@ -76,7 +76,7 @@ def _feed(hasher: xxhash.xxh3_64, views: list[torch.Tensor]) -> None:
     """Every byte of `views`, in order, into `hasher` (CUDA ones through host copies)."""
     if any(view.is_cuda for view in views):
         for view in views:
-            hasher.update(view.cpu().numpy())
+            hasher.update(view.cpu().numpy().data)
     else:
         for _, chunk in hash_chunks(views):
             hasher.update(chunk)

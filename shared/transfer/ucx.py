@@ -169,7 +169,7 @@ class _UcxChannel:
         )
         if hasher is not None and not on_host:
             for view in views:  # CUDA: from host copies, after the transfer
-                hasher.update(view.cpu().numpy())
+                hasher.update(view.cpu().numpy().data)
 
     async def send_buffers(
         self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
