@@ -5,6 +5,11 @@ and the sender posts every buffer at once. Across hosts UCX uses what it was bui
 ucxx-cu12 wheel's UCX has TCP but no InfiniBand/RoCE (`ucx_info -v`: --without-verbs), so
 RDMA needs a system UCX. Importing this module applies the UCX settings in
 `nori.transfer.ucx_env` (before ucxx initialises) and raises ImportError without ucxx.
+
+Between workers on one host the bytes go through UCX's sysv shared-memory FIFO, eager (see
+ucx_env). `nori bench transfer` on an Intel Xeon (AVX-512, 2 shared cores), 64 MiB: 1.27 GB/s
+in 32 KiB messages (a plain socket 1.62), 2.64 GB/s in 256 KiB ones (socket 2.02, memcpy 4.2).
+A transfer's checksum is hashed here, run by run, as buffers are posted and land (`_post_all`).
 """
 
 from __future__ import annotations
