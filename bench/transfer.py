@@ -12,6 +12,13 @@ The receiving side always writes in place into one preallocated "cache" tensor. 
 moves the blocks once untimed (connection setup, UCX wire-up, page faults), then `repeats` timed
 times; the figures are the median of the timed repeats, in GB/s (1e9 bytes per second), timed
 on the sender from the first byte until the receiver's acknowledgement.
+
+Over UCX the report also says what carried the bytes (`ucx_transports`: the endpoint's lanes,
+and the protocols UCX picked for tagged sends by message size, from UCX's own info log in the
+receiver) and what the integrity check costs end to end (`integrity_cost_vs_ucx`): each timed
+UCX repeat is a pair, one transfer without checksums and one with them (the sender hashes its
+buffers before the header, the receiver hashes each buffer as it lands and compares), and the
+figure is the median over the pairs of (t_checked - t_unchecked) / t_unchecked.
 """
 
 from __future__ import annotations
@@ -20,18 +27,21 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import re
 import socket
 import statistics
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from nori.transfer.base import TransferConfig
+from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import buffer_checksums
+from nori.transfer.integrity import buffer_checksums, checksum_mismatch, first_mismatch
 
 # One message = one block of one layer's K (or V) in Nori's cache layout
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: that is the largest piece a receiver can
@@ -78,7 +88,8 @@ def _blocks(data: torch.Tensor, block_bytes: int) -> list[torch.Tensor]:
 
 
 class _CacheSink:
-    """Hands out one block of a preallocated tensor per header buffer (block id = index)."""
+    """Hands out one block of a preallocated tensor per header buffer (block id = index), and
+    checks a checked transfer's bytes as the decode worker's sink does (fail-closed)."""
 
     def __init__(self, cache: torch.Tensor, block_bytes: int) -> None:
         self._blocks = _blocks(cache, block_bytes)
@@ -87,24 +98,42 @@ class _CacheSink:
         return [self._blocks[block_id] for block_id in header.block_ids]
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
-        pass
+        if not (header.buffer_checksums or header.checksums_follow):
+            return
+        problem = (
+            checksum_mismatch(header.received_checksums, header.buffer_checksums)
+            if header.received_checksums
+            else first_mismatch(self.destinations(header), header.buffer_checksums)
+        )
+        if problem is not None:
+            raise TransferRejected(f"corrupted KV transfer: {problem}")
 
     def failed(self, header: TransferHeader, error: str) -> None:
         pass
 
 
-async def _serve_transport(kind: str, settings: TransferBenchConfig, conn: Connection) -> None:
+async def _serve_transport(
+    kind: str, settings: TransferBenchConfig, conn: Connection, ucx_log: Path | None
+) -> None:
     from nori.transfer.factory import make_receiver
 
     cache = torch.zeros(settings.num_blocks * settings.block_bytes, dtype=torch.uint8)
     receiver = make_receiver(kind, _CacheSink(cache, settings.block_bytes))
     conn.send((await receiver.start(host="127.0.0.1"), _ucx_environment()))
-    # Serve until the parent says stop (or goes away): its pipe becomes readable.
+    # Serve until the parent says stop (or goes away): its pipe becomes readable. It may first
+    # ask what carried the bytes (UCX logs an endpoint's lanes once a sender connected).
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[None] = loop.create_future()
 
     def on_readable() -> None:
-        if not stop.done():
+        try:
+            asked = conn.recv()
+        except (EOFError, OSError):
+            asked = "stop"
+        if asked == "transports":
+            log = ucx_log.read_text(errors="replace") if ucx_log and ucx_log.exists() else ""
+            conn.send(ucx_transports(log))
+        elif not stop.done():
             stop.set_result(None)
 
     loop.add_reader(conn.fileno(), on_readable)
@@ -134,8 +163,47 @@ def _child_main(kind: str, settings: TransferBenchConfig, conn: Connection) -> N
     """Entry point of the receiving process (spawned: nothing inherited but the arguments)."""
     if kind == "socket":
         _serve_socket(settings, conn)
-    else:
-        asyncio.run(_serve_transport(kind, settings, conn))
+        return
+    if kind != "ucx":
+        asyncio.run(_serve_transport(kind, settings, conn, None))
+        return
+    with tempfile.TemporaryDirectory(prefix="nori-ucx-log-") as folder:
+        # Before ucxx starts: UCX's info log (lanes, and the protocol table of each endpoint
+        # configuration) into a file; an operator's own UCX_LOG_LEVEL and UCX_LOG_FILE win.
+        ucx_log = Path(folder) / "ucx.log"
+        os.environ.setdefault("UCX_LOG_LEVEL", "info")
+        os.environ.setdefault("UCX_PROTO_INFO", "y")
+        os.environ.setdefault("UCX_LOG_FILE", str(ucx_log))
+        asyncio.run(_serve_transport(kind, settings, conn, ucx_log))
+
+
+# "... intra-node cfg#0 tag(sysv/memory)  rma(sysv/memory posix/memory)  am(sysv/memory) ..."
+_UCX_LANES = re.compile(r"(?:intra|inter)-node cfg#\d+\s+((?:\w+\([^)]*\)\s*)+)$", re.MULTILINE)
+# The protocol table of tagged sends from host memory (not its fast-completion or multi rows).
+_UCX_TAG_TABLE = re.compile(
+    r"\| [^|]*cfg#\d+ \| tagged message by ucp_tag_send\* from host memory\s+\|"
+)
+# "|  8K..inf | (?) rendezvous fragmented copy-in copy-out | sysv/memory |"
+_UCX_TABLE_ROW = re.compile(r"\|\s*(\S+\.\.\S+)\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|")
+
+
+def ucx_transports(log: str) -> dict[str, Any]:
+    """What UCX says it used, from its info log: `lanes` (each endpoint configuration's lanes
+    per operation, e.g. "tag(sysv/memory) rma(sysv/memory posix/memory) ...") and `tag_send`
+    (message size range -> protocol and transport of a tagged send from host memory)."""
+    lanes = sorted({" ".join(match.group(1).split()) for match in _UCX_LANES.finditer(log)})
+    tag_send: dict[str, str] = {}
+    lines = log.splitlines()
+    for number, line in enumerate(lines):
+        if not _UCX_TAG_TABLE.search(line):
+            continue
+        for row in lines[number + 2 :]:
+            match = _UCX_TABLE_ROW.search(row)
+            if match is None:
+                break
+            tag_send[match.group(1)] = f"{match.group(2)} ({match.group(3)})"
+        break
+    return {"lanes": lanes, "tag_send": tag_send}
 
 
 def _ucx_environment() -> dict[str, str]:
@@ -162,6 +230,14 @@ class _Child:
             raise RuntimeError(f"the {kind} receiver process did not start")
         self.address, self.environment = self._conn.recv()
 
+    def transports(self) -> dict[str, Any]:
+        """A UCX receiver's `ucx_transports`, once a sender has connected."""
+        self._conn.send("transports")
+        if not self._conn.poll(_CHILD_START_TIMEOUT_S):
+            return {}
+        transports: dict[str, Any] = self._conn.recv()
+        return transports
+
     def stop(self) -> None:
         with contextlib.suppress(OSError):
             self._conn.send("stop")
@@ -177,27 +253,43 @@ def _rate(nbytes: int, seconds: float) -> float:
 
 
 async def _time_transport(
-    kind: str, address: str, settings: TransferBenchConfig, source: torch.Tensor
-) -> list[float]:
+    kind: str, address: str, settings: TransferBenchConfig, source: torch.Tensor, checked: bool
+) -> tuple[list[float], list[float]]:
+    """The rates of the timed repeats, and with `checked` the integrity check's relative cost
+    per repeat: each repeat also sends the same blocks with checksums, right after."""
     from nori.transfer.factory import make_sender
 
     blocks = _blocks(source, settings.block_bytes)
-    header = TransferHeader.of(
-        request_id="bench",
-        block_ids=list(range(settings.num_blocks)),
-        buffer_nbytes=[settings.block_bytes] * settings.num_blocks,
-    )
+
+    def header(checksums_follow: bool) -> TransferHeader:
+        return TransferHeader.of(
+            request_id="bench",
+            block_ids=list(range(settings.num_blocks)),
+            buffer_nbytes=[settings.block_bytes] * settings.num_blocks,
+            checksums_follow=checksums_follow,
+        )
+
+    unchecked = header(checksums_follow=False)
+    checked_header = header(checksums_follow=True)
     sender = make_sender(kind, TransferConfig(timeout_s=300.0))
-    rates = []
+    rates, costs = [], []
     try:
         for repeat in range(settings.repeats + 1):
             start = time.perf_counter()
-            await sender.send(address, header, blocks)
+            await sender.send(address, unchecked, blocks)
+            plain_s = time.perf_counter() - start
+            if checked:
+                start = time.perf_counter()
+                # As a prefill worker sends: the transport hashes each block as it posts it.
+                await sender.send(address, checked_header, blocks)
+                checked_s = time.perf_counter() - start
             if repeat:  # the first round is the untimed warm-up
-                rates.append(_rate(settings.total_bytes, time.perf_counter() - start))
+                rates.append(_rate(settings.total_bytes, plain_s))
+                if checked:
+                    costs.append((checked_s - plain_s) / plain_s)
     finally:
         await sender.close()
-    return rates
+    return rates, costs
 
 
 def _time_socket(address: str, settings: TransferBenchConfig, source: torch.Tensor) -> list[float]:
@@ -229,8 +321,7 @@ def _time_memcpy(settings: TransferBenchConfig, source: torch.Tensor) -> list[fl
 
 
 def _time_checksums(settings: TransferBenchConfig, source: torch.Tensor) -> list[float]:
-    """What the integrity check costs: xxh3 over every block, as a sender (and then the
-    receiver, once more) computes it per transfer buffer."""
+    """xxh3 alone over every block, out of cache, as a sender computes it per transfer buffer."""
     blocks = _blocks(source, settings.block_bytes)
     rates = []
     for repeat in range(settings.repeats + 1):
@@ -241,26 +332,36 @@ def _time_checksums(settings: TransferBenchConfig, source: torch.Tensor) -> list
     return rates
 
 
-def _measure(
-    transport: str, settings: TransferBenchConfig, source: torch.Tensor
-) -> tuple[list[float], dict[str, str]]:
-    """The rates of the timed repeats, and the receiving process's UCX environment."""
+@dataclass(frozen=True)
+class _Measured:
+    rates: list[float]
+    # The receiving process's UCX environment, what UCX says carried the bytes, and the
+    # integrity check's relative cost per repeat (UCX only).
+    environment: dict[str, str] = field(default_factory=dict)
+    transports: dict[str, Any] = field(default_factory=dict)
+    integrity_costs: list[float] = field(default_factory=list)
+
+
+def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor) -> _Measured:
     if transport == "memcpy":
-        return _time_memcpy(settings, source), {}
+        return _Measured(_time_memcpy(settings, source))
     kind = {"ucx": "ucx", "tcp_transport": "tcp", "socket": "socket"}[transport]
     child = _Child(kind, settings)
     try:
         if kind == "socket":
-            return _time_socket(child.address, settings, source), child.environment
-        rates = asyncio.run(_time_transport(kind, child.address, settings, source))
-        return rates, child.environment
+            return _Measured(_time_socket(child.address, settings, source), child.environment)
+        rates, costs = asyncio.run(
+            _time_transport(kind, child.address, settings, source, checked=kind == "ucx")
+        )
+        transports = child.transports() if kind == "ucx" else {}
+        return _Measured(rates, child.environment, transports, costs)
     finally:
         child.stop()
 
 
 def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
     """Runs the selected transports; returns one flat JSON-able report."""
-    from nori.transfer.factory import ucx_available
+    from nori.transfer.factory import probe_transports, ucx_available
 
     source = torch.randint(0, 256, (settings.num_blocks * settings.block_bytes,), dtype=torch.uint8)
     report: dict[str, Any] = {
@@ -269,28 +370,29 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
         "statistic": f"median of {settings.repeats} timed repeats after 1 warm-up",
         "cpu_count": os.cpu_count(),
     }
+    # What `--transport auto` would choose here, and the probe's figures behind it.
+    report["auto_transport"] = asdict(probe_transports())
     samples: dict[str, list[float]] = {}
     for transport in settings.transports:
         if transport == "ucx" and not ucx_available():
             report["ucx_gbps"] = None
             report["ucx_note"] = "ucxx is not importable"
             continue
-        samples[transport], environment = _measure(transport, settings, source)
-        report[f"{transport}_gbps"] = round(statistics.median(samples[transport]), 3)
+        measured = _measure(transport, settings, source)
+        samples[transport] = measured.rates
+        report[f"{transport}_gbps"] = round(statistics.median(measured.rates), 3)
         if transport == "ucx":
-            # What UCX ran with in the receiver: our defaults, ucxx's, and the caller's.
-            report["ucx_env"] = environment
-    # Integrity: the sender hashes each buffer before sending, the receiver after: two passes
-    # over the bytes per transfer, on top of the transfer itself.
+            # What UCX ran with in the receiver (our defaults, ucxx's, the caller's), what
+            # carried the bytes, and what checking them cost.
+            report["ucx_env"] = measured.environment
+            report["ucx_transports"] = measured.transports
+            report["integrity_cost_vs_ucx"] = round(statistics.median(measured.integrity_costs), 3)
+            samples["integrity_cost_vs_ucx"] = measured.integrity_costs
     samples["checksum"] = _time_checksums(settings, source)
-    checksum_gbps = statistics.median(samples["checksum"])
-    report["checksum_gbps"] = round(checksum_gbps, 3)
-    for transport in ("ucx", "tcp_transport"):
-        if report.get(f"{transport}_gbps"):
-            report[f"checksum_cost_vs_{transport}"] = round(
-                2 * report[f"{transport}_gbps"] / checksum_gbps, 3
-            )
+    report["checksum_gbps"] = round(statistics.median(samples["checksum"]), 3)
     if report.get("ucx_gbps") and report.get("socket_gbps"):
         report["ucx_vs_socket"] = round(report["ucx_gbps"] / report["socket_gbps"], 3)
-    report["samples_gbps"] = {name: [round(r, 3) for r in rates] for name, rates in samples.items()}
+    if report.get("ucx_gbps") and report.get("memcpy_gbps"):
+        report["ucx_vs_memcpy"] = round(report["ucx_gbps"] / report["memcpy_gbps"], 3)
+    report["samples"] = {name: [round(r, 3) for r in rates] for name, rates in samples.items()}
     return report

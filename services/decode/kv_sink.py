@@ -22,7 +22,7 @@ from nori.cluster_auth import random_token
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
-from nori.transfer.integrity import first_mismatch
+from nori.transfer.integrity import checksum_mismatch, first_mismatch
 from nori.worker.kv_layout import BlockLayout, destination_buffers, staging_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
@@ -176,7 +176,7 @@ class DecodeKVSink:
                 f"buffer sizes {list(header.buffer_nbytes)} differ from this worker's KV layout "
                 f"{expected} (same model, dtype, --kv-cache-dtype and block size on both sides?)"
             )
-        if len(header.buffer_checksums) != len(buffers):
+        if not header.checksums_follow and len(header.buffer_checksums) != len(buffers):
             # Fail closed: bytes nobody can check are never decoded on.
             raise TransferRejected(
                 f"the header carries {len(header.buffer_checksums)} checksums for "
@@ -198,10 +198,15 @@ class DecodeKVSink:
         lease = self._receiving(header)
         if lease is None:
             return  # expired or failed meanwhile: its blocks are gone or going
+        expected = header.buffer_checksums if header.checksums_follow else lease.expected_checksums
         problem = (
             f"{nbytes} bytes arrived, {header.total_nbytes} expected"
             if nbytes != header.total_nbytes
-            else first_mismatch(lease.buffers, lease.expected_checksums)
+            # The transport's checksums of the bytes as they landed, or else a pass over them;
+            # against what the sender's header carried, or its checksums that followed the data.
+            else checksum_mismatch(header.received_checksums, expected)
+            if header.received_checksums
+            else first_mismatch(lease.buffers, expected)
         )
         if problem is not None:
             self.checksum_failures += 1

@@ -22,7 +22,6 @@ from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import buffer_checksums
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
@@ -158,7 +157,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             generator_state=state.generator_state,
             destination=destination,
             trace_context=trace_context,
-            buffer_checksums=buffer_checksums(buffers),
+            # The transport hashes each buffer as it sends it (in cache) and sends the sums
+            # right after the data (nori.transfer.integrity).
+            checksums_follow=True,
         )
         nbytes = sum(header.buffer_nbytes)
         started = time.perf_counter()

@@ -13,11 +13,14 @@ provides a `Channel`; this module holds the logic, so the two transports cannot 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import struct
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
 import torch
+import xxhash
 
 from nori.transfer.base import (
     KVSink,
@@ -27,6 +30,7 @@ from nori.transfer.base import (
 )
 from nori.transfer.buffers import check_destinations
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
+from nori.transfer.integrity import transfer_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +65,21 @@ class Channel(Protocol):
         MessageTooLarge above max_bytes, TransferError on other failures."""
         ...
 
-    async def send_buffers(self, views: list[torch.Tensor]) -> None:
-        """Sends flat uint8 views, all in flight at once (no round trip per buffer)."""
+    async def send_buffers(
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+    ) -> None:
+        """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given a
+        `hasher` (`integrity.transfer_hasher`), feeds it every byte, in order; where it can
+        (UCX) it hashes each run of views right before posting it, so its copy finds it in
+        cache."""
         ...
 
-    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
-        """Receives into flat uint8 views in place."""
+    async def recv_buffers(
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+    ) -> None:
+        """Receives into flat uint8 views in place. Given a `hasher`, feeds it every byte
+        received, in order; where it can (UCX) it hashes each run of views as soon as it has
+        landed, while it is still in cache."""
         ...
 
     async def close(self) -> None:
@@ -146,7 +159,14 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     _expect(_decode_reply(reply), "accepted")
-    await _within(channel.send_buffers(views), config.timeout_s, "sending KV data")
+    hasher = transfer_hasher() if header.checksums_follow else None
+    await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
+    if hasher is not None:
+        await _within(
+            channel.send_message(pack_checksum(hasher.intdigest())),
+            config.timeout_s,
+            "sending the checksum",
+        )
     done = _expect(
         _decode_reply(
             await _within(
@@ -161,6 +181,19 @@ async def send_transfer(
         raise TransferError(
             f"the receiver acknowledged {done.done_nbytes} bytes of {header.total_nbytes}"
         )
+
+
+def pack_checksum(checksum: int) -> bytes:
+    """The message that follows the buffers of a `checksums_follow` transfer: the sender's
+    `transfer_hasher` digest, 8 bytes little-endian."""
+    return struct.pack("<Q", checksum)
+
+
+def unpack_checksum(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise ValueError(f"a checksum of {len(payload)} bytes, not 8")
+    checksum: int = struct.unpack("<Q", payload)[0]
+    return checksum
 
 
 def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
@@ -239,8 +272,11 @@ async def _serve_one(
     if not await _reply(channel, KVTransferReply(accepted=True)):
         _notify_failed(sink, header, "connection lost before the data")
         return False
+    # A sender's checksum that follows the data is checked over the bytes as they land (see
+    # Channel.recv_buffers); checksums in the header are the sink's to check.
+    hasher = transfer_hasher() if header.checksums_follow else None
     try:
-        await _within(channel.recv_buffers(views), config.timeout_s, "receiving KV data")
+        await _within(channel.recv_buffers(views, hasher), config.timeout_s, "receiving KV data")
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
         await channel.close()
@@ -250,6 +286,19 @@ async def _serve_one(
             return False
         raise
 
+    if hasher is not None:
+        try:
+            sent = unpack_checksum(
+                await _within(channel.recv_message(8), config.timeout_s, "receiving the checksum")
+            )
+        except (TransferError, OSError, ValueError) as error:
+            # Bytes nobody can check are never decoded on.
+            await channel.close()
+            _notify_failed(sink, header, f"no checksum after the data: {error}")
+            return False
+        header = dataclasses.replace(
+            header, buffer_checksums=(sent,), received_checksums=(hasher.intdigest(),)
+        )
     nbytes = header.total_nbytes
     try:
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.

@@ -43,6 +43,14 @@ class TransferHeader:
     buffer_nbytes: tuple[int, ...]
     # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
     buffer_checksums: tuple[int, ...] = ()
+    # The sender sends the checksums right after the buffers instead (hashed as each is posted,
+    # in cache); the receiver's conversation fills `buffer_checksums` from that message.
+    checksums_follow: bool = False
+    # Not on the wire: xxh3-64 of each buffer as it landed, computed by the receiving transport
+    # while the bytes were still in cache (`nori.transfer.conversation`), so the sink compares
+    # them with `buffer_checksums` instead of reading every byte once more. Empty when the
+    # transport did not hash (the sender sent no checksums); `from_bytes` never sets it.
+    received_checksums: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -55,6 +63,7 @@ class TransferHeader:
         destination: KVDestination | None = None,
         trace_context: Mapping[str, str] | None = None,
         buffer_checksums: Sequence[int] = (),
+        checksums_follow: bool = False,
     ) -> TransferHeader:
         """A header for `block_ids` of `destination` (a bare destination when None)."""
         where = KVDestination()
@@ -69,7 +78,9 @@ class TransferHeader:
             hand_off.generator_state = generator_state
         if trace_context:
             hand_off.trace_context.update(trace_context)
-        return cls(hand_off, tuple(buffer_nbytes), tuple(buffer_checksums))
+        if checksums_follow and buffer_checksums:
+            raise ValueError("checksums either travel in the header or follow the buffers")
+        return cls(hand_off, tuple(buffer_nbytes), tuple(buffer_checksums), checksums_follow)
 
     @property
     def request_id(self) -> str:
@@ -99,6 +110,7 @@ class TransferHeader:
             self.hand_off == other.hand_off
             and self.buffer_nbytes == other.buffer_nbytes
             and self.buffer_checksums == other.buffer_checksums
+            and self.checksums_follow == other.checksums_follow
         )
 
     def to_bytes(self) -> bytes:
@@ -106,6 +118,7 @@ class TransferHeader:
             hand_off=self.hand_off,
             buffer_nbytes=list(self.buffer_nbytes),
             buffer_checksums=list(self.buffer_checksums),
+            checksums_follow=self.checksums_follow,
         )
         return _MAGIC + bytes([HEADER_VERSION]) + message.SerializeToString()
 
@@ -140,7 +153,9 @@ class TransferHeader:
             raise ValueError(
                 f"header has {len(checksums)} checksums for {len(message.buffer_nbytes)} buffers"
             )
-        return cls(hand_off, tuple(message.buffer_nbytes), checksums)
+        if checksums and message.checksums_follow:
+            raise ValueError("header carries checksums and says they follow the buffers")
+        return cls(hand_off, tuple(message.buffer_nbytes), checksums, message.checksums_follow)
 
 
 def encode_reply(reply: KVTransferReply) -> bytes:

@@ -13,6 +13,7 @@ import socket
 import struct
 
 import torch
+import xxhash
 
 from nori.transfer import conversation
 from nori.transfer.address import parse_address
@@ -23,6 +24,7 @@ from nori.transfer.base import (
 )
 from nori.transfer.buffers import check_sources
 from nori.transfer.handoff import TransferHeader
+from nori.transfer.integrity import hash_chunks
 from nori.transfer.pool import ConnectionPool
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,16 @@ class _HostStaging:
             self.note()
             view = view.cpu()
         return _flat(view)
+
+
+def _feed(hasher: xxhash.xxh3_64, views: list[torch.Tensor]) -> None:
+    """Every byte of `views`, in order, into `hasher` (CUDA ones through host copies)."""
+    if any(view.is_cuda for view in views):
+        for view in views:
+            hasher.update(view.cpu().numpy().data)
+    else:
+        for _, chunk in hash_chunks(views):
+            hasher.update(chunk)
 
 
 def _flat(view: torch.Tensor) -> memoryview:
@@ -165,12 +177,19 @@ class _TcpChannel:
         await self._read_into(memoryview(payload))
         return bytes(payload)
 
-    async def send_buffers(self, views: list[torch.Tensor]) -> None:
+    async def send_buffers(
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+    ) -> None:
+        if hasher is not None:
+            # Before the whole transfer (a socket sends many views per call): one pass.
+            _feed(hasher, views)
         await self._vectored(
             [self._staging.host_bytes(view) for view in views if view.numel()], send=True
         )
 
-    async def recv_buffers(self, views: list[torch.Tensor]) -> None:
+    async def recv_buffers(
+        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+    ) -> None:
         targets = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view in views:
@@ -185,6 +204,9 @@ class _TcpChannel:
         await self._vectored(targets, send=False)
         for device_view, host in staged:
             device_view.copy_(host)
+        if hasher is not None:
+            # After the whole transfer (a socket fills many views per call): one more pass.
+            _feed(hasher, views)
 
     async def close(self) -> None:
         if not self._closed:

@@ -240,9 +240,13 @@ class UcxProgress:
             attempt += 1
 
     async def wait_all(
-        self, requests: Sequence[UcxRequest], peer_left: Callable[[], bool] | None = None
+        self,
+        requests: Sequence[UcxRequest],
+        peer_left: Callable[[], bool] | None = None,
+        on_done: Callable[[int], None] | None = None,
     ) -> None:
-        """Waits for every request; raises the first failure.
+        """Waits for every request; raises the first failure. `on_done(i)` runs as soon as
+        request i is found done (in order), before the wait goes on to the next.
 
         Each loop turn progresses the worker, and a turn that found nothing to do also yields
         the CPU (`sched_yield`). Spinning on regardless collapsed throughput ten- to twentyfold
@@ -257,7 +261,7 @@ class UcxProgress:
         (a peer whose bye UCX cannot turn into an endpoint error, see the module doc).
         """
         quiet_since: float | None = None
-        for request in requests:
+        for index, request in enumerate(requests):
             while not request.done():
                 if not self._drives:
                     await asyncio.sleep(0)
@@ -282,6 +286,8 @@ class UcxProgress:
                 else:
                     await self._sleep(_BUSY_TIMEOUT_S, request)
             request.result()
+            if on_done is not None:
+                on_done(index)
 
     def _take(self, tag: int) -> tuple[_Posted, np.ndarray] | None:
         """The receive of a message that came on `tag` to this worker (from any endpoint), into

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -189,6 +190,35 @@ async def test_a_corrupted_or_truncated_transfer_is_refused_and_never_decoded(da
         await sink.wait("r1")
     assert sink.state("r1") is LeaseState.FAILED
     assert sink.checksum_failures == 1 and sink.transfers_completed == 0
+
+
+@pytest.mark.parametrize("match", [True, False])
+async def test_a_checksum_that_follows_the_data_is_checked(match: bool) -> None:
+    """A `checksums_follow` header carries no checksums when the sink accepts it; the
+    conversation hands `completed` the sender's transfer checksum and the receiver's own
+    (computed as the bytes landed): equal, the request may decode; different, it fails."""
+    sink, cache = make_sink()
+    sink.expect("r1", [3, 4], lease_s=5)
+    buffers = destination_buffers((cache,), [3, 4])
+    follows = TransferHeader.of(
+        "r1",
+        [3, 4],
+        [b.nbytes for b in buffers],
+        destination=reservation_of(sink.lease("r1")),
+        checksums_follow=True,
+    )
+    sink.destinations(follows)  # accepted: its checksum comes after the data
+    landed = dataclasses.replace(
+        follows, buffer_checksums=(1234,), received_checksums=(1234 if match else 4321,)
+    )
+    if match:
+        sink.completed(landed, sum(follows.buffer_nbytes))
+        await sink.wait("r1")
+        assert sink.transfers_completed == 1 and sink.checksum_failures == 0
+    else:
+        with pytest.raises(TransferRejected, match="corrupted KV transfer"):
+            sink.completed(landed, sum(follows.buffer_nbytes))
+        assert sink.state("r1") is LeaseState.FAILED and sink.checksum_failures == 1
 
 
 async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_once() -> None:

@@ -14,7 +14,7 @@ import torch
 from nori.transfer.address import Address, brief_address, parse_address, worker_peer
 from nori.transfer.base import TransferRejected
 from nori.transfer.buffers import check_destinations, check_sources
-from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.factory import make_receiver, make_sender, probe_transports, ucx_available
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.tcp import TcpReceiver
 from nori.transfer.ucx_env import LOOPBACK_DEVICE, confine_ucx_to, is_loopback
@@ -29,7 +29,7 @@ _WITHOUT_UCXX = textwrap.dedent(
 
     import torch
     from nori.transfer.handoff import TransferHeader
-    from nori.transfer.factory import make_receiver, make_sender, ucx_available
+    from nori.transfer.factory import make_receiver, make_sender, probe_transports, ucx_available
 
     class Sink:
         def __init__(self):
@@ -97,10 +97,18 @@ def test_kinds() -> None:
         make_receiver("rdma", sink)
     with pytest.raises(ValueError, match="one of"):
         make_sender("udp")
-    if ucx_available():
+    # "auto" is what the probe measured faster on this host (once per process).
+    probe = probe_transports()
+    assert probe is probe_transports()
+    if probe.chosen == "ucx":
         from nori.transfer.ucx import UcxReceiver
 
-        assert isinstance(make_receiver("auto", sink), UcxReceiver)
+        assert ucx_available() and isinstance(make_receiver("auto", sink), UcxReceiver)
+        assert probe.ucx_gbps is not None and (probe.tcp_gbps or 0) <= probe.ucx_gbps
+    else:
+        assert isinstance(make_receiver("auto", sink), TcpReceiver)
+        assert probe.ucx_gbps is None or probe.tcp_gbps is not None
+        assert probe.ucx_gbps is None or probe.ucx_gbps < probe.tcp_gbps  # type: ignore[operator]
 
 
 @pytest.mark.asyncio

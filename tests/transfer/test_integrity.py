@@ -6,7 +6,18 @@ import pytest
 import torch
 import xxhash
 
-from nori.transfer.integrity import buffer_checksum, first_mismatch
+from nori.transfer import conversation
+from nori.transfer.base import TransferRejected
+from nori.transfer.factory import make_receiver, make_sender
+from nori.transfer.handoff import TransferHeader
+from nori.transfer.integrity import (
+    HASH_CHUNK_BYTES,
+    buffer_checksum,
+    checksum_mismatch,
+    first_mismatch,
+    hash_chunks,
+)
+from tests.transfer.helpers import KINDS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
@@ -25,3 +36,89 @@ def test_one_flipped_bit_is_a_mismatch_naming_the_buffer() -> None:
     assert first_mismatch(buffers, expected[:1]) == "1 checksums for 2 buffers"
     with pytest.raises(ValueError, match="contiguous"):
         buffer_checksum(torch.ones(4, 8).t())
+
+
+class _CheckingSink:
+    """Checks a transfer's bytes as the decode worker's sink does: against the checksums the
+    receiving transport computed as they landed, refusing (fail-closed) on any difference."""
+
+    def __init__(self, size: int) -> None:
+        self.cache = torch.zeros(size, dtype=torch.uint8)
+        self.failures: list[str] = []
+        self.completed_headers: list[TransferHeader] = []
+
+    def destinations(self, header: TransferHeader) -> list[torch.Tensor]:
+        size = header.buffer_nbytes[0]
+        # Every other slot: destinations that are not adjacent, as in a fragmented cache.
+        return [self.cache[2 * i * size : (2 * i + 1) * size] for i in range(len(header.block_ids))]
+
+    def completed(self, header: TransferHeader, nbytes: int) -> None:
+        problem = (
+            checksum_mismatch(header.received_checksums, header.buffer_checksums)
+            if header.received_checksums
+            else first_mismatch(self.destinations(header), header.buffer_checksums)
+        )
+        if problem is not None:
+            raise TransferRejected(f"corrupted KV transfer: {problem}")
+        self.completed_headers.append(header)
+
+    def failed(self, header: TransferHeader, error: str) -> None:
+        self.failures.append(error)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.asyncio
+async def test_checksums_that_follow_the_data_are_checked(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real transfer whose checksum follows the data: accepted when the bytes match, with the
+    receiver's own hash (computed as they landed) equal to an independent xxh3 of the bytes;
+    refused when the sender's checksum is not the bytes' (a corrupted transfer)."""
+    size, count = 4096, 24
+    sink = _CheckingSink(2 * size * count)
+    receiver = make_receiver(kind, sink)
+    address = await receiver.start(host="127.0.0.1")
+    sender = make_sender(kind)
+    source = torch.randint(0, 256, (size * count,), dtype=torch.uint8)
+    blocks = list(source.view(count, size).unbind(0))
+    header = TransferHeader.of("r", list(range(count)), [size] * count, checksums_follow=True)
+    try:
+        await sender.send(address, header, blocks)
+        (landed,) = sink.completed_headers
+        expected = xxhash.xxh3_64_intdigest(source.numpy().tobytes())
+        assert landed.buffer_checksums == landed.received_checksums == (expected,)
+        for i, block in enumerate(blocks):
+            assert torch.equal(sink.destinations(header)[i], block)
+
+        real_pack = conversation.pack_checksum
+        monkeypatch.setattr(conversation, "pack_checksum", lambda c: real_pack(c ^ 1))
+        with pytest.raises(TransferRejected, match="corrupted KV transfer"):
+            await sender.send(address, header, blocks)
+        assert len(sink.completed_headers) == 1
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+def test_a_header_carries_checksums_or_says_they_follow() -> None:
+    with pytest.raises(ValueError, match="either"):
+        TransferHeader.of("r", [1], [8], buffer_checksums=[1], checksums_follow=True)
+    header = TransferHeader.of("r", [1], [8], checksums_follow=True)
+    assert TransferHeader.from_bytes(header.to_bytes()) == header
+
+
+def test_hash_chunks_cover_every_byte_in_order() -> None:
+    """Runs of adjacent views hash as one chunk (capped), others alone: the same digest as
+    hashing the views one by one."""
+    data = torch.randint(0, 256, (3 * HASH_CHUNK_BYTES,), dtype=torch.uint8)
+    views = list(data.view(-1, 32 * 1024).unbind(0))
+    views = [*views[:20], torch.empty(0, dtype=torch.uint8), *views[30:], *views[20:30]]
+    one_by_one, chunked = xxhash.xxh3_64(), xxhash.xxh3_64()
+    for view in views:
+        one_by_one.update(view.numpy().tobytes())
+    chunks = hash_chunks(views)
+    for _, chunk in chunks:
+        chunked.update(chunk)
+    assert chunked.intdigest() == one_by_one.intdigest()
+    assert all(len(chunk) <= HASH_CHUNK_BYTES for _, chunk in chunks)
+    assert len(chunks) < len(views) / 4

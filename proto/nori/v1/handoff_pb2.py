@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nori/v1/handoff.proto\x12\x07nori.v1\"\xa9\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10transfer_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x07 \x01(\t\"\x86\x02\n\x07HandOff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x16.nori.v1.KVDestination\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x0fgenerator_state\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12\x39\n\rtrace_context\x18\x05 \x03(\x0b\x32\".nori.v1.HandOff.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_generator_state\"g\n\x10KVTransferHeader\x12\"\n\x08hand_off\x18\x01 \x01(\x0b\x32\x10.nori.v1.HandOff\x12\x15\n\rbuffer_nbytes\x18\x02 \x03(\x03\x12\x18\n\x10\x62uffer_checksums\x18\x03 \x03(\x06\"X\n\x0fKVTransferReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12\x12\n\x08rejected\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x64one_nbytes\x18\x03 \x01(\x03H\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nori/v1/handoff.proto\x12\x07nori.v1\"\xa9\x01\n\rKVDestination\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10transfer_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x13\n\x0blease_epoch\x18\x06 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x07 \x01(\t\"\x86\x02\n\x07HandOff\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x16.nori.v1.KVDestination\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x0fgenerator_state\x18\x04 \x01(\x0cH\x00\x88\x01\x01\x12\x39\n\rtrace_context\x18\x05 \x03(\x0b\x32\".nori.v1.HandOff.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_generator_state\"\x81\x01\n\x10KVTransferHeader\x12\"\n\x08hand_off\x18\x01 \x01(\x0b\x32\x10.nori.v1.HandOff\x12\x15\n\rbuffer_nbytes\x18\x02 \x03(\x03\x12\x18\n\x10\x62uffer_checksums\x18\x03 \x03(\x06\x12\x18\n\x10\x63hecksums_follow\x18\x04 \x01(\x08\"X\n\x0fKVTransferReply\x12\x12\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08H\x00\x12\x12\n\x08rejected\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x64one_nbytes\x18\x03 \x01(\x03H\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDOFF']._serialized_end=469
   _globals['_HANDOFF_TRACECONTEXTENTRY']._serialized_start=398
   _globals['_HANDOFF_TRACECONTEXTENTRY']._serialized_end=449
-  _globals['_KVTRANSFERHEADER']._serialized_start=471
-  _globals['_KVTRANSFERHEADER']._serialized_end=574
-  _globals['_KVTRANSFERREPLY']._serialized_start=576
-  _globals['_KVTRANSFERREPLY']._serialized_end=664
+  _globals['_KVTRANSFERHEADER']._serialized_start=472
+  _globals['_KVTRANSFERHEADER']._serialized_end=601
+  _globals['_KVTRANSFERREPLY']._serialized_start=603
+  _globals['_KVTRANSFERREPLY']._serialized_end=691
 # @@protoc_insertion_point(module_scope)

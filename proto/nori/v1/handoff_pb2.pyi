@@ -46,14 +46,16 @@ class HandOff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums")
+    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow")
     HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NBYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     hand_off: HandOff
     buffer_nbytes: _containers.RepeatedScalarFieldContainer[int]
     buffer_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    checksums_follow: bool
+    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
     __slots__ = ("accepted", "rejected", "done_nbytes")
