@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -49,6 +49,7 @@ from nori.transfer.integrity import buffer_checksums, checksum_mismatch, first_m
 # x 2 bytes (a Llama-3-8B-class model in bfloat16, block_size 16) = 32 KiB.
 DEFAULT_BLOCK_KIB = 32
 TRANSPORTS = ("ucx", "tcp_transport", "socket", "memcpy")
+DestinationLayout = Literal["scattered", "adjacent"]
 
 # A child that never reports its address (failed import, crashed UCX) must not hang the run.
 _CHILD_START_TIMEOUT_S = 60.0
@@ -60,6 +61,11 @@ class TransferBenchConfig:
     block_kib: int = DEFAULT_BLOCK_KIB
     repeats: int = 5
     transports: tuple[str, ...] = TRANSPORTS
+    # Where the blocks land in the receiver's cache: "scattered" (no two consecutive blocks
+    # adjacent, as in a fragmented cache: one message per block, the figure this benchmark has
+    # always reported) or "adjacent" (consecutive, as for a fresh reservation: both ends then
+    # move runs of up to 1 MiB as one message, `nori.transfer.buffers.joint_runs`).
+    destinations: DestinationLayout = "scattered"
 
     def __post_init__(self) -> None:
         if self.total_mib < 1 or self.block_kib < 1 or self.repeats < 1:
@@ -81,6 +87,14 @@ class TransferBenchConfig:
     @property
     def total_bytes(self) -> int:
         return self.total_mib * 1024 * 1024
+
+
+def destination_block_ids(num_blocks: int, layout: DestinationLayout) -> list[int]:
+    """The receiver's cache block of each block sent, in order: the identity, or for
+    "scattered" the even slots then the odd ones (consecutive blocks two slots apart)."""
+    if layout == "adjacent":
+        return list(range(num_blocks))
+    return [*range(0, num_blocks, 2), *range(1, num_blocks, 2)]
 
 
 def _blocks(data: torch.Tensor, block_bytes: int) -> list[torch.Tensor]:
@@ -144,7 +158,11 @@ async def _serve_transport(
 
 def _serve_socket(settings: TransferBenchConfig, conn: Connection) -> None:
     cache = torch.zeros(settings.num_blocks * settings.block_bytes, dtype=torch.uint8)
-    views = [block.numpy().data for block in _blocks(cache, settings.block_bytes)]
+    blocks = _blocks(cache, settings.block_bytes)
+    views = [
+        blocks[block_id].numpy().data
+        for block_id in destination_block_ids(settings.num_blocks, settings.destinations)
+    ]
     with socket.create_server(("127.0.0.1", 0)) as listener:
         conn.send((f"tcp://127.0.0.1:{listener.getsockname()[1]}", {}))
         peer, _ = listener.accept()
@@ -264,7 +282,7 @@ async def _time_transport(
     def header(checksums_follow: bool) -> TransferHeader:
         return TransferHeader.of(
             request_id="bench",
-            block_ids=list(range(settings.num_blocks)),
+            block_ids=destination_block_ids(settings.num_blocks, settings.destinations),
             buffer_nbytes=[settings.block_bytes] * settings.num_blocks,
             checksums_follow=checksums_follow,
         )

@@ -84,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="ucx,tcp_transport,socket,memcpy",
         help="comma-separated subset of ucx,tcp_transport,socket,memcpy",
     )
+    transfer.add_argument(
+        "--destinations",
+        choices=("scattered", "adjacent"),
+        default="scattered",
+        help="where the blocks land in the receiver's cache: scattered (one message per block) "
+        "or adjacent (runs of up to 1 MiB move as one message)",
+    )
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.set_defaults(handler=run_transfer)
 
@@ -338,6 +345,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         block_kib=args.block_kib,
         repeats=args.repeats,
         transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
+        destinations=args.destinations,
     )
     report = run_transfer_benchmark(settings)
     _print_report(report, args.json)

@@ -56,3 +56,88 @@ def check_destinations(
                 f"the header says {nbytes}"
             )
     return [byte_view(tensor) for tensor in destinations]
+
+
+# ---------------------------------------------------------------------- runs of adjacent buffers
+#
+# A KV block of one layer's K or V is one buffer (32 KiB for a Llama-3-8B-class model in
+# bfloat16), and a message per buffer costs its per-message overhead thousands of times a
+# transfer: over UCX's shared memory on a 2-core Xeon, 64 MiB in 32 KiB messages moved at 2.8
+# GB/s, in 256 KiB ones at 5.5. Blocks with consecutive ids are adjacent in the cache, on both
+# sides, so each side states its runs of adjacent buffers (the sender in the header, the
+# receiver in its acceptance), and both move each run that both find adjacent as one message.
+
+
+def adjacent_runs(views: list[torch.Tensor]) -> tuple[int, ...]:
+    """How many views each run of views adjacent in memory (one storage, each starting where
+    the one before ends) holds, in order."""
+    runs: list[int] = []
+    end = -1
+    storage = -1
+    for view in views:
+        start = view.data_ptr()
+        here = view.untyped_storage().data_ptr()
+        if runs and start == end and here == storage and view.numel():
+            runs[-1] += 1
+        else:
+            runs.append(1)
+        end = start + view.numel() * view.element_size()
+        storage = here
+    return tuple(runs)
+
+
+# The most bytes one run's message carries (a run of more buffers is cut): large enough that
+# per-message costs vanish, small enough that a message just received (or about to be sent) is
+# still in a core's L2 cache when its checksum is computed (nori.transfer.integrity).
+MAX_RUN_BYTES = 1024 * 1024
+
+
+def joint_runs(
+    first: tuple[int, ...],
+    second: tuple[int, ...],
+    buffer_nbytes: tuple[int, ...],
+    max_run_bytes: int = MAX_RUN_BYTES,
+) -> tuple[int, ...]:
+    """The runs adjacent on both sides (a run ends wherever either side's does), cut so that no
+    run of several buffers holds more than `max_run_bytes`. Both sides know every input (the
+    header's buffer sizes), so both cut the same messages."""
+    ends = set(_run_ends(first)) | set(_run_ends(second))
+    runs: list[int] = []
+    run_bytes = 0
+    for index, nbytes in enumerate(buffer_nbytes):
+        if runs and runs[-1] and run_bytes + nbytes <= max_run_bytes:
+            runs[-1] += 1
+            run_bytes += nbytes
+        else:
+            runs.append(1)
+            run_bytes = nbytes
+        if index + 1 in ends:
+            runs.append(0)  # the next buffer starts a run
+            run_bytes = 0
+    return tuple(run for run in runs if run)
+
+
+def _run_ends(runs: tuple[int, ...]) -> list[int]:
+    ends, position = [], 0
+    for run in runs:
+        position += run
+        ends.append(position)
+    return ends
+
+
+def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.Tensor]:
+    """One flat byte view per run, spanning its views' memory (no copy); `runs` must be runs of
+    adjacent views (`joint_runs` of both sides' `adjacent_runs`)."""
+    if sum(runs) != len(views):
+        raise ValueError(f"runs over {sum(runs)} buffers for {len(views)}")
+    merged: list[torch.Tensor] = []
+    start = 0
+    for run in runs:
+        first = views[start]
+        if run == 1:
+            merged.append(first)
+        else:
+            nbytes = sum(view.numel() for view in views[start : start + run])
+            merged.append(first.as_strided((nbytes,), (1,), first.storage_offset()))
+        start += run
+    return merged

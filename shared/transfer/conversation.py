@@ -1,10 +1,15 @@
 """The per-transfer conversation, the same over UCX and TCP.
 
     sender                                receiver
-    header ------------------------------> sink.destinations(header), sizes checked
-           <------------------------------ accept | reject(message)
-    buffer 0 .. buffer n-1 (all posted) -> received in place into the destinations
+    header (+ source runs) --------------> sink.destinations(header), sizes checked
+           <------------------------------ accept (+ destination runs) | reject(message)
+    run 0 .. run m-1 (all posted) -------> received in place into the destinations
+    [checksum, with checksums_follow] ---> compared by the sink
            <------------------------------ done(nbytes), after sink.completed
+
+A run is a stretch of buffers adjacent in memory on both sides (`buffers.joint_runs`): it moves
+as one message, so a transfer of blocks with consecutive ids is a few large messages, not
+thousands of 32 KiB ones.
 
 Both directions are framed messages on one connection, one transfer at a time. A transport only
 provides a `Channel`; this module holds the logic, so the two transports cannot drift apart.
@@ -28,7 +33,7 @@ from nori.transfer.base import (
     TransferError,
     TransferRejected,
 )
-from nori.transfer.buffers import check_destinations
+from nori.transfer.buffers import adjacent_runs, check_destinations, joint_runs, merge_runs
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 from nori.transfer.integrity import transfer_hasher
 
@@ -151,6 +156,8 @@ async def send_transfer(
     channel: Channel, header: TransferHeader, views: list[torch.Tensor], config: TransferConfig
 ) -> None:
     """The sender's side of one transfer; returns when the receiver acknowledged every byte."""
+    source_runs = adjacent_runs(views)
+    header = dataclasses.replace(header, source_runs=source_runs)
     try:
         await _within(channel.send_message(header.to_bytes()), config.timeout_s, "sending a header")
         reply = await _within(
@@ -158,7 +165,14 @@ async def send_transfer(
         )
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
-    _expect(_decode_reply(reply), "accepted")
+    accepted = _expect(_decode_reply(reply), "accepted")
+    destination_runs = tuple(accepted.destination_runs)
+    if destination_runs:
+        if sum(destination_runs) != len(views) or min(destination_runs) < 1:
+            raise TransferError("the receiver's destination runs do not cover the buffers")
+        views = merge_runs(
+            views, joint_runs(source_runs, destination_runs, header.buffer_nbytes)
+        )
     hasher = transfer_hasher() if header.checksums_follow else None
     await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
     if hasher is not None:
@@ -269,9 +283,16 @@ async def _serve_one(
         _notify_failed(sink, header, str(error))
         return await _reject(channel, str(error))
 
-    if not await _reply(channel, KVTransferReply(accepted=True)):
+    # A sender that stated its runs gets ours, and both move the joint runs as messages.
+    destination_runs = adjacent_runs(views) if header.source_runs else ()
+    accept = KVTransferReply(accepted=True, destination_runs=destination_runs)
+    if not await _reply(channel, accept):
         _notify_failed(sink, header, "connection lost before the data")
         return False
+    if destination_runs:
+        views = merge_runs(
+            views, joint_runs(header.source_runs, destination_runs, header.buffer_nbytes)
+        )
     # A sender's checksum that follows the data is checked over the bytes as they land (see
     # Channel.recv_buffers); checksums in the header are the sink's to check.
     hasher = transfer_hasher() if header.checksums_follow else None

@@ -46,6 +46,8 @@ class TransferHeader:
     # The sender sends the checksums right after the buffers instead (hashed as each is posted,
     # in cache); the receiver's conversation fills `buffer_checksums` from that message.
     checksums_follow: bool = False
+    # Runs of adjacent source buffers (KVTransferHeader.source_runs); empty: none stated.
+    source_runs: tuple[int, ...] = ()
     # Not on the wire: xxh3-64 of each buffer as it landed, computed by the receiving transport
     # while the bytes were still in cache (`nori.transfer.conversation`), so the sink compares
     # them with `buffer_checksums` instead of reading every byte once more. Empty when the
@@ -111,6 +113,7 @@ class TransferHeader:
             and self.buffer_nbytes == other.buffer_nbytes
             and self.buffer_checksums == other.buffer_checksums
             and self.checksums_follow == other.checksums_follow
+            and self.source_runs == other.source_runs
         )
 
     def to_bytes(self) -> bytes:
@@ -119,6 +122,7 @@ class TransferHeader:
             buffer_nbytes=list(self.buffer_nbytes),
             buffer_checksums=list(self.buffer_checksums),
             checksums_follow=self.checksums_follow,
+            source_runs=list(self.source_runs),
         )
         return _MAGIC + bytes([HEADER_VERSION]) + message.SerializeToString()
 
@@ -155,7 +159,19 @@ class TransferHeader:
             )
         if checksums and message.checksums_follow:
             raise ValueError("header carries checksums and says they follow the buffers")
-        return cls(hand_off, tuple(message.buffer_nbytes), checksums, message.checksums_follow)
+        runs = tuple(message.source_runs)
+        if runs and (min(runs) < 1 or sum(runs) != len(message.buffer_nbytes)):
+            raise ValueError(
+                f"header field 'source_runs' must be runs of at least 1 buffer adding up to "
+                f"the {len(message.buffer_nbytes)} buffers"
+            )
+        return cls(
+            hand_off,
+            tuple(message.buffer_nbytes),
+            checksums,
+            message.checksums_follow,
+            source_runs=runs,
+        )
 
 
 def encode_reply(reply: KVTransferReply) -> bytes:

@@ -6,10 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_bench_transfer_json() -> None:
+
+@pytest.mark.parametrize("destinations", ["scattered", "adjacent"])
+def test_bench_transfer_json(destinations: str) -> None:
+    command = ["bench", "transfer", "--total-mib", "4", "--json", "--destinations", destinations]
     result = subprocess.run(
-        [sys.executable, "-m", "nori.cli.main", "bench", "transfer", "--total-mib", "4", "--json"],
+        [sys.executable, "-m", "nori.cli.main", *command],
         capture_output=True,
         text=True,
         timeout=300,
@@ -24,6 +28,10 @@ def test_bench_transfer_json() -> None:
     assert report["ucx_gbps"] is None or report["ucx_gbps"] > 0
     assert report["total_mib"] == 4 and report["num_blocks"] == 4 * 1024 // report["block_kib"]
     assert "median" in report["statistic"]
+    assert report["destinations"] == destinations
+    if report["ucx_gbps"] is not None:
+        # Which UCX transports and protocols carried the bytes, from UCX's own log.
+        assert report["ucx_transports"]["tag_send"]
 
 
 def test_bench_transfer_rejects_bad_settings() -> None:

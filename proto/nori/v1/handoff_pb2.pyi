@@ -46,23 +46,27 @@ class HandOff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow")
+    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow", "source_runs")
     HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NBYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RUNS_FIELD_NUMBER: _ClassVar[int]
     hand_off: HandOff
     buffer_nbytes: _containers.RepeatedScalarFieldContainer[int]
     buffer_checksums: _containers.RepeatedScalarFieldContainer[int]
     checksums_follow: bool
-    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ...) -> None: ...
+    source_runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ..., source_runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
-    __slots__ = ("accepted", "rejected", "done_nbytes")
+    __slots__ = ("accepted", "rejected", "done_nbytes", "destination_runs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     DONE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_RUNS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     rejected: str
     done_nbytes: int
-    def __init__(self, accepted: _Optional[bool] = ..., rejected: _Optional[str] = ..., done_nbytes: _Optional[int] = ...) -> None: ...
+    destination_runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[bool] = ..., rejected: _Optional[str] = ..., done_nbytes: _Optional[int] = ..., destination_runs: _Optional[_Iterable[int]] = ...) -> None: ...
