@@ -170,9 +170,7 @@ async def send_transfer(
     if destination_runs:
         if sum(destination_runs) != len(views) or min(destination_runs) < 1:
             raise TransferError("the receiver's destination runs do not cover the buffers")
-        views = merge_runs(
-            views, joint_runs(source_runs, destination_runs, header.buffer_nbytes)
-        )
+        views = merge_runs(views, joint_runs(source_runs, destination_runs, header.buffer_nbytes))
     hasher = transfer_hasher() if header.checksums_follow else None
     await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
     if hasher is not None:
