@@ -116,15 +116,21 @@ class StepCostModel:
         fixed, per_row, per_token = (max(float(value), 0.0) for value in solution)
         return StepCostFit(
             fixed_s=fixed,
-            per_row_s=(
-                per_row if self._num_decode_steps >= _MIN_STEPS_OF_A_KIND and per_row > 0 else None
-            ),
-            per_token_s=(
-                per_token
-                if self._num_prompt_steps >= _MIN_STEPS_OF_A_KIND and per_token > 0
-                else None
-            ),
+            per_row_s=self._stated(1, per_row, self._num_decode_steps),
+            per_token_s=self._stated(2, per_token, self._num_prompt_steps),
         )
+
+    def _stated(self, feature: int, fitted: float, num_steps: int) -> float | None:
+        """A kind's fitted cost once enough steps of it were timed. Where noise left the fit no
+        positive cost for it (short prompts on a loaded host, a slow first step), the cost of
+        that kind through the origin instead (its steps' time over its units, the fixed part
+        included): dearer than the truth, never a cost of zero."""
+        if num_steps < _MIN_STEPS_OF_A_KIND:
+            return None
+        if fitted > 0:
+            return fitted
+        units = self._gram[feature][feature]
+        return self._moment[feature] / units if units > 0 and self._moment[feature] > 0 else None
 
     def decode_step_s(self, num_decodes: int) -> float | None:
         """The fitted time of a step of `num_decodes` decode rows and no prompt."""

@@ -1,8 +1,8 @@
 """KV corrupted in flight, end to end: the decode worker refuses it and nothing is decoded on it.
 
 The prefill worker runs with a `sitecustomize` (test-only, on its PYTHONPATH) that flips one
-byte of its first transfer's first buffer after the checksums are taken, as a bad link or a
-buggy NIC would. The decode worker's check fails, its blocks are freed, the gateway computes the
+byte of its first transfer right after the transfer's checksum has taken it in, as a bad link or
+a buggy NIC would. The decode worker's check fails, its blocks are freed, the gateway computes the
 prompt again, and the client gets the undisturbed greedy completion with HTTP 200.
 """
 
@@ -28,21 +28,30 @@ CORRUPTING_SITECUSTOMIZE = """
 import sys
 
 if sys.argv[1:3] == ["serve", "prefill"]:
-    import torch
+    import nori.transfer.conversation as conversation
 
-    import nori.prefill.servicer as servicer
+    _hasher = conversation.transfer_hasher
+    _transfers = []
 
-    _checksums = servicer.buffer_checksums
-    _sent = []
+    class _CorruptingHasher:
+        # The transport feeds the transfer's checksum each chunk right before it sends it:
+        # flipping a byte just after it was hashed is corruption between the checksum and the
+        # wire, in the first transfer only (the retry goes through intact).
+        def __init__(self):
+            self._real = _hasher()
+            self._first = not _transfers
+            _transfers.append(True)
 
-    def _corrupting_checksums(buffers):
-        sums = _checksums(buffers)
-        if not _sent:  # the first transfer only: the retry goes through intact
-            _sent.append(True)
-            buffers[0].view(torch.uint8).view(-1)[0] ^= 0xFF
-        return sums
+        def update(self, chunk):
+            self._real.update(chunk)
+            if self._first:
+                self._first = False
+                chunk[0] ^= 0xFF
 
-    servicer.buffer_checksums = _corrupting_checksums
+        def intdigest(self):
+            return self._real.intdigest()
+
+    conversation.transfer_hasher = _CorruptingHasher
 """
 
 

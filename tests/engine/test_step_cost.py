@@ -111,3 +111,18 @@ def test_adds_to_says_when_a_kind_has_become_known() -> None:
     model.observe(0, 32, 0.005)
     assert model.adds_to(fit)
     assert not model.adds_to(model.fit())
+
+
+def test_a_fit_that_finds_no_positive_cost_states_the_cost_through_the_origin() -> None:
+    # A slow first step and prompts of noisy times: the least-squares slope comes out negative.
+    model = StepCostModel()
+    for tokens, seconds in ((3, 0.080), (40, 0.010), (9, 0.012), (70, 0.011), (20, 0.012)):
+        model.observe(0, tokens, seconds)
+    fit = model.fit()
+    assert fit is not None and fit.per_token_s is not None
+    # Σ t x / Σ x² over the steps (the weights of the forgetting factor included).
+    weights = [0.99**k for k in range(4, -1, -1)]
+    steps = ((3, 0.080), (40, 0.010), (9, 0.012), (70, 0.011), (20, 0.012))
+    moment = sum(w * x * t for w, (x, t) in zip(weights, steps, strict=True))
+    gram = sum(w * x * x for w, (x, _) in zip(weights, steps, strict=True))
+    assert fit.per_token_s == pytest.approx(moment / gram)
