@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -63,15 +63,8 @@ DecisionReason = Literal[
     # auto: cheaper on the decode worker, but its compute there would exceed max_local_compute_s
     "local_cap",
 ]
-PROMPT_PATHS: tuple[PromptPath, ...] = ("prefill", "decode")
-DECISION_REASONS: tuple[DecisionReason, ...] = (
-    "mode",
-    "no_prefill_worker",
-    "not_measured",
-    "cheaper_on_decode",
-    "cheaper_on_prefill",
-    "local_cap",
-)
+PROMPT_PATHS: tuple[PromptPath, ...] = get_args(PromptPath)
+DECISION_REASONS: tuple[DecisionReason, ...] = get_args(DecisionReason)
 
 # Weight of a new measurement of the prefill path in its running averages: about the last 20
 # requests count.

@@ -83,12 +83,10 @@ class StepCostModel:
         have been timed or while the fit is degenerate."""
         if not (self._seen_decodes and self._seen_prompts):
             return None
-        gram = np.array(self._gram) + _RIDGE * np.eye(_NUM_FEATURES)
-        try:
-            solution = np.linalg.solve(gram, np.array(self._moment))
-        except np.linalg.LinAlgError:
+        solution = self._solve()
+        if solution is None:
             return None
-        fixed, per_row, per_token = (max(float(value), 0.0) for value in solution)
+        fixed, per_row, per_token = solution
         if per_token <= 0.0 or fixed + per_row <= 0.0:
             return None
         return fixed, per_row, per_token
@@ -106,19 +104,27 @@ class StepCostModel:
         timed; None before any step."""
         if not (self._seen_decodes or self._seen_prompts):
             return None
-        gram = np.array(self._gram) + _RIDGE * np.eye(_NUM_FEATURES)
-        try:
-            solution = np.linalg.solve(gram, np.array(self._moment))
-        except np.linalg.LinAlgError:
-            return None
         # A feature that was always 0 has only the ridge on its row: its coefficient is 0 and the
         # others are the fit without it.
-        fixed, per_row, per_token = (max(float(value), 0.0) for value in solution)
+        solution = self._solve()
+        if solution is None:
+            return None
+        fixed, per_row, per_token = solution
         return StepCostFit(
             fixed_s=fixed,
             per_row_s=self._stated(1, per_row, self._num_decode_steps),
             per_token_s=self._stated(2, per_token, self._num_prompt_steps),
         )
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        """The weighted least-squares costs, each at least 0; None while degenerate."""
+        gram = np.array(self._gram) + _RIDGE * np.eye(_NUM_FEATURES)
+        try:
+            solution = np.linalg.solve(gram, np.array(self._moment))
+        except np.linalg.LinAlgError:
+            return None
+        fixed, per_row, per_token = (max(float(value), 0.0) for value in solution)
+        return fixed, per_row, per_token
 
     def _stated(self, feature: int, fitted: float, num_steps: int) -> float | None:
         """A kind's fitted cost once enough steps of it were timed. Where noise left the fit no
