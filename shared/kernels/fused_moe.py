@@ -80,8 +80,8 @@ def fused_experts_cpu(
     The weights' memory order picks the route. Stored [in, out] (each expert's output dimension
     contiguous: `w.transpose(1, 2).contiguous().transpose(1, 2)`) they take the streamed kernel,
     which reads each weight line once per 6 rows and widens bfloat16/int8 in registers; any
-    other strides take one library GEMM per expert group (at::mm; int8 through torch's int8
-    GEMM for bfloat16 rows). Measured on a 2-core AMD EPYC (Zen 2: AVX2, no AVX-512) at the
+    other strides take one library GEMM per expert group (at::mm; int8 widened to the rows'
+    dtype first: torch's int8 GEMM crashed for bfloat16 rows on an Intel Xeon with AVX-512). Measured on a 2-core AMD EPYC (Zen 2: AVX2, no AVX-512) at the
     small preset's shape (`nori bench moe-layer`), [in, out] is as fast or faster in every
     case: float32 alike at batch 1 and ~1.2x faster at 16-64 (both bound by reading the
     weights); bfloat16 2-7x (torch's bfloat16 GEMM without AVX-512 BF16 is slow); int8 1.4-2x

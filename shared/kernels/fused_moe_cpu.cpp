@@ -22,8 +22,8 @@
 //   which reads each weight line once per 6 rows and widens bfloat16/int8 in registers; the
 //   faster route for every dtype measured (docs in fused_moe.py), and the one the model should
 //   store its experts in;
-// - [out, in] (or any other strides): the library GEMMs (at::mm, oneDNN/MKL), int8 through
-//   at::_weight_int8pack_mm for bfloat16 rows. At a decode step's few rows per expert the
+// - [out, in] (or any other strides): the library GEMMs (at::mm, oneDNN/MKL), int8 widened to
+//   the rows' dtype first. At a decode step's few rows per expert the
 //   experts' GEMMs run side by side on the cores, each single-threaded; past that one after
 //   another, each using them all.
 
@@ -83,23 +83,20 @@ ExpertGroups group_by_expert(const torch::Tensor& topk_ids, int64_t num_experts)
 }
 
 // out = rows @ weight^T for weight [N, K] in the rows' dtype (any strides), or int8 with one
-// float32 scale per output row (scale [N]; torch's int8 GEMM wants it in the rows' dtype).
+// float32 scale per output row (scale [N]).
 void expert_product(torch::Tensor& out, const torch::Tensor& rows, const torch::Tensor& weight,
                     const std::optional<torch::Tensor>& scale) {
   if (!scale.has_value()) {
     at::mm_out(out, rows, weight.t());
     return;
   }
-  if (rows.scalar_type() == at::kFloat || rows.size(1) % 8 != 0) {
-    // torch's int8 GEMM is slow for float32 rows (it is made for bfloat16 ones), and on CPU it
-    // reads past a row whose length is not a multiple of 8 (wrong sums, or a crash): widen the
-    // expert's int8 weight to the rows' dtype and scale the product's columns instead.
-    at::mm_out(out, rows, weight.to(rows.scalar_type()).t());
-    out.mul_(*scale);
-    return;
-  }
-  out.copy_(at::_weight_int8pack_mm(rows, weight.contiguous(),
-                                    scale->to(rows.scalar_type()).contiguous()));
+  // Widen the expert's int8 weight to the rows' dtype and scale the product's columns. Not
+  // torch's int8 GEMM (at::_weight_int8pack_mm): it is slow for float32 rows, reads past a row
+  // whose length is not a multiple of 8, and on an Intel Xeon with AVX-512 it crashed for
+  // bfloat16 rows called from the experts' parallel loop (tests/kernels/test_fused_moe.py).
+  // The model's weights take the streamed kernel; this route serves other strides only.
+  at::mm_out(out, rows, weight.to(rows.scalar_type()).t());
+  out.mul_(*scale);
 }
 
 // Runs product(e) for every expert that holds rows: side by side on the cores while each has
