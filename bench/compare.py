@@ -53,6 +53,7 @@ from nori.launch.local_cluster import ClusterSpec, LocalCluster, free_port
 from nori.launch.redis_server import redis_for_cluster
 from nori.models.demo import resolve_model
 from nori.sampling.tokenizer import Tokenizer
+from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class CompareSettings:
     worker_args: tuple[str, ...] = ()
     transport: str = "auto"
     max_queued_prompt_tokens: int = 8192
+    # The conditional side's gateway --max-local-compute-s.
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     # The CPUs every side runs on (taskset syntax); None: this process's.
     cpus: str | None = None
     repeats: int = 3
@@ -229,6 +232,7 @@ def _cluster_spec(
         colocated=side == "colocated",
         # The gateway's choice of where prompts are computed (a colocated cluster has no choice).
         disaggregation="auto" if side == "conditional" else "always",
+        max_local_compute_s=settings.max_local_compute_s,
         port=free_port(),
         namespace=f"compare-{uuid.uuid4().hex[:8]}-{side}",
         served_model_name=Path(model).name,

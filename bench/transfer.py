@@ -41,7 +41,7 @@ import torch
 
 from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import buffer_checksums, checksum_mismatch, first_mismatch
+from nori.transfer.integrity import buffer_checksums, landed_mismatch
 
 # One message = one block of one layer's K (or V) in Nori's cache layout
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: that is the largest piece a receiver can
@@ -114,10 +114,8 @@ class _CacheSink:
     def completed(self, header: TransferHeader, nbytes: int) -> None:
         if not (header.buffer_checksums or header.checksums_follow):
             return
-        problem = (
-            checksum_mismatch(header.received_checksums, header.buffer_checksums)
-            if header.received_checksums
-            else first_mismatch(self.destinations(header), header.buffer_checksums)
+        problem = landed_mismatch(
+            header.received_checksums, header.buffer_checksums, self.destinations(header)
         )
         if problem is not None:
             raise TransferRejected(f"corrupted KV transfer: {problem}")

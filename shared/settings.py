@@ -36,6 +36,10 @@ WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 # decodes it, "auto" per request, by what each path would cost (nori.gateway.disaggregation).
 DisaggregationMode = Literal["auto", "always", "never"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
+# --max-local-compute-s: the most decode-worker compute one prompt may take there under
+# --disaggregation auto: short prompts (a 128-token prompt of the 24M model is ~50 ms on one
+# core) fit, long ones (1-2k tokens: 0.4-0.8 s) do not.
+DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.

@@ -22,7 +22,7 @@ from nori.cluster_auth import random_token
 from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
-from nori.transfer.integrity import checksum_mismatch, first_mismatch
+from nori.transfer.integrity import landed_mismatch
 from nori.worker.kv_layout import BlockLayout, destination_buffers, staging_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
@@ -199,14 +199,11 @@ class DecodeKVSink:
         if lease is None:
             return  # expired or failed meanwhile: its blocks are gone or going
         expected = header.buffer_checksums if header.checksums_follow else lease.expected_checksums
+        # Against what the sender's header carried, or its checksum that followed the data.
         problem = (
             f"{nbytes} bytes arrived, {header.total_nbytes} expected"
             if nbytes != header.total_nbytes
-            # The transport's checksums of the bytes as they landed, or else a pass over them;
-            # against what the sender's header carried, or its checksums that followed the data.
-            else checksum_mismatch(header.received_checksums, expected)
-            if header.received_checksums
-            else first_mismatch(lease.buffers, expected)
+            else landed_mismatch(header.received_checksums, expected, lease.buffers)
         )
         if problem is not None:
             self.checksum_failures += 1

@@ -27,12 +27,12 @@ from nori.cluster_auth import ClusterAuth
 from nori.gateway.admission import GroupWait, PromptQueue, QueuedPrompt
 from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
 from nori.gateway.decode_shares import DecodeShare, DecodeShares, pool_capacity
-from nori.gateway.disaggregation import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationPolicy
+from nori.gateway.disaggregation import DisaggregationPolicy
 from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
 from nori.gateway.request_flow import RequestFlow
 from nori.gateway.worker_calls import RetryLimits
 from nori.gateway.worker_pool import Router, WorkerPool
-from nori.settings import DisaggregationMode, RoleSettings
+from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys

@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from nori.settings import DisaggregationMode
+from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode
 from nori.state.registry import WorkerInfo
 
 PromptPath = Literal["prefill", "decode"]
@@ -63,15 +63,10 @@ DecisionReason = Literal[
     # auto: cheaper on the decode worker, but its compute there would exceed max_local_compute_s
     "local_cap",
 ]
-PROMPT_PATHS: tuple[PromptPath, ...] = get_args(PromptPath)
-DECISION_REASONS: tuple[DecisionReason, ...] = get_args(DecisionReason)
 
 # Weight of a new measurement of the prefill path in its running averages: about the last 20
 # requests count.
 _SMOOTHING = 0.05
-# The most decode-worker compute one prompt may take there (auto): short prompts (a 128-token
-# prompt of the 24M model is ~50 ms on one core) fit, long ones (1-2k tokens: 0.4-0.8 s) do not.
-DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
-from nori.settings import DisaggregationMode, RoleSettings
+from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.connection import connect
 from nori.state.keys import Keys
 from nori.telemetry.tracing import Tracing
@@ -50,6 +50,8 @@ class GatewayOptions(RoleSettings):
     stream_interval: int = 1
     # Where prompts are computed (ClusterOptions.disaggregation).
     disaggregation: DisaggregationMode = "always"
+    # The most decode-worker compute one prompt may take there (ClusterOptions).
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
     access_log: bool = True
@@ -130,6 +132,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             max_in_flight=options.max_in_flight,
             max_queued_prompt_tokens=options.max_queued_prompt_tokens,
             disaggregation=options.disaggregation,
+            max_local_compute_s=options.max_local_compute_s,
             migration_limit=options.migration_limit,
             stream_stall_timeout_s=options.stream_stall_timeout_s,
             group_wait_s=options.group_wait_s,

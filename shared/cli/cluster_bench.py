@@ -137,6 +137,7 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
         worker_args=worker_args(args.worker_args),
         transport=args.transport,
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_local_compute_s=args.max_local_compute_s,
         cpus=args.cpus,
         repeats=args.repeats,
         request_rates=rates,

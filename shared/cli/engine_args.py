@@ -88,7 +88,7 @@ def _non_negative_tokens(text: str) -> int:
 
 def add_engine_args(
     parser: argparse.ArgumentParser,
-    prefill_budget_with_decodes: str | None = None,
+    prefill_budget_with_decodes: str | int | None = None,
     *,
     background_prefill_budget: int = 0,
     with_model: bool = True,
@@ -233,6 +233,19 @@ def add_engine_args(
         "every worker of a cluster must run with the same (none: off)",
     )
     return list(group._group_actions)
+
+
+def prefill_budget_by_role(parser: argparse.ArgumentParser) -> None:
+    """--prefill-budget-with-decodes left to each worker's role when not given (`nori serve
+    decode`, `nori up`): a given value, 0 included, is then a change `changed_engine_flags`
+    passes on to the workers."""
+    parser.set_defaults(prefill_budget_with_decodes=ROLE_PREFILL_BUDGET)
+    for action in parser._actions:
+        if action.dest == "prefill_budget_with_decodes":
+            # "%(default).0s" prints nothing: it keeps the formatter from adding "(default: -1)".
+            action.help = (action.help or "").split(" (default:")[0] + (
+                " (default: auto on a decode worker, 0 on a colocated one)%(default).0s"
+            )
 
 
 def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from nori.cli.engine_args import positive_int
-from nori.settings import DISAGGREGATION_MODES
+from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DISAGGREGATION_MODES
 
 
 def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
@@ -111,6 +111,15 @@ def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
         help="where a prompt is computed in a disaggregated cluster: always on a prefill worker, "
         "never (on the decode worker that decodes it), or auto: per request, by what each path "
         "would cost, from the workers' measured step costs, queues and transfer rate "
+        "(default %(default)s)",
+    )
+    gateway.add_argument(
+        "--max-local-compute-s",
+        type=float,
+        default=DEFAULT_MAX_LOCAL_COMPUTE_S,
+        help="with --disaggregation auto: a prompt whose compute on its decode worker would take "
+        "longer than this (by the worker's measured step costs) always goes to a prefill "
+        "worker, however the costs compare: the decode worker's streams never wait longer "
         "(default %(default)s)",
     )
     gateway.add_argument(

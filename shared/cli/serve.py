@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import (
-    ROLE_PREFILL_BUDGET,
     SERVING_BACKGROUND_PREFILL_BUDGET,
     SERVING_PREFILL_BUDGET,
     add_engine_args,
     add_engine_core_arg,
     engine_config_from_args,
+    prefill_budget_by_role,
 )
 from nori.cli.gateway_args import add_gateway_args
 from nori.settings import (
@@ -212,7 +212,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compute prompts here too (one worker doing prefill and decode, no transfers)",
     )
     # Unset, the budget depends on --colocated (run_decode).
-    decode.set_defaults(handler=run_decode, prefill_budget_with_decodes=ROLE_PREFILL_BUDGET)
+    decode.set_defaults(handler=run_decode)
+    prefill_budget_by_role(decode)
 
 
 def _worker_options(args: argparse.Namespace) -> WorkerOptions:

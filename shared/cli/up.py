@@ -14,10 +14,12 @@ from nori.cli.engine_args import (
     SERVING_PREFILL_BUDGET,
     add_engine_args,
     positive_int,
+    prefill_budget_by_role,
 )
 from nori.launch.cpu_plan import PINNED_ROLES
 from nori.settings import (
     DEFAULT_KV_LEASE_S,
+    DEFAULT_MAX_LOCAL_COMPUTE_S,
     DEFAULT_NAMESPACE,
     DISAGGREGATION_MODES,
     Environment,
@@ -111,6 +113,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         background_prefill_budget=SERVING_BACKGROUND_PREFILL_BUDGET,
         with_model=False,
     )
+    prefill_budget_by_role(parser)
     parser.set_defaults(engine_actions=engine_actions)
 
 
@@ -128,6 +131,13 @@ def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -
         default="always",
         help="where prompts are computed: always on a prefill worker, never (on the decode "
         "worker), or auto: per request, by measured costs (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-local-compute-s",
+        type=float,
+        default=DEFAULT_MAX_LOCAL_COMPUTE_S,
+        help="with auto: the most compute a prompt may take on its decode worker "
+        "(default %(default)s)",
     )
     group.add_argument(
         "--max-queued-prompt-tokens",

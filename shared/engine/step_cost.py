@@ -56,8 +56,6 @@ class StepCostModel:
         default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
     )
     _moment: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
-    _seen_decodes: bool = False
-    _seen_prompts: bool = False
     # Steps timed with decode rows, with prompt tokens: `fit()` states a kind's cost only after
     # a few (one step splits its time between the fixed part and its kind arbitrarily).
     _num_decode_steps: int = 0
@@ -73,15 +71,13 @@ class StepCostModel:
             self._moment[i] = keep * self._moment[i] + x[i] * seconds
             for j in range(_NUM_FEATURES):
                 self._gram[i][j] = keep * self._gram[i][j] + x[i] * x[j]
-        self._seen_decodes |= num_decodes > 0
-        self._seen_prompts |= num_prompt_tokens > 0
         self._num_decode_steps += num_decodes > 0
         self._num_prompt_steps += num_prompt_tokens > 0
 
     def costs(self) -> tuple[float, float, float] | None:
         """(fixed, per decode row, per prompt token) seconds; None until steps of both kinds
         have been timed or while the fit is degenerate."""
-        if not (self._seen_decodes and self._seen_prompts):
+        if not (self._num_decode_steps and self._num_prompt_steps):
             return None
         solution = self._solve()
         if solution is None:
@@ -94,7 +90,7 @@ class StepCostModel:
     def adds_to(self, fit: StepCostFit | None) -> bool:
         """Whether `fit()` would now state a cost that `fit` (an earlier one) lacks."""
         if fit is None:
-            return self._seen_decodes or self._seen_prompts
+            return bool(self._num_decode_steps or self._num_prompt_steps)
         return (fit.per_row_s is None and self._num_decode_steps >= _MIN_STEPS_OF_A_KIND) or (
             fit.per_token_s is None and self._num_prompt_steps >= _MIN_STEPS_OF_A_KIND
         )
@@ -102,7 +98,7 @@ class StepCostModel:
     def fit(self) -> StepCostFit | None:
         """The fitted costs, each None until `_MIN_STEPS_OF_A_KIND` steps of its kind have been
         timed; None before any step."""
-        if not (self._seen_decodes or self._seen_prompts):
+        if not (self._num_decode_steps or self._num_prompt_steps):
             return None
         # A feature that was always 0 has only the ridge on its row: its coefficient is 0 and the
         # others are the fit without it.

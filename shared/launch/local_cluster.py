@@ -28,7 +28,14 @@ from pathlib import Path
 
 from nori.launch.cpu_plan import CpuPlan
 from nori.launch.role_process import RoleProcess, start_process
-from nori.settings import DEFAULT_KV_LEASE_S, DisaggregationMode, Role, RoleSettings, WorkerRole
+from nori.settings import (
+    DEFAULT_KV_LEASE_S,
+    DEFAULT_MAX_LOCAL_COMPUTE_S,
+    DisaggregationMode,
+    Role,
+    RoleSettings,
+    WorkerRole,
+)
 
 
 def free_port() -> int:
@@ -69,6 +76,8 @@ class ClusterSpec(RoleSettings):
     stream_interval: int = 1
     # The gateway's --disaggregation: where prompts are computed (disaggregated clusters).
     disaggregation: DisaggregationMode = "always"
+    # The gateway's --max-local-compute-s (with auto).
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     # The workers' --max-model-len, which the gateway must check requests against too.
     max_model_len: int | None = None
     # Every process logs at INFO (`nori up -v`).
@@ -131,6 +140,8 @@ class LocalCluster:
             options += ["--stream-interval", str(self.spec.stream_interval)]
         if self.spec.disaggregation != "always":
             options += ["--disaggregation", self.spec.disaggregation]
+        if self.spec.max_local_compute_s != DEFAULT_MAX_LOCAL_COMPUTE_S:
+            options += ["--max-local-compute-s", str(self.spec.max_local_compute_s)]
         return options
 
     # ------------------------------------------------------------------ start

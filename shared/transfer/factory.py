@@ -5,16 +5,17 @@
 only one: it shows in its address scheme (ucx:// or tcp://), and an "auto" sender sends over
 whatever the address names, so prefill and decode workers always agree.
 
-The probe moves 8 MiB in 32 KiB messages (3 rounds, the best counts; ~0.5 s in all): over UCX
-between two workers of a second UCX context in this process (they reach each other as two
-processes do: shared memory where UCX may use it, else TCP), and over loopback TCP to a forked
-child that receives each block in place (a socket's cost is largely its reader's sleeping and
-waking, which one thread driving both ends never pays: 4.4 GB/s in one thread against 2.1-3.2
-GB/s across two processes). The TCP figure is a plain socket's, an upper bound of the TCP
-transport (0.7-0.9x of a socket in `nori bench transfer`), so a close call goes to TCP. On an
-Intel Xeon (AVX-512, 2 cores shared with other work) UCX measured 2.0-2.3 GB/s and TCP 2.1-3.2:
-"auto" chose either from run to run; each process keeps its choice. Host memory only: a CUDA
-cache's path is not probed.
+The probe moves 8 MiB in messages of a transfer's largest run (`buffers.MAX_RUN_BYTES`, 1 MiB:
+adjacent blocks move as one message), 3 rounds, the best counts (~0.3 s in all), each way to a
+forked child that receives every message in place, as the other worker would: over UCX, the child
+a UCX context of its own reached at its worker address (shared memory where UCX may use it, else
+TCP), and over loopback TCP. Both across two processes: a socket's cost is largely its reader's
+sleeping and waking, and UCX's copies run on both ends at once, which one thread driving both
+ends never shows (the first probe ran UCX in one thread and TCP across a fork, and chose TCP on
+an Intel Xeon where the UCX transport then moved KV 1.8-2.1x faster than the TCP transport in
+`nori bench transfer`). The TCP figure is a plain socket's, an upper bound of the TCP transport,
+so a close call goes to TCP. Each process keeps its choice. Host memory only: a CUDA cache's path
+is not probed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -41,6 +43,7 @@ from nori.transfer.base import (
     TransferError,
     TransferHeader,
 )
+from nori.transfer.buffers import MAX_RUN_BYTES
 from nori.transfer.tcp import TcpReceiver, TcpSender
 
 logger = logging.getLogger(__name__)
@@ -89,9 +92,11 @@ def _warn_no_ucxx(reason: str) -> None:
     logger.warning("ucxx is not importable (%s); using the TCP transport", reason)
 
 
-_PROBE_BLOCK_BYTES = 32 * 1024
-_PROBE_BLOCKS = 256  # 8 MiB
+_PROBE_BLOCK_BYTES = MAX_RUN_BYTES
+_PROBE_BLOCKS = (8 * 1024 * 1024) // _PROBE_BLOCK_BYTES  # 8 MiB
 _PROBE_ROUNDS = 3
+# The most a probe waits for its child, per round.
+_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -116,42 +121,86 @@ def _best_rate(run_once: object) -> float:
 
 
 def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
-    """UCX between two workers of a fresh context in this process, one message per block."""
-    # Importing the transport applies its UCX settings before this context reads them.
+    """UCX to a forked child with a context of its own, one message per block; the child's
+    copy of the last round comes back in `destination` (so the caller checks the bytes)."""
+    # Importing the transport applies its UCX settings before either context reads them.
     importlib.import_module("nori.transfer.ucx")
     from ucxx._lib import libucxx as ucx_api
     from ucxx._lib.arr import Array
     from ucxx.types import Tag, TagMaskFull
 
-    context = ucx_api.UCXContext({})
-    sender, receiver = ucx_api.UCXWorker(context), ucx_api.UCXWorker(context)
-    endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
-        sender, ucx_api.UCXAddress.create_from_worker(receiver), True
-    )
     size, tag = _PROBE_BLOCK_BYTES, Tag(1)
+    parent_end, child_end = socket.socketpair()
+    with parent_end, child_end:
+        pid = os.fork()
+        if pid == 0:  # the child: a UCX worker receiving in place, then out without cleanup
+            code = 1
+            try:
+                parent_end.close()
+                worker = ucx_api.UCXWorker(ucx_api.UCXContext({}))
+                address = bytes(ucx_api.UCXAddress.create_from_worker(worker))
+                child_end.sendall(len(address).to_bytes(4, "little") + address)
+                into = np.empty_like(destination)
+                for _ in range(_PROBE_ROUNDS):
+                    requests = [
+                        worker.tag_recv(Array(into[i * size : (i + 1) * size]), tag, TagMaskFull)
+                        for i in range(_PROBE_BLOCKS)
+                    ]
+                    _progress_until(requests, worker.progress)
+                    child_end.sendall(b"k")  # this round arrived
+                child_end.sendall(into.data)
+                code = 0
+            finally:
+                os._exit(code)
+        child_end.close()
+        parent_end.settimeout(_PROBE_TIMEOUT_S)
+        try:
+            length = bytearray(4)
+            _recv_exactly(parent_end, memoryview(length))
+            child_address = bytearray(int.from_bytes(length, "little"))
+            _recv_exactly(parent_end, memoryview(child_address))
+            worker = ucx_api.UCXWorker(ucx_api.UCXContext({}))
+            endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
+                worker, ucx_api.UCXAddress.create_from_buffer(bytes(child_address)), True
+            )
 
-    def run_once() -> None:
-        requests = [
-            receiver.tag_recv(Array(destination[i * size : (i + 1) * size]), tag, TagMaskFull)
-            for i in range(_PROBE_BLOCKS)
-        ]
-        for i in range(_PROBE_BLOCKS):
-            requests.append(endpoint.tag_send(Array(source[i * size : (i + 1) * size]), tag))
-            sender.progress()
-            receiver.progress()
-        deadline = time.monotonic() + 5.0
-        while not all(request.completed for request in requests):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the UCX probe made no progress")
-            sender.progress()
-            receiver.progress()
-        for request in requests:
-            request.check_error()
+            def run_once() -> None:
+                requests = [
+                    endpoint.tag_send(Array(source[i * size : (i + 1) * size]), tag)
+                    for i in range(_PROBE_BLOCKS)
+                ]
+                _progress_until(requests, worker.progress)
+                if parent_end.recv(1) != b"k":  # the round is over once the child has it all
+                    raise ConnectionError("the UCX probe's receiver failed")
 
-    try:
-        return _best_rate(run_once)
-    finally:
-        endpoint.close()
+            try:
+                rate = _best_rate(run_once)
+                _recv_exactly(parent_end, destination.data)
+                return rate
+            finally:
+                endpoint.close()
+        finally:
+            parent_end.close()  # a child still sending sees the end, and leaves
+            os.waitpid(pid, 0)
+
+
+def _recv_exactly(peer: socket.socket, into: memoryview) -> None:
+    view = into.cast("B")
+    while len(view):
+        received = peer.recv_into(view)
+        if not received:
+            raise ConnectionError("the probe's child left")
+        view = view[received:]
+
+
+def _progress_until(requests: list[Any], progress: Callable[[], None]) -> None:
+    deadline = time.monotonic() + _PROBE_TIMEOUT_S
+    while not all(request.completed for request in requests):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the UCX probe made no progress")
+        progress()
+    for request in requests:
+        request.check_error()
 
 
 def _probe_tcp(source: np.ndarray) -> float:

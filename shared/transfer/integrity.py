@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import xxhash
 
+from nori.transfer.buffers import adjacent_runs, joint_runs
+
 # xxh3-64 of no bytes: what an empty buffer checks as.
 EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
 
@@ -78,6 +80,17 @@ def first_mismatch(buffers: Sequence[torch.Tensor], expected: Sequence[int]) -> 
     return checksum_mismatch(buffer_checksums(buffers), expected)
 
 
+def landed_mismatch(
+    received: Sequence[int], expected: Sequence[int], buffers: Sequence[torch.Tensor]
+) -> str | None:
+    """Why the bytes that landed in `buffers` are not what the sender hashed, or None: from the
+    checksums the receiving transport took as they landed (`received`), else from a pass over
+    the buffers."""
+    if received:
+        return checksum_mismatch(received, expected)
+    return first_mismatch(buffers, expected)
+
+
 # The most bytes hashed in one call over adjacent buffers: small enough to stay in a core's L2
 # cache between the hash and UCX's copy of the same bytes.
 HASH_CHUNK_BYTES = 512 * 1024
@@ -93,24 +106,19 @@ def transfer_hasher() -> xxhash.xxh3_64:
 
 def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:
     """Adjacent CPU views grouped into chunks of at most HASH_CHUNK_BYTES (a view larger than
-    that is a chunk of its own): (index of the chunk's last view, its bytes), in order. Feeding
-    the chunks to a `transfer_hasher` hashes exactly the views' bytes, in order."""
+    that is a chunk of its own): (index of the chunk's last non-empty view, its bytes), in
+    order. Feeding the chunks to a `transfer_hasher` hashes exactly the views' bytes, in order.
+    The chunks are the runs a transfer's messages are cut into (`buffers.joint_runs`), smaller."""
+    sizes = tuple(view.numel() * view.element_size() for view in views)
+    runs = adjacent_runs(list(views))
     chunks: list[tuple[int, memoryview]] = []
-    start_ptr = end_ptr = last = 0
-    for index, view in enumerate(views):
-        nbytes = view.numel() * view.element_size()
-        if not nbytes:
-            continue
-        pointer = view.data_ptr()
-        if end_ptr and (pointer != end_ptr or end_ptr - start_ptr + nbytes > HASH_CHUNK_BYTES):
-            chunks.append((last, _memory(start_ptr, end_ptr - start_ptr)))
-            end_ptr = 0
-        if not end_ptr:
-            start_ptr = pointer
-        end_ptr = pointer + nbytes
-        last = index
-    if end_ptr:
-        chunks.append((last, _memory(start_ptr, end_ptr - start_ptr)))
+    start = 0
+    for run in joint_runs(runs, runs, sizes, HASH_CHUNK_BYTES):
+        members = [index for index in range(start, start + run) if sizes[index]]
+        if members:
+            nbytes = sum(sizes[index] for index in members)
+            chunks.append((members[-1], _memory(views[members[0]].data_ptr(), nbytes)))
+        start += run
     return chunks
 
 

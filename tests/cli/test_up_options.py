@@ -25,10 +25,17 @@ def test_engine_options_given_to_up_reach_every_worker() -> None:
 
 
 def test_the_prefill_budget_is_uncapped_unless_asked() -> None:
-    """Serving takes prompts uncapped (throughput first); "auto" or a number is passed on."""
+    """Serving takes prompts uncapped (throughput first) on a colocated worker and in chunks on
+    a decode worker, unless told: what `nori up` is told, 0 included, is passed on to every
+    worker (0 used to be dropped as the default, and the decode workers chunked anyway)."""
+    unset = build_parser().parse_args(["up"])
+    assert changed_engine_flags(unset, unset.engine_actions) == []
     uncapped = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "0"])
     assert uncapped.prefill_budget_with_decodes is None
-    assert changed_engine_flags(uncapped, uncapped.engine_actions) == []
+    assert changed_engine_flags(uncapped, uncapped.engine_actions) == [
+        "--prefill-budget-with-decodes",
+        "0",
+    ]
     auto = build_parser().parse_args(["up", "--prefill-budget-with-decodes", "auto"])
     assert changed_engine_flags(auto, auto.engine_actions) == [
         "--prefill-budget-with-decodes",
@@ -83,3 +90,25 @@ def test_each_pool_may_get_engine_options_of_its_own() -> None:
     )
     assert worker_args(args.prefill_args, "--prefill-args") == ("-tp", "2")
     assert worker_args(args.decode_args, "--decode-args") == ("--kv-cache-dtype", "int8")
+
+
+def test_the_gateway_gets_the_disaggregation_options_of_up() -> None:
+    """`nori up --disaggregation auto --max-local-compute-s 0.3` reaches its gateway's command
+    line; left at their defaults, neither is passed (the gateway's defaults are the same)."""
+    from nori.launch.local_cluster import ClusterSpec, LocalCluster
+    from nori.settings import settings_from
+
+    def gateway_options(argv: list[str]) -> list[str]:
+        args = build_parser().parse_args(["up", *argv])
+        spec = settings_from(
+            ClusterSpec, args, redis_url="redis://127.0.0.1:1", num_prefill=1, num_decode=1
+        )
+        return LocalCluster(spec)._gateway_options()
+
+    assert gateway_options(["--disaggregation", "auto", "--max-local-compute-s", "0.3"]) == [
+        "--disaggregation",
+        "auto",
+        "--max-local-compute-s",
+        "0.3",
+    ]
+    assert gateway_options([]) == []

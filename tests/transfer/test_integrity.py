@@ -122,3 +122,6 @@ def test_hash_chunks_cover_every_byte_in_order() -> None:
     assert chunked.intdigest() == one_by_one.intdigest()
     assert all(len(chunk) <= HASH_CHUNK_BYTES for _, chunk in chunks)
     assert len(chunks) < len(views) / 4
+    # Each chunk is named by its last non-empty view: the one whose send or receive it follows.
+    assert all(views[index].numel() for index, _ in chunks)
+    assert [index for index, _ in chunks] == sorted(index for index, _ in chunks)
