@@ -7,8 +7,9 @@ whatever the address names, so prefill and decode workers always agree.
 
 The probe moves 8 MiB in messages of a transfer's largest run (`buffers.MAX_RUN_BYTES`, 1 MiB:
 adjacent blocks move as one message), 3 rounds, the best counts (~0.3 s in all), each way to a
-forked child that receives every message in place, as the other worker would: over UCX, the child
-a UCX context of its own reached at its worker address (shared memory where UCX may use it, else
+forked child that receives every message in place, as the other worker would, on other CPUs than
+its parent's where it may (the other worker's, in `nori up`'s plan): over UCX, the child a UCX
+context of its own reached at its worker address (shared memory where UCX may use it, else
 TCP), and over loopback TCP. Both across two processes: a socket's cost is largely its reader's
 sleeping and waking, and UCX's copies run on both ends at once, which one thread driving both
 ends never shows (the first probe ran UCX in one thread and TCP across a fork, and chose TCP on
@@ -20,6 +21,7 @@ is not probed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -137,6 +139,7 @@ def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
             code = 1
             try:
                 parent_end.close()
+                _leave_parent_cpus()
                 worker = ucx_api.UCXWorker(ucx_api.UCXContext({}))
                 address = bytes(ucx_api.UCXAddress.create_from_worker(worker))
                 child_end.sendall(len(address).to_bytes(4, "little") + address)
@@ -184,6 +187,16 @@ def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
             os.waitpid(pid, 0)
 
 
+def _leave_parent_cpus() -> None:
+    """Moves a probe's child off its parent's CPUs where others are allowed: a worker pinned to
+    one CPU (`nori up`'s plan) has its peer on other CPUs, and two busy-polling UCX workers on
+    one CPU measured 0.35-0.53 GB/s where the pair on two CPUs moved 8-9."""
+    others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+    if others:
+        with contextlib.suppress(OSError):  # none of them in this process's cpuset
+            os.sched_setaffinity(0, others)
+
+
 def _recv_exactly(peer: socket.socket, into: memoryview) -> None:
     view = into.cast("B")
     while len(view):
@@ -214,6 +227,7 @@ def _probe_tcp(source: np.ndarray) -> float:
         if pid == 0:  # the child: nothing but sockets, then out without cleanup
             code = 1
             try:
+                _leave_parent_cpus()
                 with socket.create_connection(("127.0.0.1", port)) as peer:
                     into = np.empty(_PROBE_BLOCK_BYTES, dtype=np.uint8).data
                     for _ in range(_PROBE_ROUNDS):
