@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import redis
+from openai.types import Completion
 
 from nori.engine.llm import LLM
 from nori.launch.local_cluster import LocalCluster
@@ -86,6 +87,20 @@ def idle_free_blocks(cluster: LocalCluster) -> dict[str, int]:
 
 def client(cluster: LocalCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+def greedy_completion(
+    openai_client: openai.OpenAI, model: str, prompt: str, max_tokens: int
+) -> Completion:
+    """A greedy completion of exactly `max_tokens` tokens, as the offline engine's
+    `SamplingParams(temperature=0, ignore_eos=True)` computes it."""
+    return openai_client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def test_concurrent_greedy_completions_are_token_identical_to_offline(

@@ -22,7 +22,13 @@ from nori.engine.llm import LLM
 from nori.launch.local_cluster import LocalCluster
 from nori.sampling.params import SamplingParams
 from tests.cluster.conftest import running_cluster
-from tests.cluster.test_cluster_e2e import client, idle_free_blocks, model_name, stats
+from tests.cluster.test_cluster_e2e import (
+    client,
+    greedy_completion,
+    idle_free_blocks,
+    model_name,
+    stats,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,17 +67,10 @@ def test_short_prompts_move_to_the_decode_worker_and_stay_token_exact(
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [output.outputs[0].text for output in offline.generate(PROMPTS, params)]
     baseline = idle_free_blocks(auto_cluster)
-    openai_client = client(auto_cluster)
+    openai_client, model = client(auto_cluster), model_name(auto_cluster)
 
     def complete(prompt: str) -> str:
-        response = openai_client.completions.create(
-            model=model_name(auto_cluster),
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )
-        return response.choices[0].text
+        return greedy_completion(openai_client, model, prompt, 8).choices[0].text
 
     # Nothing is measured before the first request: it goes to the prefill worker, as every
     # prompt always did. A few more of varied lengths give the workers' fits their steps.

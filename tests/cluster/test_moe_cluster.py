@@ -22,7 +22,7 @@ from nori.engine.llm import LLM
 from nori.launch.local_cluster import LocalCluster
 from nori.sampling.params import SamplingParams
 from tests.cluster.conftest import running_cluster
-from tests.cluster.test_cluster_e2e import idle_free_blocks, model_name
+from tests.cluster.test_cluster_e2e import greedy_completion, idle_free_blocks, model_name
 from tests.engine.moe_checkpoints import write_moe_checkpoint
 from tests.engine.reference import hf_greedy
 
@@ -78,13 +78,7 @@ def test_moe_completions_through_the_cluster_match_transformers(
     baseline = idle_free_blocks(cluster)
 
     def complete(prompt: str) -> tuple[str, int]:
-        response = client.completions.create(
-            model=model_name(cluster),
-            prompt=prompt,
-            max_tokens=NEW_TOKENS,
-            temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )
+        response = greedy_completion(client, model_name(cluster), prompt, NEW_TOKENS)
         assert response.usage is not None
         return response.choices[0].text, response.usage.completion_tokens
 
