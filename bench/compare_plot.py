@@ -3,8 +3,9 @@ colocated, disaggregated, conditional), so that the rate where disaggregation st
 stops) shows as a crossing of the curves, and conditional disaggregation as a curve that should
 follow the higher of the other two.
 
-Two panels: effective throughput, and the p99 inter-token latency of the requests the
-comparison judges ITL by (the mixed dataset's short ones). Drawn like `bench serve`'s plots:
+Two panels: effective throughput (each side's median over its runs), and the p99 inter-token
+latency of the requests the comparison judges ITL by (the mixed dataset's short ones; each
+side's median run). Drawn like `bench serve`'s plots:
 matplotlib's object API on an Agg canvas, no pyplot.
 """
 
@@ -30,7 +31,7 @@ def plot_sweep(points: Sequence[Mapping[str, object]], path: str | Path) -> Path
     request_class = str(points[0]["itl_p99_class"])
     for side in sides_of(points[0]):
         runs = [point[side] for point in points]
-        throughputs = [_value(run, "effective_throughput", "all") for run in runs]
+        throughputs = [_median_effective(point, side) for point in points]
         itls = [_value(run, "p99_itl_ms", request_class) for run in runs]
         throughput_axes.plot(rates, throughputs, marker="o", label=side)
         itl_axes.plot(rates, itls, marker="o", label=side)
@@ -54,3 +55,13 @@ def _value(run: object, name: str, request_class: str) -> float:
     """The figure, or NaN (a gap in the curve) when the run has none."""
     value = figure_of(run, name, request_class) if isinstance(run, Mapping) else None
     return float(value) if isinstance(value, int | float) else float("nan")
+
+
+def _median_effective(point: Mapping[str, object], side: str) -> float:
+    """The side's median effective throughput over its runs (a report from before those
+    medians: its median run's), or NaN."""
+    medians = point.get("effective_throughput_medians")
+    if isinstance(medians, Mapping):
+        value = medians.get(side)
+        return float(value) if isinstance(value, int | float) else float("nan")
+    return _value(point[side], "effective_throughput", "all")

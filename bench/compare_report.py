@@ -9,6 +9,12 @@ is tested on fixed numbers.
   A comparison holds two or three of them.
 - Each side's reported run is its median run by output throughput (the lower middle one of an
   even number of runs); every run stays in the JSON under "runs".
+- Effective throughput (tok/s of requests that met the SLOs) is judged over every run, not the
+  median run: `effective_throughput_medians` holds each side's median over its runs (the lower
+  middle one of an even count), and `rounds_led` how many rounds (the i-th run of every side,
+  run in alternation) each side led. The winner and the conditional side's ratio below are of
+  these medians: a median run chosen by output tok/s may be another round's than the one
+  with the median effective tok/s, so its figures could pair different rounds.
 - `ratios` holds each side's figures over the colocated side's (`effective_throughput_ratio`,
   `output_throughput_ratio`, `itl_p99_ratio`, `itl_p99_ratio_all`); the flat keys of the same
   names are the disaggregated side's, as before the third side came. With the mixed dataset,
@@ -16,16 +22,17 @@ is tested on fixed numbers.
   colocated server stalls with long prefills, which is what disaggregation protects
   (`itl_p99_class` says which; `itl_p99_ratio_all` pools every request).
 - The conditional side is also judged against the better of the other two, figure by figure
-  (`conditional_vs_best_effective_throughput`: its effective tok/s over the higher of theirs;
-  `conditional_vs_best_itl_p99`: its p99 ITL over the lower of theirs): above 1.0 in
-  throughput (below in ITL), choosing per request beats both fixed policies.
-- `winner`: the side with the highest effective throughput (None when no side has any).
+  (`conditional_vs_best_effective_throughput`: its median effective tok/s over the higher of
+  theirs; `conditional_vs_best_itl_p99`: its median run's p99 ITL over the lower of theirs):
+  above 1.0 in throughput (below in ITL), choosing per request beats both fixed policies.
+- `winner`: the side with the highest median effective throughput (None when no side has any).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 Side = Literal["colocated", "disaggregated", "conditional"]
@@ -117,18 +124,39 @@ def ratios_against(side: Run, baseline: Run, request_class: str) -> dict[str, fl
 
 
 def best_of(
-    medians: Mapping[str, Run], sides: Sequence[str], figure: Callable[[Run], object], higher: bool
+    figures: Mapping[str, object], sides: Sequence[str], higher: bool
 ) -> tuple[str | None, float | None]:
     """The side whose figure is best (the highest, or the lowest), and that figure; the first
     in `sides` order on a tie; (None, None) when no side has the figure."""
     best: tuple[str | None, float | None] = (None, None)
     for side in sides:
-        value = _known(figure(medians[side]))
+        value = _known(figures[side])
         if value is None:
             continue
         if best[1] is None or (value > best[1] if higher else value < best[1]):
             best = (side, value)
     return best
+
+
+def median_figure(side_runs: Sequence[Run], name: str) -> float | None:
+    """The median of a figure over a side's runs (the lower middle one of an even count), or
+    None when no run has it."""
+    values = [value for run in side_runs if (value := _known(run.get(name))) is not None]
+    return statistics.median_low(values) if values else None
+
+
+def rounds_led(runs: Mapping[str, Sequence[Run]], sides: Sequence[str]) -> dict[str, int]:
+    """Per side, the rounds (the i-th run of every side) in which its effective throughput was
+    the highest (the first in `sides` order on a tie; a round where no side has one counts for
+    none)."""
+    led = dict.fromkeys(sides, 0)
+    for index in range(min(len(runs[side]) for side in sides)):
+        leader, _ = best_of(
+            {side: runs[side][index].get(WINNER_BY) for side in sides}, sides, higher=True
+        )
+        if leader is not None:
+            led[leader] += 1
+    return led
 
 
 def compare_runs(
@@ -158,27 +186,27 @@ def compare_runs(
         report["ratios"] = ratios
         # The keys of the two-sided comparison: disaggregated / colocated.
         report.update(ratios.get("disaggregated", {}))
+    effective: dict[str, float | None] = {
+        side: median_figure(runs[side], WINNER_BY) for side in sides
+    }
+    report["effective_throughput_medians"] = effective
+    report["rounds_led"] = rounds_led(runs, sides)
     others = [side for side in sides if side != "conditional"]
     if "conditional" in medians:
-        conditional = medians["conditional"]
-        best_side, best = best_of(medians, others, lambda run: run.get(WINNER_BY), higher=True)
-        itl_side, lowest = best_of(
-            medians,
-            others,
-            lambda run: figure_of(run, "p99_itl_ms", request_class),
-            higher=False,
-        )
+        best_side, best = best_of(effective, others, higher=True)
+        itls: dict[str, object] = {
+            side: figure_of(medians[side], "p99_itl_ms", request_class) for side in sides
+        }
+        itl_side, lowest = best_of(itls, others, higher=False)
         report.update(
             {
                 "best_other_side": best_side,
-                "conditional_vs_best_effective_throughput": ratio(conditional.get(WINNER_BY), best),
+                "conditional_vs_best_effective_throughput": ratio(effective["conditional"], best),
                 "best_other_itl_side": itl_side,
-                "conditional_vs_best_itl_p99": ratio(
-                    figure_of(conditional, "p99_itl_ms", request_class), lowest
-                ),
+                "conditional_vs_best_itl_p99": ratio(itls["conditional"], lowest),
             }
         )
-    winner, top = best_of(medians, sides, lambda run: run.get(WINNER_BY), higher=True)
+    winner, top = best_of(effective, sides, higher=True)
     report["winner"] = winner if top else None
     report["runs"] = {side: [dict(run) for run in runs[side]] for side in sides}
     return report
@@ -229,6 +257,17 @@ def format_comparison(report: Mapping[str, object]) -> str:
             + "".join(f"{_cell(figures[side]):>{widths[side]}}" for side in sides)
             + "".join(f"{_cell(ratio(figures[side], figures[base])):>8}" for side in others)
         )
+    effective = _mapping(report.get("effective_throughput_medians", {}))
+    led = _mapping(report.get("rounds_led", {}))
+    lines.append(
+        f"{'Effective tok/s, median of runs':<34}"
+        + "".join(f"{_cell(effective.get(side)):>{widths[side]}}" for side in sides)
+        + "".join(f"{_cell(ratio(effective.get(side), effective.get(base))):>8}" for side in others)
+    )
+    lines.append(
+        f"{'Rounds led (effective tok/s)':<34}"
+        + "".join(f"{_cell(led.get(side)):>{widths[side]}}" for side in sides)
+    )
     lines.append(f"Winner by effective throughput: {report.get('winner') or 'none'}")
     if "conditional_vs_best_effective_throughput" in report:
         lines.append(
@@ -240,8 +279,10 @@ def format_comparison(report: Mapping[str, object]) -> str:
         )
     runs = _mapping(report["runs"])
     for side in sides:
-        values = ", ".join(_cell(run.get(MEDIAN_BY)) for run in _runs(runs[side]))
-        lines.append(f"{side} runs, output tok/s: {values}")
+        side_runs = _runs(runs[side])
+        outputs = ", ".join(_cell(run.get(MEDIAN_BY)) for run in side_runs)
+        effectives = ", ".join(_cell(run.get(WINNER_BY)) for run in side_runs)
+        lines.append(f"{side} runs, output tok/s: {outputs}; effective tok/s: {effectives}")
     return "\n".join(lines)
 
 
@@ -258,7 +299,8 @@ def _header(report: Mapping[str, object], sides: Sequence[Side]) -> list[str]:
     names = ", ".join(f"{side} ({SIDE_LETTERS[side]})" for side in sides)
     return [
         f"{names} on CPUs {report['cpus']}{at}: the median of "
-        f"{report.get('repeats')} run(s) per side by output throughput"
+        f"{report.get('repeats')} run(s) per side by output throughput (effective throughput: "
+        "each side's median over its runs)"
     ]
 
 
@@ -278,14 +320,18 @@ def format_sweep(points: Sequence[Mapping[str, object]]) -> str:
         + "".join(f"{'p99 ITL ' + letter:>12}" for letter in letters)
         + "".join(f"{_ratio_label(side, base):>7}" for side in others)
         + (f"{'a/best':>8}" if versus_best else "")
+        + f"{'led ' + '/'.join(letters):>11}"
         + f"{'winner':>15}"
     )
     lines = [header]
     for point in points:
         medians = {side: _mapping(point[side]) for side in sides}
         request_class = str(point["itl_p99_class"])
-        throughputs = {side: medians[side].get(WINNER_BY) for side in sides}
-        itls = {side: figure_of(medians[side], "p99_itl_ms", request_class) for side in sides}
+        throughputs = _mapping(point["effective_throughput_medians"])
+        led = _mapping(point["rounds_led"])
+        itls: dict[str, object] = {
+            side: figure_of(medians[side], "p99_itl_ms", request_class) for side in sides
+        }
         lines.append(
             f"{_cell(point.get('request_rate')):>12}"
             + "".join(f"{_cell(throughputs[side]):>13}" for side in sides)
@@ -297,13 +343,15 @@ def format_sweep(points: Sequence[Mapping[str, object]]) -> str:
                 if versus_best
                 else ""
             )
+            + f"{'/'.join(_cell(led.get(side)) for side in sides):>11}"
             + f"{point.get('winner') or 'none':>15}"
         )
     which = str(points[0]["itl_p99_class"])
     names = ", ".join(f"{letter}: {side}" for side, letter in zip(sides, letters, strict=True))
     lines.append(
-        f"(ITL in ms, {which} requests; median run of each side by output tok/s; {names}; "
-        "winner by effective tok/s)"
+        f"(effective tok/s: each side's median over its runs, and the rounds each led; ITL in "
+        f"ms, {which} requests, of each side's median run by output tok/s; {names}; winner by "
+        "median effective tok/s)"
     )
     return "\n".join(lines)
 

@@ -8,7 +8,8 @@ The same bytes, cut into the same blocks, are moved four ways:
   the yardstick the UCX transport is held to;
 - memcpy: one local `copy_` of all the bytes, the ceiling of what memory does.
 
-The receiving side always writes in place into one preallocated "cache" tensor. Each transport
+The receiving side always writes into one preallocated "cache" tensor (in place, or through
+the UCX receiver's staging buffer for small scattered blocks). Each transport
 moves the blocks once untimed (connection setup, UCX wire-up, page faults), then `repeats` timed
 times; the figures are the median of the timed repeats, in GB/s (1e9 bytes per second), timed
 on the sender from the first byte until the receiver's acknowledgement.
@@ -62,9 +63,11 @@ class TransferBenchConfig:
     repeats: int = 5
     transports: tuple[str, ...] = TRANSPORTS
     # Where the blocks land in the receiver's cache: "scattered" (no two consecutive blocks
-    # adjacent, as in a fragmented cache: one message per block, the figure this benchmark has
-    # always reported) or "adjacent" (consecutive, as for a fresh reservation: both ends then
-    # move runs of up to 1 MiB as one message, `nori.transfer.buffers.joint_runs`).
+    # adjacent, as in a fragmented cache: blocks of 256 KiB and more move one message each,
+    # smaller ones in messages of up to 1 MiB that the receiver stages and copies to their
+    # places, `nori.transfer.buffers.receive_runs`) or "adjacent" (consecutive, as for a fresh
+    # reservation: both ends move runs of up to 1 MiB as one message, in place,
+    # `nori.transfer.buffers.joint_runs`).
     destinations: DestinationLayout = "scattered"
 
     def __post_init__(self) -> None:

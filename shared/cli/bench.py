@@ -88,8 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--destinations",
         choices=("scattered", "adjacent"),
         default="scattered",
-        help="where the blocks land in the receiver's cache: scattered (one message per block) "
-        "or adjacent (runs of up to 1 MiB move as one message)",
+        help="where the blocks land in the receiver's cache: scattered (no two consecutive "
+        "blocks adjacent; blocks under 256 KiB still move in 1 MiB messages, landing through "
+        "the receiver's staging buffer) or adjacent (runs of up to 1 MiB land in place)",
     )
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.set_defaults(handler=run_transfer)

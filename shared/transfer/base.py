@@ -3,7 +3,9 @@ is `handoff.py`'s).
 
 A prefill worker (`KVSender`) pushes one request's KV blocks into the paged KV cache of a decode
 worker (`KVReceiver`). The decode worker decides where the bytes land (`KVSink.destinations`),
-so the receiver writes straight into the cache tensors, never into a staging buffer.
+so the receiver writes straight into the cache tensors; only small pieces scattered over a host
+cache pass through a staging buffer of the receiving connection on their way (fewer, larger
+messages: `buffers.ScatteredRun`).
 """
 
 from __future__ import annotations

@@ -3,13 +3,16 @@
     sender                                receiver
     header (+ source runs) --------------> sink.destinations(header), sizes checked
            <------------------------------ accept (+ destination runs) | reject(message)
-    run 0 .. run m-1 (all posted) -------> received in place into the destinations
+    run 0 .. run m-1 (all posted) -------> received in place into the destinations, or
+                                           through a staging buffer (scattered small runs)
     [checksum, with checksums_follow] ---> compared by the sink
            <------------------------------ done(nbytes), after sink.completed
 
 A run is a stretch of buffers adjacent in memory on both sides (`buffers.joint_runs`): it moves
 as one message, so a transfer of blocks with consecutive ids is a few large messages, not
-thousands of 32 KiB ones.
+thousands of 32 KiB ones. The receiver states consecutive small runs of its own as one run
+(`buffers.receive_runs`): the sender's adjacent sources move as one message all the same, which
+the receiver copies to its scattered places (`buffers.ScatteredRun`).
 
 Both directions are framed messages on one connection, one transfer at a time. A transport only
 provides a `Channel`; this module holds the logic, so the two transports cannot drift apart.
@@ -33,7 +36,15 @@ from nori.transfer.base import (
     TransferError,
     TransferRejected,
 )
-from nori.transfer.buffers import adjacent_runs, check_destinations, joint_runs, merge_runs
+from nori.transfer.buffers import (
+    ReceivePiece,
+    adjacent_runs,
+    check_destinations,
+    joint_runs,
+    merge_runs,
+    receive_pieces,
+    receive_runs,
+)
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 from nori.transfer.integrity import transfer_hasher
 
@@ -80,11 +91,13 @@ class Channel(Protocol):
         ...
 
     async def recv_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        """Receives into flat uint8 views in place. Given a `hasher`, feeds it every byte
-        received, in order; where it can (UCX) it hashes each run of views as soon as it has
-        landed, while it is still in cache."""
+        """Receives one message per piece: into a flat uint8 view in place, or for a
+        `ScatteredRun` through a staging buffer into its views (a byte stream may simply read
+        into each view in turn). Given a `hasher`, feeds it every byte received, in order; where
+        it can (UCX) it hashes each piece as soon as it has landed, while it is still in
+        cache."""
         ...
 
     async def close(self) -> None:
@@ -281,21 +294,23 @@ async def _serve_one(
         _notify_failed(sink, header, str(error))
         return await _reject(channel, str(error))
 
-    # A sender that stated its runs gets ours, and both move the joint runs as messages.
-    destination_runs = adjacent_runs(views) if header.source_runs else ()
+    # A sender that stated its runs gets ours, and both move the joint runs as messages; ours
+    # group consecutive small runs, which land through a staging buffer (`receive_runs`).
+    destination_runs = receive_runs(views) if header.source_runs else ()
     accept = KVTransferReply(accepted=True, destination_runs=destination_runs)
     if not await _reply(channel, accept):
         _notify_failed(sink, header, "connection lost before the data")
         return False
+    pieces: list[ReceivePiece] = list(views)
     if destination_runs:
-        views = merge_runs(
+        pieces = receive_pieces(
             views, joint_runs(header.source_runs, destination_runs, header.buffer_nbytes)
         )
     # A sender's checksum that follows the data is checked over the bytes as they land (see
     # Channel.recv_buffers); checksums in the header are the sink's to check.
     hasher = transfer_hasher() if header.checksums_follow else None
     try:
-        await _within(channel.recv_buffers(views, hasher), config.timeout_s, "receiving KV data")
+        await _within(channel.recv_buffers(pieces, hasher), config.timeout_s, "receiving KV data")
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
         await channel.close()

@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -122,7 +122,7 @@ def _best_rate(run_once: object) -> float:
     return _PROBE_BLOCK_BYTES * _PROBE_BLOCKS / best / 1e9
 
 
-def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
+def _probe_ucx(source: np.ndarray, destination: np.ndarray, child_cpus: frozenset[int]) -> float:
     """UCX to a forked child with a context of its own, one message per block; the child's
     copy of the last round comes back in `destination` (so the caller checks the bytes)."""
     # Importing the transport applies its UCX settings before either context reads them.
@@ -139,7 +139,7 @@ def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
             code = 1
             try:
                 parent_end.close()
-                _leave_parent_cpus()
+                _move_to(child_cpus)
                 worker = ucx_api.UCXWorker(ucx_api.UCXContext({}))
                 address = bytes(ucx_api.UCXAddress.create_from_worker(worker))
                 child_end.sendall(len(address).to_bytes(4, "little") + address)
@@ -187,14 +187,35 @@ def _probe_ucx(source: np.ndarray, destination: np.ndarray) -> float:
             os.waitpid(pid, 0)
 
 
-def _leave_parent_cpus() -> None:
-    """Moves a probe's child off its parent's CPUs where others are allowed: a worker pinned to
-    one CPU (`nori up`'s plan) has its peer on other CPUs, and two busy-polling UCX workers on
-    one CPU measured 0.35-0.53 GB/s where the pair on two CPUs moved 8-9."""
-    others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-    if others:
+@contextlib.contextmanager
+def _probe_cpus() -> Iterator[frozenset[int]]:
+    """Keeps a probe's two ends on different CPUs: two busy-polling UCX workers on one CPU
+    measured 0.35-0.53 GB/s where the pair on two CPUs moved 8-9. Yields the CPUs for the
+    probe's child. A thread pinned to one CPU (a worker of `nori up`'s plan, whose peer runs on
+    other CPUs) leaves its child the others; a thread allowed several keeps only its first
+    while it probes (restored after) and leaves the child the rest: left to the scheduler, the
+    two ends shared a CPU in 2 of 24 probes on a 2-core EPYC (UCX 0.42-0.52 GB/s, TCP chosen)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        yield frozenset(range(os.cpu_count() or 1)) - allowed
+        return
+    first = min(allowed)
+    try:
+        os.sched_setaffinity(0, {first})
+    except OSError:
+        yield allowed
+        return
+    try:
+        yield allowed - {first}
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _move_to(cpus: frozenset[int]) -> None:
+    """A probe's child onto `cpus`, where it may run there."""
+    if cpus:
         with contextlib.suppress(OSError):  # none of them in this process's cpuset
-            os.sched_setaffinity(0, others)
+            os.sched_setaffinity(0, cpus)
 
 
 def _recv_exactly(peer: socket.socket, into: memoryview) -> None:
@@ -216,7 +237,7 @@ def _progress_until(requests: list[Any], progress: Callable[[], None]) -> None:
         request.check_error()
 
 
-def _probe_tcp(source: np.ndarray) -> float:
+def _probe_tcp(source: np.ndarray, child_cpus: frozenset[int]) -> float:
     """Loopback TCP to a forked child that receives each block in place, as a TCP receiver
     does. Across two processes, not in one thread: a socket's cost is largely the sleeping and
     waking of its reader, which one thread doing both ends never pays (it measured 4.4 GB/s
@@ -227,7 +248,7 @@ def _probe_tcp(source: np.ndarray) -> float:
         if pid == 0:  # the child: nothing but sockets, then out without cleanup
             code = 1
             try:
-                _leave_parent_cpus()
+                _move_to(child_cpus)
                 with socket.create_connection(("127.0.0.1", port)) as peer:
                     into = np.empty(_PROBE_BLOCK_BYTES, dtype=np.uint8).data
                     for _ in range(_PROBE_ROUNDS):
@@ -274,21 +295,22 @@ def probe_transports() -> ProbeResult:
     tcp_gbps: float | None = None
     ucx_gbps: float | None = None
     ucx_problem: str | None = None
-    try:
-        tcp_gbps = _probe_tcp(source)
-    except OSError as error:
-        logger.warning("the TCP transport failed its probe: %s", error)
     module = _load_ucx()
-    if isinstance(module, str):
-        ucx_problem = f"ucxx is not importable ({module})"
-    else:
-        destination = np.zeros_like(source)
+    with _probe_cpus() as child_cpus:
         try:
-            ucx_gbps = _probe_ucx(source, destination)
-            if not np.array_equal(source, destination):
-                ucx_gbps, ucx_problem = None, "UCX delivered different bytes in its probe"
-        except Exception as error:  # ucxx raises its own types; any failure rules UCX out
-            ucx_problem = f"UCX failed its probe: {error or type(error).__name__}"
+            tcp_gbps = _probe_tcp(source, child_cpus)
+        except OSError as error:
+            logger.warning("the TCP transport failed its probe: %s", error)
+        if isinstance(module, str):
+            ucx_problem = f"ucxx is not importable ({module})"
+        else:
+            destination = np.zeros_like(source)
+            try:
+                ucx_gbps = _probe_ucx(source, destination, child_cpus)
+                if not np.array_equal(source, destination):
+                    ucx_gbps, ucx_problem = None, "UCX delivered different bytes in its probe"
+            except Exception as error:  # ucxx raises its own types; any failure rules UCX out
+                ucx_problem = f"UCX failed its probe: {error or type(error).__name__}"
     if ucx_problem is not None:
         logger.warning("%s; --transport auto uses TCP", ucx_problem)
     chosen: Literal["ucx", "tcp"] = (

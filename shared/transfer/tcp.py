@@ -22,7 +22,7 @@ from nori.transfer.base import (
     TransferConfig,
     TransferError,
 )
-from nori.transfer.buffers import check_sources
+from nori.transfer.buffers import ReceivePiece, check_sources, piece_views
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import hash_chunks
 from nori.transfer.pool import ConnectionPool
@@ -188,8 +188,10 @@ class _TcpChannel:
         )
 
     async def recv_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
+        # A stream has no message boundaries: every piece's views are read in turn, in place.
+        views = piece_views(pieces)
         targets = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view in views:

@@ -1,20 +1,24 @@
 """The UCX transport (ucxx): shared memory between workers on one host, the network across.
 
-UCX receives each buffer straight into the sink's tensor (CPU, or CUDA with a CUDA-enabled UCX),
-and the sender posts every buffer at once. Across hosts UCX uses what it was built with: the
-ucxx-cu12 wheel's UCX has TCP but no InfiniBand/RoCE (`ucx_info -v`: --without-verbs), so
-RDMA needs a system UCX. Importing this module applies the UCX settings in
-`nori.transfer.ucx_env` (before ucxx initialises) and raises ImportError without ucxx.
+UCX receives each run of buffers straight into the sink's tensor (CPU, or CUDA with a
+CUDA-enabled UCX), and the sender posts every run at once. Consecutive small runs scattered over
+a host cache come as one message into a staging buffer of the connection, copied to their places
+as soon as it lands (`buffers.ScatteredRun`, `_UcxChannel._receive_all`). Across hosts UCX uses
+what it was built with: the ucxx-cu12 wheel's UCX has TCP but no InfiniBand/RoCE (`ucx_info
+-v`: --without-verbs), so RDMA needs a system UCX. Importing this module applies the UCX
+settings in `nori.transfer.ucx_env` (before ucxx initialises) and raises ImportError without
+ucxx.
 
 Between workers on one host the bytes go through UCX's sysv shared-memory FIFO, eager (see
-ucx_env). `nori bench transfer` on an Intel Xeon (AVX-512, 2 shared cores), 64 MiB: 1.27 GB/s
-in 32 KiB messages (a plain socket 1.62), 2.64 GB/s in 256 KiB ones (socket 2.02, memcpy 4.2).
-A transfer's checksum is hashed here, run by run, as buffers are posted and land (`_post_all`).
+ucx_env); `nori bench transfer` measures it (figures in the README and docs/benchmarks.md).
+A transfer's checksum is hashed here, piece by piece, as buffers are posted and land
+(`_send_all`, `_receive_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -27,7 +31,13 @@ import xxhash
 
 from nori.transfer.address import Address, parse_address, worker_peer
 from nori.transfer.base import KVSink, TransferConfig, TransferError
-from nori.transfer.buffers import check_sources
+from nori.transfer.buffers import (
+    MAX_RUN_BYTES,
+    ReceivePiece,
+    ScatteredRun,
+    check_sources,
+    scatter_copy,
+)
 from nori.transfer.conversation import (
     ConnectionClosed,
     MessageTooLarge,
@@ -66,6 +76,9 @@ T = TypeVar("T")
 # Requests posted between two rounds of progress: data starts moving while the rest of a
 # transfer's thousands of blocks are still being posted.
 _POST_BATCH = 64
+# Staging buffers of MAX_RUN_BYTES a receiving connection fills at once: UCX's shared-memory
+# FIFO holds far less, so a few keep the sender streaming while landed ones are copied out.
+_STAGING_SLOTS = 4
 # How long close() waits for ucxx to retire its listener's connection handlers.
 _CLOSE_WAIT_S = 5.0
 
@@ -93,6 +106,8 @@ class _UcxChannel:
         self._tags = tags
         self._peer = peer
         self._closed = False
+        # Staging buffers for scattered runs, kept between transfers (`_receive_all`).
+        self._free_slots: list[np.ndarray] = []
 
     @property
     def alive(self) -> bool:
@@ -134,57 +149,118 @@ class _UcxChannel:
     def _peer_said_bye(self) -> bool:
         return self._peer is not None and self._peer()
 
-    async def _post_all(
-        self, views: list[torch.Tensor], send: bool, hasher: xxhash.xxh3_64 | None = None
-    ) -> None:
-        """Posts every view; given a `hasher`, feeds it every byte in order. A CPU sender hashes
-        each run of adjacent views (`integrity.hash_chunks`, at most 512 KiB) right before
-        posting it, a CPU receiver each run the moment its last receive completes: either way
-        UCX's copy and the hash share one trip of the bytes through the cache, instead of a
-        pass of their own over the whole transfer."""
-        post = self._poster.send if send else self._poster.recv
+    async def _send_all(self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None) -> None:
+        """Posts a send of every view; given a `hasher`, feeds it every byte in order. On the
+        host each run of adjacent views (`integrity.hash_chunks`, at most 512 KiB) is hashed
+        right before it is posted, so UCX's copy finds it in cache."""
         on_host = not any(view.is_cuda for view in views)
         # Per view: the end of the hash chunk it closes, if any.
         chunk_ends: dict[int, memoryview] = (
             dict(hash_chunks(views)) if hasher is not None and on_host else {}
         )
         requests: list[UcxRequest] = []
-        # The view index of each request (empty views are not posted).
-        posted: list[int] = []
         pending: list[int] = []
         for index, view in enumerate(views):
             if view.numel():
                 pending.append(index)
             if index in chunk_ends or len(pending) >= _POST_BATCH or index == len(views) - 1:
-                if send and index in chunk_ends:
+                if index in chunk_ends:
                     hasher.update(chunk_ends[index])  # type: ignore[union-attr]
-                requests.extend(post(_ucx_buffer(views[i])) for i in pending)
-                posted.extend(pending)
+                requests.extend(self._poster.send(_ucx_buffer(views[i])) for i in pending)
                 pending = []
                 self._progress.poll()
-
-        def hash_landed(position: int) -> None:
-            chunk = chunk_ends.get(posted[position])
-            if chunk is not None:
-                hasher.update(chunk)  # type: ignore[union-attr]
-
         # Two one-way endpoints: a peer that leaves mid-transfer says so only with its bye.
-        await self._progress.wait_all(
-            requests, self._peer, hash_landed if chunk_ends and not send else None
-        )
+        await self._progress.wait_all(requests, self._peer)
         if hasher is not None and not on_host:
             for view in views:  # CUDA: from host copies, after the transfer
                 hasher.update(view.cpu().numpy().data)
 
+    def _staging_slot(self) -> np.ndarray:
+        """A free staging buffer of MAX_RUN_BYTES (the channel keeps them for later
+        transfers; at most `_STAGING_SLOTS` are ever in flight)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        return np.empty(MAX_RUN_BYTES, dtype=np.uint8)
+
+    async def _receive_all(self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None) -> None:
+        """Posts a receive per piece, in order: in place into a flat view, or for a
+        `ScatteredRun` into one of a few staging buffers, whose bytes are copied to their
+        places as soon as they land (the buffer is then reused for a later piece). Given a
+        `hasher`, each piece is hashed the moment it lands (in order), while UCX's copy just
+        left it in cache; a staged one before it is copied out, in the staging buffer still
+        in L2."""
+        on_host = not any(piece.is_cuda for piece in pieces if not isinstance(piece, ScatteredRun))
+        # Posted receives, oldest first: (request, piece, its staging buffer or None).
+        inflight: collections.deque[tuple[UcxRequest, ReceivePiece, np.ndarray | None]] = (
+            collections.deque()
+        )
+        staged_inflight = 0
+
+        def land() -> None:
+            nonlocal staged_inflight
+            request, piece, slot = inflight.popleft()
+            request.result()
+            if slot is None:
+                if hasher is not None and on_host:
+                    hasher.update(_ucx_buffer(piece))  # type: ignore[arg-type]
+                return
+            assert isinstance(piece, ScatteredRun)
+            landed = slot[: piece.nbytes]
+            if hasher is not None:
+                hasher.update(landed.data)
+            scatter_copy(landed, piece.views)
+            if slot.nbytes == MAX_RUN_BYTES:
+                self._free_slots.append(slot)
+            staged_inflight -= 1
+
+        try:
+            posted = 0
+            for piece in pieces:
+                if isinstance(piece, ScatteredRun):
+                    if not piece.nbytes:
+                        continue
+                    while staged_inflight >= _STAGING_SLOTS:
+                        await self._progress.wait_all([inflight[0][0]], self._peer)
+                        land()
+                    # `receive_runs` caps a staged run at MAX_RUN_BYTES; a larger one (none
+                    # is) would get a buffer of its own, not kept.
+                    slot = (
+                        self._staging_slot()
+                        if piece.nbytes <= MAX_RUN_BYTES
+                        else np.empty(piece.nbytes, dtype=np.uint8)
+                    )
+                    staged_inflight += 1
+                    inflight.append((self._poster.recv(slot[: piece.nbytes]), piece, slot))
+                elif piece.numel():
+                    inflight.append((self._poster.recv(_ucx_buffer(piece)), piece, None))
+                else:
+                    continue
+                posted += 1
+                if posted % _POST_BATCH == 0:
+                    self._progress.poll()
+                    while inflight and inflight[0][0].done():
+                        land()
+            while inflight:
+                await self._progress.wait_all([inflight[0][0]], self._peer)
+                land()
+        except BaseException:
+            # Receives still posted write into their buffers until the endpoint is aborted.
+            self._progress.keep([request for request, _, _ in inflight])
+            raise
+        if hasher is not None and not on_host:
+            for piece in pieces:  # CUDA: from host copies, after the transfer
+                assert not isinstance(piece, ScatteredRun)
+                hasher.update(piece.cpu().numpy().data)
+
     async def send_buffers(
         self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        await self._transport(self._post_all(views, send=True, hasher=hasher), "send")
+        await self._transport(self._send_all(views, hasher), "send")
 
     async def recv_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
     ) -> None:
-        await self._transport(self._post_all(views, send=False, hasher=hasher), "receive")
+        await self._transport(self._receive_all(pieces, hasher), "receive")
 
     async def close(self) -> None:
         if not self._closed:

@@ -313,6 +313,14 @@ class UcxProgress:
         self._keep(_Posted(endpoint._ep.tag_send(Array(buffer), Tag(tag)), buffer))
         self.poll()
 
+    def keep(self, requests: Sequence[UcxRequest]) -> None:
+        """Holds the unfinished ones of `requests` (and their buffers) until UCX is done with
+        them: a caller that gives up on posted requests (its peer left) until it aborts the
+        endpoint, which cancels them."""
+        for request in requests:
+            if isinstance(request, _Posted):
+                self._keep(request)
+
     def _keep(self, request: _Posted) -> None:
         """Holds a request's buffer until UCX is done with it (nobody awaits it)."""
         self._kept = [kept for kept in self._kept if not kept.done()]

@@ -129,6 +129,24 @@ def test_three_sides_judge_conditional_against_colocated_and_the_better_of_the_o
     assert report["winner"] == "disaggregated"
 
 
+def test_effective_throughput_is_judged_over_every_run_not_the_median_run() -> None:
+    """Colocated's median run by output tok/s (its second) had a bad round (effective 120):
+    the conditional side is judged against colocated's median effective tok/s over its runs
+    (190), and each round's leader is counted."""
+    colocated = [run(300.0, 290.0, 50.0), run(250.0, 120.0, 50.0), run(200.0, 190.0, 50.0)]
+    conditional = [run(260.0, 260.0, 40.0), run(240.0, 240.0, 40.0), run(250.0, 250.0, 40.0)]
+    report = compare_runs({"colocated": colocated, "conditional": conditional})
+    assert report["colocated"]["run_index"] == 1  # type: ignore[index]
+    assert report["effective_throughput_medians"] == {"colocated": 190.0, "conditional": 250.0}
+    assert report["rounds_led"] == {"colocated": 1, "conditional": 2}
+    assert report["conditional_vs_best_effective_throughput"] == pytest.approx(250.0 / 190.0)
+    assert report["winner"] == "conditional"
+    # A side that met no SLO in any run has no median to compare.
+    failed = compare_runs({"colocated": [run(10.0, math.nan, 5.0)], "conditional": conditional})
+    assert failed["effective_throughput_medians"] == {"colocated": None, "conditional": 250.0}
+    assert failed["conditional_vs_best_effective_throughput"] is None
+
+
 def test_conditional_wins_when_its_effective_throughput_is_highest() -> None:
     report = compare_runs(three_sides([run(100.0, 120.0, 40.0, 50.0)]))
     assert report["winner"] == "conditional"
@@ -207,13 +225,15 @@ def test_comparison_table() -> None:
     assert lines[0].split() == ["colocated", "disaggregated", "d/c"]
     rows = {line[:34].strip(): line[34:].split() for line in lines[1:-3]}
     assert rows["Effective throughput (tok/s)"] == ["90.00", "99.00", "1.10"]
+    assert rows["Effective tok/s, median of runs"] == ["90.00", "99.00", "1.10"]
+    assert rows["Rounds led (effective tok/s)"] == ["0", "1"]
     assert rows["P99 ITL, short requests (ms)"] == ["40.00", "30.00", "0.75"]
     assert rows["P99 ITL, all requests (ms)"] == ["50.00", "45.00", "0.90"]
     assert rows["Failed requests"] == ["0", "0", "n/a"]
     assert lines[-3:] == [
         "Winner by effective throughput: disaggregated",
-        "colocated runs, output tok/s: 100.00",
-        "disaggregated runs, output tok/s: 110.00",
+        "colocated runs, output tok/s: 100.00; effective tok/s: 90.00",
+        "disaggregated runs, output tok/s: 110.00; effective tok/s: 99.00",
     ]
 
 
@@ -224,13 +244,18 @@ def test_three_sided_table() -> None:
     rows = {line[:34].strip(): line[34:].split() for line in lines[1:-5]}
     assert rows["Effective throughput (tok/s)"] == ["70.00", "99.00", "105.00", "1.41", "1.50"]
     assert rows["P99 ITL, short requests (ms)"] == ["90.00", "30.00", "36.00", "0.33", "0.40"]
+    # Over the runs: colocated's lower middle of 90 and 70; one round each for the others.
+    assert rows["Effective tok/s, median of runs"] == [
+        *("70.00", "99.00", "105.00", "1.41", "1.50")
+    ]
+    assert rows["Rounds led (effective tok/s)"] == ["0", "0", "1"]
     assert lines[-5:] == [
         "Winner by effective throughput: conditional",
         "Conditional / the better of the others: 1.06 effective tok/s (vs disaggregated), "
         "1.20 p99 ITL (vs disaggregated)",
-        "colocated runs, output tok/s: 100.00, 80.00",
-        "disaggregated runs, output tok/s: 110.00",
-        "conditional runs, output tok/s: 120.00",
+        "colocated runs, output tok/s: 100.00, 80.00; effective tok/s: 90.00, 70.00",
+        "disaggregated runs, output tok/s: 110.00; effective tok/s: 99.00",
+        "conditional runs, output tok/s: 120.00; effective tok/s: 105.00",
     ]
 
 
@@ -248,23 +273,23 @@ def test_sweep_table_has_one_row_per_rate() -> None:
     rows = format_sweep(sweep_points()).splitlines()
     assert rows[0].split()[-1] == "winner"
     assert rows[1].split() == [
-        *("1.00", "50.00", "40.00", "0.80", "8.00", "4.00", "0.50", "colocated")
+        *("1.00", "50.00", "40.00", "0.80", "8.00", "4.00", "0.50", "1/0", "colocated")
     ]
     assert rows[2].split() == [
-        *("4.00", "100.00", "120.00", "1.20", "8.00", "4.00", "0.50", "disaggregated")
+        *("4.00", "100.00", "120.00", "1.20", "8.00", "4.00", "0.50", "0/1", "disaggregated")
     ]
     assert "short requests" in rows[3]
 
 
 def test_three_sided_sweep_table() -> None:
     rows = format_sweep(sweep_points(conditional=True)).splitlines()
-    assert rows[0].split()[-2:] == ["a/best", "winner"]
-    # rate, eff c d a, d/c a/c, p99 ITL c d a, d/c a/c, a/best, winner
+    assert rows[0].split()[-4:] == ["a/best", "led", "c/d/a", "winner"]
+    # rate, eff c d a, d/c a/c, p99 ITL c d a, d/c a/c, a/best, rounds led, winner
     assert rows[1].split() == [
         *("1.00", "50.00", "40.00", "55.00", "0.80", "1.10"),
-        *("8.00", "4.00", "6.00", "0.50", "0.75", "1.10", "conditional"),
+        *("8.00", "4.00", "6.00", "0.50", "0.75", "1.10", "0/0/1", "conditional"),
     ]
-    assert rows[2].split()[-2:] == ["0.92", "disaggregated"]
+    assert rows[2].split()[-3:] == ["0.92", "0/1/0", "disaggregated"]
     assert "a: conditional" in rows[3]
 
 

@@ -14,7 +14,13 @@ import torch
 from nori.transfer.address import Address, brief_address, parse_address, worker_peer
 from nori.transfer.base import TransferRejected
 from nori.transfer.buffers import check_destinations, check_sources
-from nori.transfer.factory import make_receiver, make_sender, probe_transports, ucx_available
+from nori.transfer.factory import (
+    _probe_cpus,
+    make_receiver,
+    make_sender,
+    probe_transports,
+    ucx_available,
+)
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.tcp import TcpReceiver
 from nori.transfer.ucx_env import LOOPBACK_DEVICE, confine_ucx_to, is_loopback
@@ -109,6 +115,27 @@ def test_kinds() -> None:
         assert isinstance(make_receiver("auto", sink), TcpReceiver)
         assert probe.ucx_gbps is None or probe.tcp_gbps is not None
         assert probe.ucx_gbps is None or probe.ucx_gbps < probe.tcp_gbps  # type: ignore[operator]
+
+
+def test_the_probe_keeps_its_two_ends_on_different_cpus() -> None:
+    """A thread allowed several CPUs probes from its first only, its child gets the rest, and
+    the thread's own CPUs come back afterwards; a thread pinned to one leaves its child the
+    others."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("this process may run on one CPU only")
+    first = min(allowed)
+    with _probe_cpus() as child_cpus:
+        assert os.sched_getaffinity(0) == {first}
+        assert child_cpus == allowed - {first}
+    assert os.sched_getaffinity(0) == allowed
+    os.sched_setaffinity(0, {first})
+    try:
+        with _probe_cpus() as child_cpus:
+            assert os.sched_getaffinity(0) == {first}
+            assert child_cpus == frozenset(range(os.cpu_count() or 1)) - {first}
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 @pytest.mark.asyncio
