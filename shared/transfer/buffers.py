@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,7 +166,10 @@ class ScatteredRun:
     """One message whose bytes land in several destinations that are not adjacent, in order."""
 
     views: tuple[torch.Tensor, ...]
-    nbytes: int
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(view.numel() for view in self.views)
 
 
 # What a receiving channel is handed per message: a flat view it receives into in place, or a
@@ -217,7 +221,7 @@ def receive_pieces(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[Rec
         if len(adjacent_runs(members)) == 1:
             pieces.extend(merge_runs(members, (run,)))
         else:
-            pieces.append(ScatteredRun(tuple(members), sum(view.numel() for view in members)))
+            pieces.append(ScatteredRun(tuple(members)))
         start += run
     return pieces
 

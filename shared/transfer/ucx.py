@@ -209,8 +209,7 @@ class _UcxChannel:
             if hasher is not None:
                 hasher.update(landed.data)
             scatter_copy(landed, piece.views)
-            if slot.nbytes == MAX_RUN_BYTES:
-                self._free_slots.append(slot)
+            self._free_slots.append(slot)
             staged_inflight -= 1
 
         try:
@@ -222,13 +221,8 @@ class _UcxChannel:
                     while staged_inflight >= _STAGING_SLOTS:
                         await self._progress.wait_all([inflight[0][0]], self._peer)
                         land()
-                    # `receive_runs` caps a staged run at MAX_RUN_BYTES; a larger one (none
-                    # is) would get a buffer of its own, not kept.
-                    slot = (
-                        self._staging_slot()
-                        if piece.nbytes <= MAX_RUN_BYTES
-                        else np.empty(piece.nbytes, dtype=np.uint8)
-                    )
+                    # `receive_runs` caps a staged run at MAX_RUN_BYTES: it fits a slot.
+                    slot = self._staging_slot()
                     staged_inflight += 1
                     inflight.append((self._poster.recv(slot[: piece.nbytes]), piece, slot))
                 elif piece.numel():
