@@ -69,6 +69,8 @@ class TransferBenchConfig:
     # reservation: both ends move runs of up to 1 MiB as one message, in place,
     # `nori.transfer.buffers.joint_runs`).
     destinations: DestinationLayout = "scattered"
+    # Our transports' TransferConfig.cross_memory_attach (`--bulk auto`; False: `messages`).
+    cross_memory_attach: bool = True
 
     def __post_init__(self) -> None:
         if self.total_mib < 1 or self.block_kib < 1 or self.repeats < 1:
@@ -133,7 +135,11 @@ async def _serve_transport(
     from nori.transfer.factory import make_receiver
 
     cache = torch.zeros(settings.num_blocks * settings.block_bytes, dtype=torch.uint8)
-    receiver = make_receiver(kind, _CacheSink(cache, settings.block_bytes))
+    receiver = make_receiver(
+        kind,
+        _CacheSink(cache, settings.block_bytes),
+        TransferConfig(cross_memory_attach=settings.cross_memory_attach),
+    )
     conn.send((await receiver.start(host="127.0.0.1"), _ucx_environment()))
     # Serve until the parent says stop (or goes away): its pipe becomes readable. It may first
     # ask what carried the bytes (UCX logs an endpoint's lanes once a sender connected).
@@ -147,7 +153,12 @@ async def _serve_transport(
             asked = "stop"
         if asked == "transports":
             log = ucx_log.read_text(errors="replace") if ucx_log and ucx_log.exists() else ""
-            conn.send(ucx_transports(log))
+            conn.send(
+                {
+                    **ucx_transports(log),
+                    "bulk": bulk_path(receiver.bytes_pulled, receiver.bytes_received),
+                }
+            )
         elif not stop.done():
             stop.set_result(None)
 
@@ -204,6 +215,17 @@ _UCX_TAG_TABLE = re.compile(
 )
 # "|  8K..inf | (?) rendezvous fragmented copy-in copy-out | sysv/memory |"
 _UCX_TABLE_ROW = re.compile(r"\|\s*(\S+\.\.\S+)\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|")
+
+
+def bulk_path(bytes_pulled: int, bytes_received: int) -> str:
+    """What carried a receiver's bytes: read from the sender's memory, or its messages."""
+    if not bytes_pulled:
+        return "messages"
+    if bytes_pulled == bytes_received:
+        return "cross-memory attach (process_vm_readv by the receiver)"
+    return (
+        f"cross-memory attach for {bytes_pulled} of {bytes_received} bytes, messages for the rest"
+    )
 
 
 def ucx_transports(log: str) -> dict[str, Any]:
@@ -290,7 +312,9 @@ async def _time_transport(
 
     unchecked = header(checksums_follow=False)
     checked_header = header(checksums_follow=True)
-    sender = make_sender(kind, TransferConfig(timeout_s=300.0))
+    sender = make_sender(
+        kind, TransferConfig(timeout_s=300.0, cross_memory_attach=settings.cross_memory_attach)
+    )
     rates, costs = [], []
     try:
         for repeat in range(settings.repeats + 1):

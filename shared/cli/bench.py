@@ -92,6 +92,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "blocks adjacent; blocks under 256 KiB still move in 1 MiB messages, landing through "
         "the receiver's staging buffer) or adjacent (runs of up to 1 MiB land in place)",
     )
+    transfer.add_argument(
+        "--bulk",
+        choices=("auto", "messages"),
+        default="auto",
+        help="how our transports move the bytes between processes of one host: auto (the "
+        "receiver reads them from the sender's memory, cross-memory attach, where it can; "
+        "as the workers do) or messages (always sent as messages)",
+    )
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.set_defaults(handler=run_transfer)
 
@@ -347,6 +355,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
         destinations=args.destinations,
+        cross_memory_attach=args.bulk == "auto",
     )
     report = run_transfer_benchmark(settings)
     _print_report(report, args.json)

@@ -43,6 +43,10 @@ class TransferConfig:
     # Receivers refuse (and drop the connection of) larger headers: a bad peer cannot make a
     # receiver allocate unbounded memory.
     max_header_bytes: int = 1 << 20
+    # Between workers on one host, the receiver reads the bytes out of the sender's memory
+    # (process_vm_readv: one copy, instead of the messages' two) wherever its probe says it
+    # can (`nori.transfer.cross_memory`); off: always messages.
+    cross_memory_attach: bool = True
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.timeout_s <= 0:
@@ -99,6 +103,11 @@ class KVReceiver(Protocol):
 
     @property
     def transfers_completed(self) -> int: ...
+
+    @property
+    def bytes_pulled(self) -> int:
+        """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
+        ...
 
 
 @runtime_checkable

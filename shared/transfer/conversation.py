@@ -8,6 +8,16 @@
     [checksum, with checksums_follow] ---> compared by the sink
            <------------------------------ done(nbytes), after sink.completed
 
+or, when the header offers the receiver to read the bytes from the sender's memory and the
+receiver can (one host: `nori.transfer.cross_memory`):
+
+    header (+ pull_offer) ---------------> probe read back
+           <------------------------------ accept (pull)
+                                           reads every byte itself, hashing as it lands
+           <------------------------------ pulled
+    trailer (checksum, or zeros) --------> compared by the sink
+           <------------------------------ done(nbytes)
+
 A run is a stretch of buffers adjacent in memory on both sides (`buffers.joint_runs`): it moves
 as one message, so a transfer of blocks with consecutive ids is a few large messages, not
 thousands of 32 KiB ones. The receiver states consecutive small runs of its own as one run
@@ -45,6 +55,7 @@ from nori.transfer.buffers import (
     receive_pieces,
     receive_runs,
 )
+from nori.transfer.cross_memory import PullReader, PullSource, hash_while_pulled
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 from nori.transfer.integrity import transfer_hasher
 
@@ -123,6 +134,8 @@ class ReceiverStats:
     def __init__(self) -> None:
         self._counters = TransferCounters()
         self._address = ""
+        # Set by a receiver that reads from senders on its host (`serve_connection`'s reader).
+        self._reader: PullReader | None = None
 
     @property
     def address(self) -> str:
@@ -137,6 +150,11 @@ class ReceiverStats:
     @property
     def transfers_completed(self) -> int:
         return self._counters.transfers
+
+    @property
+    def bytes_pulled(self) -> int:
+        """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
+        return self._reader.bytes_pulled if self._reader is not None else 0
 
 
 def _decode_reply(payload: bytes) -> KVTransferReply:
@@ -166,11 +184,18 @@ async def _within(operation: Awaitable[T], timeout_s: float, what: str) -> T:
 
 
 async def send_transfer(
-    channel: Channel, header: TransferHeader, views: list[torch.Tensor], config: TransferConfig
+    channel: Channel,
+    header: TransferHeader,
+    views: list[torch.Tensor],
+    config: TransferConfig,
+    pull_source: PullSource | None = None,
 ) -> None:
-    """The sender's side of one transfer; returns when the receiver acknowledged every byte."""
+    """The sender's side of one transfer; returns when the receiver acknowledged every byte.
+    With a `pull_source` the header offers the receiver to read the bytes itself
+    (`nori.transfer.cross_memory`)."""
     source_runs = adjacent_runs(views)
-    header = dataclasses.replace(header, source_runs=source_runs)
+    offer = pull_source.offer(views) if pull_source is not None else None
+    header = dataclasses.replace(header, source_runs=source_runs, pull_offer=offer)
     try:
         await _within(channel.send_message(header.to_bytes()), config.timeout_s, "sending a header")
         reply = await _within(
@@ -179,19 +204,26 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     accepted = _expect(_decode_reply(reply), "accepted")
-    destination_runs = tuple(accepted.destination_runs)
-    if destination_runs:
-        if sum(destination_runs) != len(views) or min(destination_runs) < 1:
-            raise TransferError("the receiver's destination runs do not cover the buffers")
-        views = merge_runs(views, joint_runs(source_runs, destination_runs, header.buffer_nbytes))
     hasher = transfer_hasher() if header.checksums_follow else None
-    await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
-    if hasher is not None:
-        await _within(
-            channel.send_message(pack_checksum(hasher.intdigest())),
-            config.timeout_s,
-            "sending the checksum",
-        )
+    if accepted.pull:
+        if offer is None:
+            raise TransferError("the receiver would read bytes it was not offered")
+        await _within(_await_pull(channel, views, hasher), config.timeout_s, "being read")
+    else:
+        destination_runs = tuple(accepted.destination_runs)
+        if destination_runs:
+            if sum(destination_runs) != len(views) or min(destination_runs) < 1:
+                raise TransferError("the receiver's destination runs do not cover the buffers")
+            views = merge_runs(
+                views, joint_runs(source_runs, destination_runs, header.buffer_nbytes)
+            )
+        await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
+        if hasher is not None:
+            await _within(
+                channel.send_message(pack_checksum(hasher.intdigest())),
+                config.timeout_s,
+                "sending the checksum",
+            )
     done = _expect(
         _decode_reply(
             await _within(
@@ -206,6 +238,18 @@ async def send_transfer(
         raise TransferError(
             f"the receiver acknowledged {done.done_nbytes} bytes of {header.total_nbytes}"
         )
+
+
+async def _await_pull(
+    channel: Channel, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None
+) -> None:
+    """While the receiver reads the bytes: hashes them, then waits for its `pulled` and
+    answers with the trailer (the checksum, zeros when unchecked). Until the trailer is sent the
+    buffers are the receiver's to read; after it, never again."""
+    if hasher is not None:
+        await hash_while_pulled(views, hasher)
+    _expect(_decode_reply(await channel.recv_message(MAX_REPLY_BYTES)), "pulled")
+    await channel.send_message(pack_checksum(hasher.intdigest() if hasher is not None else 0))
 
 
 def pack_checksum(checksum: int) -> bytes:
@@ -243,15 +287,20 @@ async def _reject(channel: Channel, error: str) -> bool:
 
 
 async def serve_connection(
-    channel: Channel, sink: KVSink, counters: TransferCounters, config: TransferConfig
+    channel: Channel,
+    sink: KVSink,
+    counters: TransferCounters,
+    config: TransferConfig,
+    reader: PullReader | None = None,
 ) -> None:
     """Serves transfers on one connection until the peer leaves; never raises but cancellation.
+    With a `reader`, offers to read the bytes from a sender on this host are taken up.
 
     Every failure a peer can cause (bad header, refused request, broken connection) ends in a
     rejection or a dropped connection, never in an exception escaping into the process.
     """
     try:
-        while await _serve_one(channel, sink, counters, config):
+        while await _serve_one(channel, sink, counters, config, reader):
             pass
     except asyncio.CancelledError:
         raise
@@ -262,7 +311,11 @@ async def serve_connection(
 
 
 async def _serve_one(
-    channel: Channel, sink: KVSink, counters: TransferCounters, config: TransferConfig
+    channel: Channel,
+    sink: KVSink,
+    counters: TransferCounters,
+    config: TransferConfig,
+    reader: PullReader | None,
 ) -> bool:
     """One transfer; returns whether the connection can carry another."""
     try:
@@ -294,10 +347,12 @@ async def _serve_one(
         _notify_failed(sink, header, str(error))
         return await _reject(channel, str(error))
 
+    offer = header.pull_offer
+    pull = reader is not None and offer is not None and reader.can_pull(offer, views)
     # A sender that stated its runs gets ours, and both move the joint runs as messages; ours
     # group consecutive small runs, which land through a staging buffer (`receive_runs`).
-    destination_runs = receive_runs(views) if header.source_runs else ()
-    accept = KVTransferReply(accepted=True, destination_runs=destination_runs)
+    destination_runs = receive_runs(views) if header.source_runs and not pull else ()
+    accept = KVTransferReply(accepted=True, destination_runs=destination_runs, pull=pull)
     if not await _reply(channel, accept):
         _notify_failed(sink, header, "connection lost before the data")
         return False
@@ -310,7 +365,18 @@ async def _serve_one(
     # Channel.recv_buffers); checksums in the header are the sink's to check.
     hasher = transfer_hasher() if header.checksums_follow else None
     try:
-        await _within(channel.recv_buffers(pieces, hasher), config.timeout_s, "receiving KV data")
+        if pull:
+            assert reader is not None and offer is not None
+            await _within(reader.pull(offer, pieces, hasher), config.timeout_s, "reading KV")
+            await _within(
+                channel.send_message(encode_reply(KVTransferReply(pulled=True))),
+                config.timeout_s,
+                "saying the KV was read",
+            )
+        else:
+            await _within(
+                channel.recv_buffers(pieces, hasher), config.timeout_s, "receiving KV data"
+            )
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
         await channel.close()
@@ -320,7 +386,9 @@ async def _serve_one(
             return False
         raise
 
-    if hasher is not None:
+    if hasher is not None or pull:
+        # The checksum; after a pull also the sender's word that its buffers were still its
+        # own while they were read.
         try:
             sent = unpack_checksum(
                 await _within(channel.recv_message(8), config.timeout_s, "receiving the checksum")
@@ -330,9 +398,10 @@ async def _serve_one(
             await channel.close()
             _notify_failed(sink, header, f"no checksum after the data: {error}")
             return False
-        header = dataclasses.replace(
-            header, buffer_checksums=(sent,), received_checksums=(hasher.intdigest(),)
-        )
+        if hasher is not None:
+            header = dataclasses.replace(
+                header, buffer_checksums=(sent,), received_checksums=(hasher.intdigest(),)
+            )
     nbytes = header.total_nbytes
     try:
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.

@@ -17,10 +17,17 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader, KVTransferReply
+from nori.v1.handoff_pb2 import (
+    CrossMemoryOffer,
+    HandOff,
+    KVDestination,
+    KVTransferHeader,
+    KVTransferReply,
+)
 
 __all__ = [
     "HEADER_VERSION",
+    "CrossMemoryOffer",
     "HandOff",
     "KVTransferReply",
     "TransferHeader",
@@ -48,6 +55,9 @@ class TransferHeader:
     checksums_follow: bool = False
     # Runs of adjacent source buffers (KVTransferHeader.source_runs); empty: none stated.
     source_runs: tuple[int, ...] = ()
+    # The sender's offer to let the receiver read the bytes itself (`nori.transfer.cross_memory`);
+    # None: it sends them.
+    pull_offer: CrossMemoryOffer | None = None
     # Not on the wire: xxh3-64 of each buffer as it landed, computed by the receiving transport
     # while the bytes were still in cache (`nori.transfer.conversation`), so the sink compares
     # them with `buffer_checksums` instead of reading every byte once more. Empty when the
@@ -114,6 +124,7 @@ class TransferHeader:
             and self.buffer_checksums == other.buffer_checksums
             and self.checksums_follow == other.checksums_follow
             and self.source_runs == other.source_runs
+            and self.pull_offer == other.pull_offer
         )
 
     def to_bytes(self) -> bytes:
@@ -123,6 +134,7 @@ class TransferHeader:
             buffer_checksums=list(self.buffer_checksums),
             checksums_follow=self.checksums_follow,
             source_runs=list(self.source_runs),
+            pull_offer=self.pull_offer,
         )
         return _MAGIC + bytes([HEADER_VERSION]) + message.SerializeToString()
 
@@ -165,12 +177,21 @@ class TransferHeader:
                 f"header field 'source_runs' must be runs of at least 1 buffer adding up to "
                 f"the {len(message.buffer_nbytes)} buffers"
             )
+        offer = message.pull_offer if message.HasField("pull_offer") else None
+        if offer is not None:
+            if len(offer.region_addresses) != len(offer.region_nbytes):
+                raise ValueError("header field 'pull_offer' has regions without sizes")
+            if sum(offer.region_nbytes) != sum(message.buffer_nbytes):
+                raise ValueError(
+                    "header field 'pull_offer' offers regions that do not add up to the buffers"
+                )
         return cls(
             hand_off,
             tuple(message.buffer_nbytes),
             checksums,
             message.checksums_follow,
             source_runs=runs,
+            pull_offer=offer,
         )
 
 

@@ -131,11 +131,11 @@ def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:
         members = [index for index in range(start, start + run) if sizes[index]]
         if members:
             nbytes = sum(sizes[index] for index in members)
-            chunks.append((members[-1], _memory(views[members[0]].data_ptr(), nbytes)))
+            chunks.append((members[-1], memory_at(views[members[0]].data_ptr(), nbytes)))
         start += run
     return chunks
 
 
-def _memory(pointer: int, nbytes: int) -> memoryview:
+def memory_at(pointer: int, nbytes: int) -> memoryview:
     """The bytes at `pointer` (inside views the caller keeps alive), without a copy."""
     return memoryview((ctypes.c_char * nbytes).from_address(pointer)).cast("B")

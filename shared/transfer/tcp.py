@@ -23,6 +23,7 @@ from nori.transfer.base import (
     TransferError,
 )
 from nori.transfer.buffers import ReceivePiece, check_sources, piece_views
+from nori.transfer.cross_memory import PullReader, PullSource
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import hash_chunks
 from nori.transfer.pool import ConnectionPool
@@ -223,6 +224,7 @@ class TcpReceiver(conversation.ReceiverStats):
         super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
+        self._reader = PullReader() if self._config.cross_memory_attach else None
         self._staging = _HostStaging("TcpReceiver")
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -260,7 +262,9 @@ class TcpReceiver(conversation.ReceiverStats):
 
     async def _serve(self, sock: socket.socket) -> None:
         channel = _TcpChannel(sock, self._staging)
-        await conversation.serve_connection(channel, self._sink, self._counters, self._config)
+        await conversation.serve_connection(
+            channel, self._sink, self._counters, self._config, self._reader
+        )
 
     async def close(self) -> None:
         """Stops accepting and drops every connection; transfers in flight fail on both ends."""
@@ -281,6 +285,7 @@ class TcpSender:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
+        self._pull_source = PullSource() if self._config.cross_memory_attach else None
         self._counters = conversation.TransferCounters()
         self._staging = _HostStaging("TcpSender")
         self._pool: ConnectionPool[_TcpChannel] = ConnectionPool(
@@ -316,7 +321,9 @@ class TcpSender:
         views = check_sources(header, buffers)
         await self._pool.run(
             address,
-            lambda channel: conversation.send_transfer(channel, header, views, self._config),
+            lambda channel: conversation.send_transfer(
+                channel, header, views, self._config, self._pull_source
+            ),
         )
         self._counters.add(header.total_nbytes)
 

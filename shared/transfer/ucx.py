@@ -46,6 +46,7 @@ from nori.transfer.conversation import (
     send_transfer,
     serve_connection,
 )
+from nori.transfer.cross_memory import PullReader, PullSource
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import hash_chunks
 from nori.transfer.pool import ConnectionPool
@@ -284,6 +285,7 @@ class UcxReceiver(ReceiverStats):
         super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
+        self._reader = PullReader() if self._config.cross_memory_attach else None
         self._progress: UcxProgress | None = None
         self._listener: Any = None
         # Worker-address mode: the task reading hellos and one task per connection it serves.
@@ -350,7 +352,7 @@ class UcxReceiver(ReceiverStats):
             return
         self._channels.add(channel)
         try:
-            await serve_connection(channel, self._sink, self._counters, self._config)
+            await serve_connection(channel, self._sink, self._counters, self._config, self._reader)
         finally:
             self._channels.discard(channel)
 
@@ -392,6 +394,7 @@ class UcxSender:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
+        self._pull_source = PullSource() if self._config.cross_memory_attach else None
         self._counters = TransferCounters()
         self._progress: UcxProgress | None = None
         self._pool: ConnectionPool[_UcxChannel] = ConnectionPool(
@@ -442,7 +445,10 @@ class UcxSender:
         views = check_sources(header, buffers)
         transfer = asyncio.ensure_future(
             self._pool.run(
-                address, lambda channel: send_transfer(channel, header, views, self._config)
+                address,
+                lambda channel: send_transfer(
+                    channel, header, views, self._config, self._pull_source
+                ),
             )
         )
         try:

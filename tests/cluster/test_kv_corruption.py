@@ -34,19 +34,21 @@ if sys.argv[1:3] == ["serve", "prefill"]:
     _transfers = []
 
     class _CorruptingHasher:
-        # The transport feeds the transfer's checksum each chunk right before it sends it:
-        # flipping a byte just after it was hashed is corruption between the checksum and the
-        # wire, in the first transfer only (the retry goes through intact).
+        # The sender's checksum over bytes that differ by one flipped byte from those the
+        # receiver gets (sent as messages, or read out of this process's memory): corruption
+        # between the checksum and the wire, in the first transfer only (the retry goes
+        # through intact).
         def __init__(self):
             self._real = _hasher()
             self._first = not _transfers
             _transfers.append(True)
 
         def update(self, chunk):
-            self._real.update(chunk)
             if self._first:
                 self._first = False
+                chunk = bytearray(chunk)
                 chunk[0] ^= 0xFF
+            self._real.update(chunk)
 
         def intdigest(self):
             return self._real.intdigest()

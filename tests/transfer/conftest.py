@@ -6,12 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.transfer.helpers import KINDS
+from tests.transfer.helpers import KINDS, PULL_KINDS
 from tests.transfer.receiver_process import ReceiverProcess
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=[*KINDS, *PULL_KINDS])
 def receiver(request: pytest.FixtureRequest) -> Iterator[ReceiverProcess]:
-    process = ReceiverProcess.start(request.param)
+    """A receiver taking the bytes as messages ("tcp", "ucx"), or reading them out of the
+    sender's memory ("tcp+pull", "ucx+pull": cross-memory attach)."""
+    kind, _, pull = request.param.partition("+")
+    process = ReceiverProcess.start(kind, "pull" if pull else "messages")
     yield process
     process.stop()

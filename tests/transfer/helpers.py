@@ -18,6 +18,14 @@ KINDS = [
         "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
     ),
 ]
+# The same transports with the receiver reading the bytes out of the sender's memory.
+PULL_KINDS = [
+    "tcp+pull",
+    pytest.param(
+        "ucx+pull",
+        marks=pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable"),
+    ),
+]
 
 
 def kv_blocks(

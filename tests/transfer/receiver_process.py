@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nori.transfer.base import TransferRejected
+from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.handoff import TransferHeader
 
 # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim], like nori.engine.kv_cache.
@@ -67,11 +67,13 @@ class CacheSink:
         self.events.append(("failed", header.request_id, error))
 
 
-async def _serve(kind: str, caches: dict[str, torch.Tensor], conn: Connection) -> None:
+async def _serve(
+    kind: str, caches: dict[str, torch.Tensor], conn: Connection, config: TransferConfig
+) -> None:
     from nori.transfer.factory import make_receiver
 
     sink = CacheSink(caches)
-    receiver = make_receiver(kind, sink)
+    receiver = make_receiver(kind, sink, config)
     conn.send(await receiver.start(host="127.0.0.1"))
     loop = asyncio.get_running_loop()
     requests: asyncio.Queue[Any] = asyncio.Queue()
@@ -84,6 +86,7 @@ async def _serve(kind: str, caches: dict[str, torch.Tensor], conn: Connection) -
                     "events": list(sink.events),
                     "bytes_received": receiver.bytes_received,
                     "transfers_completed": receiver.transfers_completed,
+                    "bytes_pulled": receiver.bytes_pulled,
                 }
             )
         elif command == "stop":
@@ -93,32 +96,40 @@ async def _serve(kind: str, caches: dict[str, torch.Tensor], conn: Connection) -
             return
 
 
-def _main(kind: str, caches: dict[str, torch.Tensor], conn: Connection) -> None:
-    asyncio.run(_serve(kind, caches, conn))
+def _main(
+    kind: str, caches: dict[str, torch.Tensor], conn: Connection, config: TransferConfig
+) -> None:
+    asyncio.run(_serve(kind, caches, conn, config))
 
 
 @dataclass
 class ReceiverProcess:
     kind: str
+    # "pull": the receiver reads senders' bytes from their memory where it can (the default);
+    # "messages": it never does (TransferConfig.cross_memory_attach off).
+    bulk: str
     address: str
     caches: dict[str, torch.Tensor]
     process: multiprocessing.process.BaseProcess
     conn: Connection
 
     @classmethod
-    def start(cls, kind: str) -> ReceiverProcess:
+    def start(cls, kind: str, bulk: str = "pull") -> ReceiverProcess:
         # torch's spawn context passes the shared-memory caches to the child without copying.
         import torch.multiprocessing as torch_mp
 
         context = torch_mp.get_context("spawn")
         caches = make_caches()
         conn, child_conn = context.Pipe()
-        process = context.Process(target=_main, args=(kind, caches, child_conn), daemon=True)
+        config = TransferConfig(cross_memory_attach=bulk == "pull")
+        process = context.Process(
+            target=_main, args=(kind, caches, child_conn, config), daemon=True
+        )
         process.start()
         if not conn.poll(60):
             process.kill()
             raise RuntimeError(f"the {kind} receiver process did not start")
-        return cls(kind, conn.recv(), caches, process, conn)
+        return cls(kind, bulk, conn.recv(), caches, process, conn)
 
     def status(self) -> dict[str, Any]:
         self.conn.send("events")

@@ -7,7 +7,7 @@ import torch
 import xxhash
 
 from nori.transfer import conversation
-from nori.transfer.base import TransferRejected
+from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import (
@@ -66,19 +66,22 @@ class _CheckingSink:
         self.failures.append(error)
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["messages", "pull"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.asyncio
 async def test_checksums_that_follow_the_data_are_checked(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, pull: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real transfer whose checksum follows the data: accepted when the bytes match, with the
-    receiver's own hash (computed as they landed) equal to an independent xxh3 of the bytes;
-    refused when the sender's checksum is not the bytes' (a corrupted transfer)."""
+    """A real transfer whose checksum follows the data (or, read by the receiver out of the
+    sender's memory, comes in its trailer): accepted when the bytes match, with the receiver's
+    own hash (computed as they landed) equal to an independent xxh3 of the bytes; refused when
+    the sender's checksum is not the bytes' (a corrupted transfer)."""
     size, count = 4096, 24
     sink = _CheckingSink(2 * size * count)
-    receiver = make_receiver(kind, sink)
+    config = TransferConfig(cross_memory_attach=pull)
+    receiver = make_receiver(kind, sink, config)
     address = await receiver.start(host="127.0.0.1")
-    sender = make_sender(kind)
+    sender = make_sender(kind, config)
     source = torch.randint(0, 256, (size * count,), dtype=torch.uint8)
     blocks = list(source.view(count, size).unbind(0))
     header = TransferHeader.of("r", list(range(count)), [size] * count, checksums_follow=True)
@@ -95,6 +98,7 @@ async def test_checksums_that_follow_the_data_are_checked(
         with pytest.raises(TransferRejected, match="corrupted KV transfer"):
             await sender.send(address, header, blocks)
         assert len(sink.completed_headers) == 1
+        assert receiver.bytes_pulled == (2 * size * count if pull else 0)
     finally:
         await sender.close()
         await receiver.close()
@@ -139,21 +143,27 @@ class _LayoutSink(_CheckingSink):
         return [self.blocks[block_id] for block_id in header.block_ids]
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["messages", "pull"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.asyncio
-async def test_scattered_blocks_staged_in_many_messages_land_in_place(kind: str) -> None:
+async def test_scattered_blocks_staged_in_many_messages_land_in_place(
+    kind: str, pull: bool
+) -> None:
     """Scattered 8 KiB blocks, more than the receiver's few staging buffers hold at once (so
     each is reused, within a transfer and on the next one), around a run large enough to land
     in place: every block's bytes reach its slot, no other slot changes, and the checksum the
-    receiver took as the pieces landed is the xxh3 of the sent bytes."""
+    receiver took as the pieces landed is the xxh3 of the sent bytes. The same when the
+    receiver reads them out of the sender's memory (more than one 1 MiB read, each cut at
+    block boundaries that are not the chunk's)."""
     block_bytes = 8 * 1024
     scattered = [2 * i for i in range(700)]  # 5.5 MiB, in groups of 1 MiB
     run = list(range(1500, 1564))  # 512 KiB, adjacent
     block_ids = scattered[:300] + run + scattered[300:] + [1401, 1403]
     sink = _LayoutSink(1600, block_bytes)
-    receiver = make_receiver(kind, sink)
+    config = TransferConfig(cross_memory_attach=pull)
+    receiver = make_receiver(kind, sink, config)
     address = await receiver.start(host="127.0.0.1")
-    sender = make_sender(kind)
+    sender = make_sender(kind, config)
     try:
         for seed in (1, 2):
             generator = torch.Generator().manual_seed(seed)
@@ -172,6 +182,7 @@ async def test_scattered_blocks_staged_in_many_messages_land_in_place(kind: str)
             assert torch.equal(cache[block_ids], source.view(len(block_ids), block_bytes))
             others = sorted(set(range(1600)) - set(block_ids))
             assert not cache[others].any()
+        assert receiver.bytes_pulled == (2 * len(block_ids) * block_bytes if pull else 0)
     finally:
         await sender.close()
         await receiver.close()

@@ -32,6 +32,7 @@ async def test_blocks_land_in_the_destination_blocks_and_nowhere_else(
     header, buffers, source = kv_blocks(
         request_id, block_ids, dtype, seed=1, output_token_ids=(42,)
     )
+    pulled_before = receiver.status()["bytes_pulled"]
     sender = make_sender(receiver.kind)
     try:
         await sender.send(receiver.address, header, buffers)
@@ -48,6 +49,9 @@ async def test_blocks_land_in_the_destination_blocks_and_nowhere_else(
     status = receiver.status()
     assert status["bytes_received"] >= header.total_nbytes
     assert status["transfers_completed"] >= 1
+    # What carried the bytes: read out of this process's memory, or sent as messages.
+    pulled = status["bytes_pulled"] - pulled_before
+    assert pulled == (header.total_nbytes if receiver.bulk == "pull" else 0)
 
 
 @pytest.mark.asyncio

@@ -46,27 +46,47 @@ class HandOff(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow", "source_runs")
+    __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow", "source_runs", "pull_offer")
     HAND_OFF_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NBYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     SOURCE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    PULL_OFFER_FIELD_NUMBER: _ClassVar[int]
     hand_off: HandOff
     buffer_nbytes: _containers.RepeatedScalarFieldContainer[int]
     buffer_checksums: _containers.RepeatedScalarFieldContainer[int]
     checksums_follow: bool
     source_runs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ..., source_runs: _Optional[_Iterable[int]] = ...) -> None: ...
+    pull_offer: CrossMemoryOffer
+    def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ..., source_runs: _Optional[_Iterable[int]] = ..., pull_offer: _Optional[_Union[CrossMemoryOffer, _Mapping]] = ...) -> None: ...
+
+class CrossMemoryOffer(_message.Message):
+    __slots__ = ("pid", "probe_address", "probe", "region_addresses", "region_nbytes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    REGION_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    REGION_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    probe_address: int
+    probe: bytes
+    region_addresses: _containers.RepeatedScalarFieldContainer[int]
+    region_nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pid: _Optional[int] = ..., probe_address: _Optional[int] = ..., probe: _Optional[bytes] = ..., region_addresses: _Optional[_Iterable[int]] = ..., region_nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
-    __slots__ = ("accepted", "rejected", "done_nbytes", "destination_runs")
+    __slots__ = ("accepted", "rejected", "done_nbytes", "pulled", "destination_runs", "pull")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     DONE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_RUNS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     rejected: str
     done_nbytes: int
+    pulled: bool
     destination_runs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[bool] = ..., rejected: _Optional[str] = ..., done_nbytes: _Optional[int] = ..., destination_runs: _Optional[_Iterable[int]] = ...) -> None: ...
+    pull: bool
+    def __init__(self, accepted: _Optional[bool] = ..., rejected: _Optional[str] = ..., done_nbytes: _Optional[int] = ..., pulled: _Optional[bool] = ..., destination_runs: _Optional[_Iterable[int]] = ..., pull: _Optional[bool] = ...) -> None: ...
