@@ -20,6 +20,11 @@ receiver) and what the integrity check costs end to end (`integrity_cost_vs_ucx`
 UCX repeat is a pair, one transfer without checksums and one with them (the sender hashes its
 buffers before the header, the receiver hashes each buffer as it lands and compares), and the
 figure is the median over the pairs of (t_checked - t_unchecked) / t_unchecked.
+
+Our transports move the bytes as the workers do: on one host the receiver reads them out of the
+sender's memory (`nori.transfer.cross_memory`) where it can (`--bulk auto`), or always as
+messages (`--bulk messages`); `ucx_transports["bulk"]` says which carried them, and
+`<transport>_cpu_s_per_gib` what each side's process spent on CPU per GiB moved.
 """
 
 from __future__ import annotations
@@ -279,6 +284,10 @@ class _Child:
         transports: dict[str, Any] = self._conn.recv()
         return transports
 
+    def cpu_s(self) -> float:
+        assert self._process.pid is not None
+        return _process_cpu_s(self._process.pid)
+
     def stop(self) -> None:
         with contextlib.suppress(OSError):
             self._conn.send("stop")
@@ -383,6 +392,16 @@ class _Measured:
     environment: dict[str, str] = field(default_factory=dict)
     transports: dict[str, Any] = field(default_factory=dict)
     integrity_costs: list[float] = field(default_factory=list)
+    # CPU seconds per GiB moved (all of the transport's transfers, checked ones too), in the
+    # sending and the receiving process: what a transfer takes from the workers' cores.
+    cpu_s_per_gib: dict[str, float] = field(default_factory=dict)
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process so far (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor) -> _Measured:
@@ -393,11 +412,18 @@ def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor
     try:
         if kind == "socket":
             return _Measured(_time_socket(child.address, settings, source), child.environment)
+        receiver_cpu_s, sender_cpu_s = child.cpu_s(), time.process_time()
         rates, costs = asyncio.run(
             _time_transport(kind, child.address, settings, source, checked=kind == "ucx")
         )
+        transfers = (settings.repeats + 1) * (2 if kind == "ucx" else 1)
+        gib = transfers * settings.total_bytes / 2**30
+        cpu = {
+            "sender": round((time.process_time() - sender_cpu_s) / gib, 3),
+            "receiver": round((child.cpu_s() - receiver_cpu_s) / gib, 3),
+        }
         transports = child.transports() if kind == "ucx" else {}
-        return _Measured(rates, child.environment, transports, costs)
+        return _Measured(rates, child.environment, transports, costs, cpu)
     finally:
         child.stop()
 
@@ -424,6 +450,8 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
         measured = _measure(transport, settings, source)
         samples[transport] = measured.rates
         report[f"{transport}_gbps"] = round(statistics.median(measured.rates), 3)
+        if measured.cpu_s_per_gib:
+            report[f"{transport}_cpu_s_per_gib"] = measured.cpu_s_per_gib
         if transport == "ucx":
             # What UCX ran with in the receiver (our defaults, ucxx's, the caller's), what
             # carried the bytes, and what checking them cost.

@@ -208,6 +208,7 @@ class PullReader:
         # Why offers are refused, once each in the log (pids of peers on other hosts differ
         # without end; the reasons do not).
         self._refusals_logged: set[str] = set()
+        self._pull_logged = False
         self.bytes_pulled = 0
 
     def can_pull(self, offer: CrossMemoryOffer, pieces: Sequence[ReceivePiece]) -> bool:
@@ -232,6 +233,11 @@ class PullReader:
         if probe.raw != offer.probe:
             self._refuse("pid names another process (another host or pid namespace)")
             return False
+        if not self._pull_logged:
+            self._pull_logged = True
+            logger.info(
+                "KV from senders on this host is read out of their memory (cross-memory attach)"
+            )
         return True
 
     def _refuse(self, why: str) -> None:

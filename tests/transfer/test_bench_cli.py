@@ -9,9 +9,12 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("destinations", ["scattered", "adjacent"])
-def test_bench_transfer_json(destinations: str) -> None:
+@pytest.mark.parametrize(
+    ("destinations", "bulk"), [("scattered", "auto"), ("adjacent", "messages")]
+)
+def test_bench_transfer_json(destinations: str, bulk: str) -> None:
     command = ["bench", "transfer", "--total-mib", "4", "--json", "--destinations", destinations]
+    command += ["--bulk", bulk]
     result = subprocess.run(
         [sys.executable, "-m", "nori.cli.main", *command],
         capture_output=True,
@@ -32,6 +35,14 @@ def test_bench_transfer_json(destinations: str) -> None:
     if report["ucx_gbps"] is not None:
         # Which UCX transports and protocols carried the bytes, from UCX's own log.
         assert report["ucx_transports"]["tag_send"]
+        # What carried the bytes: read by the receiver out of this (the sender's) process's
+        # memory, or messages.
+        read = report["ucx_transports"]["bulk"].startswith("cross-memory attach")
+        assert read == (bulk == "auto")
+        assert set(report["ucx_cpu_s_per_gib"]) == {"sender", "receiver"}
+    # CPU seconds per GiB on each side (the receiver's counted in clock ticks: maybe 0 here).
+    assert min(report["tcp_transport_cpu_s_per_gib"].values()) >= 0
+    assert report["cross_memory_attach"] == (bulk == "auto")
 
 
 def test_bench_transfer_rejects_bad_settings() -> None:
