@@ -82,6 +82,8 @@ class Lease:
     # When the last byte arrived (time.monotonic()) and how many came.
     arrived_at: float = 0.0
     nbytes: int = 0
+    # Read by this worker out of the sender's memory, not received as messages.
+    read_from_sender: bool = False
     # Which reservation this is (random); the sender's header must name it.
     epoch: int = 0
     # The reservation's secret (`nori.cluster_auth.random_token()`), handed out only in its

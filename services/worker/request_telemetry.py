@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -152,9 +153,11 @@ class CallRecord:
         num_blocks: int,
         lease_s: float,
         draft_nbytes: int = 0,
+        bulk: Literal["read", "messages"] = "messages",
     ) -> None:
         """The transfer as this decode worker saw it (times from time.monotonic()); its span is
-        a child of the sender's, whose context came in the hand-off header."""
+        a child of the sender's, whose context came in the hand-off header. `bulk`: how the
+        bytes came (read out of the sender's memory, or as messages)."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
         self._metrics.observe_transfer(nbytes, end - start, draft_nbytes)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
@@ -168,6 +171,7 @@ class CallRecord:
                 "nori.kv.draft_bytes": draft_nbytes,
                 "nori.kv.blocks": num_blocks,
                 "nori.kv.lease_s": lease_s,
+                "nori.kv.bulk": bulk,
                 "nori.kv.wait_s": receiving_since - reserved_at,
                 "nori.kv.gbps": nbytes / (end - start) / 1e9 if end > start else 0.0,
             },

@@ -386,6 +386,7 @@ async def _serve_one(
             return False
         raise
 
+    header = dataclasses.replace(header, read_from_sender=pull)
     if hasher is not None or pull:
         # The checksum; after a pull also the sender's word that its buffers were still its
         # own while they were read.

@@ -63,6 +63,9 @@ class TransferHeader:
     # them with `buffer_checksums` instead of reading every byte once more. Empty when the
     # transport did not hash (the sender sent no checksums); `from_bytes` never sets it.
     received_checksums: tuple[int, ...] = ()
+    # Not on the wire: the receiver read the bytes out of the sender's memory (the offer taken
+    # up), rather than receiving them as messages; set by the receiving conversation.
+    read_from_sender: bool = False
 
     @classmethod
     def of(
