@@ -21,6 +21,7 @@ from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, WorkerRegistry
 from tests.cluster.conftest import start_cluster
 from tests.telemetry.otlp_receiver import OTLPReceiver, ReceivedSpan
+from tests.transfer.helpers import reads_across_processes
 
 pytestmark = pytest.mark.slow
 
@@ -139,9 +140,8 @@ def test_a_request_is_one_trace_across_the_processes(
     # Both workers run on this host as the same user: the decode worker read the KV out of the
     # prefill worker's memory (cross-memory attach), unless Yama keeps a process from reading
     # any but its descendants (the workers are siblings): then it took messages.
-    yama = Path("/proc/sys/kernel/yama/ptrace_scope")
-    siblings_readable = not yama.exists() or yama.read_text().strip() == "0"
-    assert kv_receive.attributes["nori.kv.bulk"] == ("read" if siblings_readable else "messages")
+    expected_bulk = "read" if reads_across_processes() else "messages"
+    assert kv_receive.attributes["nori.kv.bulk"] == expected_bulk
 
     for name in ("queue", "generation"):
         assert _one(spans, "nori-decode", name).parent_span_id == decode.span_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,14 @@ def kv_blocks(
         destination=KVDestination(worker_id=str(dtype).removeprefix("torch.")),
     )
     return header, buffers, source
+
+
+def reads_across_processes() -> bool:
+    """Whether a process may read the memory of one that is not its descendant (a receiver
+    reading its parent, or a sibling worker): not under Yama's ptrace_scope >= 1, where the
+    receiver takes messages instead."""
+    yama = Path("/proc/sys/kernel/yama/ptrace_scope")
+    return not yama.exists() or yama.read_text().strip() == "0"
 
 
 def free_port() -> int:
