@@ -41,7 +41,7 @@ import xxhash
 from nori.transfer.base import TransferError
 from nori.transfer.buffers import ReceivePiece, ScatteredRun
 from nori.transfer.handoff import CrossMemoryOffer
-from nori.transfer.integrity import memory_at
+from nori.transfer.integrity import hash_chunks, memory_at
 
 logger = logging.getLogger(__name__)
 
@@ -98,13 +98,8 @@ def regions_of(views: Sequence[torch.Tensor]) -> list[Region]:
     regions: list[Region] = []
     for view in views:
         nbytes = view.numel() * view.element_size()
-        if not nbytes:
-            continue
-        address = view.data_ptr()
-        if regions and regions[-1][0] + regions[-1][1] == address:
-            regions[-1] = (regions[-1][0], regions[-1][1] + nbytes)
-        else:
-            regions.append((address, nbytes))
+        if nbytes:
+            _extend(regions, view.data_ptr(), nbytes)
     return regions
 
 
@@ -187,17 +182,15 @@ class PullSource:
 
 
 async def hash_while_pulled(views: Sequence[torch.Tensor], hasher: xxhash.xxh3_64) -> None:
-    """The sender's checksum while the receiver reads: every byte in order, letting the event
-    loop run between chunks."""
+    """The sender's checksum while the receiver reads: every byte in order, in the chunks the
+    transports hash (`integrity.hash_chunks`), letting the event loop run between them."""
     since_yield = 0
-    for address, nbytes in regions_of(views):
-        for start in range(0, nbytes, PULL_CHUNK_BYTES):
-            step = min(PULL_CHUNK_BYTES, nbytes - start)
-            hasher.update(memory_at(address + start, step))
-            since_yield += step
-            if since_yield >= _YIELD_EVERY_BYTES:
-                since_yield = 0
-                await asyncio.sleep(0)
+    for _, chunk in hash_chunks(views):
+        hasher.update(chunk)
+        since_yield += chunk.nbytes
+        if since_yield >= _YIELD_EVERY_BYTES:
+            since_yield = 0
+            await asyncio.sleep(0)
 
 
 class PullReader:

@@ -21,7 +21,7 @@ from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
 from tests.transfer.helpers import KINDS, kv_blocks
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
-from tests.transfer.test_robustness import _eventually, _raw_channel, _still_serves
+from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on
 
 
 def test_pull_batches_cut_both_layouts_at_the_byte_and_segment_limits() -> None:
@@ -165,10 +165,7 @@ async def test_a_sender_gone_before_its_trailer_fails_the_transfer(kind: str) ->
         assert pulled.WhichOneof("kind") == "pulled"
         await channel.close()
 
-        await _eventually(lambda: sink.events)
-        assert [event[:2] for event in sink.events] == [("failed", "no-trailer")]
-        assert receiver.transfers_completed == 0
-        await _still_serves(kind, receiver, caches)
+        await failed_and_serves_on(kind, receiver, sink, "no-trailer")
     finally:
         await channel.close()
         await raw.close()

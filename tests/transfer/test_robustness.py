@@ -70,6 +70,17 @@ async def _still_serves(kind: str, receiver: KVReceiver, caches: dict[str, torch
     assert torch.equal(caches["float32"][:, :, [11]], source)
 
 
+async def failed_and_serves_on(
+    kind: str, receiver: KVReceiver, sink: CacheSink, request_id: str
+) -> None:
+    """The transfer of `request_id` failed on the sink, completed nothing, and the receiver
+    still takes the next one."""
+    await _eventually(lambda: sink.events)
+    assert [event[:2] for event in sink.events] == [("failed", request_id)]
+    assert receiver.transfers_completed == 0
+    await _still_serves(kind, receiver, sink.caches)
+
+
 async def _eventually(condition: Any, timeout_s: float = 5.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -177,10 +188,7 @@ async def test_a_sender_that_vanishes_mid_transfer_fails_the_transfer_on_the_sin
         await channel.send_buffers(check_sources(header, buffers)[:3])  # 3 of 8 buffers
         await channel.close()
 
-        await _eventually(lambda: sink.events)
-        assert [event[:2] for event in sink.events] == [("failed", "cut-short")]
-        assert receiver.transfers_completed == 0
-        await _still_serves(kind, receiver, caches)
+        await failed_and_serves_on(kind, receiver, sink, "cut-short")
     finally:
         await channel.close()
         await raw.close()
