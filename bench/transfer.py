@@ -161,7 +161,9 @@ async def _serve_transport(
             conn.send(
                 {
                     **ucx_transports(log),
-                    "bulk": bulk_path(receiver.bytes_pulled, receiver.bytes_received),
+                    "bulk": bulk_path(
+                        receiver.bytes_pulled, receiver.bytes_mapped, receiver.bytes_received
+                    ),
                 }
             )
         elif not stop.done():
@@ -222,15 +224,19 @@ _UCX_TAG_TABLE = re.compile(
 _UCX_TABLE_ROW = re.compile(r"\|\s*(\S+\.\.\S+)\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|")
 
 
-def bulk_path(bytes_pulled: int, bytes_received: int) -> str:
-    """What carried a receiver's bytes: read from the sender's memory, or its messages."""
+def bulk_path(bytes_pulled: int, bytes_mapped: int, bytes_received: int) -> str:
+    """What carried a receiver's bytes: copied out of its mapping of the sender's shared
+    memory, read from the sender's memory, or its messages."""
     if not bytes_pulled:
         return "messages"
-    if bytes_pulled == bytes_received:
-        return "cross-memory attach (process_vm_readv by the receiver)"
-    return (
-        f"cross-memory attach for {bytes_pulled} of {bytes_received} bytes, messages for the rest"
-    )
+    ways = []
+    if bytes_mapped:
+        ways.append(f"shared memory mapped by the receiver for {bytes_mapped}")
+    if bytes_pulled > bytes_mapped:
+        ways.append(f"process_vm_readv by the receiver for {bytes_pulled - bytes_mapped}")
+    if bytes_received > bytes_pulled:
+        ways.append(f"messages for {bytes_received - bytes_pulled}")
+    return f"{'; '.join(ways)} of {bytes_received} bytes"
 
 
 def ucx_transports(log: str) -> dict[str, Any]:
@@ -433,6 +439,8 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
     from nori.transfer.factory import probe_transports, ucx_available
 
     source = torch.randint(0, 256, (settings.num_blocks * settings.block_bytes,), dtype=torch.uint8)
+    # In shared memory, as the workers' KV caches are (`nori.worker.engine_process`).
+    source.share_memory_()
     report: dict[str, Any] = {
         **{key: value for key, value in asdict(settings).items() if key != "transports"},
         "num_blocks": settings.num_blocks,

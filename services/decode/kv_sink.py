@@ -213,7 +213,7 @@ class DecodeKVSink:
         self.transfers_completed += 1
         lease.state = LeaseState.ARRIVED
         lease.arrived_at = time.monotonic()
-        lease.read_from_sender = header.read_from_sender
+        lease.bulk = header.bulk
         lease.nbytes = nbytes
         lease.hand_off = header.hand_off
         lease.buffers = []  # the views are the cache's; hold them no longer than needed

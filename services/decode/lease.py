@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nori.settings import DEFAULT_KV_LEASE_S
-from nori.transfer.handoff import HandOff
+from nori.transfer.handoff import HandOff, KVBulk
 
 if TYPE_CHECKING:
     import torch
@@ -82,8 +82,8 @@ class Lease:
     # When the last byte arrived (time.monotonic()) and how many came.
     arrived_at: float = 0.0
     nbytes: int = 0
-    # Read by this worker out of the sender's memory, not received as messages.
-    read_from_sender: bool = False
+    # How the bytes came: messages, or taken by this worker out of the sender's memory.
+    bulk: KVBulk = "messages"
     # Which reservation this is (random); the sender's header must name it.
     epoch: int = 0
     # The reservation's secret (`nori.cluster_auth.random_token()`), handed out only in its

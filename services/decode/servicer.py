@@ -225,7 +225,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 num_blocks=len(lease.block_ids),
                 lease_s=lease.policy.lease_s,
                 draft_nbytes=len(lease.block_ids) * self._engine.facts.draft_kv_bytes_per_block,
-                bulk="read" if lease.read_from_sender else "messages",
+                bulk=lease.bulk,
             )
         return hand_off
 

@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
 from nori.engine.engine import LLMEngine, export_request, prefilled_kv
-from nori.engine.kv_cache import read_blocks
 from nori.engine.kv_transfer import KVExport, KVToRemote
+from nori.prefill.export_arena import ExportArena
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import TransferHeader
@@ -54,11 +55,15 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         telemetry: WorkerTelemetry,
         max_open_calls: int,
         max_background_calls: int | None = None,
+        export_arena: ExportArena | None = None,
     ) -> None:
         super().__init__(
             worker_id, engine, streams, is_draining, telemetry, max_open_calls, max_background_calls
         )
         self._sender = sender
+        # Where each request's KV copy waits for its transfer: shared memory, which a decode
+        # worker on this host copies out of its own mapping of it.
+        self._arena = export_arena if export_arena is not None else ExportArena()
         self._leases = leases
         self.kv_bytes_sent = 0
         self.num_transfers = 0
@@ -98,9 +103,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 done = True  # the first token ended it: nothing to send
                 outcome = finish_reason = output.finish_reason or "stop"
                 return prefill_pb2.PrefillResponse(first=first, prefill_seconds=prefill_seconds)
-            export = await self._export(request_id)
+            export, release = await self._export(request_id)
             done = True  # the blocks are free; what remains is sending the copy
-            sent = await self._send(export, destination, context, record)
+            sent = await self._send(export, release, destination, context, record)
             outcome = "transferred"
             return prefill_pb2.PrefillResponse(
                 first=first,
@@ -122,50 +127,76 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if not done:
                 self._engine.submit(LLMEngine.abort_request, request_id)
 
-    async def _export(self, request_id: str) -> KVExport:
-        """A copy of the prefilled request's state and blocks, which are then freed. The cache
-        is read here, off the event loop, while the request holds its blocks: an engine
-        process's is in shared memory, so only the block ids cross the pipe. Under tensor
+    async def _export(self, request_id: str) -> tuple[KVExport, Callable[[], None] | None]:
+        """A copy of the prefilled request's state and blocks, which are then freed, and the
+        function that gives the copy's range of the export arena back (None for a copy outside
+        it). The cache is read here, off the event loop, while the request holds its blocks: an
+        engine process's is in shared memory, so only the block ids cross the pipe. Under tensor
         parallelism the ranks' heads are gathered by the engine instead."""
         facts = self._engine.facts
         if facts.tensor_parallel_size > 1:
-            return await self._engine.call(export_and_release, request_id)
+            return await self._engine.call(export_and_release, request_id), None
         state, block_ids = await self._engine.call(prefilled_kv, request_id)
-        blocks = await asyncio.to_thread(read_blocks, facts.kv_cache_tensors, block_ids)
+        copying = asyncio.ensure_future(
+            asyncio.to_thread(self._arena.read_blocks, facts.kv_cache_tensors, block_ids)
+        )
+        try:
+            blocks, release = await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            # The copy runs on; its range goes back once it is made.
+            copying.add_done_callback(_release_copy)
+            raise
         self._engine.submit(LLMEngine.finish_kv_transfer, request_id)
-        return KVExport(state=state, blocks=blocks)
+        return KVExport(state=state, blocks=blocks), release
 
     async def _send(
         self,
         export: KVExport,
+        release: Callable[[], None] | None,
         destination: KVDestination,
         context: grpc.aio.ServicerContext,
         record: CallRecord,
     ) -> int:
         block_ids = list(destination.block_ids)
         try:
-            buffers = source_buffers(export.blocks, block_ids)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {error}")
-        state = export.state
-        span, trace_context = record.start_kv_send(destination.transfer_address, len(block_ids))
-        header = TransferHeader.of(
-            request_id=state.request_id,
-            block_ids=block_ids,
-            buffer_nbytes=[buffer.nbytes for buffer in buffers],
-            output_token_ids=state.output_token_ids,
-            generator_state=state.generator_state,
-            destination=destination,
-            trace_context=trace_context,
-            # The transport hashes each buffer as it sends it (in cache) and sends the sums
-            # right after the data (nori.transfer.integrity).
-            checksums_follow=True,
-        )
+            try:
+                buffers = source_buffers(export.blocks, block_ids)
+            except ValueError as error:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"bad KV destination: {error}"
+                )
+            state = export.state
+            span, trace_context = record.start_kv_send(destination.transfer_address, len(block_ids))
+            header = TransferHeader.of(
+                request_id=state.request_id,
+                block_ids=block_ids,
+                buffer_nbytes=[buffer.nbytes for buffer in buffers],
+                output_token_ids=state.output_token_ids,
+                generator_state=state.generator_state,
+                destination=destination,
+                trace_context=trace_context,
+                # The transport hashes each buffer as it sends it (in cache) and sends the sums
+                # right after the data (nori.transfer.integrity).
+                checksums_follow=True,
+            )
+        except BaseException:
+            if release is not None:
+                release()  # no transfer will read the copy
+            raise
         nbytes = sum(header.buffer_nbytes)
         started = time.perf_counter()
         self.transfers_in_flight += 1
         try:
-            await self._sender.send(destination.transfer_address, header, buffers)
+            transfer = asyncio.ensure_future(
+                self._sender.send(destination.transfer_address, header, buffers)
+            )
+            if release is None:
+                await transfer
+            else:
+                # A receiver may read the arena's copy until the transfer ends: its range goes
+                # back then, not when this call does (its client may leave first).
+                transfer.add_done_callback(_release_after(release))
+                await asyncio.shield(transfer)
         except TransferRejected as error:
             span.end()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV refused: {error}")
@@ -191,3 +222,22 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         return self.stats(
             "prefill", kv_bytes_sent=self.kv_bytes_sent, num_transfers=self.num_transfers
         )
+
+
+def _release_copy(copying: asyncio.Future[tuple[Any, Callable[[], None] | None]]) -> None:
+    """Gives back the arena range of a copy whose caller left before it was made."""
+    if not copying.cancelled() and copying.exception() is None:
+        release = copying.result()[1]
+        if release is not None:
+            release()
+
+
+def _release_after(release: Callable[[], None]) -> Callable[[asyncio.Future[None]], None]:
+    """A transfer's completion callback: gives its copy's arena range back."""
+
+    def done(transfer: asyncio.Future[None]) -> None:
+        release()
+        if not transfer.cancelled():
+            transfer.exception()  # seen here too: its caller may have left
+
+    return done

@@ -14,10 +14,12 @@ import logging
 import time
 
 import grpc
+from prometheus_client import Gauge
 
 from nori.cluster_auth import ClusterAuth
 from nori.engine.block_manager import BlockEvent
 from nori.engine.config import EngineConfig
+from nori.prefill.export_arena import ExportArena
 from nori.prefill.lease_client import LeaseRenewalClient
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.prefill.servicer import PrefillServicer
@@ -80,6 +82,13 @@ class PrefillWorker(Worker):
         # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
         confine_ucx_to(self.options.host)
         self._sender = make_sender(self.transport)
+        arena = ExportArena()
+        Gauge(
+            "nori_kv_export_arena_bytes_in_use",
+            "Bytes of the export arena (shared memory) that KV copies waiting for, or in, their "
+            "transfer hold.",
+            registry=self.metrics.registry,
+        ).set_function(lambda: arena.capacity - arena.free_bytes)
         self._servicer = PrefillServicer(
             worker_id=self.worker_id,
             engine=engine,
@@ -93,6 +102,7 @@ class PrefillWorker(Worker):
             # (A decode worker needs no such reserve: the gateway's decode shares hold one
             # client, the batch runner too, to its share of the rows while another waits.)
             max_background_calls=self.engine_config.max_num_seqs,
+            export_arena=arena,
         )
         self._lease_renewer = asyncio.create_task(self._leases.run())
         assert self.redis is not None

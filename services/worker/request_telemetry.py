@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -21,6 +20,7 @@ from nori.engine.outputs import StepOutput
 from nori.telemetry.propagation import context_from_carrier, context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
+from nori.transfer.handoff import KVBulk
 from nori.worker.worker_metrics import WorkerMetrics
 
 
@@ -153,13 +153,14 @@ class CallRecord:
         num_blocks: int,
         lease_s: float,
         draft_nbytes: int = 0,
-        bulk: Literal["read", "messages"] = "messages",
+        bulk: KVBulk = "messages",
     ) -> None:
         """The transfer as this decode worker saw it (times from time.monotonic()); its span is
         a child of the sender's, whose context came in the hand-off header. `bulk`: how the
-        bytes came (read out of the sender's memory, or as messages)."""
+        bytes came (copied out of the sender's shared memory, read out of its memory, or as
+        messages)."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
-        self._metrics.observe_transfer(nbytes, end - start, draft_nbytes)
+        self._metrics.observe_transfer(nbytes, end - start, draft_nbytes, bulk)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
         span = self._tracer.start_span(
             "kv_receive",

@@ -32,6 +32,7 @@ from nori.engine.outputs import (
     SpecDecodeCounts,
     expert_imbalance,
 )
+from nori.transfer.handoff import KVBulk
 
 if TYPE_CHECKING:
     from nori.worker.engine_core import EngineCore
@@ -332,6 +333,14 @@ class WorkerMetrics:
             "Of the KV bytes sent or received, a draft model's (speculative decoding).",
             registry=registry,
         )
+        self.kv_received_bytes = Counter(
+            "nori_kv_received_bytes",
+            "KV bytes received, by how they came: messages, read out of the sender's memory "
+            "(process_vm_readv), or copied out of the receiver's mapping of the sender's shared "
+            "memory.",
+            ["bulk"],
+            registry=registry,
+        )
         self.kv_transfer_seconds = Histogram(
             "nori_kv_transfer_duration_seconds",
             "One request's KV transfer, first byte to last.",
@@ -373,9 +382,14 @@ class WorkerMetrics:
         expert counts."""
         return _counter_total(self.prompt_tokens), _counter_total(self.generation_tokens)
 
-    def observe_transfer(self, nbytes: int, seconds: float, draft_nbytes: int = 0) -> None:
-        """A hand-off's bytes (`draft_nbytes` of them a draft model's K/V) and time."""
+    def observe_transfer(
+        self, nbytes: int, seconds: float, draft_nbytes: int = 0, bulk: KVBulk | None = None
+    ) -> None:
+        """A hand-off's bytes (`draft_nbytes` of them a draft model's K/V) and time; on the
+        receiving side also how they came (`bulk`)."""
         self.kv_transfer_bytes.inc(nbytes)
+        if bulk is not None:
+            self.kv_received_bytes.labels(bulk=bulk).inc(nbytes)
         self.kv_transfer_draft_bytes.inc(draft_nbytes)
         self.kv_transfer_seconds.observe(seconds)
         if seconds > 0:

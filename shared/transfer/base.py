@@ -109,6 +109,11 @@ class KVReceiver(Protocol):
         """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
         ...
 
+    @property
+    def bytes_mapped(self) -> int:
+        """Of `bytes_pulled`, those copied out of mappings of the senders' shared memory."""
+        ...
+
 
 @runtime_checkable
 class KVSender(Protocol):

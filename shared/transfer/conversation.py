@@ -56,7 +56,13 @@ from nori.transfer.buffers import (
     receive_runs,
 )
 from nori.transfer.cross_memory import PullReader, PullSource, hash_while_pulled
-from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
+from nori.transfer.handoff import (
+    KVBulk,
+    KVTransferReply,
+    TransferHeader,
+    decode_reply,
+    encode_reply,
+)
 from nori.transfer.integrity import transfer_hasher
 
 logger = logging.getLogger(__name__)
@@ -155,6 +161,11 @@ class ReceiverStats:
     def bytes_pulled(self) -> int:
         """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
         return self._reader.bytes_pulled if self._reader is not None else 0
+
+    @property
+    def bytes_mapped(self) -> int:
+        """Of `bytes_pulled`, those copied out of mappings of the senders' shared memory."""
+        return self._reader.bytes_mapped if self._reader is not None else 0
 
 
 def _decode_reply(payload: bytes) -> KVTransferReply:
@@ -367,7 +378,9 @@ async def _serve_one(
     try:
         if pull:
             assert reader is not None and offer is not None
-            await _within(reader.pull(offer, pieces, hasher), config.timeout_s, "reading KV")
+            bulk: KVBulk = await _within(
+                reader.pull(offer, pieces, hasher), config.timeout_s, "reading KV"
+            )
             await _within(
                 channel.send_message(encode_reply(KVTransferReply(pulled=True))),
                 config.timeout_s,
@@ -386,7 +399,7 @@ async def _serve_one(
             return False
         raise
 
-    header = dataclasses.replace(header, read_from_sender=pull)
+    header = dataclasses.replace(header, bulk=bulk if pull else "messages")
     if hasher is not None or pull:
         # The checksum; after a pull also the sender's word that its buffers were still its
         # own while they were read.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from google.protobuf.message import DecodeError
 
@@ -29,11 +30,17 @@ __all__ = [
     "HEADER_VERSION",
     "CrossMemoryOffer",
     "HandOff",
+    "KVBulk",
     "KVTransferReply",
     "TransferHeader",
     "decode_reply",
     "encode_reply",
 ]
+
+# How a transfer's bytes came: as messages, read by the receiver out of the sender's memory
+# (process_vm_readv), or copied by it out of its mapping of the sender's shared memory
+# (`nori.transfer.cross_memory`).
+KVBulk = Literal["messages", "read", "mapped"]
 
 # Bumped when the header's layout changes incompatibly, so a mixed deployment fails loudly.
 # (Version 1 was a JSON object; it started with "{", which the magic check refuses.)
@@ -63,9 +70,9 @@ class TransferHeader:
     # them with `buffer_checksums` instead of reading every byte once more. Empty when the
     # transport did not hash (the sender sent no checksums); `from_bytes` never sets it.
     received_checksums: tuple[int, ...] = ()
-    # Not on the wire: the receiver read the bytes out of the sender's memory (the offer taken
-    # up), rather than receiving them as messages; set by the receiving conversation.
-    read_from_sender: bool = False
+    # Not on the wire: how the bytes came (the offer taken up, or messages); set by the
+    # receiving conversation.
+    bulk: KVBulk = "messages"
 
     @classmethod
     def of(
@@ -188,6 +195,11 @@ class TransferHeader:
                 raise ValueError(
                     "header field 'pull_offer' offers regions that do not add up to the buffers"
                 )
+            segment_fields = (offer.segment_addresses, offer.segment_nbytes, offer.segment_keys)
+            if len({len(values) for values in segment_fields}) != 1:
+                raise ValueError("header field 'pull_offer' has segments without sizes or keys")
+            if offer.segment_addresses and not offer.segment_socket:
+                raise ValueError("header field 'pull_offer' has segments but no segment socket")
         return cls(
             hand_off,
             tuple(message.buffer_nbytes),

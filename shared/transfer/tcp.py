@@ -278,6 +278,8 @@ class TcpReceiver(conversation.ReceiverStats):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._reader is not None:
+            self._reader.close()
 
 
 class TcpSender:
@@ -329,3 +331,5 @@ class TcpSender:
 
     async def close(self) -> None:
         await self._pool.close()
+        if self._pull_source is not None:
+            self._pull_source.close()

@@ -387,6 +387,8 @@ class UcxReceiver(ReceiverStats):
             await asyncio.wait(list(self._serving), timeout=_CLOSE_WAIT_S)
         self._listener = None
         progress.close()
+        if self._reader is not None:
+            self._reader.close()
 
 
 class UcxSender:
@@ -479,3 +481,5 @@ class UcxSender:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
+        if self._pull_source is not None:
+            self._pull_source.close()

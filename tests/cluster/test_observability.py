@@ -21,7 +21,6 @@ from nori.state.keys import Keys
 from nori.state.registry import WorkerInfo, WorkerRegistry
 from tests.cluster.conftest import start_cluster
 from tests.telemetry.otlp_receiver import OTLPReceiver, ReceivedSpan
-from tests.transfer.helpers import reads_across_processes
 
 pytestmark = pytest.mark.slow
 
@@ -137,11 +136,10 @@ def test_a_request_is_one_trace_across_the_processes(
     assert kv_receive.parent_span_id == kv_send.span_id
     assert kv_send.attributes["nori.kv.bytes"] == kv_receive.attributes["nori.kv.bytes"] > 0
     assert kv_receive.attributes["nori.kv.blocks"] == reserve.attributes["nori.kv.blocks"]
-    # Both workers run on this host as the same user: the decode worker read the KV out of the
-    # prefill worker's memory (cross-memory attach), unless Yama keeps a process from reading
-    # any but its descendants (the workers are siblings): then it took messages.
-    expected_bulk = "read" if reads_across_processes() else "messages"
-    assert kv_receive.attributes["nori.kv.bulk"] == expected_bulk
+    # Both workers run on this host: the decode worker copied the KV out of its mapping of the
+    # prefill worker's KV cache (shared memory), which needs no permission to read another
+    # process (Yama's ptrace_scope may be anything).
+    assert kv_receive.attributes["nori.kv.bulk"] == "mapped"
 
     for name in ("queue", "generation"):
         assert _one(spans, "nori-decode", name).parent_span_id == decode.span_id
@@ -290,6 +288,10 @@ def test_every_role_serves_metrics_that_add_up(traced_cluster: LocalCluster) -> 
     assert delta("decode", "nori_requests_total", outcome="length") == sent
     assert delta("decode", "nori_requests_total", outcome="error") == 0
     assert delta("decode", "nori_kv_transfer_bytes_total") == sent_bytes
+    assert delta("decode", "nori_kv_received_bytes_total", bulk="mapped") == sent_bytes
+    # Every KV copy's range of the prefill worker's export arena went back after its transfer.
+    assert ("nori_kv_export_arena_bytes_in_use", frozenset()) in after["prefill"]
+    assert _value(after["prefill"], "nori_kv_export_arena_bytes_in_use") == 0
     assert delta("decode", "nori_generation_tokens_total") == generated - sent
     assert delta("decode", "nori_time_to_first_token_seconds_count") == sent
     assert delta("decode", "nori_request_queue_time_seconds_count") == sent

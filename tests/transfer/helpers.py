@@ -39,11 +39,15 @@ def kv_blocks(
     """A header, its buffers (one contiguous slice per layer, K/V, block) and their source.
 
     The source is [layers, 2, len(block_ids), block_size, heads, dim], like a prefill worker's
-    exported blocks; the buffers are views of it, so nothing is copied before sending.
+    exported blocks, in shared memory like theirs; the buffers are views of it, so nothing is
+    copied before sending.
     """
     layers, kv, _, *block_shape = CACHE_SHAPE
     generator = torch.Generator().manual_seed(seed)
     source = torch.randn(layers, kv, len(block_ids), *block_shape, generator=generator).to(dtype)
+    # In shared memory, as a worker's KV cache is: a receiver on this host copies it out of
+    # its own mapping (test_cross_memory covers process_vm_readv out of private memory).
+    source.share_memory_()
     buffers = [
         source[layer, k, i]
         for layer in range(layers)

@@ -16,7 +16,14 @@ import xxhash
 
 from nori.transfer.base import TransferError
 from nori.transfer.buffers import ScatteredRun, check_sources
-from nori.transfer.cross_memory import PullReader, PullSource, pull_batches, regions_of
+from nori.transfer.cross_memory import (
+    COPY_THREAD_MIN_BYTES,
+    PullReader,
+    PullSource,
+    copy_plan,
+    pull_batches,
+    regions_of,
+)
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
 from tests.transfer.helpers import KINDS, kv_blocks
@@ -43,6 +50,51 @@ def test_pull_batches_cut_both_layouts_at_the_byte_and_segment_limits() -> None:
     ]
     with pytest.raises(ValueError, match="different byte counts"):
         pull_batches([(0, 10)], [(0, 9)])
+
+
+def test_copy_plan_cuts_both_layouts_into_chunks_of_the_stream() -> None:
+    # Sources of 60 and 40 bytes; destinations of 30, 50 and 20; chunks of 40 bytes.
+    sources = [(1000, 60), (2000, 40)]
+    destinations = [(0, 30), (100, 50), (500, 20)]
+    assert copy_plan(sources, destinations, chunk_bytes=40) == [
+        [(0, 1000, 30), (100, 1030, 10)],
+        [(110, 1040, 20), (130, 2000, 20)],
+        [(500, 2020, 20)],
+    ]
+    assert copy_plan([], []) == []
+    with pytest.raises(ValueError, match="different byte counts"):
+        copy_plan([(0, 10)], [(0, 9)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_copy_plan_moves_the_same_bytes_as_a_plain_copy(seed: int) -> None:
+    """Random layouts on both sides (empty regions too): following the plan byte for byte
+    gives the concatenated sources in the concatenated destinations, chunk sizes respected."""
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=generator)
+
+    def cut(total: int) -> list[tuple[int, int]]:
+        sizes = torch.randint(0, 300, (100,), generator=generator).tolist()
+        regions, start, taken = [], 0, 0
+        for size in sizes:
+            size = min(size, total - taken)
+            regions.append((start, size))
+            taken += size
+            start += size + int(torch.randint(0, 7, (1,), generator=generator))
+        return [*regions, (start, total - taken)]
+
+    sources = cut(2000)
+    destinations = cut(2000)
+    destination = torch.zeros(12000, dtype=torch.uint8)
+    plan = copy_plan(sources, destinations, chunk_bytes=256)
+    for chunk in plan:
+        assert sum(nbytes for _, _, nbytes in chunk) <= 256
+        for to, start, nbytes in chunk:
+            destination[to : to + nbytes] = source[start : start + nbytes]
+    assert sum(nbytes for chunk in plan for _, _, nbytes in chunk) == 2000
+    expected = torch.cat([source[a : a + n] for a, n in sources])
+    landed = torch.cat([destination[a : a + n] for a, n in destinations])
+    assert torch.equal(landed, expected)
 
 
 def test_regions_merge_adjacent_views_in_order() -> None:
@@ -85,6 +137,7 @@ async def test_a_receiver_reads_another_process_into_scattered_blocks_and_hashes
         assert not cache[1::2].any()
         assert hasher.intdigest() == xxhash.xxh3_64_intdigest(expected)
         assert reader.bytes_pulled == len(expected)
+        assert reader.bytes_mapped == 0  # private memory: read, not mapped
 
         conn.send("go")
         child.join(30)
@@ -96,6 +149,95 @@ async def test_a_receiver_reads_another_process_into_scattered_blocks_and_hashes
         child.join()
 
 
+def _hold_shared_bytes(conn: Connection, nbytes: int) -> None:
+    """A sender stand-in with its bytes in shared memory, as a worker's KV cache is: offers
+    them, then waits to be told to go."""
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    source.share_memory_()
+    views = list(source.view(-1, 32 * 1024).unbind(0))
+    pull_source = PullSource()
+    offer = pull_source.offer(views)
+    assert offer is not None and offer.segment_socket
+    conn.send((offer.SerializeToString(), source.numpy().tobytes()))
+    conn.recv()
+    pull_source.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "nbytes", [3 * 1024 * 1024, COPY_THREAD_MIN_BYTES], ids=["in the loop", "on the copy thread"]
+)
+async def test_a_receiver_copies_another_process_shared_memory_without_reading_the_process(
+    nbytes: int,
+) -> None:
+    """The offer's pid names no process the receiver could read (as under Yama's ptrace_scope
+    >= 1, which lets sibling workers read nothing of each other): the bytes still come, copied
+    out of the receiver's mapping of the sender's segments, hashed as they land. Once the sender
+    is gone its segments are unmapped."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    child = context.Process(target=_hold_shared_bytes, args=(child_conn, nbytes), daemon=True)
+    child.start()
+    try:
+        assert conn.poll(60)
+        payload, expected = conn.recv()
+        offer = CrossMemoryOffer.FromString(payload)
+        offer.pid = _dead_pid()
+        blocks_count = nbytes // (32 * 1024)
+        cache = torch.zeros(2 * blocks_count, 32 * 1024, dtype=torch.uint8)
+        blocks = [cache[2 * i] for i in range(blocks_count)]
+        pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
+        reader = PullReader()
+        assert reader.can_pull(offer, pieces) and reader.mapped_senders == 1
+        hasher = xxhash.xxh3_64()
+        await reader.pull(offer, pieces, hasher)
+        assert torch.cat(blocks).numpy().tobytes() == expected
+        assert not cache[1::2].any()
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(expected)
+        assert reader.bytes_pulled == reader.bytes_mapped == nbytes
+
+        # A region outside the offered segments is refused, not read.
+        cache.zero_()
+        outside = CrossMemoryOffer()
+        outside.CopyFrom(offer)
+        outside.region_addresses[0] += 2**40
+        with pytest.raises(TransferError, match="outside the offered segments"):
+            await reader.pull(outside, pieces, None)
+        assert not cache.any()
+
+        conn.send("go")
+        child.join(30)
+        assert not reader.can_pull(offer, pieces)  # nothing to map, nothing to read
+        assert reader.mapped_senders == 0
+        reader.close()
+    finally:
+        child.kill()
+        child.join()
+
+
+@pytest.mark.asyncio
+async def test_a_segment_the_sender_no_longer_holds_is_read_instead() -> None:
+    """A key the sender's socket does not know (it closed that segment): the receiver says so
+    once and reads the bytes with process_vm_readv (this process may read itself)."""
+    source = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8)
+    source.share_memory_()
+    pull_source = PullSource()
+    offer = pull_source.offer(list(source.view(2, -1).unbind(0)))
+    assert offer is not None
+    offer.segment_keys[0] += 1
+    destination = torch.zeros_like(source)
+    reader = PullReader()
+    try:
+        assert reader.can_pull(offer, [destination])
+        await reader.pull(offer, [destination], None)
+        assert torch.equal(destination, source)
+        assert reader.bytes_pulled == source.numel() and reader.bytes_mapped == 0
+        assert reader.mapped_senders == 0
+    finally:
+        reader.close()
+        pull_source.close()
+
+
 def _dead_pid() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
@@ -104,20 +246,22 @@ def _dead_pid() -> int:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("broken", ["pid of no process", "other probe bytes"])
+@pytest.mark.parametrize("broken", ["pid and socket of nobody", "other probe bytes"])
 async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
     kind: str, broken: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A pid the receiver cannot read (another host or namespace, no process, no permission)
-    or that names another process: the receiver says so once in its log and takes the bytes as
-    messages; they land all the same."""
+    and a segment socket it cannot reach (another host or network namespace), or both naming
+    another process: the receiver says so once in its log and takes the bytes as messages;
+    they land all the same."""
     real_offer = PullSource.offer
 
     def broken_offer(self: PullSource, views: list[torch.Tensor]) -> CrossMemoryOffer | None:
         offer = real_offer(self, views)
-        assert offer is not None
-        if broken == "pid of no process":
+        assert offer is not None and offer.segment_socket  # kv_blocks is shared memory
+        if broken == "pid and socket of nobody":
             offer.pid = _dead_pid()
+            offer.segment_socket = "nori-kv-nobody-listens-here"
         else:
             offer.probe = bytes(16)
         return offer
@@ -136,6 +280,8 @@ async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
         assert receiver.bytes_pulled == 0
         refusals = [r for r in caplog.records if "not read from its memory" in r.getMessage()]
         assert len(refusals) == 1
+        unmapped = [r for r in caplog.records if "not copied out of its shared" in r.getMessage()]
+        assert len(unmapped) == 1
     finally:
         await sender.close()
         await receiver.close()

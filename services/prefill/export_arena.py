@@ -1,0 +1,153 @@
+"""Shared memory a prefill worker copies each prefilled request's KV blocks into, to send them.
+
+A prefill worker copies a request's blocks out of its cache (`nori.engine.kv_cache.read_blocks`),
+frees the blocks at once, and sends the copy. Copied into this arena, one shared-memory segment
+the worker keeps for its life, the copy can be taken by a decode worker on the same host out of
+its own mapping of the arena (`nori.transfer.cross_memory`): mapped once per prefill worker, no
+permission to read another process needed. A private copy can only be read with
+process_vm_readv, which Yama's ptrace_scope >= 1 (Ubuntu's default) forbids between sibling
+workers, and which costs more per byte.
+
+The arena's pages are taken from the kernel as they are first written and kept: its resident
+size is the most KV ever in flight at once, not its capacity. Allocation is first-fit over the
+free ranges, each range ALIGN-aligned; an export that does not fit (the arena full, or larger
+than it) gets a private copy, as before. A range goes back when its transfer ends, however it
+ends: the prefill servicer releases it from the transfer's own completion, never while a
+receiver may still be reading it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from nori.engine.kv_cache import read_blocks
+
+# Every range starts on a page: tensors in it are aligned, and no two share a page.
+ALIGN = 4096
+# Room for this many bytes of KV in flight at once: virtual until written.
+DEFAULT_EXPORT_ARENA_BYTES = 1024 * 1024 * 1024
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class ByteRanges:
+    """First-fit allocation of ALIGN-aligned byte ranges out of [0, capacity); a freed range
+    merges with its free neighbours. Pure bookkeeping (no memory)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity - capacity % ALIGN
+        # Free (start, nbytes), sorted by start, never adjacent (merged).
+        self._free: list[tuple[int, int]] = [(0, self.capacity)] if self.capacity else []
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self._free)
+
+    @property
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return list(self._free)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The start of a range of at least `nbytes` (rounded up to ALIGN); None when no free
+        range is that large."""
+        size = _aligned(max(nbytes, 1))
+        for index, (start, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[index]
+                else:
+                    self._free[index] = (start + size, free - size)
+                return start
+        return None
+
+    def free(self, start: int, nbytes: int) -> None:
+        """Gives back what `allocate(nbytes)` returned as `start`; ValueError for a range that
+        is not wholly allocated (freed twice, or never handed out)."""
+        size = _aligned(max(nbytes, 1))
+        end = start + size
+        index = bisect.bisect_left(self._free, (start, 0))
+        before = self._free[index - 1] if index else None
+        after = self._free[index] if index < len(self._free) else None
+        if (
+            start % ALIGN
+            or start < 0
+            or end > self.capacity
+            or (before is not None and before[0] + before[1] > start)
+            or (after is not None and after[0] < end)
+        ):
+            raise ValueError(f"bytes [{start}, {end}) are not an allocated range")
+        if after is not None and after[0] == end:
+            end += after[1]
+            del self._free[index]
+        if before is not None and before[0] + before[1] == start:
+            start = before[0]
+            index -= 1
+            del self._free[index]
+        self._free.insert(index, (start, end - start))
+
+
+class ExportArena:
+    """The prefill worker's shared memory for KV copies in flight (see the module's text)."""
+
+    def __init__(self, capacity_bytes: int = DEFAULT_EXPORT_ARENA_BYTES) -> None:
+        self._ranges = ByteRanges(capacity_bytes)
+        self._lock = threading.Lock()  # copies run on threads; releases on the event loop
+        self._memory: torch.Tensor | None = None  # made on first use
+
+    @property
+    def capacity(self) -> int:
+        return self._ranges.capacity
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._ranges.free_bytes
+
+    def read_blocks(
+        self, tensors: Sequence[torch.Tensor], block_ids: list[int]
+    ) -> tuple[tuple[torch.Tensor, ...], Callable[[], None] | None]:
+        """A copy of the blocks, as `nori.engine.kv_cache.read_blocks` makes it, in the arena
+        where it fits, with the function that gives its range back (call it once the copy is no
+        longer read); a private copy and None where it does not fit."""
+        shapes = [(*tensor.shape[:2], len(block_ids), *tensor.shape[3:]) for tensor in tensors]
+        sizes = [
+            _aligned(torch.Size(shape).numel() * tensor.element_size())
+            for shape, tensor in zip(shapes, tensors, strict=True)
+        ]
+        total = sum(sizes)
+        if any(tensor.device.type != "cpu" for tensor in tensors) or not total:
+            return read_blocks(tuple(tensors), block_ids), None
+        with self._lock:
+            start = self._ranges.allocate(total)
+            if start is not None and self._memory is None:
+                storage = torch.UntypedStorage._new_shared(self._ranges.capacity)
+                self._memory = torch.empty(0, dtype=torch.uint8).set_(storage)
+            memory = self._memory
+        if start is None or memory is None:
+            return read_blocks(tuple(tensors), block_ids), None
+        outs = []
+        offset = start
+        for tensor, shape, size in zip(tensors, shapes, sizes, strict=True):
+            nbytes = torch.Size(shape).numel() * tensor.element_size()
+            outs.append(memory[offset : offset + nbytes].view(tensor.dtype).view(shape))
+            offset += size
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                with self._lock:
+                    self._ranges.free(start, total)
+
+        try:
+            return read_blocks(tuple(tensors), block_ids, out=outs), release
+        except BaseException:
+            release()
+            raise
