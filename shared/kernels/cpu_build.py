@@ -25,6 +25,7 @@ _SOURCES = (
     "cpu_module.cpp",
     "argmax_cpu.cpp",
     "bf16_gemv_cpu.cpp",
+    "copy_pieces_cpu.cpp",
     "decode_attention_cpu.cpp",
     "fused_moe_cpu.cpp",
     "int8_gemv_cpu.cpp",

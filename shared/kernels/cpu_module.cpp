@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <tuple>
 
@@ -27,6 +28,8 @@ void store_kv_quantized(const torch::Tensor& key, const torch::Tensor& value,
                         torch::Tensor& k_cache, torch::Tensor& v_cache, torch::Tensor& k_scale,
                         torch::Tensor& v_scale, const torch::Tensor& slots);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+void copy_pieces(const torch::Tensor& pieces);
+uint64_t copy_and_hash_pieces(const torch::Tensor& pieces);
 std::tuple<torch::Tensor, torch::Tensor> rows_to_unit(const torch::Tensor& input,
                                                       double smallest_max);
 void scale_rows_back(torch::Tensor& output, const torch::Tensor& row_max,
@@ -56,6 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, release(), "write key/value rows into the paged caches at slots");
   m.def("store_kv_quantized", &store_kv_quantized, release(),
         "quantize key/value rows into 8-bit paged caches and their float16 scales at slots");
+  m.def("copy_pieces", &copy_pieces, release(),
+        "memcpy of each (destination, source, nbytes) row of int64 [n, 3]");
+  m.def("copy_and_hash_pieces", &copy_and_hash_pieces, release(),
+        "copy_pieces, returning xxh3-64 of the copied bytes in order");
   m.def("argmax_rows", &argmax_rows, release(), "torch.argmax(logits, -1) for float32 [B, V]");
   m.def("rows_to_unit", &rows_to_unit, release(),
         "each row of float32 [T, K] divided by its largest magnitude, and those [T, 1]");

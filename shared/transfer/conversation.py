@@ -38,7 +38,6 @@ from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
 import torch
-import xxhash
 
 from nori.transfer.base import (
     KVSink,
@@ -63,7 +62,7 @@ from nori.transfer.handoff import (
     decode_reply,
     encode_reply,
 )
-from nori.transfer.integrity import transfer_hasher
+from nori.transfer.integrity import TransferHasher, transfer_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Channel(Protocol):
         ...
 
     async def send_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
         """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given a
         `hasher` (`integrity.transfer_hasher`), feeds it every byte, in order; where it can
@@ -108,7 +107,7 @@ class Channel(Protocol):
         ...
 
     async def recv_buffers(
-        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
     ) -> None:
         """Receives one message per piece: into a flat uint8 view in place, or for a
         `ScatteredRun` through a staging buffer into its views (a byte stream may simply read
@@ -205,7 +204,11 @@ async def send_transfer(
     With a `pull_source` the header offers the receiver to read the bytes itself
     (`nori.transfer.cross_memory`)."""
     source_runs = adjacent_runs(views)
-    offer = pull_source.offer(views) if pull_source is not None else None
+    offer = (
+        pull_source.offer(views, source_runs, header.buffer_nbytes)
+        if pull_source is not None
+        else None
+    )
     header = dataclasses.replace(header, source_runs=source_runs, pull_offer=offer)
     try:
         await _within(channel.send_message(header.to_bytes()), config.timeout_s, "sending a header")
@@ -252,7 +255,7 @@ async def send_transfer(
 
 
 async def _await_pull(
-    channel: Channel, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None
+    channel: Channel, views: list[torch.Tensor], hasher: TransferHasher | None
 ) -> None:
     """While the receiver reads the bytes: hashes them, then waits for its `pulled` and
     answers with the trailer (the checksum, zeros when unchecked). Until the trailer is sent the

@@ -1,18 +1,24 @@
-"""Cross-memory attach: on one host the receiver reads a transfer's bytes straight out of the
-sender's memory (`process_vm_readv`), one copy in all, instead of receiving them as messages.
+"""On one host the receiver takes a transfer's bytes straight out of the sender's memory, one
+copy in all, instead of receiving them as messages: copied out of its own read-only mapping of
+the sender's shared memory (the workers' KV caches and the prefill worker's export arena are
+shared memory), or, for private memory, read with `process_vm_readv` (cross-memory attach).
 
 Between two processes on one host UCX's eager shared-memory protocol copies every byte twice
 (into its FIFO, then out of it), as a socket does (into the kernel, then out); UCX's own
 single-copy lane (cma) is left out of endpoints that use peer-failure error handling, which ours
-need (docs/benchmarks.md, issue 28). A read by the receiver copies once, lands only where the
-receiver's own lease says, and is hashed chunk by chunk while the chunk is still in its cache.
+need (docs/benchmarks.md, issue 28). A copy by the receiver happens once, lands only where the
+receiver's own lease says, and is hashed as it lands, while the bytes are in the core's cache.
 
 The conversation (`nori.transfer.conversation`) uses it when both ends agree, over either
 transport, whose connection still carries every message:
 
-    sender    header with a CrossMemoryOffer (its pid, 16 random probe bytes, its regions)
-    receiver  reads the probe back; if it matches, accepts with `pull`, reads the regions into
-              its destinations PULL_CHUNK_BYTES at a time (hashing each chunk as it lands),
+    sender    header with a CrossMemoryOffer: its pid, 16 random probe bytes, its regions, and
+              where they lie in shared memory, its segments and the abstract Unix socket that
+              hands out read-only descriptors of them
+    receiver  maps the segments (once per sender: it asks the socket, which answers with the
+              probe bytes and the descriptors), or else reads the probe back with
+              process_vm_readv; if either works, accepts with `pull`, copies (or reads) the
+              regions into its destinations 1 MiB at a time, hashing each chunk as it lands,
               then replies `pulled`
     sender    (hashes its own bytes meanwhile) answers with its 8-byte trailer, the checksum
     receiver  compares, tells the sink, replies done
@@ -21,9 +27,17 @@ The sender keeps its buffers until its trailer is sent, and sends it only after 
 sender that gave up meanwhile (timed out, closed) sends none, and the receiver fails the
 transfer rather than trust bytes read from memory the sender may have reused.
 
-Where the probe fails (another host; containers with their own pid namespaces; Yama's
-ptrace_scope of 1 or more, which allows reading only descendants; seccomp), the receiver logs
-why once and takes the bytes as messages, as before.
+Mapping needs no permission to read another process: descriptors passed over a Unix socket
+are what shared memory is for, so it works under Yama's ptrace_scope >= 1 (Ubuntu's default,
+which lets a process read only its descendants, and the workers are siblings). It needs the
+same network namespace (the abstract socket) and shared memory; process_vm_readv needs the same
+pid namespace and that permission. Where neither works (another host; containers with their
+own namespaces; seccomp), the receiver logs why once and takes the bytes as messages.
+
+A large copy runs on two threads beside the event loop (`COPY_THREADS`), each taking 1 MiB
+chunks in turn through a C++ kernel that copies a chunk's pieces and hashes them as it goes
+(`nori.kernels.copy_pieces`), the GIL released: the transfer checksum is over chunk digests
+(`integrity.TransferHasher`), so the chunks hash independently.
 """
 
 from __future__ import annotations
@@ -47,18 +61,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import xxhash
 
+from nori.kernels.copy_pieces import copy_and_hash_pieces, copy_pieces
 from nori.transfer.base import TransferError
-from nori.transfer.buffers import ReceivePiece, ScatteredRun
+from nori.transfer.buffers import ReceivePiece, ScatteredRun, adjacent_runs
 from nori.transfer.handoff import CrossMemoryOffer, KVBulk
-from nori.transfer.integrity import hash_chunks, memory_at
+from nori.transfer.integrity import (
+    CHECKSUM_CHUNK_BYTES,
+    TransferHasher,
+    hash_chunks,
+    memory_at,
+)
 
 logger = logging.getLogger(__name__)
 
-# Bytes read per process_vm_readv call, then hashed: small enough to still be in the core's
-# L2/L3 cache when hashed, large enough that the call's fixed cost does not count.
-PULL_CHUNK_BYTES = 1024 * 1024
+# Bytes copied or read per step, then hashed: small enough to still be in the core's L2/L3
+# cache when hashed, large enough that a step's fixed cost does not count; the transfer
+# checksum's chunk, so that each is hashed on its own (`integrity.TransferHasher`).
+PULL_CHUNK_BYTES = CHECKSUM_CHUNK_BYTES
 # The kernel's IOV_MAX: segments per side per call.
 MAX_SEGMENTS = 1024
 # The receiver lets its event loop run other work after about this many bytes.
@@ -74,11 +94,13 @@ MAX_SEGMENT_CLIENTS = 64
 # Senders whose segments a receiver keeps mapped; the least recently used is unmapped.
 MAX_MAPPED_SENDERS = 8
 _SEGMENT_CONNECT_TIMEOUT_S = 2.0
-# A transfer of at least this many bytes out of mapped segments is copied (and hashed) by a
-# thread beside the event loop, which goes on serving meanwhile. One thread, not two: the
-# sender hashes its bytes on the other core of a 2-core host meanwhile, and two copy threads
-# beside it made a checked transfer slower, not faster (docs/benchmarks.md, issue 28).
+# A transfer of at least this many bytes out of mapped segments is copied by threads beside
+# the event loop, which goes on serving meanwhile: they take the chunks in turn, each hashing
+# the chunk it copied while it is in its core's cache. One core copies 32 KiB pieces at about
+# 6 GB/s here (docs/benchmarks.md, issue 28); a socket moves bytes with two (a kernel copy on
+# each side).
 COPY_THREAD_MIN_BYTES = 4 * 1024 * 1024
+COPY_THREADS = min(2, os.cpu_count() or 1)
 
 # (address, byte count) of a stretch of memory.
 Region = tuple[int, int]
@@ -135,13 +157,19 @@ def read_from(pid: int, local: Sequence[Region], remote: Sequence[Region]) -> No
 
 
 def regions_of(views: Sequence[torch.Tensor]) -> list[Region]:
-    """The flat byte views' memory, in order, adjacent views merged into one region."""
-    regions: list[Region] = []
-    for view in views:
-        nbytes = view.numel() * view.element_size()
-        if nbytes:
-            _extend(regions, view.data_ptr(), nbytes)
-    return regions
+    """The flat byte views' memory, in order, adjacent views merged into one region.
+    Vectorized: a transfer of 32 KiB blocks has thousands of views."""
+    count = len(views)
+    addresses = np.fromiter((view.data_ptr() for view in views), dtype=np.int64, count=count)
+    sizes = np.fromiter((view.nbytes for view in views), dtype=np.int64, count=count)
+    kept = sizes > 0
+    addresses, sizes = addresses[kept], sizes[kept]
+    if not len(sizes):
+        return []
+    starts = np.ones(len(sizes), dtype=bool)  # where a view does not continue the one before
+    starts[1:] = addresses[1:] != addresses[:-1] + sizes[:-1]
+    heads = np.flatnonzero(starts)
+    return list(zip(addresses[heads].tolist(), np.add.reduceat(sizes, heads).tolist(), strict=True))
 
 
 def piece_regions(pieces: Sequence[ReceivePiece]) -> list[Region]:
@@ -197,9 +225,9 @@ def _extend(segments: list[Region], address: int, nbytes: int) -> None:
         segments.append((address, nbytes))
 
 
-# A copy's pieces, in stream order: (destination address, source address, byte count), each
-# within one region of either side.
-Pieces = list[tuple[int, int, int]]
+# A copy's pieces, in stream order: rows of (destination address, source address, byte count),
+# each within one region of either side; int64 [n, 3] (what `kernels.copy_pieces` takes).
+Pieces = np.ndarray
 
 
 def copy_plan(
@@ -231,28 +259,9 @@ def copy_plan(
         + starts
         - (destination_ends - destination[:, 1])[at_destination]
     )
-    pieces = list(
-        zip(
-            destination_addresses.tolist(),
-            source_addresses.tolist(),
-            (ends - starts).tolist(),
-            strict=True,
-        )
-    )
-    cuts = [*np.searchsorted(starts, chunk_starts).tolist(), len(pieces)]
-    return [pieces[cuts[k] : cuts[k + 1]] for k in range(len(chunk_starts))]
-
-
-def copy_pieces(pieces: Pieces) -> None:
-    """memmove of each piece (ctypes lets go of the GIL while it copies)."""
-    for destination, source, nbytes in pieces:
-        ctypes.memmove(destination, source, nbytes)
-
-
-def hash_pieces(pieces: Pieces, hasher: xxhash.xxh3_64) -> None:
-    """Feeds the pieces' destination bytes to `hasher`, in order."""
-    for destination, _, nbytes in pieces:
-        hasher.update(memory_at(destination, nbytes))
+    pieces = np.stack([destination_addresses, source_addresses, ends - starts], axis=1)
+    cuts = np.searchsorted(starts, chunk_starts)[1:]
+    return [np.ascontiguousarray(chunk) for chunk in np.split(pieces, cuts)]
 
 
 # ---------------------------------------------------------------------- shared-memory segments
@@ -277,7 +286,8 @@ class Segment:
 
 
 def shared_segments(views: Sequence[torch.Tensor]) -> list[tuple[Segment, int]]:
-    """The shared-memory segments (torch storages shared by file descriptor) the views lie in,
+    """The shared-memory segments (torch storages shared by file descriptor) the views (a run's
+    first view stands for the run) lie in,
     each with a descriptor of it that the storage owns; empty when any view is not in one."""
     storages: dict[int, torch.UntypedStorage] = {}
     for view in views:
@@ -452,13 +462,29 @@ class PullSource:
         self._pid = os.getpid()
         self._segment_server: SegmentServer | None = None
 
-    def offer(self, views: Sequence[torch.Tensor]) -> CrossMemoryOffer | None:
-        """The offer for these flat byte views; None for CUDA memory (another process cannot
-        read it this way) or no bytes at all."""
-        if any(view.is_cuda for view in views):
-            return None
-        regions = regions_of(views)
-        if not regions:
+    def offer(
+        self,
+        views: Sequence[torch.Tensor],
+        runs: Sequence[int] | None = None,
+        sizes: Sequence[int] | None = None,
+    ) -> CrossMemoryOffer | None:
+        """The offer for these flat byte views, given (or else finding) their `adjacent_runs`
+        and byte sizes; None for CUDA memory (another process cannot read it this way) or no
+        bytes at all. Per run, not per view: a transfer of 32 KiB blocks has thousands."""
+        if runs is None:
+            runs = adjacent_runs(list(views))
+        if sizes is None:
+            sizes = [view.numel() * view.element_size() for view in views]
+        heads: list[torch.Tensor] = []  # each run's first view
+        regions: list[Region] = []
+        start = 0
+        for run in runs:
+            nbytes = sum(sizes[start : start + run])
+            if nbytes:
+                heads.append(views[start])
+                _extend(regions, views[start].data_ptr(), nbytes)
+            start += run
+        if not regions or any(head.is_cuda for head in heads):
             return None
         offer = CrossMemoryOffer(
             pid=self._pid,
@@ -467,7 +493,7 @@ class PullSource:
             region_addresses=[address for address, _ in regions],
             region_nbytes=[nbytes for _, nbytes in regions],
         )
-        segments = shared_segments(views)
+        segments = shared_segments(heads)
         if segments:
             if self._segment_server is None:
                 self._segment_server = SegmentServer(self._probe.raw)
@@ -484,7 +510,7 @@ class PullSource:
             self._segment_server = None
 
 
-async def hash_while_pulled(views: Sequence[torch.Tensor], hasher: xxhash.xxh3_64) -> None:
+async def hash_while_pulled(views: Sequence[torch.Tensor], hasher: TransferHasher) -> None:
     """The sender's checksum while the receiver reads: every byte in order, in the chunks the
     transports hash (`integrity.hash_chunks`), letting the event loop run between them."""
     since_yield = 0
@@ -652,7 +678,7 @@ class PullReader:
         self,
         offer: CrossMemoryOffer,
         pieces: Sequence[ReceivePiece],
-        hasher: xxhash.xxh3_64 | None,
+        hasher: TransferHasher | None,
     ) -> KVBulk:
         """Takes the offered regions into the pieces' views, in order, out of the mapped
         segments where the offer has them (else with process_vm_readv), and says which; given a
@@ -678,26 +704,28 @@ class PullReader:
                 )
             ]
             try:
-                plan = copy_plan(
-                    _translate(sources, segments, sender), piece_regions(pieces), self._chunk_bytes
-                )
+                plan = copy_plan(_translate(sources, segments, sender), piece_regions(pieces))
             except ValueError as error:
                 raise TransferError(
                     f"the sender's offer does not fit the destinations: {error}"
                 ) from None
             nbytes = sum(offer.region_nbytes)
-            if nbytes >= COPY_THREAD_MIN_BYTES:
-                await self._copy_in_thread(plan, hasher)
+            digests = [0] * len(plan)
+            if nbytes >= COPY_THREAD_MIN_BYTES and COPY_THREADS > 1:
+                await self._copy_on_threads(plan, digests if hasher is not None else None)
             else:
                 since_yield = 0
-                for chunk in plan:
-                    copy_pieces(chunk)
-                    if hasher is not None:
-                        hash_pieces(chunk, hasher)
-                    since_yield += sum(piece[2] for piece in chunk)
+                for index, chunk in enumerate(plan):
+                    if hasher is None:
+                        copy_pieces(chunk)
+                    else:
+                        digests[index] = copy_and_hash_pieces(chunk)
+                    since_yield += int(chunk[:, 2].sum())
                     if since_yield >= _YIELD_EVERY_BYTES:
                         since_yield = 0
                         await asyncio.sleep(0)
+            if hasher is not None and plan:
+                hasher.add_chunk_digests(digests, int(plan[-1][:, 2].sum()))
             self.bytes_pulled += nbytes
             self.bytes_mapped += nbytes
         finally:
@@ -705,37 +733,39 @@ class PullReader:
             sender.release()
         return "mapped"
 
-    async def _copy_in_thread(self, plan: list[Pieces], hasher: xxhash.xxh3_64 | None) -> None:
-        """The copy (and hash, each chunk right after it landed) on the copy thread, so the
-        event loop goes on serving meanwhile. Returns, or raises, only once the thread no longer
-        touches the destinations: the caller may hand them back right after."""
+    async def _copy_on_threads(self, plan: list[Pieces], digests: list[int] | None) -> None:
+        """The copy threads take the chunks in turn; given `digests`, each puts there the
+        digest of the chunk it copied, hashed as it copies (in its core's cache). Returns, or
+        raises, only once no thread touches the destinations any more: the caller may hand
+        them back right after."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="nori-kv-copy"
+                COPY_THREADS, thread_name_prefix="nori-kv-copy"
             )
         stop = threading.Event()
 
-        def copy_all() -> None:
-            for chunk in plan:
+        def copy_every(first: int) -> None:
+            for index in range(first, len(plan), COPY_THREADS):
                 if stop.is_set():
                     return
-                copy_pieces(chunk)
-                if hasher is not None:
-                    hash_pieces(chunk, hasher)
+                if digests is None:
+                    copy_pieces(plan[index])
+                else:
+                    digests[index] = copy_and_hash_pieces(plan[index])
 
-        work = self._executor.submit(copy_all)
+        work = [self._executor.submit(copy_every, first) for first in range(COPY_THREADS)]
         try:
-            await asyncio.wrap_future(work)
+            await asyncio.gather(*(asyncio.wrap_future(future) for future in work))
         except BaseException:
             stop.set()
-            concurrent.futures.wait([work])  # it stops at its next chunk: well under a ms
+            concurrent.futures.wait(work)  # each stops at its next chunk: well under a ms
             raise
 
     async def _read(
         self,
         pid: int,
         batches: list[tuple[list[Region], list[Region]]],
-        hasher: xxhash.xxh3_64 | None,
+        hasher: TransferHasher | None,
     ) -> None:
         since_yield = 0
         for local, remote in batches:

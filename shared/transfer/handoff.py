@@ -43,8 +43,9 @@ __all__ = [
 KVBulk = Literal["messages", "read", "mapped"]
 
 # Bumped when the header's layout changes incompatibly, so a mixed deployment fails loudly.
-# (Version 1 was a JSON object; it started with "{", which the magic check refuses.)
-HEADER_VERSION = 2
+# (Version 1 was a JSON object; it started with "{", which the magic check refuses. Version 2's
+# `checksums_follow` checksum was one xxh3 over the stream, 3's is over its chunks' digests.)
+HEADER_VERSION = 3
 _MAGIC = b"NKV"
 
 

@@ -44,6 +44,7 @@ lost index_select's two threads: +1.06 of the transfer), so it was not kept.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -110,12 +111,61 @@ def landed_mismatch(
 HASH_CHUNK_BYTES = 512 * 1024
 
 
-def transfer_hasher() -> xxhash.xxh3_64:
-    """The checksum of a `checksums_follow` transfer: one xxh3-64 over every buffer's bytes in
-    order. Unlike one checksum per buffer it does not depend on how the bytes are cut, so each
-    side hashes runs of adjacent buffers in one call (per-call overhead was most of the cost
-    at 32 KiB buffers)."""
-    return xxhash.xxh3_64()
+# The transfer checksum's chunks: consecutive stretches of this many bytes of the stream.
+CHECKSUM_CHUNK_BYTES = 1024 * 1024
+
+
+class TransferHasher:
+    """The checksum of a `checksums_follow` transfer: xxh3-64 over the xxh3-64 digests (8 bytes
+    little-endian each) of the stream's consecutive CHECKSUM_CHUNK_BYTES stretches, the last
+    one shorter (no stretch at all for no bytes).
+
+    It does not depend on how the bytes are cut into calls, so each side hashes runs of
+    adjacent buffers in one call (per-call overhead was most of the cost at 32 KiB buffers);
+    and the chunks hash independently, so a receiver that copies a transfer on several threads
+    hashes each chunk on the thread that just copied it, in that core's cache
+    (`add_chunk_digests`)."""
+
+    def __init__(self) -> None:
+        self._digests = bytearray()
+        self._chunk = xxhash.xxh3_64()
+        self._filled = 0  # bytes of the current chunk hashed so far
+        self._ended = False  # a short last chunk came as a digest: nothing may follow
+
+    def update(self, data: memoryview | bytes | bytearray | np.ndarray) -> None:
+        """Feeds the next bytes of the stream (any contiguous buffer)."""
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+        if self._ended and len(view):
+            raise ValueError("bytes after the transfer's last chunk")
+        while len(view):
+            take = min(len(view), CHECKSUM_CHUNK_BYTES - self._filled)
+            self._chunk.update(view[:take] if take < len(view) else view)
+            view = view[take:]
+            self._filled += take
+            if self._filled == CHECKSUM_CHUNK_BYTES:
+                self._digests += struct.pack("<Q", self._chunk.intdigest())
+                self._chunk.reset()
+                self._filled = 0
+
+    def add_chunk_digests(self, digests: Sequence[int], last_nbytes: int) -> None:
+        """The digests of the next whole chunks, hashed elsewhere (each xxh3-64 of its bytes;
+        `nori.kernels.copy_pieces.copy_and_hash_pieces` takes them as it copies), the last of
+        them `last_nbytes` long (short only for the transfer's last chunk). Only at a chunk
+        boundary."""
+        if self._filled or self._ended:
+            raise ValueError("chunk digests must start at a chunk boundary")
+        for digest in digests:
+            self._digests += struct.pack("<Q", digest)
+        self._ended = last_nbytes < CHECKSUM_CHUNK_BYTES
+
+    def intdigest(self) -> int:
+        tail = struct.pack("<Q", self._chunk.intdigest()) if self._filled else b""
+        return int(xxhash.xxh3_64_intdigest(bytes(self._digests) + tail))
+
+
+def transfer_hasher() -> TransferHasher:
+    """A new `TransferHasher`: the checksum both sides of a `checksums_follow` transfer take."""
+    return TransferHasher()
 
 
 def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:

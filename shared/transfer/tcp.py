@@ -13,7 +13,6 @@ import socket
 import struct
 
 import torch
-import xxhash
 
 from nori.transfer import conversation
 from nori.transfer.address import parse_address
@@ -25,7 +24,7 @@ from nori.transfer.base import (
 from nori.transfer.buffers import ReceivePiece, check_sources, piece_views
 from nori.transfer.cross_memory import PullReader, PullSource
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import hash_chunks
+from nori.transfer.integrity import TransferHasher, hash_chunks
 from nori.transfer.pool import ConnectionPool
 
 logger = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class _HostStaging:
         return _flat(view)
 
 
-def _feed(hasher: xxhash.xxh3_64, views: list[torch.Tensor]) -> None:
+def _feed(hasher: TransferHasher, views: list[torch.Tensor]) -> None:
     """Every byte of `views`, in order, into `hasher` (CUDA ones through host copies)."""
     if any(view.is_cuda for view in views):
         for view in views:
@@ -179,7 +178,7 @@ class _TcpChannel:
         return bytes(payload)
 
     async def send_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
         if hasher is not None:
             # Before the whole transfer (a socket sends many views per call): one pass.
@@ -189,7 +188,7 @@ class _TcpChannel:
         )
 
     async def recv_buffers(
-        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
     ) -> None:
         # A stream has no message boundaries: every piece's views are read in turn, in place.
         views = piece_views(pieces)

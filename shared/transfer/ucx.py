@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from nori.transfer.address import Address, parse_address, worker_peer
 from nori.transfer.base import KVSink, TransferConfig, TransferError
@@ -48,7 +47,7 @@ from nori.transfer.conversation import (
 )
 from nori.transfer.cross_memory import PullReader, PullSource
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import hash_chunks
+from nori.transfer.integrity import TransferHasher, hash_chunks
 from nori.transfer.pool import ConnectionPool
 from nori.transfer.ucx_env import is_loopback
 from nori.transfer.ucx_progress import (
@@ -150,7 +149,7 @@ class _UcxChannel:
     def _peer_said_bye(self) -> bool:
         return self._peer is not None and self._peer()
 
-    async def _send_all(self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None) -> None:
+    async def _send_all(self, views: list[torch.Tensor], hasher: TransferHasher | None) -> None:
         """Posts a send of every view; given a `hasher`, feeds it every byte in order. On the
         host each run of adjacent views (`integrity.hash_chunks`, at most 512 KiB) is hashed
         right before it is posted, so UCX's copy finds it in cache."""
@@ -183,7 +182,7 @@ class _UcxChannel:
             return self._free_slots.pop()
         return np.empty(MAX_RUN_BYTES, dtype=np.uint8)
 
-    async def _receive_all(self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None) -> None:
+    async def _receive_all(self, pieces: list[ReceivePiece], hasher: TransferHasher | None) -> None:
         """Posts a receive per piece, in order: in place into a flat view, or for a
         `ScatteredRun` into one of a few staging buffers, whose bytes are copied to their
         places as soon as they land (the buffer is then reused for a later piece). Given a
@@ -248,12 +247,12 @@ class _UcxChannel:
                 hasher.update(piece.cpu().numpy().data)
 
     async def send_buffers(
-        self, views: list[torch.Tensor], hasher: xxhash.xxh3_64 | None = None
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
         await self._transport(self._send_all(views, hasher), "send")
 
     async def recv_buffers(
-        self, pieces: list[ReceivePiece], hasher: xxhash.xxh3_64 | None = None
+        self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
     ) -> None:
         await self._transport(self._receive_all(pieces, hasher), "receive")
 

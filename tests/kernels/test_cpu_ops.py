@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 
 from nori.kernels._common import unpack_weight_panels
 from nori.kernels.argmax import argmax_rows
@@ -11,6 +13,12 @@ from nori.kernels.bf16_gemv import (
     bf16_gemv,
     bf16_gemv_reference,
     pack_bf16_gemv_weight,
+)
+from nori.kernels.copy_pieces import (
+    copy_and_hash_pieces,
+    copy_and_hash_pieces_reference,
+    copy_pieces,
+    copy_pieces_reference,
 )
 from nori.kernels.cpu_build import cpu_kernels
 from nori.kernels.int8_gemv import (
@@ -194,3 +202,55 @@ def test_bf16_gemv(rows: int, width: int, bias: bool) -> None:
     torch.testing.assert_close(
         result, bf16_gemv_reference(x, weight, bias_values), **TOLERANCE[torch.bfloat16]
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_copy_pieces_matches_its_reference_and_plain_slices(seed: int) -> None:
+    """Pieces of every size (empty ones, and ones past the 64 KiB hash step) from one buffer
+    into scattered, unaligned places of another: the kernels, their memmove references and
+    torch slicing land the same bytes and nothing else, and the hashing ones return xxh3-64 of
+    the pieces' bytes in order (the Python package's, which senders use)."""
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=generator)
+    sizes = [
+        0,
+        1,
+        65536,
+        65537,
+        200_000,
+        *torch.randint(0, 40_000, (19,), generator=generator).tolist(),
+    ]
+    starts = torch.randint(0, source.numel() - 200_000, (24,), generator=generator).tolist()
+    expected = torch.zeros(24 * 200_000, dtype=torch.uint8)
+    rows = []
+    for index, (start, nbytes) in enumerate(zip(starts, sizes, strict=True)):
+        at = index * 200_000 + 7
+        expected[at : at + nbytes] = source[start : start + nbytes]
+        rows.append((at, start, nbytes))
+    digest = xxhash.xxh3_64_intdigest(
+        b"".join(source[start : start + nbytes].numpy().tobytes() for _, start, nbytes in rows)
+    )
+    for copy in (
+        copy_pieces,
+        copy_pieces_reference,
+        copy_and_hash_pieces,
+        copy_and_hash_pieces_reference,
+    ):
+        landed = torch.zeros_like(expected)
+        pieces = np.array(
+            [(landed.data_ptr() + at, source.data_ptr() + start, n) for at, start, n in rows],
+            dtype=np.int64,
+        )
+        result = copy(pieces)
+        assert torch.equal(landed, expected), copy.__name__
+        if "hash" in copy.__name__:
+            assert result == digest, copy.__name__
+
+
+def test_copy_pieces_refuses_a_malformed_table() -> None:
+    with pytest.raises(RuntimeError, match=r"int64 \[n, 3\]"):
+        cpu_kernels().copy_pieces(torch.zeros(4, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="negative"):
+        cpu_kernels().copy_pieces(torch.tensor([[0, 0, -1]], dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="negative"):
+        cpu_kernels().copy_and_hash_pieces(torch.tensor([[0, 0, -1]], dtype=torch.int64))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import struct
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from nori.transfer.factory import ucx_available
 from nori.transfer.handoff import TransferHeader
@@ -63,6 +65,17 @@ def kv_blocks(
         destination=KVDestination(worker_id=str(dtype).removeprefix("torch.")),
     )
     return header, buffers, source
+
+
+def reference_checksum(data: bytes) -> int:
+    """A `checksums_follow` transfer's checksum of these bytes, from its definition: xxh3-64
+    over the xxh3-64 digests (8 bytes little-endian) of each 1 MiB of the stream in turn."""
+    chunk = 1024 * 1024
+    digests = b"".join(
+        struct.pack("<Q", xxhash.xxh3_64_intdigest(data[start : start + chunk]))
+        for start in range(0, len(data), chunk)
+    )
+    return int(xxhash.xxh3_64_intdigest(digests))
 
 
 def reads_across_processes() -> bool:

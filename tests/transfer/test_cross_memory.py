@@ -9,10 +9,10 @@ import multiprocessing
 import subprocess
 import sys
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 import torch
-import xxhash
 
 from nori.transfer.base import TransferError
 from nori.transfer.buffers import ScatteredRun, check_sources
@@ -26,7 +26,8 @@ from nori.transfer.cross_memory import (
 )
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
-from tests.transfer.helpers import KINDS, kv_blocks
+from nori.transfer.integrity import transfer_hasher
+from tests.transfer.helpers import KINDS, kv_blocks, reference_checksum
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
 from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on
 
@@ -56,10 +57,10 @@ def test_copy_plan_cuts_both_layouts_into_chunks_of_the_stream() -> None:
     # Sources of 60 and 40 bytes; destinations of 30, 50 and 20; chunks of 40 bytes.
     sources = [(1000, 60), (2000, 40)]
     destinations = [(0, 30), (100, 50), (500, 20)]
-    assert copy_plan(sources, destinations, chunk_bytes=40) == [
-        [(0, 1000, 30), (100, 1030, 10)],
-        [(110, 1040, 20), (130, 2000, 20)],
-        [(500, 2020, 20)],
+    assert [chunk.tolist() for chunk in copy_plan(sources, destinations, chunk_bytes=40)] == [
+        [[0, 1000, 30], [100, 1030, 10]],
+        [[110, 1040, 20], [130, 2000, 20]],
+        [[500, 2020, 20]],
     ]
     assert copy_plan([], []) == []
     with pytest.raises(ValueError, match="different byte counts"):
@@ -88,10 +89,10 @@ def test_copy_plan_moves_the_same_bytes_as_a_plain_copy(seed: int) -> None:
     destination = torch.zeros(12000, dtype=torch.uint8)
     plan = copy_plan(sources, destinations, chunk_bytes=256)
     for chunk in plan:
-        assert sum(nbytes for _, _, nbytes in chunk) <= 256
-        for to, start, nbytes in chunk:
+        assert chunk[:, 2].sum() <= 256
+        for to, start, nbytes in chunk.tolist():
             destination[to : to + nbytes] = source[start : start + nbytes]
-    assert sum(nbytes for chunk in plan for _, _, nbytes in chunk) == 2000
+    assert sum(int(chunk[:, 2].sum()) for chunk in plan) == 2000
     expected = torch.cat([source[a : a + n] for a, n in sources])
     landed = torch.cat([destination[a : a + n] for a, n in destinations])
     assert torch.equal(landed, expected)
@@ -131,11 +132,11 @@ async def test_a_receiver_reads_another_process_into_scattered_blocks_and_hashes
         pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
         reader = PullReader()
         assert reader.can_pull(offer, pieces)
-        hasher = xxhash.xxh3_64()
+        hasher = transfer_hasher()
         await reader.pull(offer, pieces, hasher)
         assert torch.cat(blocks).numpy().tobytes() == expected
         assert not cache[1::2].any()
-        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(expected)
+        assert hasher.intdigest() == reference_checksum(expected)
         assert reader.bytes_pulled == len(expected)
         assert reader.bytes_mapped == 0  # private memory: read, not mapped
 
@@ -189,11 +190,11 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
         reader = PullReader()
         assert reader.can_pull(offer, pieces) and reader.mapped_senders == 1
-        hasher = xxhash.xxh3_64()
+        hasher = transfer_hasher()
         await reader.pull(offer, pieces, hasher)
         assert torch.cat(blocks).numpy().tobytes() == expected
         assert not cache[1::2].any()
-        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(expected)
+        assert hasher.intdigest() == reference_checksum(expected)
         assert reader.bytes_pulled == reader.bytes_mapped == nbytes
 
         # A region outside the offered segments is refused, not read.
@@ -256,8 +257,10 @@ async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
     they land all the same."""
     real_offer = PullSource.offer
 
-    def broken_offer(self: PullSource, views: list[torch.Tensor]) -> CrossMemoryOffer | None:
-        offer = real_offer(self, views)
+    def broken_offer(
+        self: PullSource, views: list[torch.Tensor], *how: Any
+    ) -> CrossMemoryOffer | None:
+        offer = real_offer(self, views, *how)
         assert offer is not None and offer.segment_socket  # kv_blocks is shared memory
         if broken == "pid and socket of nobody":
             offer.pid = _dead_pid()

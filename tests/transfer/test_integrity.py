@@ -12,12 +12,13 @@ from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import (
     HASH_CHUNK_BYTES,
+    TransferHasher,
     buffer_checksum,
     checksum_mismatch,
     first_mismatch,
     hash_chunks,
 )
-from tests.transfer.helpers import KINDS
+from tests.transfer.helpers import KINDS, reference_checksum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
@@ -88,7 +89,7 @@ async def test_checksums_that_follow_the_data_are_checked(
     try:
         await sender.send(address, header, blocks)
         (landed,) = sink.completed_headers
-        expected = xxhash.xxh3_64_intdigest(source.numpy().tobytes())
+        expected = reference_checksum(source.numpy().tobytes())
         assert landed.buffer_checksums == landed.received_checksums == (expected,)
         for i, block in enumerate(blocks):
             assert torch.equal(sink.destinations(header)[i], block)
@@ -109,6 +110,35 @@ def test_a_header_carries_checksums_or_says_they_follow() -> None:
         TransferHeader.of("r", [1], [8], buffer_checksums=[1], checksums_follow=True)
     header = TransferHeader.of("r", [1], [8], checksums_follow=True)
     assert TransferHeader.from_bytes(header.to_bytes()) == header
+
+
+def test_the_transfer_checksum_does_not_depend_on_how_the_bytes_are_cut() -> None:
+    """Fed in any cuts (empty ones too), or partly as whole chunks' digests hashed elsewhere
+    (as the receiver's copy threads do), the checksum is its definition's."""
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (3 * 1024 * 1024 + 4321,), dtype=torch.uint8, generator=generator)
+    raw = data.numpy().tobytes()
+    assert TransferHasher().intdigest() == reference_checksum(b"")
+    cuts = sorted(torch.randint(0, len(raw), (40,), generator=generator).tolist())
+    hasher = TransferHasher()
+    for start, end in zip([0, *cuts], [*cuts, len(raw)], strict=True):
+        hasher.update(data.numpy()[start:end])
+    assert hasher.intdigest() == reference_checksum(raw)
+
+    mib = 1024 * 1024
+    hasher = TransferHasher()
+    hasher.update(memoryview(raw)[:mib])
+    hasher.add_chunk_digests(
+        [xxhash.xxh3_64_intdigest(raw[start : start + mib]) for start in (mib, 2 * mib, 3 * mib)],
+        last_nbytes=4321,
+    )
+    assert hasher.intdigest() == reference_checksum(raw)
+    with pytest.raises(ValueError, match="after the transfer's last chunk"):
+        hasher.update(b"x")
+    partial = TransferHasher()
+    partial.update(b"abc")
+    with pytest.raises(ValueError, match="chunk boundary"):
+        partial.add_chunk_digests([0], last_nbytes=mib)
 
 
 def test_hash_chunks_cover_every_byte_in_order() -> None:
@@ -176,7 +206,7 @@ async def test_scattered_blocks_staged_in_many_messages_land_in_place(
             )
             await sender.send(address, header, blocks)
             landed = sink.completed_headers[-1]
-            expected = xxhash.xxh3_64_intdigest(source.numpy().tobytes())
+            expected = reference_checksum(source.numpy().tobytes())
             assert landed.received_checksums == (expected,)
             cache = sink.cache.view(1600, block_bytes)
             assert torch.equal(cache[block_ids], source.view(len(block_ids), block_bytes))

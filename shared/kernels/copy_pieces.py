@@ -1,0 +1,62 @@
+"""Copies of raw memory pieces, (destination address, source address, byte count) each, with
+C++ kernels on CPU (copy_pieces_cpu.cpp) beside references of one ctypes memmove per piece.
+
+A KV transfer's receiver copies out of its mapping of the sender's shared memory in chunks of
+1 MiB (`nori.transfer.cross_memory`), on two threads: a kernel copies a whole chunk in one call
+with the GIL released, where memmove calls from Python take the GIL back between pieces (two
+threads then ran no faster than one at 32 KiB pieces). `copy_and_hash_pieces` also returns the
+chunk's digest for the transfer checksum, each stretch hashed right after it is copied, while it
+is still in the core's cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from nori.kernels.cpu_build import cpu_kernels
+
+
+def copy_pieces_reference(pieces: np.ndarray) -> None:
+    """memmove of each row of int64 [n, 3] (ctypes lets go of the GIL during each)."""
+    for destination, source, nbytes in pieces.tolist():
+        ctypes.memmove(destination, source, nbytes)
+
+
+def copy_and_hash_pieces_reference(pieces: np.ndarray) -> int:
+    """`copy_pieces_reference`, then xxh3-64 of the copied bytes in order."""
+    copy_pieces_reference(pieces)
+    hasher = xxhash.xxh3_64()
+    for destination, _, nbytes in pieces.tolist():
+        hasher.update(ctypes.string_at(destination, nbytes))
+    return int(hasher.intdigest())
+
+
+def _kernels_for(pieces: np.ndarray) -> Any | None:
+    """The C++ kernels, where they are built and take this table."""
+    if pieces.dtype != np.int64 or not pieces.flags.c_contiguous:
+        return None
+    return cpu_kernels()
+
+
+def copy_pieces(pieces: np.ndarray) -> None:
+    """Copies each row's bytes, (destination address, source address, byte count) of an int64
+    [n, 3] array; the caller vouches for every address."""
+    kernels = _kernels_for(pieces)
+    if kernels is None:
+        copy_pieces_reference(pieces)
+    else:
+        kernels.copy_pieces(torch.from_numpy(pieces))
+
+
+def copy_and_hash_pieces(pieces: np.ndarray) -> int:
+    """`copy_pieces`, returning xxh3-64 of the copied bytes in order (a transfer checksum's
+    chunk digest, `nori.transfer.integrity.TransferHasher`)."""
+    kernels = _kernels_for(pieces)
+    if kernels is None:
+        return copy_and_hash_pieces_reference(pieces)
+    return int(kernels.copy_and_hash_pieces(torch.from_numpy(pieces)))
