@@ -17,9 +17,10 @@ on the sender from the first byte until the receiver's acknowledgement.
 Over UCX the report also says what carried the bytes (`ucx_transports`: the endpoint's lanes,
 and the protocols UCX picked for tagged sends by message size, from UCX's own info log in the
 receiver) and what the integrity check costs end to end (`integrity_cost_vs_ucx`): each timed
-UCX repeat is a pair, one transfer without checksums and one with them (the sender hashes its
-buffers before the header, the receiver hashes each buffer as it lands and compares), and the
-figure is the median over the pairs of (t_checked - t_unchecked) / t_unchecked.
+UCX repeat is a pair, one transfer without checksums and one with them (the sender sends the
+checksum its export copy took, as a prefill worker does; the receiver hashes the bytes as they
+land and compares), and the figure is the median over the pairs of
+(t_checked - t_unchecked) / t_unchecked.
 
 Our transports move the bytes as the workers do: on one host the receiver reads them out of the
 sender's memory (`nori.transfer.cross_memory`) where it can (`--bulk auto`), or always as
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -47,7 +49,7 @@ import torch
 
 from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import buffer_checksums, landed_mismatch
+from nori.transfer.integrity import TransferHasher, buffer_checksums, landed_mismatch
 
 # One message = one block of one layer's K (or V) in Nori's cache layout
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: that is the largest piece a receiver can
@@ -326,7 +328,14 @@ async def _time_transport(
         )
 
     unchecked = header(checksums_follow=False)
-    checked_header = header(checksums_follow=True)
+    # As a prefill worker sends: its export copy took the checksum as it copied the blocks
+    # (`nori.prefill.export_arena`), so the sender sends it without hashing them again; the
+    # receiver hashes what lands. (What taking it costs the export copy: docs/benchmarks.md.)
+    stream = TransferHasher()
+    stream.update(source.numpy())
+    checked_header = dataclasses.replace(
+        header(checksums_follow=True), sender_checksum=stream.intdigest()
+    )
     sender = make_sender(
         kind, TransferConfig(timeout_s=300.0, cross_memory_attach=settings.cross_memory_attach)
     )
@@ -338,7 +347,6 @@ async def _time_transport(
             plain_s = time.perf_counter() - start
             if checked:
                 start = time.perf_counter()
-                # As a prefill worker sends: the transport hashes each block as it posts it.
                 await sender.send(address, checked_header, blocks)
                 checked_s = time.perf_counter() - start
             if repeat:  # the first round is the untimed warm-up

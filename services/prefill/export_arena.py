@@ -19,17 +19,35 @@ receiver may still be reading it.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nori.engine.kv_cache import read_blocks
+from nori.kernels.copy_pieces import copy_and_hash_pieces
+from nori.transfer.cross_memory import COPY_THREADS, copy_plan
+from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 
 # Every range starts on a page: tensors in it are aligned, and no two share a page.
 ALIGN = 4096
 # Room for this many bytes of KV in flight at once: virtual until written.
 DEFAULT_EXPORT_ARENA_BYTES = 1024 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ExportCopy:
+    """A copy of a request's blocks (`nori.engine.kv_cache.read_blocks`' layout)."""
+
+    blocks: tuple[torch.Tensor, ...]
+    # Gives its range of the arena back (call once nothing reads the copy); None: not in it.
+    release: Callable[[], None] | None = None
+    # The transfer checksum of its bytes (`integrity.TransferHasher`), taken as it was copied;
+    # None: not taken.
+    checksum: int | None = None
 
 
 def _aligned(nbytes: int) -> int:
@@ -99,6 +117,9 @@ class ExportArena:
         self._ranges = ByteRanges(capacity_bytes)
         self._lock = threading.Lock()  # copies run on threads; releases on the event loop
         self._memory: torch.Tensor | None = None  # made on first use
+        self._copiers = concurrent.futures.ThreadPoolExecutor(
+            COPY_THREADS, thread_name_prefix="nori-kv-export"
+        )
 
     @property
     def capacity(self) -> int:
@@ -109,20 +130,23 @@ class ExportArena:
         with self._lock:
             return self._ranges.free_bytes
 
-    def read_blocks(
-        self, tensors: Sequence[torch.Tensor], block_ids: list[int]
-    ) -> tuple[tuple[torch.Tensor, ...], Callable[[], None] | None]:
+    def read_blocks(self, tensors: Sequence[torch.Tensor], block_ids: list[int]) -> ExportCopy:
         """A copy of the blocks, as `nori.engine.kv_cache.read_blocks` makes it, in the arena
-        where it fits, with the function that gives its range back (call it once the copy is no
-        longer read); a private copy and None where it does not fit."""
+        where it fits, with the function that gives its range back and the transfer checksum of
+        its bytes (of the copies one after another: the stream that
+        `nori.worker.kv_layout.source_buffers` cuts them into), taken as they are copied; a
+        private copy alone where it does not fit."""
         shapes = [(*tensor.shape[:2], len(block_ids), *tensor.shape[3:]) for tensor in tensors]
         sizes = [
             _aligned(torch.Size(shape).numel() * tensor.element_size())
             for shape, tensor in zip(shapes, tensors, strict=True)
         ]
         total = sum(sizes)
-        if any(tensor.device.type != "cpu" for tensor in tensors) or not total:
-            return read_blocks(tuple(tensors), block_ids), None
+        if (
+            any(tensor.device.type != "cpu" or not tensor.is_contiguous() for tensor in tensors)
+            or not total
+        ):
+            return ExportCopy(read_blocks(tuple(tensors), block_ids))
         with self._lock:
             start = self._ranges.allocate(total)
             if start is not None and self._memory is None:
@@ -130,7 +154,7 @@ class ExportArena:
                 self._memory = torch.empty(0, dtype=torch.uint8).set_(storage)
             memory = self._memory
         if start is None or memory is None:
-            return read_blocks(tuple(tensors), block_ids), None
+            return ExportCopy(read_blocks(tuple(tensors), block_ids))
         outs = []
         offset = start
         for tensor, shape, size in zip(tensors, shapes, sizes, strict=True):
@@ -147,7 +171,45 @@ class ExportArena:
                     self._ranges.free(start, total)
 
         try:
-            return read_blocks(tuple(tensors), block_ids, out=outs), release
+            checksum = self._copy_and_hash(tensors, block_ids, outs)
         except BaseException:
             release()
             raise
+        return ExportCopy(tuple(outs), release, checksum)
+
+    def _copy_and_hash(
+        self, tensors: Sequence[torch.Tensor], block_ids: list[int], outs: list[torch.Tensor]
+    ) -> int:
+        """Gathers the blocks into `outs` in 1 MiB chunks of the stream, on the copy threads in
+        turn, each chunk hashed as it is copied (`nori.kernels.copy_pieces`): the checksum costs
+        no pass of its own over the bytes, and the sender need not hash them again."""
+        sources: list[tuple[int, int]] = []
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for tensor in tensors:
+            itemsize = tensor.element_size()
+            layer, half, block = (tensor.stride(dim) * itemsize for dim in range(3))
+            block_bytes = block  # contiguous: a block's bytes are the block stride
+            addresses = (
+                tensor.data_ptr()
+                + np.arange(tensor.shape[0], dtype=np.int64)[:, None, None] * layer
+                + np.arange(2, dtype=np.int64)[None, :, None] * half
+                + ids[None, None, :] * block
+            ).ravel()
+            sources.extend((address, block_bytes) for address in addresses.tolist())
+        destinations = [(out.data_ptr(), out.nbytes) for out in outs]
+        plan = copy_plan(sources, destinations, CHECKSUM_CHUNK_BYTES)
+        digests = [0] * len(plan)
+
+        def copy_every(first: int) -> None:
+            for index in range(first, len(plan), COPY_THREADS):
+                digests[index] = copy_and_hash_pieces(plan[index])
+
+        if len(plan) > 1:
+            list(self._copiers.map(copy_every, range(COPY_THREADS)))
+        else:
+            for first in range(COPY_THREADS):
+                copy_every(first)
+        hasher = TransferHasher()
+        if plan:
+            hasher.add_chunk_digests(digests, int(plan[-1][:, 2].sum()))
+        return hasher.intdigest()

@@ -10,16 +10,16 @@ alive; the destination says where to renew it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 
 from nori.engine.engine import LLMEngine, export_request, prefilled_kv
 from nori.engine.kv_transfer import KVExport, KVToRemote
-from nori.prefill.export_arena import ExportArena
+from nori.prefill.export_arena import ExportArena, ExportCopy
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import TransferHeader
@@ -103,9 +103,9 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 done = True  # the first token ended it: nothing to send
                 outcome = finish_reason = output.finish_reason or "stop"
                 return prefill_pb2.PrefillResponse(first=first, prefill_seconds=prefill_seconds)
-            export, release = await self._export(request_id)
+            export, copy = await self._export(request_id)
             done = True  # the blocks are free; what remains is sending the copy
-            sent = await self._send(export, release, destination, context, record)
+            sent = await self._send(export, copy, destination, context, record)
             outcome = "transferred"
             return prefill_pb2.PrefillResponse(
                 first=first,
@@ -127,37 +127,40 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if not done:
                 self._engine.submit(LLMEngine.abort_request, request_id)
 
-    async def _export(self, request_id: str) -> tuple[KVExport, Callable[[], None] | None]:
-        """A copy of the prefilled request's state and blocks, which are then freed, and the
-        function that gives the copy's range of the export arena back (None for a copy outside
-        it). The cache is read here, off the event loop, while the request holds its blocks: an
-        engine process's is in shared memory, so only the block ids cross the pipe. Under tensor
-        parallelism the ranks' heads are gathered by the engine instead."""
+    async def _export(self, request_id: str) -> tuple[KVExport, ExportCopy]:
+        """A copy of the prefilled request's state and blocks, which are then freed, and how
+        the copy was made (in the export arena: the function that gives its range back, and the
+        checksum taken while copying). The cache is read here, off the event loop, while the
+        request holds its blocks: an engine process's is in shared memory, so only the block ids
+        cross the pipe. Under tensor parallelism the ranks' heads are gathered by the engine
+        instead."""
         facts = self._engine.facts
         if facts.tensor_parallel_size > 1:
-            return await self._engine.call(export_and_release, request_id), None
+            export = await self._engine.call(export_and_release, request_id)
+            return export, ExportCopy(export.blocks)
         state, block_ids = await self._engine.call(prefilled_kv, request_id)
         copying = asyncio.ensure_future(
             asyncio.to_thread(self._arena.read_blocks, facts.kv_cache_tensors, block_ids)
         )
         try:
-            blocks, release = await asyncio.shield(copying)
+            copy = await asyncio.shield(copying)
         except asyncio.CancelledError:
             # The copy runs on; its range goes back once it is made.
             copying.add_done_callback(_release_copy)
             raise
         self._engine.submit(LLMEngine.finish_kv_transfer, request_id)
-        return KVExport(state=state, blocks=blocks), release
+        return KVExport(state=state, blocks=copy.blocks), copy
 
     async def _send(
         self,
         export: KVExport,
-        release: Callable[[], None] | None,
+        copy: ExportCopy,
         destination: KVDestination,
         context: grpc.aio.ServicerContext,
         record: CallRecord,
     ) -> int:
         block_ids = list(destination.block_ids)
+        release = copy.release
         try:
             try:
                 buffers = source_buffers(export.blocks, block_ids)
@@ -176,9 +179,11 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 destination=destination,
                 trace_context=trace_context,
                 # The transport hashes each buffer as it sends it (in cache) and sends the sums
-                # right after the data (nori.transfer.integrity).
+                # right after the data (nori.transfer.integrity), unless the export copy took
+                # the checksum as it copied.
                 checksums_follow=True,
             )
+            header = dataclasses.replace(header, sender_checksum=copy.checksum)
         except BaseException:
             if release is not None:
                 release()  # no transfer will read the copy
@@ -224,10 +229,10 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         )
 
 
-def _release_copy(copying: asyncio.Future[tuple[Any, Callable[[], None] | None]]) -> None:
+def _release_copy(copying: asyncio.Future[ExportCopy]) -> None:
     """Gives back the arena range of a copy whose caller left before it was made."""
     if not copying.cancelled() and copying.exception() is None:
-        release = copying.result()[1]
+        release = copying.result().release
         if release is not None:
             release()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,17 +116,10 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def read_blocks(
-    tensors: tuple[torch.Tensor, ...],
-    block_ids: list[int],
-    out: Sequence[torch.Tensor] | None = None,
+    tensors: tuple[torch.Tensor, ...], block_ids: list[int]
 ) -> tuple[torch.Tensor, ...]:
     """A copy of the given blocks of a cache's `tensors`, each [layers, 2, n, ...] (also from
-    another process's cache in shared memory); into `out` where given (contiguous tensors of
-    those shapes and the cache's dtypes), which are returned."""
+    another process's cache in shared memory)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
     # Through bytes: index_select has no float8 implementation on CPU.
-    if out is None:
-        return tuple(_bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in tensors)
-    for tensor, destination in zip(tensors, out, strict=True):
-        torch.index_select(_bytes(tensor), 2, index, out=_bytes(destination))
-    return tuple(out)
+    return tuple(_bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in tensors)

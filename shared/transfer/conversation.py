@@ -218,11 +218,14 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     accepted = _expect(_decode_reply(reply), "accepted")
-    hasher = transfer_hasher() if header.checksums_follow else None
+    # A checksum taken where the bytes were written is sent as it is; else the bytes are hashed
+    # on their way (or while the receiver takes them).
+    known = header.sender_checksum if header.checksums_follow else None
+    hasher = transfer_hasher() if header.checksums_follow and known is None else None
     if accepted.pull:
         if offer is None:
             raise TransferError("the receiver would read bytes it was not offered")
-        await _within(_await_pull(channel, views, hasher), config.timeout_s, "being read")
+        await _within(_await_pull(channel, views, hasher, known), config.timeout_s, "being read")
     else:
         destination_runs = tuple(accepted.destination_runs)
         if destination_runs:
@@ -232,9 +235,11 @@ async def send_transfer(
                 views, joint_runs(source_runs, destination_runs, header.buffer_nbytes)
             )
         await _within(channel.send_buffers(views, hasher), config.timeout_s, "sending KV data")
-        if hasher is not None:
+        if header.checksums_follow:
             await _within(
-                channel.send_message(pack_checksum(hasher.intdigest())),
+                channel.send_message(
+                    pack_checksum(hasher.intdigest() if hasher is not None else known or 0)
+                ),
                 config.timeout_s,
                 "sending the checksum",
             )
@@ -255,15 +260,19 @@ async def send_transfer(
 
 
 async def _await_pull(
-    channel: Channel, views: list[torch.Tensor], hasher: TransferHasher | None
+    channel: Channel,
+    views: list[torch.Tensor],
+    hasher: TransferHasher | None,
+    known: int | None = None,
 ) -> None:
-    """While the receiver reads the bytes: hashes them, then waits for its `pulled` and
-    answers with the trailer (the checksum, zeros when unchecked). Until the trailer is sent the
-    buffers are the receiver's to read; after it, never again."""
+    """While the receiver reads the bytes: hashes them (unless their checksum is `known`), then
+    waits for its `pulled` and answers with the trailer (the checksum, zeros when unchecked).
+    Until the trailer is sent the buffers are the receiver's to read; after it, never again."""
     if hasher is not None:
         await hash_while_pulled(views, hasher)
     _expect(_decode_reply(await channel.recv_message(MAX_REPLY_BYTES)), "pulled")
-    await channel.send_message(pack_checksum(hasher.intdigest() if hasher is not None else 0))
+    checksum = hasher.intdigest() if hasher is not None else known
+    await channel.send_message(pack_checksum(checksum if checksum is not None else 0))
 
 
 def pack_checksum(checksum: int) -> bytes:

@@ -74,6 +74,10 @@ class TransferHeader:
     # Not on the wire: how the bytes came (the offer taken up, or messages); set by the
     # receiving conversation.
     bulk: KVBulk = "messages"
+    # Not on the wire: a `checksums_follow` sender's checksum of the bytes, taken where they
+    # were written (the prefill worker's export copy, `nori.prefill.export_arena`): the sender
+    # sends it instead of hashing the bytes once more. None: the transport hashes them.
+    sender_checksum: int | None = None
 
     @classmethod
     def of(

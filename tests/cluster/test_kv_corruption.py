@@ -28,32 +28,26 @@ CORRUPTING_SITECUSTOMIZE = """
 import sys
 
 if sys.argv[1:3] == ["serve", "prefill"]:
-    import nori.transfer.conversation as conversation
+    import torch
 
-    _hasher = conversation.transfer_hasher
-    _transfers = []
+    from nori.prefill import export_arena
 
-    class _CorruptingHasher:
-        # The sender's checksum over bytes that differ by one flipped byte from those the
-        # receiver gets (sent as messages, or read out of this process's memory): corruption
-        # between the checksum and the wire, in the first transfer only (the retry goes
-        # through intact).
-        def __init__(self):
-            self._real = _hasher()
-            self._first = not _transfers
-            _transfers.append(True)
+    _read_blocks = export_arena.ExportArena.read_blocks
+    _copies = []
 
-        def update(self, chunk):
-            if self._first:
-                self._first = False
-                chunk = bytearray(chunk)
-                chunk[0] ^= 0xFF
-            self._real.update(chunk)
+    def _corrupting_read_blocks(self, tensors, block_ids):
+        # The export copy's bytes change by one flipped byte after it took their checksum:
+        # corruption between the checksum and the wire (the receiver copies them out of the
+        # arena, or gets them as messages), in the first transfer only (the retry goes through
+        # intact).
+        copy = _read_blocks(self, tensors, block_ids)
+        if not _copies:
+            _copies.append(True)
+            assert copy.checksum is not None, "the copy took no checksum: nothing to corrupt"
+            copy.blocks[0].view(torch.uint8).view(-1)[0] ^= 0xFF
+        return copy
 
-        def intdigest(self):
-            return self._real.intdigest()
-
-    conversation.transfer_hasher = _CorruptingHasher
+    export_arena.ExportArena.read_blocks = _corrupting_read_blocks
 """
 
 

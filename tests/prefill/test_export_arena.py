@@ -8,6 +8,7 @@ import torch
 
 from nori.engine.kv_cache import read_blocks
 from nori.prefill.export_arena import ALIGN, ByteRanges, ExportArena
+from tests.transfer.helpers import reference_checksum
 
 
 def test_ranges_are_first_fit_page_aligned_and_merge_when_freed() -> None:
@@ -65,21 +66,26 @@ def test_a_copy_in_the_arena_equals_a_private_copy_and_goes_back(dtype: torch.dt
     tensors = _cache(dtype)
     block_ids = [7, 2, 3, 11]
     arena = ExportArena(64 * ALIGN)
-    blocks, release = arena.read_blocks(tensors, block_ids)
-    assert release is not None
+    copy = arena.read_blocks(tensors, block_ids)
+    assert copy.release is not None
     expected = read_blocks(tensors, block_ids)
-    for copy, reference in zip(blocks, expected, strict=True):
-        assert copy.dtype == reference.dtype and copy.shape == reference.shape
-        assert copy.is_contiguous() and copy.untyped_storage().is_shared()
-        assert torch.equal(copy.view(torch.uint8), reference.view(torch.uint8))
+    for block, reference in zip(copy.blocks, expected, strict=True):
+        assert block.dtype == reference.dtype and block.shape == reference.shape
+        assert block.is_contiguous() and block.untyped_storage().is_shared()
+        assert torch.equal(block.view(torch.uint8), reference.view(torch.uint8))
+    # Taken as it copied: the checksum of the stream the transfer sends (the copies in turn).
+    stream = b"".join(reference.view(torch.uint8).numpy().tobytes() for reference in expected)
+    assert copy.checksum == reference_checksum(stream)
     assert arena.free_bytes < arena.capacity
     # A second copy lies beside the first: both in one shared segment.
-    more, release_more = arena.read_blocks(tensors, [0])
-    assert release_more is not None
-    assert more[0].untyped_storage().data_ptr() == blocks[0].untyped_storage().data_ptr()
-    release()
-    release()  # once only: the second call gives nothing back twice
-    release_more()
+    more = arena.read_blocks(tensors, [0])
+    assert more.release is not None
+    assert (
+        more.blocks[0].untyped_storage().data_ptr() == copy.blocks[0].untyped_storage().data_ptr()
+    )
+    copy.release()
+    copy.release()  # once only: the second call gives nothing back twice
+    more.release()
     assert arena.free_bytes == arena.capacity
 
 
@@ -87,8 +93,30 @@ def test_a_copy_that_does_not_fit_is_private() -> None:
     tensors = _cache(torch.bfloat16)
     arena = ExportArena(ALIGN)  # one page: 8 blocks of this cache fill it, 12 do not fit
     block_ids = list(range(12))
-    blocks, release = arena.read_blocks(tensors, block_ids)
-    assert release is None
-    assert not blocks[0].untyped_storage().is_shared()
-    assert torch.equal(blocks[0], read_blocks(tensors, block_ids)[0])
+    copy = arena.read_blocks(tensors, block_ids)
+    assert copy.release is None and copy.checksum is None
+    assert not copy.blocks[0].untyped_storage().is_shared()
+    assert torch.equal(copy.blocks[0], read_blocks(tensors, block_ids)[0])
     assert arena.free_bytes == arena.capacity
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_checksum_of_a_copy_over_many_chunks_is_the_streams(dtype: torch.dtype) -> None:
+    """MiBs of blocks in scattered order (chunks of the checksum end mid-block and, for an
+    8-bit cache, run from the codes into the scales): copied on the copy threads, the bytes and
+    the checksum are those of the private copy's stream."""
+    generator = torch.Generator().manual_seed(9)
+    values = torch.randn(2, 2, 64, 16, 8, 48, generator=generator).to(dtype)
+    tensors: tuple[torch.Tensor, ...] = (values,)
+    if dtype.itemsize == 1:
+        tensors = (values, torch.rand(2, 2, 64, 16, 8, generator=generator))
+    block_ids = torch.randperm(64, generator=generator)[:50].tolist()
+    arena = ExportArena(64 * 1024 * 1024)
+    copy = arena.read_blocks(tensors, block_ids)
+    expected = read_blocks(tensors, block_ids)
+    stream = b"".join(reference.view(torch.uint8).numpy().tobytes() for reference in expected)
+    assert len(stream) > 1024 * 1024  # several chunks
+    assert b"".join(block.view(torch.uint8).numpy().tobytes() for block in copy.blocks) == stream
+    assert copy.checksum == reference_checksum(stream)
+    assert copy.release is not None
+    copy.release()
