@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,10 @@ from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 ALIGN = 4096
 # Room for this many bytes of KV in flight at once: virtual until written.
 DEFAULT_EXPORT_ARENA_BYTES = 1024 * 1024 * 1024
+# Where torch's shared memory lives (its file_descriptor strategy: shm_open).
+SHARED_MEMORY_FOLDER = "/dev/shm"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,9 +123,34 @@ class ExportArena:
         self._ranges = ByteRanges(capacity_bytes)
         self._lock = threading.Lock()  # copies run on threads; releases on the event loop
         self._memory: torch.Tensor | None = None  # made on first use
+        # The end of the furthest range handed out: the pages below it exist (or may).
+        self._touched = 0
+        self._full_logged = False
         self._copiers = concurrent.futures.ThreadPoolExecutor(
             COPY_THREADS, thread_name_prefix="nori-kv-export"
         )
+
+    def _room_for(self, end: int) -> bool:
+        """Whether the shared-memory filesystem has room for the arena's pages up to `end`:
+        past its size a write would be a SIGBUS (a container's /dev/shm is 64 MiB unless set)."""
+        if end <= self._touched:
+            return True
+        try:
+            stats = os.statvfs(SHARED_MEMORY_FOLDER)
+        except OSError:
+            return False
+        if stats.f_bavail * stats.f_frsize < end - self._touched:
+            if not self._full_logged:
+                self._full_logged = True
+                logger.warning(
+                    "%s has no room for more of the KV export arena: KV copies past %d MiB are "
+                    "private (give the worker more shared memory, e.g. compose's shm_size)",
+                    SHARED_MEMORY_FOLDER,
+                    self._touched // 2**20,
+                )
+            return False
+        self._touched = end
+        return True
 
     @property
     def capacity(self) -> int:
@@ -149,6 +180,9 @@ class ExportArena:
             return ExportCopy(read_blocks(tuple(tensors), block_ids))
         with self._lock:
             start = self._ranges.allocate(total)
+            if start is not None and not self._room_for(start + total):
+                self._ranges.free(start, total)
+                start = None
             if start is not None and self._memory is None:
                 storage = torch.UntypedStorage._new_shared(self._ranges.capacity)
                 self._memory = torch.empty(0, dtype=torch.uint8).set_(storage)

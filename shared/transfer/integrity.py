@@ -1,5 +1,12 @@
 """Checksums of KV transfer buffers: the receiver decodes only on the bytes the sender sent.
 
+Now (issue 28, fifth session): a `checksums_follow` transfer carries one checksum of its whole
+byte stream, xxh3-64 over the xxh3-64 digests of each CHECKSUM_CHUNK_BYTES of it
+(`TransferHasher`). The prefill worker's export copy takes it as it copies the blocks
+(`nori.prefill.export_arena`); a receiver copying out of the sender's shared memory takes each
+chunk's digest as it copies the chunk (`nori.kernels.copy_pieces`); the other paths hash as the
+bytes go out and land. What follows is how the earlier designs were measured.
+
 One xxh3-64 per buffer, computed by the sender over its export buffers and carried in the
 transfer header, and by the receiver over the cache blocks the bytes landed in; the decode
 worker's sink compares the two before the request joins a batch (fail-closed: a header without

@@ -3,10 +3,14 @@ shared memory that equal the private copies they replace."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from nori.engine.kv_cache import read_blocks
+from nori.prefill import export_arena
 from nori.prefill.export_arena import ALIGN, ByteRanges, ExportArena
 from tests.transfer.helpers import reference_checksum
 
@@ -120,3 +124,24 @@ def test_the_checksum_of_a_copy_over_many_chunks_is_the_streams(dtype: torch.dty
     assert copy.checksum == reference_checksum(stream)
     assert copy.release is not None
     copy.release()
+
+
+def test_without_room_in_shared_memory_copies_are_private(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Past what /dev/shm can hold a write into the arena would be a SIGBUS: the copy is private
+    instead (and said once)."""
+    tensors = _cache(torch.bfloat16)
+    full = tmp_path / "full"
+    full.mkdir()
+    monkeypatch.setattr(export_arena, "SHARED_MEMORY_FOLDER", str(full))
+    monkeypatch.setattr(
+        export_arena.os,
+        "statvfs",
+        lambda _: os.statvfs_result((4096, 4096, 0, 0, 0, 0, 0, 0, 0, 255)),
+    )
+    arena = ExportArena(64 * ALIGN)
+    copy = arena.read_blocks(tensors, [1, 2])
+    assert copy.release is None and copy.checksum is None
+    assert torch.equal(copy.blocks[0], read_blocks(tensors, [1, 2])[0])
+    assert arena.free_bytes == arena.capacity
