@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+from nori.bench.moe_layer import cpu_model
 from nori.engine.kv_cache import read_blocks
 from nori.prefill.export_arena import ExportArena
 from nori.transfer.integrity import TransferHasher
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main() -> None:
@@ -75,7 +64,7 @@ def main() -> None:
             if repeat:  # the first round warms up (page faults, threads)
                 seconds[name].append(time.perf_counter() - start)
     report = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "nbytes": nbytes,
         **{f"{name}_ms": round(statistics.median(s) * 1e3, 2) for name, s in seconds.items()},

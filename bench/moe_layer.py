@@ -134,7 +134,7 @@ def run_moe_layer_benchmark(
         torch.set_num_threads(threads_before)
     report = {
         "benchmark": "moe-layer",
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "torch_threads": threads,
         "settings": asdict(settings),
         "results": rows,
@@ -176,7 +176,8 @@ def _time_both(
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This host's CPU model, as /proc/cpuinfo names it (stated beside every figure)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
