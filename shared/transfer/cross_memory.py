@@ -528,7 +528,7 @@ class PullReader:
 
     def __init__(self, chunk_bytes: int = PULL_CHUNK_BYTES) -> None:
         self._chunk_bytes = chunk_bytes
-        # The thread that copies large transfers out of mapped segments.
+        # The threads that copy large transfers out of mapped segments (COPY_THREADS).
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Why offers are refused, once each in the log (pids of peers on other hosts differ
         # without end; the reasons do not).

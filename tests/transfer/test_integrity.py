@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import xxhash
@@ -100,6 +102,44 @@ async def test_checksums_that_follow_the_data_are_checked(
             await sender.send(address, header, blocks)
         assert len(sink.completed_headers) == 1
         assert receiver.bytes_pulled == (2 * size * count if pull else 0)
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared memory"])
+@pytest.mark.parametrize("pull", [False, True], ids=["messages", "pull"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.asyncio
+async def test_a_checksum_taken_where_the_bytes_were_written_is_sent_and_checked(
+    kind: str, pull: bool, shared: bool
+) -> None:
+    """A sender whose checksum was taken beforehand (the prefill worker's export copy) sends it
+    without hashing: right, the transfer lands; wrong (the bytes changed after it was taken),
+    the receiver, which hashed what landed, refuses it. Sent as messages, copied out of the
+    sender's shared memory, or read out of its private memory."""
+    size, count = 64 * 1024, 40  # 2.5 MiB: several chunks of the checksum
+    sink = _CheckingSink(2 * size * count)
+    config = TransferConfig(cross_memory_attach=pull)
+    receiver = make_receiver(kind, sink, config)
+    address = await receiver.start(host="127.0.0.1")
+    sender = make_sender(kind, config)
+    source = torch.randint(0, 256, (size * count,), dtype=torch.uint8)
+    if shared:
+        source.share_memory_()
+    blocks = list(source.view(count, size).unbind(0))
+    right = reference_checksum(source.numpy().tobytes())
+    header = TransferHeader.of("r", list(range(count)), [size] * count, checksums_follow=True)
+    try:
+        await sender.send(address, dataclasses.replace(header, sender_checksum=right), blocks)
+        (landed,) = sink.completed_headers
+        assert landed.buffer_checksums == landed.received_checksums == (right,)
+        assert receiver.bytes_mapped == (size * count if pull and shared else 0)
+        with pytest.raises(TransferRejected, match="corrupted KV transfer"):
+            await sender.send(
+                address, dataclasses.replace(header, sender_checksum=right ^ 1), blocks
+            )
+        assert len(sink.completed_headers) == 1
     finally:
         await sender.close()
         await receiver.close()
