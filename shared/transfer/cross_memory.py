@@ -306,10 +306,21 @@ def shared_segments(views: Sequence[torch.Tensor]) -> list[tuple[Segment, int]]:
     return segments
 
 
+def peer_uid(connection: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    credentials = connection.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+    )
+    return int(struct.unpack("3i", credentials)[1])
+
+
 class SegmentServer:
     """A sender's abstract Unix socket: answers a receiver's request for segments (by key) with
     the probe bytes, each segment's length (0 if unknown) and read-only descriptors of the
-    known ones. One thread; receivers stay connected while they keep the mappings."""
+    known ones. One thread; receivers stay connected while they keep the mappings. Only a
+    process of this one's user is answered (the kernel's word, SO_PEERCRED): the same
+    boundary as reading this process's memory, which any other local user is refused; an
+    abstract socket's name can be listed by anyone (/proc/net/unix)."""
 
     def __init__(self, probe: bytes) -> None:
         self._probe = probe
@@ -346,7 +357,10 @@ class SegmentServer:
                     assert isinstance(connection, socket.socket)
                     if connection is self._listener:
                         client, _ = self._listener.accept()
-                        if len(selector.get_map()) > MAX_SEGMENT_CLIENTS:
+                        if (
+                            len(selector.get_map()) > MAX_SEGMENT_CLIENTS
+                            or peer_uid(client) != os.getuid()
+                        ):
                             client.close()
                         else:
                             selector.register(client, selectors.EVENT_READ)

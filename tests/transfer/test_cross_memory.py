@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import subprocess
 import sys
 from multiprocessing.connection import Connection
@@ -319,3 +320,49 @@ async def test_a_sender_gone_before_its_trailer_fails_the_transfer(kind: str) ->
         await channel.close()
         await raw.close()
         await receiver.close()
+
+
+def _ask_for_segments_as_nobody(name: str, key: int, conn: Connection) -> None:
+    """Another user's process (uid 65534): connects to the segment socket and asks."""
+    import os
+    import socket
+
+    os.setuid(65534)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+        client.settimeout(10)
+        try:
+            client.connect("\0" + name)
+            client.sendall(key.to_bytes(8, "little"))
+            answer, fds, _, _ = socket.recv_fds(client, 1024, 4)
+            conn.send((answer, len(fds)))
+        except OSError as error:
+            conn.send((repr(error).encode(), 0))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_the_segment_socket_answers_no_other_user() -> None:
+    """Another local user gets no descriptor of the sender's shared memory (nor its probe):
+    the socket closes on it."""
+    source = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8)
+    source.share_memory_()
+    pull_source = PullSource()
+    try:
+        offer = pull_source.offer([source])
+        assert offer is not None and offer.segment_socket
+        context = multiprocessing.get_context("fork")
+        conn, child_conn = context.Pipe()
+        child = context.Process(
+            target=_ask_for_segments_as_nobody,
+            args=(offer.segment_socket, offer.segment_keys[0], child_conn),
+        )
+        child.start()
+        assert conn.poll(30)
+        answer, fds = conn.recv()
+        child.join(10)
+        assert fds == 0 and offer.probe not in answer
+        # This process's own user is answered.
+        reader = PullReader()
+        assert reader.can_pull(offer, [torch.zeros_like(source)]) and reader.mapped_senders == 1
+        reader.close()
+    finally:
+        pull_source.close()
