@@ -45,6 +45,7 @@ from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.parent_death import exit_with_parent
+from nori.worker.cpu_lending import CpuLending, CpuLendingSpec, open_lending
 from nori.worker.engine_core import (
     EngineFacts,
     StepProbe,
@@ -75,6 +76,7 @@ class EngineProcess:
         probe: StepProbe | None = None,
         on_probe: Callable[[Any], None] | None = None,
         on_death: Callable[[str], None] | None = None,
+        lending: CpuLendingSpec | None = None,
     ) -> None:
         self._config = config
         self._loop = loop
@@ -93,7 +95,15 @@ class EngineProcess:
         self._turns_in, self._turns_out = context.Pipe(duplex=False)
         self._process = context.Process(
             target=engine_main,
-            args=(self._operations_in, self._turns_out, config, setup, probe, os.getpid()),
+            args=(
+                self._operations_in,
+                self._turns_out,
+                config,
+                setup,
+                probe,
+                os.getpid(),
+                lending,
+            ),
             name="nori-engine",
         )
         # Operations on their way to the pipe (None: the writer ends).
@@ -239,6 +249,7 @@ def engine_main(
     setup: Callable[[LLMEngine], object] | None,
     probe: StepProbe | None,
     worker_pid: int,
+    lending_spec: CpuLendingSpec | None = None,
 ) -> None:
     """The engine process: builds the engine, then applies operations and steps until told to
     stop or its worker goes."""
@@ -255,25 +266,35 @@ def engine_main(
     except BaseException:
         turns.send(("failed", traceback.format_exc()))
         return
+    lending = open_lending(lending_spec)
     try:
-        _serve(engine, operations, turns, probe)
+        _serve(engine, operations, turns, probe, lending)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the worker went
     finally:
+        if lending is not None:
+            lending.close()
         engine.close()
 
 
 def _serve(
-    engine: LLMEngine, operations: Connection, turns: Connection, probe: StepProbe | None
+    engine: LLMEngine,
+    operations: Connection,
+    turns: Connection,
+    probe: StepProbe | None,
+    lending: CpuLending | None,
 ) -> None:
     while True:
+        busy = engine.has_unfinished_requests()
+        if not busy and lending is not None:
+            lending.idle()
         # Idle: sleep until an operation arrives. Busy: take only what is already there.
-        answers, stop = _apply_operations(
-            engine, operations, block=not engine.has_unfinished_requests()
-        )
+        answers, stop = _apply_operations(engine, operations, block=not busy)
         outputs: list[StepOutput] = []
         probed = None
         if not stop and engine.has_unfinished_requests():
+            if lending is not None:
+                lending.before_step(engine.predicted_step_s)
             outputs, probed = result_of_step(engine, probe)
         _send_turn(turns, answers, outputs, load_of(engine), probed)
         if stop:

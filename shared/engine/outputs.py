@@ -145,6 +145,9 @@ class EngineLoad:
     spec_decode: SpecDecodeCounts = SpecDecodeCounts()
     # What this engine's steps cost (step_cost.py), as last fitted; None before any step.
     step_cost_fit: StepCostFit | None = None
+    # Steps run on more threads than the engine's own, on CPUs a co-hosted worker lent it while
+    # idle (nori.worker.cpu_lending), since the start.
+    num_steps_on_lent_threads: int = 0
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 
