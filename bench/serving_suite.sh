@@ -10,7 +10,8 @@
 #   conditional  issue 28's sweep: the small model, 1 prefill + 1 decode, 80% short prompts
 #             (32-128 tokens) and 20% long ones (1000-2000) on one arrival process, at each of
 #             CONDITIONAL_RATES (default 1,2,4,8 req/s, both classes), 15 s a run, 3 alternating
-#             runs a side of colocated, disaggregated and conditional
+#             runs a side of colocated, disaggregated and conditional; CONDITIONAL_ARGS adds
+#             bench compare options (e.g. --cpu-lending)
 #   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
 #   prefix    the prefix dataset with and without prefix caching, 3 alternating runs
 #   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating
@@ -86,6 +87,7 @@ sweep)
 conditional)
   "${nori[@]}" bench compare --model small --prefill 1 --decode 1 "${conditional[@]}" \
     --duration 15 --num-warmups 8 --repeats 3 --sweep "${CONDITIONAL_RATES:-1,2,4,8}" \
+    ${CONDITIONAL_ARGS:-} \
     --sides colocated,disaggregated,conditional --json --plot "$out/conditional.png" \
     --log-dir "$out/logs" >"$out/conditional.json"
   ;;

@@ -16,11 +16,16 @@ engine loop's own: `torch.set_num_threads` on that thread (OpenMP's thread count
 thread's) and the CPU affinity of every thread of the process (the OpenMP team inherits the
 engine thread's).
 
-Why the wait: under a steady stream of short prompts a prefill worker is idle for a few
-milliseconds at a time, and a decode worker that took its core in each gap paid a switch and a
-contended step each time, and shared it with the gateway, which lives there: serving the demo
-model at concurrency 16 it lost 10-20% (docs/benchmarks.md). An idle spell of 0.1 s is one the
-partner is unlikely to end soon.
+Why the wait, and why measured: under a steady stream of short prompts a prefill worker is idle
+for a few milliseconds at a time, and the gateway, which lives on its CPUs, streams every token.
+A decode worker that took the prefill worker's core in every gap served the demo model at
+concurrency 16 at 0.74x (`bench/ab_serve.sh`): its steps on both cores took 15-20 ms where its
+own core took 4.4 (likely: the team member beside the busy gateway held up the other at every
+barrier; not proven). Hence the partner must have been idle for `LEND_AFTER_IDLE_S`, and lent CPUs are used
+only while the engine's step-cost fits (one per thread count, `LLMEngine.predicted_step_s`) say a
+step like the last one is faster on them (`PAYS_OFF_BELOW`); one step in `REMEASURE_EVERY` that
+would not pay uses them anyway, so the fit follows the load. With the small model decoding one
+stream, the same decode worker took 5.6 ms a step on both cores against 9.3 on its own.
 
 The cost when both get work at once: the partner that just started shares its cores with the
 borrower's team until the borrower's current step ends (one step), after which the borrower

@@ -67,9 +67,10 @@ def resolve_engine_core(
     SmolLM2 (331 against 339) and lost 6-11% on the demo model (docs/benchmarks.md). A GPU
     engine's cache and tensor-parallel ranks have not been run in an engine process.
 
-    CPUs a partner lends (`--cpu-lending`) count: a decode worker on one CPU, lent the prefill
-    worker's, decoded one stream at 8.3-9.1 ms a token in a process against 9.6-10.3 ms on a
-    thread (small model; colocated 8.3 ms).
+    CPUs a partner may lend (`--cpu-lending`) do not count: a decode worker on one CPU, lent the
+    prefill worker's, decoded one stream at 8.3-9.1 ms a token in a process against 9.6-10.3 ms
+    on a thread (small model, two runs each), but served the demo model at concurrency 16 at
+    0.74x of the previous code with the process in a serving A/B (docs/benchmarks.md).
     """
     if mode != "auto":
         return mode
@@ -169,8 +170,7 @@ async def start_engine_core(
     `on_death` hears why an engine process ended while serving (the worker then stops);
     `lending` pairs its steps' CPUs with a co-hosted worker's (nori.worker.cpu_lending)."""
     loop = asyncio.get_running_loop()
-    # CPUs a partner lends count: the engine computes on them whenever the partner is idle.
-    num_cpus = len(os.sched_getaffinity(0) | (lending.partner_cpus if lending else set()))
+    num_cpus = len(os.sched_getaffinity(0))
     resolved = resolve_engine_core(mode, config, num_cpus)
     logger.info(
         "engine core: %s%s", resolved, f" (auto, {num_cpus} CPU(s))" if mode == "auto" else ""

@@ -133,8 +133,8 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
         default=None,
         metavar="FILE:SLOT:CPUS",
         help="run steps on the partner worker's CPUS too while it is idle; the two "
-        "share FILE (in /dev/shm) and take slots 0 and 1 (nori up sets this for one prefill and "
-        "one decode worker on disjoint CPUs)",
+        "share FILE (in /dev/shm) and take slots 0 and 1 (nori up --cpu-lending sets this for "
+        "one prefill and one decode worker on disjoint CPUs)",
     )
     group.add_argument(
         "--max-queued-requests",

@@ -183,11 +183,11 @@ def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
             + (", 1 for the gateway)" if role == "gateway" else ")"),
         )
     group.add_argument(
-        "--no-cpu-lending",
+        "--cpu-lending",
         action="store_true",
-        help="with one prefill and one decode worker on CPUs of their own: keep each on its "
-        "own CPUs (by default each runs its steps on the other's CPUs too while the other is "
-        "idle)",
+        help="with one prefill and one decode worker on CPUs of their own: each runs its steps "
+        "on the other's CPUs too once the other has been idle a while, where that is measured "
+        "to be faster",
     )
     group.add_argument(
         "--no-cpu-pinning",
@@ -255,7 +255,6 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
         served_model_name=served_model_name(args.model, args.served_model_name),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         cpu_plan=cpu_plan,
-        cpu_lending=not args.no_cpu_lending,
         worker_args=extra_worker_args,
         prefill_args=prefill_args,
         decode_args=decode_args,

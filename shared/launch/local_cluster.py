@@ -102,7 +102,7 @@ class ClusterSpec(RoleSettings):
     cpu_plan: CpuPlan | None = None
     # With a plan of one prefill and one decode worker on disjoint CPUs: each runs its steps on
     # the other's CPUs too while the other is idle (`--cpu-lending`, nori.worker.cpu_lending).
-    cpu_lending: bool = True
+    cpu_lending: bool = False
     # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
     # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
     role_redis_urls: tuple[tuple[Role, str], ...] = field(default=(), repr=False)

@@ -50,7 +50,9 @@ def test_every_process_runs_on_its_planned_cpus_and_threads(redis_url: str, tmp_
     # On this 2-core machine: prefill and gateway `--cpus 0 --threads 1`, decode `--cpus 1
     # --threads 1`; elsewhere whatever the default plan gives.
     plan = plan_cpus(os.sched_getaffinity(0), CpuRequest())
-    cluster = start_cluster(redis_url, checkpoint, tmp_path / "logs", num_decode=1, cpu_plan=plan)
+    cluster = start_cluster(
+        redis_url, checkpoint, tmp_path / "logs", num_decode=1, cpu_plan=plan, cpu_lending=True
+    )
     try:
         response = httpx.post(
             f"{cluster.url}/v1/completions",
@@ -72,7 +74,7 @@ def test_every_process_runs_on_its_planned_cpus_and_threads(redis_url: str, tmp_
         pair = plan.lending_pair()
         if pair is not None:
             # One prefill and one decode worker on CPUs of their own lend them to each other
-            # while idle: the decode worker ran its steps on the idle prefill worker's CPUs
+            # while idle (--cpu-lending): the decode worker ran its steps on the idle prefill worker's CPUs
             # too, and, idle again, every engine is back on its own.
             for placement in pair:
                 process = cluster.worker(placement.name)
