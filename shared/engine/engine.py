@@ -105,10 +105,10 @@ class LLMEngine:
         self._own_threads = torch.get_num_threads()
         self._step_costs_lent: dict[int, StepCostModel] = {}
         self._num_steps_on_lent_threads = 0
-        # For `predicted_step_s`: the last step's (decode rows, prompt tokens), and each thread
-        # count's fit as of its last solve.
+        # For `predicted_step_s`: the last step's (decode rows, prompt tokens), and each lent
+        # thread count's fit as of its last solve (the own threads' is `_step_cost_fit`).
         self._last_step_shape: tuple[int, int] | None = None
-        self._fits_by_threads: dict[int, tuple[float, StepCostFit | None]] = {}
+        self._lent_fits: dict[int, tuple[float, StepCostFit | None]] = {}
         self._auto_prefill_budget = budget == "auto"
         # The fit as of the last solve, refreshed at most every _STEP_COST_FIT_EVERY_S (a 3x3
         # solve per step would cost more than it tells; the registry hears of it once a second).
@@ -262,16 +262,19 @@ class LLMEngine:
         the steps timed on that many (None: too few yet). How a worker lent a partner's CPUs
         tells whether using them pays (nori.worker.cpu_lending)."""
         shape = self._last_step_shape
-        model = (
-            self._step_costs if threads == self._own_threads else self._step_costs_lent.get(threads)
-        )
-        if shape is None or model is None:
+        if shape is None:
             return None
-        now = time.monotonic()
-        solved_at, fit = self._fits_by_threads.get(threads, (-math.inf, None))
-        if now - solved_at >= _STEP_COST_FIT_EVERY_S or model.adds_to(fit):
-            fit = model.fit()
-            self._fits_by_threads[threads] = (now, fit)
+        if threads == self._own_threads:
+            fit = self._step_cost_fit  # the published fit, solved as `step` keeps it
+        else:
+            model = self._step_costs_lent.get(threads)
+            if model is None:
+                return None
+            now = time.monotonic()
+            solved_at, fit = self._lent_fits.get(threads, (-math.inf, None))
+            if now - solved_at >= _STEP_COST_FIT_EVERY_S or model.adds_to(fit):
+                fit = model.fit()
+                self._lent_fits[threads] = (now, fit)
         return None if fit is None else fit.seconds(*shape)
 
     # ------------------------------------------------------------------------ one step
