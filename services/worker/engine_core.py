@@ -282,8 +282,10 @@ class EngineThread:
             if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                 continue
             if lending is not None:
-                lending.before_step(self.engine.predicted_step_s)
+                lending.before_step(self.engine)
             outputs, probed = result_of_step(self.engine, self._probe)
+            if lending is not None:
+                lending.after_step()
             self.load = load_of(self.engine)
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)

@@ -294,8 +294,10 @@ def _serve(
         probed = None
         if not stop and engine.has_unfinished_requests():
             if lending is not None:
-                lending.before_step(engine.predicted_step_s)
+                lending.before_step(engine)
             outputs, probed = result_of_step(engine, probe)
+            if lending is not None:
+                lending.after_step()
         _send_turn(turns, answers, outputs, load_of(engine), probed)
         if stop:
             return

@@ -105,9 +105,8 @@ class LLMEngine:
         self._own_threads = torch.get_num_threads()
         self._step_costs_lent: dict[int, StepCostModel] = {}
         self._num_steps_on_lent_threads = 0
-        # For `predicted_step_s`: the last step's (decode rows, prompt tokens), and each lent
-        # thread count's fit as of its last solve (the own threads' is `_step_cost_fit`).
-        self._last_step_shape: tuple[int, int] | None = None
+        # For `predicted_step_s`: each lent thread count's fit as of its last solve (the own
+        # threads' is `_step_cost_fit`).
         self._lent_fits: dict[int, tuple[float, StepCostFit | None]] = {}
         self._auto_prefill_budget = budget == "auto"
         # The fit as of the last solve, refreshed at most every _STEP_COST_FIT_EVERY_S (a 3x3
@@ -258,24 +257,30 @@ class LLMEngine:
         return self._scheduler.num_unfinished > 0
 
     def predicted_step_s(self, threads: int) -> float | None:
-        """What a step like the last one would take on `threads` intra-op threads, by the fit of
-        the steps timed on that many (None: too few yet). How a worker lent a partner's CPUs
-        tells whether using them pays (nori.worker.cpu_lending)."""
-        shape = self._last_step_shape
-        if shape is None:
-            return None
+        """What the coming step (its decode rows and its prompt tokens before any cap) would take
+        on `threads` intra-op threads, by the fit of the steps timed on that many (None: too few
+        yet). How a worker lent a partner's CPUs tells whether using them pays
+        (nori.worker.cpu_lending)."""
+        fit = self._fit_on(threads)
+        rows, prompt_tokens, _ = self._scheduler.coming_step_shape()
+        return None if fit is None else fit.seconds(rows, prompt_tokens)
+
+    def coming_step_shape(self) -> tuple[int, int, int]:
+        """About what the next step computes: (decode rows, prompt tokens, prompts)."""
+        return self._scheduler.coming_step_shape()
+
+    def _fit_on(self, threads: int) -> StepCostFit | None:
         if threads == self._own_threads:
-            fit = self._step_cost_fit  # the published fit, solved as `step` keeps it
-        else:
-            model = self._step_costs_lent.get(threads)
-            if model is None:
-                return None
-            now = time.monotonic()
-            solved_at, fit = self._lent_fits.get(threads, (-math.inf, None))
-            if now - solved_at >= _STEP_COST_FIT_EVERY_S or model.adds_to(fit):
-                fit = model.fit()
-                self._lent_fits[threads] = (now, fit)
-        return None if fit is None else fit.seconds(*shape)
+            return self._step_cost_fit  # the published fit, solved as `step` keeps it
+        model = self._step_costs_lent.get(threads)
+        if model is None:
+            return None
+        now = time.monotonic()
+        solved_at, fit = self._lent_fits.get(threads, (-math.inf, None))
+        if now - solved_at >= _STEP_COST_FIT_EVERY_S or model.adds_to(fit):
+            fit = model.fit()
+            self._lent_fits[threads] = (now, fit)
+        return fit
 
     # ------------------------------------------------------------------------ one step
 
@@ -315,8 +320,8 @@ class LLMEngine:
         started = time.perf_counter()
         sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
         num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
-        self._last_step_shape = (num_decodes, output.num_batched_tokens - num_decodes)
-        step_costs.observe(*self._last_step_shape, time.perf_counter() - started)
+        num_prompt_tokens = output.num_batched_tokens - num_decodes
+        step_costs.observe(num_decodes, num_prompt_tokens, time.perf_counter() - started)
         fit_age_s = time.monotonic() - self._step_cost_fit_at
         if fit_age_s >= _STEP_COST_FIT_EVERY_S or self._step_costs.adds_to(self._step_cost_fit):
             self._step_cost_fit = self._step_costs.fit()

@@ -162,3 +162,145 @@ def test_lent_cpus_are_used_only_where_steps_on_them_are_measured_faster(tmp_pat
         assert answers.count(True) == 2 and answers[REMEASURE_EVERY - 1]
     finally:
         lending.close()
+
+
+# One side of a pair (slot 1 on CPU 1, lent CPU 0) with an engine computing one prompt, whose
+# predictions each command sets: a line in is {"call": ..., "own": s, "lent": s}, a line out what the side runs on after.
+_SIDE_WITH_ENGINE = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    from nori.worker.cpu_lending import CpuLendingSpec, open_lending
+
+    class Engine:
+        predictions = {}
+
+        def predicted_step_s(self, threads):
+            return self.predictions.get(threads)
+
+        def coming_step_shape(self):
+            return self.rows, 1500, 1  # one long prompt, beside `rows` decode rows
+
+    os.sched_setaffinity(0, {1})
+    torch.set_num_threads(1)
+    lending = open_lending(CpuLendingSpec.parse(sys.argv[1]))
+    engine = Engine()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        engine.predictions = {1: command.get("own"), 2: command.get("lent")}
+        engine.rows = command.get("rows", 0)
+        if command["call"] == "before_step":
+            lending.before_step(engine)
+        else:
+            getattr(lending, command["call"])()
+        print(json.dumps({
+            "threads": torch.get_num_threads(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "turns": lending.num_turns,
+            "parks": lending.num_parks,
+        }), flush=True)
+    lending.close()
+    """
+)
+
+
+@pytest.mark.skipif(
+    not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1 (lent and own)"
+)
+def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Path) -> None:
+    """A long prompt step that pays on both CPUs asks the busy partner for its CPU, where it
+    saves its request more than the partner's requests lose, and runs once the partner parks; it asks
+    again only after a step of the partner's; a worker whose partner asks parks until the
+    partner's step is done."""
+    from nori.worker.cpu_lending import (
+        _ASKING,
+        _IDLE_SINCE,
+        _PARKED,
+        _REQUESTS,
+        _STEPS,
+        ASK_ABOVE_S,
+    )
+
+    flags_path = tmp_path / "lending"
+    side = subprocess.Popen(
+        [sys.executable, "-c", _SIDE_WITH_ENGINE, f"{flags_path}:1:0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert side.stdin is not None and side.stdout is not None
+    assert side.stdout.readline().strip() == "ready"  # the file is mapped
+
+    def send(call: str, own: float | None = None, lent: float | None = None, rows: int = 0) -> None:
+        assert side.stdin is not None
+        command = {"call": call, "own": own, "lent": lent, "rows": rows}
+        side.stdin.write(json.dumps(command) + "\n")
+        side.stdin.flush()
+
+    def answer() -> dict[str, object]:
+        assert side.stdout is not None
+        return dict(json.loads(side.stdout.readline()))
+
+    long_step = 4 * ASK_ABOVE_S
+    try:
+        with flags_path.open("r+b") as file, mmap.mmap(file.fileno(), 0) as shared:
+            words = memoryview(shared).cast("q")
+            words[_IDLE_SINCE + 0] = 0  # the partner (slot 0) is busy throughout
+            # A short step, or a long one that does not pay on both: its own CPU, nothing asked.
+            send("before_step", own=ASK_ABOVE_S / 2, lent=ASK_ABOVE_S / 4)
+            assert answer()["cpus"] == [1]
+            send("before_step", own=long_step, lent=long_step)
+            assert answer()["cpus"] == [1]
+            assert words[_ASKING + 1] == 0
+            assert words[_REQUESTS + 1] == 1  # what its steps serve, for the partner to weigh
+            # Twice as fast on both, but the partner serves 2 requests: a turn would save the
+            # side's one request half the step and cost each of the partner's the other half.
+            words[_REQUESTS + 0] = 2
+            send("before_step", own=long_step, lent=long_step / 2)
+            assert answer()["cpus"] == [1]
+            # One request on the partner: the turn saves more than it costs. Not for a step
+            # with decode rows (turns are for prompt steps)...
+            words[_REQUESTS + 0] = 1
+            send("before_step", own=long_step, lent=long_step / 2.5, rows=1)
+            assert answer()["cpus"] == [1]
+            assert words[_REQUESTS + 1] == 2
+            # ... but for the prompt alone the side asks, and waits for the partner to park.
+            send("before_step", own=long_step, lent=long_step / 2.5)
+            deadline = time.monotonic() + 5
+            while not words[_ASKING + 1]:
+                assert time.monotonic() < deadline, "the side never asked"
+                time.sleep(0.001)
+            words[_PARKED + 0] = 1
+            turn = answer()
+            assert turn["cpus"] == [0, 1] and turn["threads"] == 2 and turn["turns"] == 1
+            assert words[_ASKING + 1] == 1  # the partner stays parked while the step runs
+            send("after_step")
+            assert answer()["cpus"] == [0, 1]
+            assert words[_ASKING + 1] == 0  # done: the partner may go on
+            words[_PARKED + 0] = 0
+            # The partner has taken no step since: no second turn yet, its own CPU again.
+            send("before_step", own=long_step, lent=long_step / 2.5)
+            again = answer()
+            assert again["cpus"] == [1] and again["turns"] == 1
+            assert words[_ASKING + 1] == 0
+            # The partner asks for the side's CPU: the side parks before its next step...
+            words[_STEPS + 0] += 1
+            words[_ASKING + 0] = 1
+            send("before_step", own=ASK_ABOVE_S / 2, lent=ASK_ABOVE_S)
+            while not words[_PARKED + 1]:
+                assert time.monotonic() < deadline, "the side never parked"
+                time.sleep(0.001)
+            steps_parked = words[_STEPS + 1]
+            time.sleep(0.05)
+            assert words[_STEPS + 1] == steps_parked  # no step while parked
+            # ... and steps once the partner's step is done.
+            words[_ASKING + 0] = 0
+            parked = answer()
+            assert parked["parks"] == 1 and parked["cpus"] == [1]
+            assert words[_PARKED + 1] == 0 and words[_STEPS + 1] == steps_parked + 1
+            words.release()
+    finally:
+        side.stdin.close()
+        assert side.wait(30) == 0
