@@ -72,7 +72,9 @@ _FILE_BYTES = 128
 # 0 (_BUSY) while its worker has work (and before it ever started: a fresh file lends nothing);
 # otherwise the moment its worker went idle, in nanoseconds.
 _IDLE_SINCE = 0
-# 1 while its worker steps on its partner's CPUs, or waits to: the partner parks meanwhile.
+# While its worker steps on its partner's CPUs, or waits to, the moment it asked (nanoseconds;
+# else 0): the partner parks meanwhile, but not for an ask older than _MAX_PARK_S (its worker
+# was killed before it could clear it).
 _ASKING = 2
 # 1 while its worker waits between two steps for its partner's step on its CPUs to end.
 _PARKED = 4
@@ -90,8 +92,8 @@ PAYS_OFF_BELOW = 0.9
 REMEASURE_EVERY = 200
 # A busy partner is asked for its CPUs only for a step this long on the worker's own.
 ASK_ABOVE_S = 0.1
-# How long an asker waits for its busy partner to take a step and park; a parked worker's
-# longest wait (its partner stuck or gone).
+# How long an asker waits for its busy partner to take a step and park; the longest a worker
+# parks for one ask (its partner stuck, or killed while asking).
 _ASK_WAIT_S = 0.2
 _MAX_PARK_S = 3.0
 _POLL_S = 0.0002
@@ -245,7 +247,8 @@ class CpuLending:
                 self.num_turns += use_lent
         if use_lent:
             # A partner that gets work parks until this step ends (after_step).
-            words[_ASKING + self._own] = 1
+            if not words[_ASKING + self._own]:
+                words[_ASKING + self._own] = _now_ns()
             self._turn_started_at = time.monotonic()
         cpus = both if use_lent else self.own_cpus
         self._move_to(cpus)
@@ -261,17 +264,19 @@ class CpuLending:
             self._turn_s = now - self._turn_started_at
             self._turn_ended_at = now
 
+    def _partner_asks(self) -> bool:
+        asked_at = self._words[_ASKING + self._partner]
+        return asked_at != 0 and _now_ns() - asked_at < _MAX_PARK_S * 1e9
+
     def _park_while_partner_asks(self) -> None:
-        words = self._words
-        if not words[_ASKING + self._partner]:
+        if not self._partner_asks():
             return
         self._move_to(self.own_cpus)
-        words[_PARKED + self._own] = 1
+        self._words[_PARKED + self._own] = 1
         self.num_parks += 1
-        deadline = time.monotonic() + _MAX_PARK_S
-        while words[_ASKING + self._partner] and time.monotonic() < deadline:
+        while self._partner_asks():
             time.sleep(_POLL_S)
-        words[_PARKED + self._own] = 0
+        self._words[_PARKED + self._own] = 0
 
     def _turn_pays(self, engine: LendingEngine, lent_threads: int, num_requests: int) -> bool:
         """Whether to ask the busy partner for a turn: a step long enough on this worker's own
@@ -302,9 +307,9 @@ class CpuLending:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(_POLL_S)
-        words[_ASKING + self._own] = 1
+        words[_ASKING + self._own] = _now_ns()
         while partner_busy() and not words[_PARKED + self._partner]:
-            both_ask = words[_ASKING + self._partner] and self._own == 1
+            both_ask = self._partner_asks() and self._own == 1
             if both_ask or time.monotonic() >= deadline:
                 words[_ASKING + self._own] = 0
                 return False

@@ -216,6 +216,7 @@ def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Pa
     from nori.worker.cpu_lending import (
         _ASKING,
         _IDLE_SINCE,
+        _MAX_PARK_S,
         _PARKED,
         _REQUESTS,
         _STEPS,
@@ -275,7 +276,7 @@ def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Pa
             words[_PARKED + 0] = 1
             turn = answer()
             assert turn["cpus"] == [0, 1] and turn["threads"] == 2 and turn["turns"] == 1
-            assert words[_ASKING + 1] == 1  # the partner stays parked while the step runs
+            assert words[_ASKING + 1] != 0  # the partner stays parked while the step runs
             send("after_step")
             assert answer()["cpus"] == [0, 1]
             assert words[_ASKING + 1] == 0  # done: the partner may go on
@@ -287,7 +288,7 @@ def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Pa
             assert words[_ASKING + 1] == 0
             # The partner asks for the side's CPU: the side parks before its next step...
             words[_STEPS + 0] += 1
-            words[_ASKING + 0] = 1
+            words[_ASKING + 0] = time.monotonic_ns()
             send("before_step", own=ASK_ABOVE_S / 2, lent=ASK_ABOVE_S)
             while not words[_PARKED + 1]:
                 assert time.monotonic() < deadline, "the side never parked"
@@ -300,6 +301,10 @@ def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Pa
             parked = answer()
             assert parked["parks"] == 1 and parked["cpus"] == [1]
             assert words[_PARKED + 1] == 0 and words[_STEPS + 1] == steps_parked + 1
+            # An ask its partner left behind (killed while asking) holds nothing up for long.
+            words[_ASKING + 0] = time.monotonic_ns() - int((_MAX_PARK_S + 1) * 1e9)
+            send("before_step", own=ASK_ABOVE_S / 2, lent=ASK_ABOVE_S)
+            assert answer()["parks"] == 1
             words.release()
     finally:
         side.stdin.close()
