@@ -51,6 +51,19 @@ def test_a_step_uses_the_partners_cpus_once_it_has_been_idle_a_while() -> None:
     assert cpus_for_step(own, partner, 99 * second, 100 * second, lend_after_idle_s=2) == own
 
 
+def _start_side(script: str, flags_path: Path) -> subprocess.Popen[str]:
+    """One side of a pair in a process of its own: slot 1 on CPU 1, lent CPU 0."""
+    side = subprocess.Popen(
+        [sys.executable, "-c", script, f"{flags_path}:1:0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert side.stdin is not None and side.stdout is not None
+    return side
+
+
 # One side of a pair, slot 1 on CPU 1, lent CPU 0: each line in is a command, each line out
 # what the process runs on after it.
 _SIDE = textwrap.dedent(
@@ -84,14 +97,7 @@ _SIDE = textwrap.dedent(
 )
 def test_a_worker_borrows_its_idle_partners_cpu_and_gives_it_back(tmp_path: Path) -> None:
     flags_path = tmp_path / "lending"
-    side = subprocess.Popen(
-        [sys.executable, "-c", _SIDE, f"{flags_path}:1:0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert side.stdin is not None and side.stdout is not None
+    side = _start_side(_SIDE, flags_path)
 
     def run(command: str) -> dict[str, object]:
         assert side.stdin is not None and side.stdout is not None
@@ -210,8 +216,8 @@ _SIDE_WITH_ENGINE = textwrap.dedent(
 )
 def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Path) -> None:
     """A long prompt step that pays on both CPUs asks the busy partner for its CPU, where it
-    saves its request more than the partner's requests lose, and runs once the partner parks; it asks
-    again only after a step of the partner's; a worker whose partner asks parks until the
+    saves its request more than the partner's requests lose, and runs once the partner parks;
+    it asks again only after a step of the partner's; a worker whose partner asks parks until the
     partner's step is done."""
     from nori.worker.cpu_lending import (
         _ASKING,
@@ -224,14 +230,7 @@ def test_busy_workers_take_turns_on_each_others_cpus_for_long_steps(tmp_path: Pa
     )
 
     flags_path = tmp_path / "lending"
-    side = subprocess.Popen(
-        [sys.executable, "-c", _SIDE_WITH_ENGINE, f"{flags_path}:1:0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert side.stdin is not None and side.stdout is not None
+    side = _start_side(_SIDE_WITH_ENGINE, flags_path)
     assert side.stdout.readline().strip() == "ready"  # the file is mapped
 
     def send(call: str, own: float | None = None, lent: float | None = None, rows: int = 0) -> None:
