@@ -1,12 +1,17 @@
-"""Prefill attention on CPU: whole new prompts batched, the rest through the reference.
+"""Prefill attention on CPU: whole new prompts batched, chunks and padded prompts one by one.
 
 A prompt whose every token is new in this step (no cached prefix, no earlier chunk, no left
 padding) attends only to its own keys and values, which the layer has just computed: no gather
 from the paged cache is needed. Prompts of equal length then share one causal
 scaled_dot_product_attention call with grouped-query heads (`enable_gqa`), where the reference
 runs one gather, one K/V expansion per query head and one call per sequence. Chunks that
-continue a prefix, and padded rows, take the reference (`paged_prefill_attention_reference`).
-The plan depends only on the step's metadata, so the engine builds it once per step.
+continue a prefix, and padded rows, gather their context from the paged cache and take one
+call each, in the cache's own dtype with grouped-query heads and an explicit mask. The
+reference's float32 call with expanded heads, on 3-D tensors (torch's math path), made a
+1,500-token prompt of the 24M preset in 300-token chunks take 1.01 s against 0.57 s whole; it
+now takes 0.65 s (2 EPYC cores, bf16). An 8-bit cache takes the reference
+(`paged_prefill_attention_reference`), which dequantizes what it reads. The plan depends only
+on the step's metadata, so the engine builds it once per step.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nori.kernels._common import gather_context
 from nori.kernels.prefill_attention import paged_prefill_attention_reference
 
 
@@ -127,8 +133,19 @@ def run_cpu_prefill(
             output.index_copy_(0, group.rows, result.to(query.dtype))
     if plan.others:
         starts: list[int] = query_start_loc.tolist()
+        lengths: list[int] = seq_lens.tolist()
+        pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
         for index in plan.others:
             begin, end = starts[index], starts[index + 1]
+            if k_scale is None:
+                output[begin:end] = _continued_chunk(
+                    query[begin:end],
+                    gather_context(k_cache, block_tables[index], lengths[index]),
+                    gather_context(v_cache, block_tables[index], lengths[index]),
+                    pads[index],
+                    scale,
+                )
+                continue
             output[begin:end] = paged_prefill_attention_reference(
                 query[begin:end],
                 k_cache,
@@ -142,3 +159,28 @@ def run_cpu_prefill(
                 v_scale=v_scale,
             )
     return output
+
+
+def _continued_chunk(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: int, scale: float
+) -> torch.Tensor:
+    """One sequence's new tokens query [q, Hq, D] over its whole context keys/values [L, Hkv, D]
+    (the new tokens last), as `paged_prefill_attention_reference` masks them: causal, and with
+    left padding before `pad` that real tokens skip and pad tokens see."""
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    dtype = _compute_dtype(query, keys, values)
+    k_positions = torch.arange(seq_len, device=query.device)
+    q_positions = k_positions[seq_len - q_len :]
+    mask = k_positions[None, :] <= q_positions[:, None]
+    if pad:
+        mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
+    # [1, heads, tokens, D]: with no batch dimension torch takes its math path, not the flash one.
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0).to(dtype),
+        keys.transpose(0, 1).unsqueeze(0).to(dtype),
+        values.transpose(0, 1).unsqueeze(0).to(dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return attended[0].transpose(0, 1).to(query.dtype)

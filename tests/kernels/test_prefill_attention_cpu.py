@@ -102,3 +102,26 @@ def test_bfloat16_prompts_match_the_float32_reference_over_the_same_values() -> 
         exact[0], exact[3], exact[4], tables, starts, lens, SCALE
     )
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("pads", [None, [0, 0, 5]])
+def test_bfloat16_chunks_over_long_contexts_match_the_float32_reference(
+    pads: list[int] | None,
+) -> None:
+    """Chunks that continue a prefix (and padded prompts) attend in the cache's bf16 with
+    grouped-query heads and a mask: as close to the float32 reference over the same bf16 values
+    as the whole prompts are, over contexts of several blocks."""
+    rows = [(150, 40), (97, 1), (0, 60)]
+    query, key, value, k_cache, v_cache, tables, starts, lens, context_starts = _case(
+        rows, 8, 2, pads
+    )
+    as_bf16 = [t.bfloat16() for t in (query, key, value, k_cache, v_cache)]
+    plan = plan_cpu_prefill(starts, lens, context_starts)
+    assert plan.others == ((0, 1) if pads is None else (0, 1, 2))
+    out = run_cpu_prefill(*as_bf16, tables, starts, lens, SCALE, plan, context_starts)
+    assert out.dtype == torch.bfloat16
+    exact = [t.float() for t in as_bf16]
+    expected = paged_prefill_attention_reference(
+        exact[0], exact[3], exact[4], tables, starts, lens, SCALE, context_starts
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
