@@ -23,7 +23,7 @@ A decode worker that took the prefill worker's core in every gap served the demo
 concurrency 16 at 0.74x (`bench/ab_serve.sh`): its steps on both cores took 15-20 ms where its
 own core took 4.4 (likely: the team member beside the busy gateway held up the other at every
 barrier; not proven). Hence the partner must have been idle for `LEND_AFTER_IDLE_S`, and lent CPUs are used only
-while the engine's step-cost fits (one per thread count, `LLMEngine.predicted_step_s`) say a
+while the engine's step-cost fits (one per thread count, `LLMEngine.coming_step`) say
 the coming step is faster on them (`PAYS_OFF_BELOW`); one step in `REMEASURE_EVERY` that
 would not pay uses them anyway, so the fit follows the load. With the small model decoding one
 stream, the same decode worker took 5.6 ms a step on both cores against 9.3 on its own.
@@ -56,12 +56,15 @@ import math
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nori.launch.cpu_plan import format_cpu_list, parse_cpu_list
+
+if TYPE_CHECKING:
+    from nori.engine.outputs import ComingStep
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +103,11 @@ _POLL_S = 0.0002
 # Seconds between the log lines stating what lent CPUs are measured to save.
 _REPORT_EVERY_S = 60.0
 
-# What the coming step would take on N threads (None: not measured yet).
-StepPrediction = Callable[[int], float | None]
-
 
 class LendingEngine(Protocol):
     """What lending needs of the engine (nori.engine.engine.LLMEngine)."""
 
-    def predicted_step_s(self, threads: int) -> float | None: ...
-
-    def coming_step_shape(self) -> tuple[int, int, int]: ...
+    def coming_step(self, threads: Sequence[int]) -> ComingStep: ...
 
 
 @dataclass(frozen=True)
@@ -229,9 +227,10 @@ class CpuLending:
         if engine is None:
             use_lent = partner_idle_long
         else:
-            rows, _, prompts = engine.coming_step_shape()
-            words[_REQUESTS + self._own] = rows + prompts
-            if not self._pays(engine.predicted_step_s, both):
+            coming = engine.coming_step((self.own_threads, len(both)))
+            own_s, lent_s = coming.seconds_on[self.own_threads], coming.seconds_on[len(both)]
+            words[_REQUESTS + self._own] = coming.num_decode_rows + coming.num_prompts
+            if not self._pays(own_s, lent_s):
                 use_lent = False
             elif partner_idle_long:
                 use_lent = True
@@ -240,8 +239,8 @@ class CpuLending:
                 # a busy prefill worker for its streams' steps: at 8 req/s of the mixed load it
                 # served 0.24 of always-disaggregated's effective throughput).
                 use_lent = (
-                    rows == 0
-                    and self._turn_pays(engine, len(both), prompts)
+                    coming.num_decode_rows == 0
+                    and self._turn_pays(own_s, lent_s, coming.num_prompts)
                     and self._partner_parks()
                 )
                 self.num_turns += use_lent
@@ -278,14 +277,13 @@ class CpuLending:
             time.sleep(_POLL_S)
         self._words[_PARKED + self._own] = 0
 
-    def _turn_pays(self, engine: LendingEngine, lent_threads: int, num_requests: int) -> bool:
+    def _turn_pays(self, own_s: float | None, lent_s: float | None, num_requests: int) -> bool:
         """Whether to ask the busy partner for a turn: a step long enough on this worker's own
         CPUs (`ASK_ABOVE_S`), what the turn saves this worker's requests more than what it
         costs the partner's, each of which waits for the whole turn (in request-seconds, the
         measure conditional disaggregation weighs paths by), and the partner has had at least
-        as long as this worker's last turn took since."""
-        own_s = engine.predicted_step_s(self.own_threads)
-        lent_s = engine.predicted_step_s(lent_threads)
+        as long as this worker's last turn took since. own_s, lent_s: the coming step on its own
+        CPUs and on both, by the engine's fits (None: not measured yet)."""
         if own_s is None or lent_s is None or own_s < ASK_ABOVE_S:
             return False
         if time.monotonic() - self._turn_ended_at < self._turn_s:
@@ -316,11 +314,11 @@ class CpuLending:
             time.sleep(_POLL_S)
         return True
 
-    def _pays(self, predicted: StepPrediction, cpus: frozenset[int]) -> bool:
-        """Whether a step on `cpus` is measured to be enough faster than on the worker's own.
-        Until steps on its own CPUs are measured, no; then until steps on lent CPUs are, yes;
-        where they do not pay, every REMEASURE_EVERY-th step anyway."""
-        lent_s, own_s = predicted(len(cpus)), predicted(self.own_threads)
+    def _pays(self, own_s: float | None, lent_s: float | None) -> bool:
+        """Whether the coming step is measured to be enough faster on both workers' CPUs
+        (`lent_s`) than on this worker's own (`own_s`). Until steps on its own CPUs are measured,
+        no; then until steps on lent CPUs are, yes; where they do not pay, every
+        REMEASURE_EVERY-th step anyway."""
         if time.monotonic() - self._reported_at >= _REPORT_EVERY_S:
             self._reported_at = time.monotonic()
             logger.info(

@@ -54,6 +54,7 @@ from nori.engine.kv_transfer import (
 )
 from nori.engine.model_runner import ModelRunner, SampledTokens
 from nori.engine.outputs import (
+    ComingStep,
     EngineLoad,
     ExpertRoutingCounts,
     ServedModel,
@@ -105,7 +106,7 @@ class LLMEngine:
         self._own_threads = torch.get_num_threads()
         self._step_costs_lent: dict[int, StepCostModel] = {}
         self._num_steps_on_lent_threads = 0
-        # For `predicted_step_s`: each lent thread count's fit as of its last solve (the own
+        # For `coming_step`: each lent thread count's fit as of its last solve (the own
         # threads' is `_step_cost_fit`).
         self._lent_fits: dict[int, tuple[float, StepCostFit | None]] = {}
         self._auto_prefill_budget = budget == "auto"
@@ -256,18 +257,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_unfinished > 0
 
-    def predicted_step_s(self, threads: int) -> float | None:
-        """What the coming step (its decode rows and its prompt tokens before any cap) would take
-        on `threads` intra-op threads, by the fit of the steps timed on that many (None: too few
-        yet). How a worker lent a partner's CPUs tells whether using them pays
-        (nori.worker.cpu_lending)."""
-        fit = self._fit_on(threads)
-        rows, prompt_tokens, _ = self._scheduler.coming_step_shape()
-        return None if fit is None else fit.seconds(rows, prompt_tokens)
-
-    def coming_step_shape(self) -> tuple[int, int, int]:
-        """About what the next step computes: (decode rows, prompt tokens, prompts)."""
-        return self._scheduler.coming_step_shape()
+    def coming_step(self, threads: Sequence[int]) -> ComingStep:
+        """What the next step computes (nori.engine.scheduler's `coming_step_shape`), and what it
+        would take on each of `threads` intra-op thread counts."""
+        rows, prompt_tokens, prompts = self._scheduler.coming_step_shape()
+        seconds_on: dict[int, float | None] = {}
+        for count in threads:
+            fit = self._fit_on(count)
+            seconds_on[count] = None if fit is None else fit.seconds(rows, prompt_tokens)
+        return ComingStep(rows, prompt_tokens, prompts, seconds_on)
 
     def _fit_on(self, threads: int) -> StepCostFit | None:
         if threads == self._own_threads:

@@ -1,8 +1,9 @@
 """What the engine reports: each request's progress after a step (StepOutput), its load
-(EngineLoad), and the model it serves (ServedModel)."""
+(EngineLoad), its coming step (ComingStep), and the model it serves (ServedModel)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,19 @@ def expert_imbalance(counts: tuple[int, ...]) -> float | None:
     slowdown over an even spread (the figure vLLM's EPLB balances)."""
     total = sum(counts)
     return max(counts) * len(counts) / total if total else None
+
+
+@dataclass(frozen=True)
+class ComingStep:
+    """About what the engine's next step computes, and what it would take on some thread counts
+    (how a worker lent a partner's CPUs tells whether using them pays, nori.worker.cpu_lending)."""
+
+    num_decode_rows: int  # the rows arrived K/V takes included
+    num_prompt_tokens: int  # before any cap beside decodes, prefix caching not counted
+    num_prompts: int  # requests with prompt tokens left, whether or not they fit
+    # Seconds on each thread count asked for, by the fit of the steps timed on that many
+    # (None: too few yet).
+    seconds_on: Mapping[int, float | None]
 
 
 @dataclass(frozen=True)

@@ -241,15 +241,16 @@ def test_steps_on_more_threads_are_fitted_apart(tmp_path: Path) -> None:
         own_fit = engine._step_costs.fit()
         assert own_fit is not None and own_fit.per_row_s is not None
         assert engine.load().step_cost_fit is not None
-        assert engine.predicted_step_s(own_threads) is not None
-        assert engine.predicted_step_s(own_threads + 1) is None  # never stepped on that many
+        coming = engine.coming_step((own_threads, own_threads + 1))
+        assert coming.seconds_on[own_threads] is not None
+        assert coming.seconds_on[own_threads + 1] is None  # never stepped on that many
         assert engine.load().num_steps_on_lent_threads == 0
         torch.set_num_threads(own_threads + 1)
         engine.add_request("lent", list(range(3, 40)), params)
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.load().num_steps_on_lent_threads == 12  # the prompt's step and 11 decodes
-        assert engine.predicted_step_s(own_threads + 1) is not None
+        assert engine.coming_step((own_threads + 1,)).seconds_on[own_threads + 1] is not None
         # The own threads' fit saw none of those steps.
         assert engine._step_costs.fit() == own_fit
     finally:

@@ -153,18 +153,17 @@ def test_lent_cpus_are_used_only_where_steps_on_them_are_measured_faster(tmp_pat
     from nori.worker.cpu_lending import PAYS_OFF_BELOW, REMEASURE_EVERY, CpuLending
 
     lending = CpuLending(CpuLendingSpec(tmp_path / "f", 1, frozenset({0})), frozenset({1}), 1)
-    both = frozenset({0, 1})
     try:
         measured: dict[int, float | None] = {1: None, 2: None}
         # Its own CPUs first: the measure lent ones must beat.
-        assert not lending._pays(measured.get, both)
+        assert not lending._pays(measured[1], measured[2])
         measured[1] = 0.010
-        assert lending._pays(measured.get, both)  # lent ones not measured yet: measure them
+        assert lending._pays(measured[1], measured[2])  # lent ones not measured yet: measure them
         measured[2] = 0.010 * PAYS_OFF_BELOW
-        assert lending._pays(measured.get, both)
+        assert lending._pays(measured[1], measured[2])
         # Slower on lent CPUs (a busy gateway on them): declined, but measured again now and then.
         measured[2] = 0.030
-        answers = [lending._pays(measured.get, both) for _ in range(2 * REMEASURE_EVERY)]
+        answers = [lending._pays(measured[1], measured[2]) for _ in range(2 * REMEASURE_EVERY)]
         assert answers.count(True) == 2 and answers[REMEASURE_EVERY - 1]
     finally:
         lending.close()
@@ -178,14 +177,15 @@ _SIDE_WITH_ENGINE = textwrap.dedent(
     import torch
     from nori.worker.cpu_lending import CpuLendingSpec, open_lending
 
+    from nori.engine.outputs import ComingStep
+
     class Engine:
         predictions = {}
 
-        def predicted_step_s(self, threads):
-            return self.predictions.get(threads)
-
-        def coming_step_shape(self):
-            return self.rows, 1500, 1  # one long prompt, beside `rows` decode rows
+        def coming_step(self, threads):
+            # One long prompt, beside `rows` decode rows.
+            seconds_on = {count: self.predictions.get(count) for count in threads}
+            return ComingStep(self.rows, 1500, 1, seconds_on)
 
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)
