@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from nori.engine.kv_cache import read_blocks
-from nori.kernels.copy_pieces import copy_and_hash_pieces
+from nori.kernels.copy_pieces import copy_share_of_chunks
 from nori.transfer.cross_memory import COPY_THREADS, copy_plan
 from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 
@@ -234,15 +234,13 @@ class ExportArena:
         plan = copy_plan(sources, destinations, CHECKSUM_CHUNK_BYTES)
         digests = [0] * len(plan)
 
-        def copy_every(first: int) -> None:
-            for index in range(first, len(plan), COPY_THREADS):
-                digests[index] = copy_and_hash_pieces(plan[index])
+        def copy_share(first: int) -> None:
+            copy_share_of_chunks(plan, first, COPY_THREADS, digests)
 
         if len(plan) > 1:
-            list(self._copiers.map(copy_every, range(COPY_THREADS)))
+            list(self._copiers.map(copy_share, range(COPY_THREADS)))
         else:
-            for first in range(COPY_THREADS):
-                copy_every(first)
+            copy_share_of_chunks(plan, 0, 1, digests)
         hasher = TransferHasher()
         if plan:
             hasher.add_chunk_digests(digests, int(plan[-1][:, 2].sum()))

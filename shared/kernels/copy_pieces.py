@@ -12,6 +12,8 @@ is still in the core's cache.
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,3 +62,22 @@ def copy_and_hash_pieces(pieces: np.ndarray) -> int:
     if kernels is None:
         return copy_and_hash_pieces_reference(pieces)
     return int(kernels.copy_and_hash_pieces(torch.from_numpy(pieces)))
+
+
+def copy_share_of_chunks(
+    chunks: Sequence[np.ndarray],
+    first: int,
+    num_threads: int,
+    digests: list[int] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """One copy thread's share of a chunked copy: chunks first, first + num_threads, ... (each
+    an [n, 3] piece table). Given `digests`, puts each chunk's digest at its index, hashed as it
+    is copied; given `stop`, returns at the next chunk once it is set."""
+    for index in range(first, len(chunks), num_threads):
+        if stop is not None and stop.is_set():
+            return
+        if digests is None:
+            copy_pieces(chunks[index])
+        else:
+            digests[index] = copy_and_hash_pieces(chunks[index])

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nori.kernels.copy_pieces import copy_and_hash_pieces, copy_pieces
+from nori.kernels.copy_pieces import copy_and_hash_pieces, copy_pieces, copy_share_of_chunks
 from nori.transfer.base import TransferError
 from nori.transfer.buffers import ReceivePiece, ScatteredRun, adjacent_runs
 from nori.transfer.handoff import CrossMemoryOffer, KVBulk
@@ -757,17 +757,10 @@ class PullReader:
                 COPY_THREADS, thread_name_prefix="nori-kv-copy"
             )
         stop = threading.Event()
-
-        def copy_every(first: int) -> None:
-            for index in range(first, len(plan), COPY_THREADS):
-                if stop.is_set():
-                    return
-                if digests is None:
-                    copy_pieces(plan[index])
-                else:
-                    digests[index] = copy_and_hash_pieces(plan[index])
-
-        work = [self._executor.submit(copy_every, first) for first in range(COPY_THREADS)]
+        work = [
+            self._executor.submit(copy_share_of_chunks, plan, first, COPY_THREADS, digests, stop)
+            for first in range(COPY_THREADS)
+        ]
         try:
             await asyncio.gather(*(asyncio.wrap_future(future) for future in work))
         except BaseException:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from nori.kernels.copy_pieces import (
     copy_and_hash_pieces_reference,
     copy_pieces,
     copy_pieces_reference,
+    copy_share_of_chunks,
 )
 from nori.kernels.cpu_build import cpu_kernels
 from nori.kernels.int8_gemv import (
@@ -245,6 +248,32 @@ def test_copy_pieces_matches_its_reference_and_plain_slices(seed: int) -> None:
         assert torch.equal(landed, expected), copy.__name__
         if "hash" in copy.__name__:
             assert result == digest, copy.__name__
+
+
+def test_copy_threads_shares_cover_every_chunk_once() -> None:
+    """Three threads' shares of seven chunks copy each chunk (hashed where digests are asked
+    for, each digest at its chunk's index), and a share stops at its next chunk once told to."""
+    source = torch.arange(7 * 64, dtype=torch.int64).to(torch.uint8)
+    for with_digests in (False, True):
+        landed = torch.zeros_like(source)
+        chunks = [
+            np.array([(landed.data_ptr() + at, source.data_ptr() + at, 64)], dtype=np.int64)
+            for at in range(0, source.numel(), 64)
+        ]
+        digests = [0] * len(chunks) if with_digests else None
+        for first in range(3):
+            copy_share_of_chunks(chunks, first, 3, digests)
+        assert torch.equal(landed, source)
+        if digests is not None:
+            assert digests == [
+                xxhash.xxh3_64_intdigest(source[at : at + 64].numpy().tobytes())
+                for at in range(0, source.numel(), 64)
+            ]
+    stop = threading.Event()
+    stop.set()
+    landed.zero_()
+    copy_share_of_chunks(chunks, 0, 1, None, stop)
+    assert not landed.any()
 
 
 def test_copy_pieces_refuses_a_malformed_table() -> None:
