@@ -190,15 +190,21 @@ async def start_engine_core(
 
 
 def result_of_step(
-    engine: LLMEngine, probe: StepProbe | None
+    engine: LLMEngine, probe: StepProbe | None, lending: CpuLending | None = None
 ) -> tuple[list[StepOutput], object | None]:
     """One step's outputs and its probe: a step that raises fails its batch (a bug, not bad
-    input, which is rejected when added) and the engine keeps serving."""
+    input, which is rejected when added) and the engine keeps serving. With `lending`, the step
+    runs on the CPUs it picks (nori.worker.cpu_lending), and a partner parked for it goes on
+    once it is done."""
+    if lending is not None:
+        lending.before_step(engine)
     try:
         outputs = engine.step()
     except Exception:
         logger.exception("engine step failed; aborting the running requests")
         outputs = abort_all(engine)
+    if lending is not None:
+        lending.after_step()
     return outputs, probe(engine) if probe is not None else None
 
 
@@ -281,11 +287,7 @@ class EngineThread:
             self._apply_operations(block=not busy)
             if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                 continue
-            if lending is not None:
-                lending.before_step(self.engine)
-            outputs, probed = result_of_step(self.engine, self._probe)
-            if lending is not None:
-                lending.after_step()
+            outputs, probed = result_of_step(self.engine, self._probe, lending)
             self.load = load_of(self.engine)
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)

@@ -293,11 +293,7 @@ def _serve(
         outputs: list[StepOutput] = []
         probed = None
         if not stop and engine.has_unfinished_requests():
-            if lending is not None:
-                lending.before_step(engine)
-            outputs, probed = result_of_step(engine, probe)
-            if lending is not None:
-                lending.after_step()
+            outputs, probed = result_of_step(engine, probe, lending)
         _send_turn(turns, answers, outputs, load_of(engine), probed)
         if stop:
             return

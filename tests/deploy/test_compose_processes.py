@@ -102,7 +102,15 @@ def _serve_through_compose(
                 wait_healthy(health_command(services[replica.service], replica), replica.env, 300)
             gateway = next(r for r in replicas if r.service == "gateway")
             url = f"http://127.0.0.1:{gateway.ports['--port']}"
-            assert httpx.get(f"{url}/health").json()["workers"] == {"prefill": 1, "decode": 2}
+            # Each replica answers its own health check once it serves; the gateway sees it once
+            # its registry entry is read, which on a loaded host can come a poll later.
+            deadline = time.monotonic() + 30
+            while (workers := httpx.get(f"{url}/health").json()["workers"]) != {
+                "prefill": 1,
+                "decode": 2,
+            }:
+                assert time.monotonic() < deadline, f"the gateway sees {workers}"
+                time.sleep(0.2)
             # Their entries are signed with the cluster secret from its file.
             admin = redis.Redis(port=redis_port, password=(secrets_dir / "admin").read_text())
             try:
