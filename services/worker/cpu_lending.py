@@ -40,7 +40,10 @@ least half of its CPUs' time). On the 2-core hosts a 1,500-token prompt took a p
 1.4 s on its one core and a colocated worker 0.7 s, enough to miss a 2 s time-to-first-token SLO
 at 2 req/s when two met in the prefill worker's queue. Turns are whole steps: cut into chunks of
 about 100 or 300 tokens (so the partner would wait less), the prompt computed on both cores at
-0.6-1.1 ms a token, no faster than whole on one. A partner that gets work while a worker steps
+0.6-1.1 ms a token, no faster than whole on one. That was before chunks attended through torch's
+flash path (nori.kernels.prefill_attention_cpu; 300-token chunks now take 0.65 s of a
+1,500-token prompt on both cores, 0.57 s whole); chunked turns have not been measured since. A
+partner that gets work while a worker steps
 on its CPUs parks too. Only pairs: with three or more workers, two borrowers of one idle worker
 would share its cores (the launcher lends only between one prefill and one decode worker on
 disjoint CPUs).
