@@ -9,7 +9,8 @@ Environment variables Nori reads, all here (`Environment.read`):
   address, as a scaled container needs);
 - `NORI_CACHE_DIR`: where the built-in models are written (default ~/.cache/nori/models);
 - `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels;
-- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token;
+- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token, which
+  the batch runner sends; `NORI_API_KEY_FILE`: a file holding it, read when the variable is unset;
 - `NORI_CLUSTER_SECRET`: the secret every role of a cluster shares (`--cluster-secret`), from
   which the internal credentials derive (`nori.cluster_auth`); `NORI_CLUSTER_SECRET_FILE`: a
   file holding it (a Compose secret, /run/secrets/...), read when the variable is unset;
@@ -83,7 +84,7 @@ class Environment:
             advertise_host=env.get("NORI_ADVERTISE_HOST") or None,
             cache_dir=Path(cache_dir) if cache_dir else None,
             cpu_kernels=env.get("NORI_CPU_KERNELS", "1") != "0",
-            api_key=env.get("NORI_API_KEY") or None,
+            api_key=_secret(env, "NORI_API_KEY"),
             cluster_secret=_secret(env, "NORI_CLUSTER_SECRET"),
             redis_password=_secret(env, "NORI_REDIS_PASSWORD"),
         )

@@ -24,6 +24,7 @@ from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
 from nori.state.state_recorder import StateRecorder
+from nori.transfer.address import parse_address
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -226,6 +227,8 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 lease_s=lease.policy.lease_s,
                 draft_nbytes=len(lease.block_ids) * self._engine.facts.draft_kv_bytes_per_block,
                 bulk=lease.bulk,
+                transport=parse_address(self._transfer_address).scheme,
+                sender=hand_off.sender,
             )
         return hand_off
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nori.gateway.backend import Backend
+from nori.gateway.drain import Drain, DrainMiddleware
 from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
 from nori.gateway.errors import APIError, as_api_error, bad_request, install_error_handlers
 from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
@@ -83,6 +84,7 @@ def create_app(
     routers: Sequence[APIRouter] = (),
     path_body_limits: Mapping[str, int] | None = None,
     stream_interval: int = 1,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for one served model.
 
@@ -93,6 +95,7 @@ def create_app(
     backend's per-worker figures). `routers`: more routes (the Batch API), behind the same
     middleware; `path_body_limits`: their own body bounds, by path. `stream_interval`: a
     streamed request's tokens go out this many to an event (the first output at once, the rest at the end).
+    `drain`: while it drains, new requests get 503 and the in-flight ones are counted (nori.gateway.drain).
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -163,6 +166,13 @@ def create_app(
     )
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, open_paths=(HEALTH_PATH, METRICS_PATH))
+    if drain is not None:
+        app.add_middleware(
+            DrainMiddleware,
+            drain=drain,
+            open_paths=(HEALTH_PATH, METRICS_PATH),
+            health_path=HEALTH_PATH,
+        )
 
     @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -16,6 +16,7 @@ from nori.batch.store import BatchStatus, BatchStore
 from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
 from nori.gateway.batch_api import FILES_PATH, batch_routes, batch_status_counts
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
+from nori.gateway.drain import Drain, DrainingServer
 from nori.gateway.metrics import refused_worker_entries_text
 from nori.gateway.middleware import instrument
 from nori.models.config import ModelConfig
@@ -75,6 +76,8 @@ class GatewayOptions(RoleSettings):
     # OpenAI's Files and Batch API, its files and batches kept here; None: off.
     batch_dir: str | None = None
     max_batch_file_mib: float = 200.0
+    # SIGTERM: requests in flight get this long to finish (nori.gateway.drain).
+    drain_timeout_s: float = 60.0
 
 
 def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
@@ -183,6 +186,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         jobs = BatchJobs(batch_redis, Keys(options.namespace))
         routers.append(batch_routes(batch_store, jobs))
 
+    drain = Drain()
     app = create_app(
         backend,
         tokenizer,
@@ -195,6 +199,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         routers=routers,
         path_body_limits={FILES_PATH: int(options.max_batch_file_mib * 1024 * 1024)},
         stream_interval=options.stream_interval,
+        drain=drain,
     )
     instrument(app, tracing, untraced_paths=(HEALTH_PATH, METRICS_PATH))
     config = uvicorn.Config(
@@ -204,14 +209,14 @@ async def serve_gateway(options: GatewayOptions) -> None:
         # An access line per request, as vLLM's server logs (--no-access-log turns it off).
         log_level="info" if options.access_log else "warning",
         access_log=options.access_log,
-        # Open streams end with the workers; do not hold the shutdown for them.
+        # After the drain (DrainingServer) nothing is left for uvicorn's own wait.
         timeout_graceful_shutdown=5,
     )
     logger.info(
         "gateway serving %r on http://%s:%d", options.served_model_name, options.host, options.port
     )
     try:
-        await uvicorn.Server(config).serve()
+        await DrainingServer(config, drain, options.drain_timeout_s).serve()
     finally:
         if batch_redis is not None:
             await batch_redis.aclose()

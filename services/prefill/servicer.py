@@ -56,11 +56,14 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         max_open_calls: int,
         max_background_calls: int | None = None,
         export_arena: ExportArena | None = None,
+        host: str = "",
     ) -> None:
         super().__init__(
             worker_id, engine, streams, is_draining, telemetry, max_open_calls, max_background_calls
         )
         self._sender = sender
+        # HandOff.sender: this worker, as the receiver's span names it.
+        self._sender_name = f"{worker_id}@{host}" if host else worker_id
         # Where each request's KV copy waits for its transfer: shared memory, which a decode
         # worker on this host copies out of its own mapping of it.
         self._arena = export_arena if export_arena is not None else ExportArena()
@@ -182,6 +185,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 # right after the data (nori.transfer.integrity), unless the export copy took
                 # the checksum as it copied.
                 checksums_follow=True,
+                sender=self._sender_name,
             )
             header = dataclasses.replace(header, sender_checksum=copy.checksum)
         except BaseException:

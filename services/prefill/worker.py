@@ -91,6 +91,7 @@ class PrefillWorker(Worker):
         ).set_function(lambda: arena.capacity - arena.free_bytes)
         self._servicer = PrefillServicer(
             worker_id=self.worker_id,
+            host=self.options.resolved_advertise_host(),
             engine=engine,
             streams=streams,
             sender=self._sender,

@@ -7,6 +7,10 @@ pollers, asyncio's executor, the engine thread and the OpenMP pool start: they a
 The few threads that already exist by then (importing torch, which building the command's
 parser does, starts one) are pinned one by one.
 
+Without flags, a process held to fewer CPUs by a CFS quota than its affinity shows (a container
+given `cpus:`) runs one thread per whole CPU of its quota (`usable_cpu_count`), so replicas that
+share a host's cores do not oversubscribe them.
+
 The intra-op thread count is set with `torch.set_num_threads` (`set_torch_threads`): torch is
 already loaded when the handler runs, and OpenMP and MKL read OMP_NUM_THREADS/MKL_NUM_THREADS
 only once, when they load. The launcher (`nori up`) therefore also puts those variables in the
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from nori.launch.cpu_plan import format_cpu_list, parse_usable_cpus
 
@@ -39,14 +45,60 @@ class CpuBinding:
         cls, cpus: str | None, threads: int | None, default_threads: int | None = None
     ) -> CpuBinding:
         """--cpus and --threads, checked. Without --threads, a pinned process runs
-        `default_threads` threads, or one per CPU when that is None."""
+        `default_threads` threads, or one per CPU when that is None; an unpinned one under a CPU
+        quota smaller than its affinity runs one per whole CPU of the quota."""
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be at least 1, got {threads}")
         if cpus is None:
+            usable = usable_cpu_count()
+            if threads is None and usable < len(os.sched_getaffinity(0)):
+                threads = usable
             return cls(None, threads)
         chosen = parse_usable_cpus(cpus, "--cpus", frozenset(os.sched_getaffinity(0)))
         assert chosen is not None
         return cls(chosen, threads or default_threads or len(chosen))
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None) -> float | None:
+    """The CPUs this process's cgroup may use per period: cgroup v2 `cpu.max`, else v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`. Read in the process's own cgroup (`own`: the text
+    of /proc/self/cgroup), else at the hierarchy's root, which is where a container sees its own
+    cgroup. None: no quota."""
+    if own is None:
+        try:
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            own = ""
+    paths = {
+        controller: path.lstrip("/")
+        for _, controllers, path in (line.split(":", 2) for line in own.splitlines() if line)
+        for controller in controllers.split(",")
+    }
+    for folder in (root / paths.get("", ""), root):
+        try:
+            quota, period = (folder / "cpu.max").read_text().split()
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
+    for controller in ("cpu", "cpu,cpuacct"):
+        for folder in (root / controller / paths.get("cpu", ""), root / controller):
+            try:
+                quota_us = int((folder / "cpu.cfs_quota_us").read_text())
+                period_us = int((folder / "cpu.cfs_period_us").read_text())
+            except (OSError, ValueError):
+                continue
+            return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    return None
+
+
+def usable_cpu_count(quota: float | None = None) -> int:
+    """The CPUs this process can keep busy: its affinity, capped by whole CPUs of its quota
+    (`cpu_quota()` when not given), at least 1."""
+    count = len(os.sched_getaffinity(0))
+    quota = cpu_quota() if quota is None else quota
+    if quota is not None:
+        count = min(count, max(1, math.floor(quota)))
+    return count
 
 
 def bind_process(binding: CpuBinding) -> None:

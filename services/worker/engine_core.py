@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -45,6 +44,7 @@ from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_device
 from nori.engine.engine import LLMEngine, abort_all
 from nori.engine.outputs import EngineLoad, StepOutput
+from nori.worker.cpu_binding import usable_cpu_count
 from nori.worker.cpu_lending import CpuLending, CpuLendingSpec, open_lending
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ async def start_engine_core(
     `on_death` hears why an engine process ended while serving (the worker then stops);
     `lending` pairs its steps' CPUs with a co-hosted worker's (nori.worker.cpu_lending)."""
     loop = asyncio.get_running_loop()
-    num_cpus = len(os.sched_getaffinity(0))
+    num_cpus = usable_cpu_count()
     resolved = resolve_engine_core(mode, config, num_cpus)
     logger.info(
         "engine core: %s%s", resolved, f" (auto, {num_cpus} CPU(s))" if mode == "auto" else ""

@@ -154,11 +154,13 @@ class CallRecord:
         lease_s: float,
         draft_nbytes: int = 0,
         bulk: KVBulk = "messages",
+        transport: str = "",
+        sender: str = "",
     ) -> None:
         """The transfer as this decode worker saw it (times from time.monotonic()); its span is
         a child of the sender's, whose context came in the hand-off header. `bulk`: how the
         bytes came (copied out of the sender's shared memory, read out of its memory, or as
-        messages)."""
+        messages); `transport`: the receiver's (ucx or tcp); `sender`: HandOff.sender."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
         self._metrics.observe_transfer(nbytes, end - start, draft_nbytes, bulk)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
@@ -173,6 +175,8 @@ class CallRecord:
                 "nori.kv.blocks": num_blocks,
                 "nori.kv.lease_s": lease_s,
                 "nori.kv.bulk": bulk,
+                "nori.kv.transport": transport,
+                "nori.kv.sender": sender,
                 "nori.kv.wait_s": receiving_since - reserved_at,
                 "nori.kv.gbps": nbytes / (end - start) / 1e9 if end > start else 0.0,
             },

@@ -42,6 +42,13 @@ def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
         "moves to another worker (gRPC keepalive catches a frozen peer sooner)",
     )
     gateway.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, requests in flight get this long to finish while new ones get 503 "
+        "with Retry-After; a second signal stops at once (default %(default)s)",
+    )
+    gateway.add_argument(
         "--group-wait-s",
         type=float,
         default=600.0,

@@ -91,15 +91,20 @@ class TransferHeader:
         trace_context: Mapping[str, str] | None = None,
         buffer_checksums: Sequence[int] = (),
         checksums_follow: bool = False,
+        sender: str = "",
     ) -> TransferHeader:
-        """A header for `block_ids` of `destination` (a bare destination when None)."""
+        """A header for `block_ids` of `destination` (a bare destination when None); `sender`
+        names the sending worker (HandOff.sender)."""
         where = KVDestination()
         if destination is not None:
             where.CopyFrom(destination)
         del where.block_ids[:]
         where.block_ids.extend(block_ids)
         hand_off = HandOff(
-            request_id=request_id, destination=where, output_token_ids=list(output_token_ids)
+            request_id=request_id,
+            destination=where,
+            output_token_ids=list(output_token_ids),
+            sender=sender,
         )
         if generator_state is not None:
             hand_off.generator_state = generator_state

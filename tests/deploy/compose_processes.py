@@ -135,12 +135,12 @@ def wait_healthy(check: list[str], env: dict[str, str], timeout_s: float) -> Non
 
 
 def make_secrets(document: dict[str, Any], folder: Path) -> Path:
-    """Each secret compose.yaml declares, as its comment says to make them (mode 0600)."""
+    """Each secret compose.yaml declares, as deploy/make-secrets.sh makes them."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in document["secrets"]:
         path = folder / name
         path.write_text(secrets.token_urlsafe(32) + "\n")
-        path.chmod(0o600)
+        path.chmod(0o644)
     return folder
 
 

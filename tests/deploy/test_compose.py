@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,51 @@ def test_compose_file_matches_the_compose_specification() -> None:
             "http://jaeger:4317"
         )
     assert "--colocated" in services["colocated"]["command"]
-    assert services["gateway"]["ports"] == ["${NORI_PORT:-8000}:8000"]
+    assert services["gateway"]["ports"] == [
+        "${NORI_BIND_ADDRESS:-127.0.0.1}:${NORI_PORT:-8000}:8000"
+    ]
+
+
+def test_the_file_suits_compose_1_29_and_stops_promptly() -> None:
+    """Debian's docker-compose 1.29 refuses a top-level `name` (.env names the project); every
+    service runs an init process; the UIs and the API are published on loopback by default; the
+    gateway is given longer than its drain to stop."""
+    document = _document()
+    assert "name" not in document
+    assert "COMPOSE_PROJECT_NAME=nori" in (ROOT / ".env").read_text().splitlines()
+    for name, service in document["services"].items():
+        assert service.get("init") is True, name
+        for port in service.get("ports", []):
+            assert port.startswith("${NORI_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
+    gateway = document["services"]["gateway"]
+    drain_s = float(gateway["command"][gateway["command"].index("--drain-timeout-s") + 1])
+    assert _seconds(gateway["stop_grace_period"]) > drain_s
+    for name in ("prefill", "decode"):
+        assert document["services"][name]["cpus"].startswith("${NORI_"), name
+
+
+def _seconds(duration: str) -> float:
+    match = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert match is not None and duration, duration
+    return 60 * int(match.group(1) or 0) + int(match.group(2) or 0)
+
+
+def test_make_secrets_writes_every_secret_readable_by_the_image_user_in_a_private_folder(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "secrets"
+    subprocess.run([str(ROOT / "deploy" / "make-secrets.sh"), str(folder)], check=True)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    declared = set(_document()["secrets"])
+    assert {path.name for path in folder.iterdir()} == declared
+    values = set()
+    for path in folder.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+        values.add(path.read_text())
+    assert len(values) == len(declared)
+    # Run again: the values stay.
+    subprocess.run([str(ROOT / "deploy" / "make-secrets.sh"), str(folder)], check=True)
+    assert {path.read_text() for path in folder.iterdir()} == values
 
 
 WORKERS = ("prefill", "decode", "colocated", "prefill-gpu", "decode-gpu")
@@ -160,7 +206,11 @@ def test_every_role_gets_the_cluster_secret_and_only_its_own_redis_password() ->
         assert environment["NORI_REDIS_PASSWORD_FILE"] == f"/run/secrets/{password}", name
         assert environment["NORI_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", name
         # No other role's password, nor Redis' own: a role can log in only as itself.
-        assert sorted(service["secrets"]) == sorted(["cluster_secret", password]), name
+        # The API key goes to the gateway, which requires it, and the batch runner, which sends it.
+        api_key = ["api_key"] if name in ("gateway", "batch") else []
+        assert sorted(service["secrets"]) == sorted(["cluster_secret", password, *api_key]), name
+        if api_key:
+            assert environment["NORI_API_KEY_FILE"] == "/run/secrets/api_key", name
         assert not any("PASSWORD=" in str(v) or "SECRET=" in str(v) for v in environment), name
     redis = services["redis"]
     assert sorted(redis["secrets"]) == sorted(

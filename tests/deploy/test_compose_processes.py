@@ -118,7 +118,10 @@ def _serve_through_compose(
             finally:
                 admin.close()
             assert len(entries) == 3 and all(b"signature" in entry for entry in entries)
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            # The API requires the key from the secrets; nothing gets in without it.
+            assert openai_client_refused(url)
+            api_key = (secrets_dir / "api_key").read_text().strip()
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key)
             raw = client.completions.with_raw_response.create(
                 model="demo", prompt="Once upon a time", max_tokens=8
             )
@@ -177,3 +180,13 @@ def _serve_through_compose(
         finally:
             for replica in replicas:
                 replica.stop()
+
+
+def openai_client_refused(url: str) -> bool:
+    """A client with a wrong key gets 401."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    try:
+        client.models.list()
+    except openai.AuthenticationError:
+        return True
+    return False

@@ -25,7 +25,7 @@ class KVDestination(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grpc_address: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., lease_epoch: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class HandOff(_message.Message):
-    __slots__ = ("request_id", "destination", "output_token_ids", "generator_state", "trace_context")
+    __slots__ = ("request_id", "destination", "output_token_ids", "generator_state", "trace_context", "sender")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,12 +38,14 @@ class HandOff(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     destination: KVDestination
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generator_state: bytes
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    sender: str
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., generator_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
     __slots__ = ("hand_off", "buffer_nbytes", "buffer_checksums", "checksums_follow", "source_runs", "pull_offer")
