@@ -305,7 +305,8 @@ class Worker(ABC):
         finally:
             load_logger.cancel()
             await heartbeat.stop(deregister=True)
-            await server.stop(grace=2.0)
+            # Requests are done (drained); what is still open is not a request.
+            await server.stop(grace=0.5)
             await self.stop_role()
             await redis.aclose()
             if metrics_server is not None:

@@ -346,7 +346,9 @@ def test_completions_cross_the_hosts_over_ucx_and_equal_the_offline_text(
             # The receiver's own word: UCX carried the bytes, sent by the prefill worker at its
             # host's address.
             assert kv_receive.attributes["nori.kv.transport"] == "ucx"
-            assert kv_receive.attributes["nori.kv.sender"] == f"prefill@{cluster.address('prefill')}"
+            assert (
+                kv_receive.attributes["nori.kv.sender"] == f"prefill@{cluster.address('prefill')}"
+            )
             receivers.add(kv_receive.attributes["nori.worker_id"])
         assert receivers == set(DECODES), receivers
 
