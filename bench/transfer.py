@@ -26,6 +26,13 @@ Our transports move the bytes as the workers do: on one host the receiver reads 
 sender's memory (`nori.transfer.cross_memory`) where it can (`--bulk auto`), or always as
 messages (`--bulk messages`); `ucx_transports["bulk"]` says which carried them, and
 `<transport>_cpu_s_per_gib` what each side's process spent on CPU per GiB moved.
+
+Across hosts: `nori bench transfer --listen HOST:PORT` on the receiving host serves the
+receivers (one process per transport, as on one host, listening on HOST), and `nori bench
+transfer --receiver HOST:PORT ...` on the sending host runs the benchmark against them (memcpy
+and the checksums stay on the sender). The two talk over a control connection authenticated by
+a key derived from NORI_CLUSTER_SECRET, which both sides must have; the receiving side exits
+once the sender is done. `bench/cross_host_transfer.py` runs both in two network namespaces.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import asyncio
 import contextlib
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import socket
@@ -47,6 +55,7 @@ from typing import Any, Literal
 
 import torch
 
+from nori.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth
 from nori.transfer.base import TransferConfig, TransferRejected
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import TransferHasher, buffer_checksums, landed_mismatch
@@ -78,6 +87,9 @@ class TransferBenchConfig:
     destinations: DestinationLayout = "scattered"
     # Our transports' TransferConfig.cross_memory_attach (`--bulk auto`; False: `messages`).
     cross_memory_attach: bool = True
+    # HOST:PORT of `nori bench transfer --listen` (the receivers on another host); None: the
+    # receivers are child processes of this one.
+    receiver: str | None = None
 
     def __post_init__(self) -> None:
         if self.total_mib < 1 or self.block_kib < 1 or self.repeats < 1:
@@ -87,6 +99,8 @@ class TransferBenchConfig:
         unknown = set(self.transports) - set(TRANSPORTS)
         if unknown or not self.transports:
             raise ValueError(f"transports must be among {', '.join(TRANSPORTS)}")
+        if self.receiver is not None:
+            host_port(self.receiver, "--receiver")
 
     @property
     def block_bytes(self) -> int:
@@ -137,7 +151,7 @@ class _CacheSink:
 
 
 async def _serve_transport(
-    kind: str, settings: TransferBenchConfig, conn: Connection, ucx_log: Path | None
+    kind: str, settings: TransferBenchConfig, conn: Connection, ucx_log: Path | None, host: str
 ) -> None:
     from nori.transfer.factory import make_receiver
 
@@ -147,7 +161,7 @@ async def _serve_transport(
         _CacheSink(cache, settings.block_bytes),
         TransferConfig(cross_memory_attach=settings.cross_memory_attach),
     )
-    conn.send((await receiver.start(host="127.0.0.1"), _ucx_environment()))
+    conn.send((await receiver.start(host=host, advertise_host=host), _ucx_environment()))
     # Serve until the parent says stop (or goes away): its pipe becomes readable. It may first
     # ask what carried the bytes (UCX logs an endpoint's lanes once a sender connected).
     loop = asyncio.get_running_loop()
@@ -177,15 +191,15 @@ async def _serve_transport(
     await receiver.close()
 
 
-def _serve_socket(settings: TransferBenchConfig, conn: Connection) -> None:
+def _serve_socket(settings: TransferBenchConfig, conn: Connection, host: str) -> None:
     cache = torch.zeros(settings.num_blocks * settings.block_bytes, dtype=torch.uint8)
     blocks = _blocks(cache, settings.block_bytes)
     views = [
         blocks[block_id].numpy().data
         for block_id in destination_block_ids(settings.num_blocks, settings.destinations)
     ]
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        conn.send((f"tcp://127.0.0.1:{listener.getsockname()[1]}", {}))
+    with socket.create_server((host, 0)) as listener:
+        conn.send((f"tcp://{host}:{listener.getsockname()[1]}", {}))
         peer, _ = listener.accept()
         with peer:
             while True:
@@ -198,13 +212,14 @@ def _serve_socket(settings: TransferBenchConfig, conn: Connection) -> None:
                 peer.sendall(b"k")
 
 
-def _child_main(kind: str, settings: TransferBenchConfig, conn: Connection) -> None:
-    """Entry point of the receiving process (spawned: nothing inherited but the arguments)."""
+def _child_main(kind: str, settings: TransferBenchConfig, conn: Connection, host: str) -> None:
+    """Entry point of the receiving process (spawned: nothing inherited but the arguments),
+    listening on `host`."""
     if kind == "socket":
-        _serve_socket(settings, conn)
+        _serve_socket(settings, conn, host)
         return
     if kind != "ucx":
-        asyncio.run(_serve_transport(kind, settings, conn, None))
+        asyncio.run(_serve_transport(kind, settings, conn, None, host))
         return
     with tempfile.TemporaryDirectory(prefix="nori-ucx-log-") as folder:
         # Before ucxx starts: UCX's info log (lanes, and the protocol table of each endpoint
@@ -213,7 +228,7 @@ def _child_main(kind: str, settings: TransferBenchConfig, conn: Connection) -> N
         os.environ.setdefault("UCX_LOG_LEVEL", "info")
         os.environ.setdefault("UCX_PROTO_INFO", "y")
         os.environ.setdefault("UCX_LOG_FILE", str(ucx_log))
-        asyncio.run(_serve_transport(kind, settings, conn, ucx_log))
+        asyncio.run(_serve_transport(kind, settings, conn, ucx_log, host))
 
 
 # "... intra-node cfg#0 tag(sysv/memory)  rma(sysv/memory posix/memory)  am(sysv/memory) ..."
@@ -269,13 +284,13 @@ def _ucx_environment() -> dict[str, str]:
 
 
 class _Child:
-    """A receiving process; `address` is where it listens."""
+    """A receiving process, listening on `host`; `address` is where it listens."""
 
-    def __init__(self, kind: str, settings: TransferBenchConfig) -> None:
+    def __init__(self, kind: str, settings: TransferBenchConfig, host: str = "127.0.0.1") -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(kind, settings, child_conn), daemon=True
+            target=_child_main, args=(kind, settings, child_conn, host), daemon=True
         )
         self._process.start()
         child_conn.close()
@@ -304,6 +319,131 @@ class _Child:
             self._process.terminate()
             self._process.join()
         self._conn.close()
+
+
+def host_port(text: str, flag: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv4 address or a name; port 0 only where listening picks one)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} takes HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _control_key() -> bytes:
+    """The control connection's key (both sides derive it from the cluster secret): what comes
+    over it is unpickled, so only a peer that holds the secret may talk."""
+    auth = ClusterAuth.from_text(os.environ.get(CLUSTER_SECRET_ENV))
+    if not auth.enabled:
+        raise ValueError(
+            f"--listen and --receiver need {CLUSTER_SECRET_ENV}, the same on both sides "
+            "(`nori cluster-secret` prints one)"
+        )
+    return auth.key("bench-transfer")
+
+
+def serve_receivers(listen: str) -> None:
+    """`--listen HOST:PORT`: for each control connection, one receiving process (as `_Child`,
+    listening on HOST) for the transport the sender names, until a sender says "quit"."""
+    host, port = host_port(listen, "--listen")
+    key = _control_key()
+    with multiprocessing.connection.Listener((host, port), authkey=key) as listener:
+        print(f"nori: transfer receivers listening on {host}:{listener.address[1]}", flush=True)
+        while True:
+            try:
+                conn = listener.accept()
+            except (multiprocessing.AuthenticationError, OSError, EOFError) as error:
+                print(f"nori: refused a control connection: {error!r}", flush=True)
+                continue
+            with conn:
+                if not _serve_control(conn, host):
+                    return
+
+
+def _serve_control(conn: Connection, host: str) -> bool:
+    """Serves one sender's requests for one receiver; False once it said "quit"."""
+    child: _Child | None = None
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                return True
+            if request == "quit":
+                return False
+            try:
+                if isinstance(request, tuple) and request[0] == "start" and child is None:
+                    child = _Child(request[1], request[2], host)
+                    answer: Any = (child.address, child.environment)
+                elif request == "transports" and child is not None:
+                    answer = child.transports()
+                elif request == "cpu_s" and child is not None:
+                    answer = child.cpu_s()
+                elif request == "stop":
+                    if child is not None:
+                        child.stop()
+                        child = None
+                    answer = None
+                else:
+                    raise ValueError(f"unexpected request {request!r}")
+            except Exception as error:
+                conn.send(("error", f"{type(error).__name__}: {error}"))
+                continue
+            conn.send(("ok", answer))
+    finally:
+        if child is not None:
+            child.stop()
+
+
+def _connect(receiver: str) -> Connection:
+    """The control connection to `--listen`, waiting for it to listen."""
+    address = host_port(receiver, "--receiver")
+    deadline = time.monotonic() + _CHILD_START_TIMEOUT_S
+    while True:
+        try:
+            return multiprocessing.connection.Client(address, authkey=_control_key())
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+class _RemoteChild:
+    """A receiving process that `nori bench transfer --listen` started, on another host."""
+
+    def __init__(self, kind: str, settings: TransferBenchConfig, receiver: str) -> None:
+        self._conn = _connect(receiver)
+        try:
+            self.address, self.environment = self._ask(("start", kind, settings))
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _ask(self, request: Any) -> Any:
+        self._conn.send(request)
+        if not self._conn.poll(_CHILD_START_TIMEOUT_S):
+            raise RuntimeError(f"the remote receiver did not answer {request!r}")
+        status, answer = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"the remote receiver: {answer}")
+        return answer
+
+    def transports(self) -> dict[str, Any]:
+        transports: dict[str, Any] = self._ask("transports")
+        return transports
+
+    def cpu_s(self) -> float:
+        return float(self._ask("cpu_s"))
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, EOFError, RuntimeError):
+            self._ask("stop")
+        self._conn.close()
+
+
+def _quit_receivers(receiver: str) -> None:
+    """Tells `--listen` that this sender is done: it exits."""
+    with _connect(receiver) as conn:
+        conn.send("quit")
 
 
 def _rate(nbytes: int, seconds: float) -> float:
@@ -422,7 +562,11 @@ def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor
     if transport == "memcpy":
         return _Measured(_time_memcpy(settings, source))
     kind = {"ucx": "ucx", "tcp_transport": "tcp", "socket": "socket"}[transport]
-    child = _Child(kind, settings)
+    child: _Child | _RemoteChild = (
+        _RemoteChild(kind, settings, settings.receiver)
+        if settings.receiver
+        else _Child(kind, settings)
+    )
     try:
         if kind == "socket":
             return _Measured(_time_socket(child.address, settings, source), child.environment)
@@ -458,12 +602,22 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
     # What `--transport auto` would choose here, and the probe's figures behind it.
     report["auto_transport"] = asdict(probe_transports())
     samples: dict[str, list[float]] = {}
+    try:
+        measured_by = {
+            transport: _measure(transport, settings, source)
+            for transport in settings.transports
+            if transport != "ucx" or ucx_available()
+        }
+    finally:
+        if settings.receiver:
+            with contextlib.suppress(OSError, EOFError):
+                _quit_receivers(settings.receiver)
     for transport in settings.transports:
-        if transport == "ucx" and not ucx_available():
+        if transport not in measured_by:
             report["ucx_gbps"] = None
             report["ucx_note"] = "ucxx is not importable"
             continue
-        measured = _measure(transport, settings, source)
+        measured = measured_by[transport]
         samples[transport] = measured.rates
         report[f"{transport}_gbps"] = round(statistics.median(measured.rates), 3)
         if measured.cpu_s_per_gib:

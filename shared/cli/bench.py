@@ -100,6 +100,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "receiver reads them from the sender's memory, cross-memory attach, where it can; "
         "as the workers do) or messages (always sent as messages)",
     )
+    transfer.add_argument(
+        "--receiver",
+        default=None,
+        metavar="HOST:PORT",
+        help="the receivers are on another host, served there by `nori bench transfer --listen "
+        "HOST:PORT` (both sides need the same NORI_CLUSTER_SECRET); default: child processes "
+        "on this host",
+    )
+    transfer.add_argument(
+        "--listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="be the receiving side for a `--receiver HOST:PORT` run on another host: its "
+        "receivers listen on HOST; it exits when that run is done (the other options come from "
+        "the sender)",
+    )
     transfer.add_argument("--json", action="store_true", help="print one JSON object")
     transfer.set_defaults(handler=run_transfer)
 
@@ -347,8 +363,13 @@ def run_fidelity(args: argparse.Namespace) -> int:
 
 
 def run_transfer(args: argparse.Namespace) -> int:
-    from nori.bench.transfer import TransferBenchConfig, run_transfer_benchmark
+    from nori.bench.transfer import TransferBenchConfig, run_transfer_benchmark, serve_receivers
 
+    if args.listen is not None:
+        if args.receiver is not None:
+            raise ValueError("--listen and --receiver are the two sides: give one")
+        serve_receivers(args.listen)
+        return 0
     settings = TransferBenchConfig(
         total_mib=args.total_mib,
         block_kib=args.block_kib,
@@ -356,6 +377,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
         destinations=args.destinations,
         cross_memory_attach=args.bulk == "auto",
+        receiver=args.receiver,
     )
     report = run_transfer_benchmark(settings)
     _print_report(report, args.json)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,33 @@ def test_bench_transfer_rejects_bad_settings() -> None:
     )
     assert result.returncode == 2
     assert "must be >= 1" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_transfer_between_two_hosts(tmp_path: Path) -> None:
+    """`--listen` on one network namespace, `--receiver` on another: every transport crosses the
+    veth link between them, as messages, and UCX says every lane it chose is TCP."""
+    from nori.bench.netns_hosts import require_namespaces
+
+    require_namespaces()
+    out = tmp_path / "cross-host"
+    command = ["--out", str(out), "--block-kib", "32", "--runs", "1", "--total-mib", "2"]
+    command += ["--repeats", "1", "--transports", "ucx,tcp_transport,socket"]
+    result = subprocess.run(
+        [sys.executable, "-m", "nori.bench.cross_host_transfer", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "run1-32kib.json").read_text())
+    host, _ = report["receiver"].rsplit(":", 1)
+    assert host.startswith("10.213.")  # the receiving namespace's address, not loopback
+    assert report["cross_memory_attach"] is False
+    for key in ("tcp_transport_gbps", "socket_gbps"):
+        assert report[key] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["leftovers"] == []
+    if report["ucx_gbps"] is not None:
+        assert report["ucx_transports"]["bulk"] == "messages"
+        assert summary["by_block_kib"]["32"]["ucx_lanes_all_tcp"] is True
