@@ -86,3 +86,56 @@ def test_bench_transfer_between_two_hosts(tmp_path: Path) -> None:
     if report["ucx_gbps"] is not None:
         assert report["ucx_transports"]["bulk"] == "messages"
         assert summary["by_block_kib"]["32"]["ucx_lanes_all_tcp"] is True
+
+
+def test_the_listening_side_refuses_a_sender_without_the_cluster_secret() -> None:
+    """What comes over `--listen`'s control connection is unpickled: a peer with another secret
+    is refused at the handshake, and the listener goes on to serve one that holds it."""
+    import multiprocessing.connection
+    import os
+    import time
+
+    from nori.cluster_auth import CLUSTER_SECRET_ENV, ClusterAuth
+    from nori.launch.local_cluster import free_port
+
+    secret = "a-secret-of-this-test-0123456789"
+    port = free_port()
+    listener = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nori.cli.main",
+            "bench",
+            "transfer",
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env={**os.environ, CLUSTER_SECRET_ENV: secret},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                wrong = ClusterAuth.from_text("another-secret-0123456789abcdef").key(
+                    "bench-transfer"
+                )
+                multiprocessing.connection.Client(("127.0.0.1", port), authkey=wrong)
+            except ConnectionRefusedError:
+                assert listener.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+                continue
+            except multiprocessing.AuthenticationError:
+                break
+            raise AssertionError("a sender with another secret was let in")
+        right = ClusterAuth.from_text(secret).key("bench-transfer")
+        with multiprocessing.connection.Client(("127.0.0.1", port), authkey=right) as conn:
+            conn.send("quit")
+        output, _ = listener.communicate(timeout=60)
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+    assert listener.returncode == 0, output
+    assert "refused a control connection" in output
