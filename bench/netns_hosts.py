@@ -1,38 +1,17 @@
-"""Several "hosts" on one machine, for cluster tests (tests/cluster/test_cross_host.py) and
-cross-host benchmarks (bench/cross_host_transfer.py, bench/cross_host_serving.py): each a network
-namespace of its own, with one IPv4 address on a private bridge, and every process started in it
-also in mount, IPC, UTS and PID namespaces of its own (`unshare`), with a fresh tmpfs on
-/dev/shm and its own hostname.
+"""Several "hosts" on one machine, for cluster tests and cross-host benchmarks: each a network
+namespace with one IPv4 address on a private bridge (in a switch namespace of its own), and every
+process started in it also in mount, IPC, UTS and PID namespaces of its own (`unshare`), with a
+fresh tmpfs on /dev/shm and its own hostname.
 
-    root namespace --- veth ---+
-                               |   switch namespace: bridge br0 (no address, no route out)
-    host 0 (eth0: .2) - veth --+
-    host 1 (eth0: .3) - veth --+
-    ...
-
-The subnet is 10.213.X.0/24 with X picked per run among those the root namespace does not
-route yet (`.1` is the root namespace's end, so that the test process itself reaches the hosts;
-no host has a default route, so nothing they send leaves these namespaces). The bridge lives in a
-namespace of its own, not the root's: the root's firewall (Docker's FORWARD rules, with
-br_netfilter loaded) never sees the hosts' traffic.
-
-No shared-memory path joins two hosts: each has its own /dev/shm (POSIX shared memory), SysV IPC
-namespace, abstract Unix sockets (they belong to the network namespace), /proc and pids (a
-process_vm_readv by another host's pid names another process, or none). The file system is
-otherwise shared (the model, the virtualenv, the logs).
-
-Every name carries the creating process's pid and a random tag (`nh<pid>x<tag>-...`), so two
-runs never collide, and a run killed before its teardown is swept by the next one
-(`sweep_stale`). Every process is started with PR_SET_PDEATHSIG (`setpriv --pdeathsig`) and
-`unshare --kill-child`: if the test process dies, its hosts' processes die with it (the PID
-namespace's init first, then, by the kernel, everything else in it).
+Contract: no shared-memory path joins two hosts (own /dev/shm, SysV IPC, abstract sockets, pids);
+the file system is shared. The root namespace reaches every host; nothing leaves the bridge. A
+host's processes die with the creating process (PR_SET_PDEATHSIG, `unshare --kill-child`).
+The layout is drawn in docs/architecture.md#several-hosts-on-one-machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import ipaddress
 import os
 import re
 import secrets
@@ -45,13 +24,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The private range the hosts' subnets are taken from: 10.213.X.0/24.
-SUBNET_BASE = ipaddress.IPv4Network("10.213.0.0/16")
-# Every namespace and root-side device of this module starts with it.
-PREFIX = "nh"
-_NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+(-.*)?$")
-# Serializes picking a subnet and creating its devices between concurrent runs.
-_LOCK_PATH = Path("/run" if os.path.isdir("/run") else "/tmp") / "nori-netns-hosts.lock"
+from nori.bench.netns import (
+    PREFIX,
+    creation_lock,
+    dies_with_us,
+    free_subnet,
+    ip,
+    kill_namespace,
+    sweep_stale,
+)
+
 # Inside a host: a fresh /dev/shm, its hostname, then the command itself ("$@").
 _HOST_SCRIPT = 'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && hostname "$0" && exec "$@"'
 
@@ -93,71 +75,6 @@ def require_namespaces() -> None:
 
         pytest.skip(reason)
     raise NamespacesUnavailable(reason)
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done
-
-
-def _netns_pids(namespace: str) -> list[int]:
-    done = _ip("netns", "pids", namespace, check=False)
-    return [int(pid) for pid in done.stdout.split()] if done.returncode == 0 else []
-
-
-def _kill_namespace(namespace: str, timeout_s: float = 10.0) -> None:
-    """SIGKILLs every process in the network namespace until none is left, then deletes it."""
-    deadline = time.monotonic() + timeout_s
-    while pids := _netns_pids(namespace):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    _ip("netns", "del", namespace, check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale() -> list[str]:
-    """Removes the namespaces and root-side devices of runs whose process is gone (killed
-    before their teardown); returns their names."""
-    swept = []
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    for line in listed:
-        name = line.split(" ")[0]
-        found = _NAME.match(name)
-        if found and not _alive(int(found.group(1))):
-            _kill_namespace(name)
-            swept.append(name)
-    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-        device = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        found = _NAME.match(device)
-        if found and not _alive(int(found.group(1))):
-            _ip("link", "del", device, check=False)
-            swept.append(device)
-    return swept
-
-
-def _dies_with_us(argv: list[str]) -> list[str]:
-    """`argv` with PR_SET_PDEATHSIG (SIGKILL) set first, by `setpriv`: `ip netns exec` and then
-    unshare exec in the same process, which keeps it. Not a preexec_fn: forking this process
-    (gRPC's threads and fork handlers live in it) to run Python before the exec aborted the
-    child now and then (gRPC's poller: "epoll_wait error: Bad file descriptor")."""
-    if shutil.which("setpriv") is None:
-        return argv
-    return ["setpriv", "--pdeathsig", "KILL", *argv]
 
 
 @dataclass
@@ -271,7 +188,7 @@ class Host:
             raise RuntimeError(f"host {self.name} is torn down")
         with log_path.open("wb") as log:
             launcher = subprocess.Popen(
-                _dies_with_us(self.command(argv)),
+                dies_with_us(self.command(argv)),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -291,10 +208,10 @@ class Host:
     def link_down(self) -> None:
         """Pulls the cable at the switch: both ends lose carrier, nothing passes either way,
         and no reset or error reaches anyone (addresses and connections stay as they are)."""
-        _ip("-n", self.switch, "link", "set", self.switch_port, "down")
+        ip("-n", self.switch, "link", "set", self.switch_port, "down")
 
     def link_up(self) -> None:
-        _ip("-n", self.switch, "link", "set", self.switch_port, "up")
+        ip("-n", self.switch, "link", "set", self.switch_port, "up")
 
     @contextlib.contextmanager
     def link_cut(self) -> Iterator[None]:
@@ -320,7 +237,7 @@ class Host:
         if abrupt:
             self.link_down()
         self.torn_down = True
-        _kill_namespace(self.namespace)
+        kill_namespace(self.namespace)
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.launcher.wait(10)
@@ -343,8 +260,8 @@ class Hosts:
         self.hosts: dict[str, Host] = {}
         self._closed = False
         try:
-            with _creation_lock():
-                self.subnet = _free_subnet()
+            with creation_lock():
+                self.subnet = free_subnet()
                 self._make_switch()
             for name in names:
                 self.add(name)
@@ -361,15 +278,15 @@ class Hosts:
         return self.hosts[name]
 
     def _make_switch(self) -> None:
-        _ip("netns", "add", self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
-        _ip("-n", self.switch, "link", "set", "lo", "up")
-        _ip("link", "add", self.root_device, "type", "veth", "peer", "name", "root", "netns",
+        ip("netns", "add", self.switch)
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
+        ip("-n", self.switch, "link", "set", "lo", "up")
+        ip("link", "add", self.root_device, "type", "veth", "peer", "name", "root", "netns",
             self.switch)  # fmt: skip
-        _ip("-n", self.switch, "link", "set", "root", "master", "br0", "up")
-        _ip("addr", "add", f"{self.root_address}/{self.subnet.prefixlen}", "dev", self.root_device)
-        _ip("link", "set", self.root_device, "up")
+        ip("-n", self.switch, "link", "set", "root", "master", "br0", "up")
+        ip("addr", "add", f"{self.root_address}/{self.subnet.prefixlen}", "dev", self.root_device)
+        ip("link", "set", self.root_device, "up")
 
     def add(self, name: str) -> Host:
         """A new host on the bridge: its namespace, `lo` up, eth0 with the next address."""
@@ -381,13 +298,13 @@ class Hosts:
         port = f"p{index}"
         host = Host(name, namespace, address, "eth0", port, self.switch)
         self.hosts[name] = host
-        _ip("netns", "add", namespace)
-        _ip("-n", namespace, "link", "set", "lo", "up")
-        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+        ip("netns", "add", namespace)
+        ip("-n", namespace, "link", "set", "lo", "up")
+        ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
             "netns", namespace)  # fmt: skip
-        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
-        _ip("-n", namespace, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
-        _ip("-n", namespace, "link", "set", "eth0", "up")
+        ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+        ip("-n", namespace, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
+        ip("-n", namespace, "link", "set", "eth0", "up")
         return host
 
     def close(self) -> None:
@@ -398,24 +315,24 @@ class Hosts:
             for process in host.processes:
                 process.signal(signal.SIGKILL)
             host.torn_down = True
-            _kill_namespace(host.namespace)
+            kill_namespace(host.namespace)
             for process in host.processes:
                 with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                     process.launcher.kill()
                     process.launcher.wait(10)
-        _kill_namespace(self.switch)  # takes every bridge port and the root's link with it
+        kill_namespace(self.switch)  # takes every bridge port and the root's link with it
         # The kernel destroys a namespace's devices in the background: wait for the root's end.
         deadline = time.monotonic() + 10
-        while _ip("link", "show", self.root_device, check=False).returncode == 0:
-            _ip("link", "del", self.root_device, check=False)
+        while ip("link", "show", self.root_device, check=False).returncode == 0:
+            ip("link", "del", self.root_device, check=False)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
 
     def leftovers(self) -> list[str]:
         """Namespaces and devices of this run still present (empty after `close`)."""
-        names = _ip("netns", "list", check=False).stdout
-        links = _ip("-o", "link", "show", check=False).stdout
+        names = ip("netns", "list", check=False).stdout
+        links = ip("-o", "link", "show", check=False).stdout
         return sorted({name for name in re.findall(rf"\b{self.tag}[\w-]*", names + links)})
 
     def __enter__(self) -> Hosts:
@@ -423,31 +340,3 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _creation_lock() -> Iterator[None]:
-    with _LOCK_PATH.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 of SUBNET_BASE that no route of the root namespace (any table) overlaps."""
-    taken: list[ipaddress.IPv4Network] = []
-    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
-        words = line.split()
-        if words and words[0] in ("local", "broadcast", "unreachable", "blackhole", "prohibit"):
-            words = words[1:]
-        if words and words[0] != "default":
-            with contextlib.suppress(ValueError):
-                taken.append(ipaddress.IPv4Network(words[0], strict=False))
-    candidates = list(SUBNET_BASE.subnets(new_prefix=24))
-    start = secrets.randbelow(len(candidates))
-    for subnet in candidates[start:] + candidates[:start]:
-        if not any(subnet.overlaps(other) for other in taken):
-            return subnet
-    raise RuntimeError(f"no free /24 left in {SUBNET_BASE}")

@@ -7,18 +7,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from nori.bench.serve.args import (
     add_serve_args,
     settings_from_args,
 )
+from nori.cli.bench_transfer import print_report, register_transfer
 from nori.cli.cluster_bench import register_cluster_benchmarks
 from nori.cli.engine_args import add_engine_args, engine_config_from_args
 from nori.cli.progress import add_progress_arg, show_progress
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,57 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     batch_file.add_argument("--seed", type=int, default=0)
     batch_file.set_defaults(handler=run_batch_file)
 
-    transfer = commands.add_parser(
-        "transfer", help="KV block transfer bandwidth: UCX vs our TCP, a plain socket, memcpy"
-    )
-    transfer.add_argument("--total-mib", type=int, default=64, help="bytes moved per repeat")
-    transfer.add_argument(
-        "--block-kib",
-        type=int,
-        default=32,
-        help="size of one block message (default: one layer's K or V of one 16-token block of "
-        "a Llama-3-8B-class model in bfloat16)",
-    )
-    transfer.add_argument("--repeats", type=int, default=5, help="timed repeats (median reported)")
-    transfer.add_argument(
-        "--transports",
-        default="ucx,tcp_transport,socket,memcpy",
-        help="comma-separated subset of ucx,tcp_transport,socket,memcpy",
-    )
-    transfer.add_argument(
-        "--destinations",
-        choices=("scattered", "adjacent"),
-        default="scattered",
-        help="where the blocks land in the receiver's cache: scattered (no two consecutive "
-        "blocks adjacent; blocks under 256 KiB still move in 1 MiB messages, landing through "
-        "the receiver's staging buffer) or adjacent (runs of up to 1 MiB land in place)",
-    )
-    transfer.add_argument(
-        "--bulk",
-        choices=("auto", "messages"),
-        default="auto",
-        help="how our transports move the bytes between processes of one host: auto (the "
-        "receiver reads them from the sender's memory, cross-memory attach, where it can; "
-        "as the workers do) or messages (always sent as messages)",
-    )
-    transfer.add_argument(
-        "--receiver",
-        default=None,
-        metavar="HOST:PORT",
-        help="the receivers are on another host, served there by `nori bench transfer --listen "
-        "HOST:PORT` (both sides need the same NORI_CLUSTER_SECRET); default: child processes "
-        "on this host",
-    )
-    transfer.add_argument(
-        "--listen",
-        default=None,
-        metavar="HOST:PORT",
-        help="be the receiving side for a `--receiver HOST:PORT` run on another host: its "
-        "receivers listen on HOST; it exits when that run is done (the other options come from "
-        "the sender)",
-    )
-    transfer.add_argument("--json", action="store_true", help="print one JSON object")
-    transfer.set_defaults(handler=run_transfer)
+    register_transfer(commands)
 
     serve = commands.add_parser(
         "serve", help="load an OpenAI-compatible server (ours or another) and measure it"
@@ -243,7 +190,7 @@ def run_offline(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         workload=workload,
     )
-    _print_report(report, args.json)
+    print_report(report, args.json)
     return 0
 
 
@@ -358,29 +305,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         prompt_len=args.prompt_len,
         output_len=args.output_len,
     )
-    _print_report(measure_fidelity(settings).as_dict(), args.json)
-    return 0
-
-
-def run_transfer(args: argparse.Namespace) -> int:
-    from nori.bench.transfer import TransferBenchConfig, run_transfer_benchmark, serve_receivers
-
-    if args.listen is not None:
-        if args.receiver is not None:
-            raise ValueError("--listen and --receiver are the two sides: give one")
-        serve_receivers(args.listen)
-        return 0
-    settings = TransferBenchConfig(
-        total_mib=args.total_mib,
-        block_kib=args.block_kib,
-        repeats=args.repeats,
-        transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
-        destinations=args.destinations,
-        cross_memory_attach=args.bulk == "auto",
-        receiver=args.receiver,
-    )
-    report = run_transfer_benchmark(settings)
-    _print_report(report, args.json)
+    print_report(measure_fidelity(settings).as_dict(), args.json)
     return 0
 
 
@@ -398,19 +323,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         plot_runs({result.model: result}, args.plot)
     if args.json:
-        _print_report(report, as_json=True)
+        print_report(report, as_json=True)
     else:
         print(format_report(result))
     return 0
-
-
-def _print_report(report: dict[str, object], as_json: bool) -> None:
-    """One JSON object, or one aligned `key: value` line per figure."""
-    if as_json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:>28}: {value}")
 
 
 def run_moe_decode(args: argparse.Namespace) -> int:

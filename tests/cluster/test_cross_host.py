@@ -1,7 +1,7 @@
 """A cluster over several hosts: Redis and the gateway on one, a prefill worker on another, two
 decode workers on a host each. Each host is a network namespace with one address on a private
 bridge, and each process also has mount (a private /dev/shm and /proc), IPC, UTS (its hostname)
-and PID namespaces of its own (tests/cluster/netns_hosts.py): no shared-memory shortcut joins two
+and PID namespaces of its own (bench/netns_hosts.py): no shared-memory shortcut joins two
 hosts, so the KV blocks must cross the network.
 
 - Greedy completions equal the offline engine's text (which the one-host cluster is held to,
