@@ -357,7 +357,7 @@ def _build_cpu_kernels() -> None:
     from nori.kernels.cpu_build import cpu_kernels
 
     if Environment.read().cpu_kernels:
-        print("nori: loading the C++ CPU kernels (built on first use: a few minutes)", flush=True)
+        print("nori: loading the C++ CPU kernels (built on first use: about a minute)", flush=True)
         cpu_kernels()
 
 

@@ -1,8 +1,10 @@
 """Builds the C++ CPU kernels on first use (torch.utils.cpp_extension), once per machine.
 
-The build needs a C++ compiler and ninja; it takes tens of seconds the first time and is then
-cached by torch (under $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). Where it
-cannot be built the engine falls back to the PyTorch references, with one warning.
+The kernel files compile as two translation units (`_UNITS`), which include them, so torch's
+headers are parsed twice, not once per file; both units build in parallel. Files in one unit
+must not define the same internal names. The build needs a C++ compiler and ninja, and is cached
+by torch (under $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). Where it cannot be
+built the engine falls back to the PyTorch references, with one warning.
 """
 
 from __future__ import annotations
@@ -21,21 +23,23 @@ from nori.settings import Environment
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (
-    "cpu_module.cpp",
-    "argmax_cpu.cpp",
-    "bf16_gemv_cpu.cpp",
-    "copy_pieces_cpu.cpp",
-    "decode_attention_cpu.cpp",
-    "fused_moe_cpu.cpp",
-    "int8_gemv_cpu.cpp",
-    "rms_norm_cpu.cpp",
-    "rotary_cpu.cpp",
-    "row_scale_cpu.cpp",
-    "silu_and_mul_cpu.cpp",
-    "store_kv_cpu.cpp",
-    "store_kv_quant_cpu.cpp",
+_UNITS = (
+    (
+        "cpu_module.cpp",
+        "argmax_cpu.cpp",
+        "bf16_gemv_cpu.cpp",
+        "copy_pieces_cpu.cpp",
+        "decode_attention_cpu.cpp",
+        "fused_moe_cpu.cpp",
+        "rms_norm_cpu.cpp",
+        "rotary_cpu.cpp",
+        "row_scale_cpu.cpp",
+        "silu_and_mul_cpu.cpp",
+        "store_kv_cpu.cpp",
+    ),
+    ("int8_gemv_cpu.cpp", "store_kv_quant_cpu.cpp"),
 )
+_SOURCES = tuple(source for unit in _UNITS for source in unit)
 # -march=native: the build runs on the machine that uses it. -ffast-math lets the compiler
 # vectorise the dot products' float sums and call glibc's vector exp (the kernels promise float32
 # rounding, not bit-exactness, like any reordered reduction; they never produce infinities).
@@ -69,6 +73,19 @@ def _build_tag(folder: Path) -> str:
     return digest.hexdigest()[:10]
 
 
+def write_units(folder: Path, build_dir: Path) -> list[Path]:
+    """The translation units, `unit_N.cpp` in `build_dir`, each including its kernel files from
+    `folder` by absolute path (rewritten only when it changed, so ninja does not rebuild)."""
+    units = []
+    for number, sources in enumerate(_UNITS):
+        unit = build_dir / f"unit_{number}.cpp"
+        text = "".join(f'#include "{folder / source}"\n' for source in sources)
+        if not unit.exists() or unit.read_text() != text:
+            unit.write_text(text)
+        units.append(unit)
+    return units
+
+
 def build_root(default_root: str) -> Path:
     """Where builds go: $TORCH_EXTENSIONS_DIR as torch's own builds honour it (its
     `get_default_build_root` does not read it), else torch's default."""
@@ -76,8 +93,8 @@ def build_root(default_root: str) -> Path:
 
 
 # torch's build lock: a build killed part-way (Ctrl-C, kill -9, a timeout) leaves it behind, and
-# every later start would wait on it for ever, silently. A build takes 1-5 minutes on 2 CPUs.
-STALE_BUILD_LOCK_S = 20 * 60
+# every later start would wait on it for ever, silently. A build takes under a minute on 2 CPUs.
+STALE_BUILD_LOCK_S = 5 * 60
 
 
 def clear_stale_build_lock(
@@ -126,7 +143,7 @@ def cpu_kernels() -> Any | None:
         torch_lib = Path(torch.__file__).resolve().parent / "lib"
         return load(
             name=name,
-            sources=[str(folder / source) for source in _SOURCES],
+            sources=[str(path) for path in write_units(folder, build_dir)],
             extra_cflags=_CFLAGS,
             extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"],
             build_directory=str(build_dir),

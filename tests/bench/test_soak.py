@@ -1,4 +1,4 @@
-"""`nori bench soak`: its verdicts on a fixed trace, and a one-minute run against a real cluster
+"""`nori bench soak`: its verdicts on a fixed trace, and a 24-second run against a real cluster
 (what CI runs; docs/operations.md has the 30-minute one)."""
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ def test_a_short_run_compares_its_last_third_with_its_first() -> None:
 
 
 @pytest.mark.slow
-def test_a_one_minute_soak_against_a_real_cluster(tmp_path: Path) -> None:
+def test_a_short_soak_against_a_real_cluster(tmp_path: Path) -> None:
     done = subprocess.run(
         [
-            sys.executable, "-m", "nori.cli.main", "bench", "soak", "--minutes", "1",
-            "--window-s", "15", "--max-concurrency", "8", "--input-len", "64",
+            sys.executable, "-m", "nori.cli.main", "bench", "soak", "--minutes", "0.4",
+            "--window-s", "6", "--max-concurrency", "8", "--input-len", "64",
             "--output-len", "32", "--out-dir", str(tmp_path), "--json",
         ],
         capture_output=True,

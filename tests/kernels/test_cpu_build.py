@@ -1,6 +1,6 @@
-"""The C++ kernels' build: it goes under $TORCH_EXTENSIONS_DIR when set; a lock left by a build
-killed part-way is cleared (it would make every later start wait for ever), a lock of a build in
-progress is not."""
+"""The C++ kernels' build: its units include every kernel file once; it goes under
+$TORCH_EXTENSIONS_DIR when set; a lock left by a build killed part-way is cleared (it would make
+every later start wait for ever), a lock of a build in progress is not."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from nori.kernels.cpu_build import STALE_BUILD_LOCK_S, build_root, clear_stale_build_lock
+from nori.kernels.cpu_build import (
+    _UNITS,
+    STALE_BUILD_LOCK_S,
+    build_root,
+    clear_stale_build_lock,
+    write_units,
+)
 
 
 def _lock(build_dir: Path, age_s: float) -> Path:
@@ -52,3 +58,17 @@ def test_builds_go_under_torch_extensions_dir_when_set(
     assert build_root("/default") == tmp_path
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert build_root("/default") == Path("/default")
+
+
+def test_the_units_include_every_kernel_file_once(tmp_path: Path) -> None:
+    folder = Path(__file__).resolve().parents[2] / "shared" / "kernels"
+    included = [source for unit in _UNITS for source in unit]
+    assert sorted(included) == sorted(path.name for path in folder.glob("*.cpp"))
+    units = write_units(folder, tmp_path)
+    assert [unit.name for unit in units] == [f"unit_{n}.cpp" for n in range(len(_UNITS))]
+    assert units[1].read_text().splitlines() == [f'#include "{folder / s}"' for s in _UNITS[1]]
+    # Unchanged units are not rewritten: ninja would rebuild them.
+    stamp = units[0].stat().st_mtime_ns
+    time.sleep(0.01)
+    write_units(folder, tmp_path)
+    assert units[0].stat().st_mtime_ns == stamp
