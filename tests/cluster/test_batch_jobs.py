@@ -274,7 +274,9 @@ def _run_disturbed(
 ) -> dict[str, tuple[str, dict[str, Any]]]:
     batch_id = submit(cluster, completion_lines(cluster, BATCH_LINES))
     for fraction in at:
-        wait_for(cluster, batch_id, lambda b, f=fraction: b.request_counts.completed >= BATCH_LINES * f)
+        wait_for(
+            cluster, batch_id, lambda b, f=fraction: b.request_counts.completed >= BATCH_LINES * f
+        )
         disturb()
     batch = wait_for(cluster, batch_id)
     assert batch.status == "completed", batch
