@@ -77,9 +77,6 @@ class CompareSettings:
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     # The CPUs every side runs on (taskset syntax); None: this process's.
     cpus: str | None = None
-    # The disaggregated and conditional sides' workers lend each other their CPUs while idle
-    # (`nori up --cpu-lending`).
-    cpu_lending: bool = False
     repeats: int = 3
     # --sweep: one comparison per request rate; empty: one at the workload's rate.
     request_rates: tuple[float, ...] = ()
@@ -244,7 +241,6 @@ def _cluster_spec(
         worker_args=settings.worker_args,
         log_dir=log_dir,
         cpu_plan=plan,
-        cpu_lending=settings.cpu_lending,
         # Authenticated as `nori up` runs it: the benchmark pays what users pay.
         cluster_secret=generate_secret(),
     )

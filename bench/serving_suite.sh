@@ -11,7 +11,7 @@
 #             (32-128 tokens) and 20% long ones (1000-2000) on one arrival process, at each of
 #             CONDITIONAL_RATES (default 1,2,4,8 req/s, both classes), 15 s a run, 3 alternating
 #             runs a side of colocated, disaggregated and conditional; CONDITIONAL_ARGS adds
-#             bench compare options (e.g. --cpu-lending)
+#             bench compare options (e.g. --max-local-compute-s 1)
 #   burst     64 prompts of 500-2000 tokens at once, 1 prefill + 2 decode workers (demo): 3 runs
 #   prefix    the prefix dataset with and without prefix caching, 3 alternating runs
 #   pinning   disaggregated mixed load (small model) with and without CPU pinning, alternating

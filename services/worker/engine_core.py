@@ -45,7 +45,6 @@ from nori.engine.device import resolve_device
 from nori.engine.engine import LLMEngine, abort_all
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.worker.cpu_binding import usable_cpu_count
-from nori.worker.cpu_lending import CpuLending, CpuLendingSpec, open_lending
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +65,6 @@ def resolve_engine_core(
     worker pinned to one CPU has no core to give the I/O side: there the process was even on
     SmolLM2 (331 against 339) and lost 6-11% on the demo model (docs/benchmarks.md). A GPU
     engine's cache and tensor-parallel ranks have not been run in an engine process.
-
-    CPUs a partner may lend (`--cpu-lending`) do not count: a decode worker on one CPU, lent the
-    prefill worker's, decoded one stream at 8.3-9.1 ms a token in a process against 9.6-10.3 ms
-    on a thread (small model, two runs each), but served the demo model at concurrency 16 at
-    0.74x of the previous code with the process in a serving A/B (docs/benchmarks.md).
     """
     if mode != "auto":
         return mode
@@ -164,11 +158,9 @@ async def start_engine_core(
     probe: StepProbe | None = None,
     on_probe: Callable[[Any], None] | None = None,
     on_death: Callable[[str], None] | None = None,
-    lending: CpuLendingSpec | None = None,
 ) -> EngineCore:
     """Builds the engine (`setup` runs on it once, where it lives) and starts its loop.
-    `on_death` hears why an engine process ended while serving (the worker then stops);
-    `lending` pairs its steps' CPUs with a co-hosted worker's (nori.worker.cpu_lending)."""
+    `on_death` hears why an engine process ended while serving (the worker then stops)."""
     loop = asyncio.get_running_loop()
     num_cpus = usable_cpu_count()
     resolved = resolve_engine_core(mode, config, num_cpus)
@@ -178,33 +170,27 @@ async def start_engine_core(
     if resolved == "process":
         from nori.worker.engine_process import EngineProcess
 
-        process = EngineProcess(config, loop, on_outputs, setup, probe, on_probe, on_death, lending)
+        process = EngineProcess(config, loop, on_outputs, setup, probe, on_probe, on_death)
         await process.start()
         return process
     engine = await asyncio.to_thread(LLMEngine, config)
     if setup is not None:
         setup(engine)
-    thread = EngineThread(engine, loop, on_outputs, probe, on_probe, lending)
+    thread = EngineThread(engine, loop, on_outputs, probe, on_probe)
     thread.start()
     return thread
 
 
 def result_of_step(
-    engine: LLMEngine, probe: StepProbe | None, lending: CpuLending | None = None
+    engine: LLMEngine, probe: StepProbe | None
 ) -> tuple[list[StepOutput], object | None]:
     """One step's outputs and its probe: a step that raises fails its batch (a bug, not bad
-    input, which is rejected when added) and the engine keeps serving. With `lending`, the step
-    runs on the CPUs it picks (nori.worker.cpu_lending), and a partner parked for it goes on
-    once it is done."""
-    if lending is not None:
-        lending.before_step(engine)
+    input, which is rejected when added) and the engine keeps serving."""
     try:
         outputs = engine.step()
     except Exception:
         logger.exception("engine step failed; aborting the running requests")
         outputs = abort_all(engine)
-    if lending is not None:
-        lending.after_step()
     return outputs, probe(engine) if probe is not None else None
 
 
@@ -222,11 +208,9 @@ class EngineThread:
         on_outputs: Callable[[list[StepOutput]], None],
         probe: StepProbe | None = None,
         on_probe: Callable[[Any], None] | None = None,
-        lending: CpuLendingSpec | None = None,
     ) -> None:
         """`on_outputs` and `on_probe` run on the event loop; `probe` on the engine thread."""
         self.engine = engine
-        self._lending_spec = lending
         self.facts = EngineFacts.of(engine)
         self._loop = loop
         self._on_outputs = on_outputs
@@ -272,22 +256,12 @@ class EngineThread:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        lending = open_lending(self._lending_spec)
-        try:
-            self._loop_steps(lending)
-        finally:
-            if lending is not None:
-                lending.close()
-
-    def _loop_steps(self, lending: CpuLending | None) -> None:
         while not self._stopping.is_set():
             busy = self.engine.has_unfinished_requests()
-            if not busy and lending is not None:
-                lending.idle()
             self._apply_operations(block=not busy)
             if self._stopping.is_set() or not self.engine.has_unfinished_requests():
                 continue
-            outputs, probed = result_of_step(self.engine, self._probe, lending)
+            outputs, probed = result_of_step(self.engine, self._probe)
             self.load = load_of(self.engine)
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)

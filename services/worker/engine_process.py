@@ -45,7 +45,6 @@ from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.parent_death import exit_with_parent
-from nori.worker.cpu_lending import CpuLending, CpuLendingSpec, open_lending
 from nori.worker.engine_core import (
     EngineFacts,
     StepProbe,
@@ -76,7 +75,6 @@ class EngineProcess:
         probe: StepProbe | None = None,
         on_probe: Callable[[Any], None] | None = None,
         on_death: Callable[[str], None] | None = None,
-        lending: CpuLendingSpec | None = None,
     ) -> None:
         self._config = config
         self._loop = loop
@@ -102,7 +100,6 @@ class EngineProcess:
                 setup,
                 probe,
                 os.getpid(),
-                lending,
             ),
             name="nori-engine",
         )
@@ -249,7 +246,6 @@ def engine_main(
     setup: Callable[[LLMEngine], object] | None,
     probe: StepProbe | None,
     worker_pid: int,
-    lending_spec: CpuLendingSpec | None = None,
 ) -> None:
     """The engine process: builds the engine, then applies operations and steps until told to
     stop or its worker goes."""
@@ -266,34 +262,26 @@ def engine_main(
     except BaseException:
         turns.send(("failed", traceback.format_exc()))
         return
-    lending = open_lending(lending_spec)
     try:
-        _serve(engine, operations, turns, probe, lending)
+        _serve(engine, operations, turns, probe)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the worker went
     finally:
-        if lending is not None:
-            lending.close()
         engine.close()
 
 
 def _serve(
-    engine: LLMEngine,
-    operations: Connection,
-    turns: Connection,
-    probe: StepProbe | None,
-    lending: CpuLending | None,
+    engine: LLMEngine, operations: Connection, turns: Connection, probe: StepProbe | None
 ) -> None:
     while True:
-        busy = engine.has_unfinished_requests()
-        if not busy and lending is not None:
-            lending.idle()
         # Idle: sleep until an operation arrives. Busy: take only what is already there.
-        answers, stop = _apply_operations(engine, operations, block=not busy)
+        answers, stop = _apply_operations(
+            engine, operations, block=not engine.has_unfinished_requests()
+        )
         outputs: list[StepOutput] = []
         probed = None
         if not stop and engine.has_unfinished_requests():
-            outputs, probed = result_of_step(engine, probe, lending)
+            outputs, probed = result_of_step(engine, probe)
         _send_turn(turns, answers, outputs, load_of(engine), probed)
         if stop:
             return

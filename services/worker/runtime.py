@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
     from nori.engine.config import EngineConfig
     from nori.engine.outputs import EngineLoad, StepOutput
-    from nori.worker.cpu_lending import CpuLendingSpec
     from nori.worker.engine_core import EngineCore, EngineCoreMode
     from nori.worker.servicer_base import EngineServicer
 
@@ -72,9 +71,6 @@ class WorkerOptions(RoleSettings):
     # Where the engine loop runs: a process of its own, a thread of this one, or auto (a process
     # on CPU with one rank, else a thread: engine_core.resolve_engine_core).
     engine_core: EngineCoreMode = "auto"
-    # `--cpu-lending`: steps run on a co-hosted partner worker's CPUs too while it is idle
-    # (nori.worker.cpu_lending); None: on this worker's own CPUs only.
-    cpu_lending: CpuLendingSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -173,7 +169,6 @@ class Worker(ABC):
             self.engine_config,
             on_outputs,
             on_death=self._engine_died,
-            lending=self.options.cpu_lending,
             **hooks,
         )
         return self._engine

@@ -98,12 +98,6 @@ class _EngineStateCollector(Collector):
             "received with their KV from another worker; recomputes count again).",
             value=load.num_prompt_tokens_computed,
         )
-        yield CounterMetricFamily(
-            "nori_steps_on_lent_cpus",
-            "Engine steps run on a co-hosted worker's CPUs too, lent while it was idle "
-            "(--cpu-lending).",
-            value=load.num_steps_on_lent_threads,
-        )
         yield from _spec_decode_families(load.spec_decode)
 
 

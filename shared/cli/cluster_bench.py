@@ -78,12 +78,6 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
     )
     cluster.add_argument("--startup-timeout-s", type=float, default=300.0)
     cluster.add_argument("--log-dir", default=None, help="where each process writes its log")
-    cluster.add_argument(
-        "--cpu-lending",
-        action="store_true",
-        help="the disaggregated and conditional sides' workers lend each other their CPUs "
-        "while idle (nori up --cpu-lending)",
-    )
     add_workload_args(compare)
     runs = compare.add_argument_group("comparison")
     runs.add_argument(
@@ -145,7 +139,6 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         max_local_compute_s=args.max_local_compute_s,
         cpus=args.cpus,
-        cpu_lending=args.cpu_lending,
         repeats=args.repeats,
         request_rates=rates,
         startup_timeout_s=args.startup_timeout_s,

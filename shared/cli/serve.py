@@ -25,7 +25,6 @@ from nori.settings import (
 )
 
 if TYPE_CHECKING:
-    from nori.worker.cpu_lending import CpuLendingSpec
     from nori.worker.runtime import WorkerOptions
 
 
@@ -89,15 +88,6 @@ def _add_cluster_args(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
 
 
-def _cpu_lending_spec(text: str) -> CpuLendingSpec:
-    from nori.worker.cpu_lending import CpuLendingSpec
-
-    try:
-        return CpuLendingSpec.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def _bind(
     args: argparse.Namespace,
     role: Role,
@@ -127,15 +117,6 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
     add_engine_core_arg(group)
-    group.add_argument(
-        "--cpu-lending",
-        type=_cpu_lending_spec,
-        default=None,
-        metavar="FILE:SLOT:CPUS",
-        help="run steps on the partner worker's CPUS too while it is idle; the two "
-        "share FILE (in /dev/shm) and take slots 0 and 1 (nori up --cpu-lending sets this for "
-        "one prefill and one decode worker on disjoint CPUs)",
-    )
     group.add_argument(
         "--max-queued-requests",
         type=int,

@@ -183,13 +183,6 @@ def _add_cpu_args(parser: argparse.ArgumentParser) -> None:
             + (", 1 for the gateway)" if role == "gateway" else ")"),
         )
     group.add_argument(
-        "--cpu-lending",
-        action="store_true",
-        help="with one prefill and one decode worker on CPUs of their own: each runs its steps "
-        "on the other's CPUs too once the other has been idle a while, where that is measured "
-        "to be faster",
-    )
-    group.add_argument(
         "--no-cpu-pinning",
         action="store_true",
         help="every process on every CPU with the libraries' default thread counts",

@@ -54,7 +54,6 @@ from nori.engine.kv_transfer import (
 )
 from nori.engine.model_runner import ModelRunner, SampledTokens
 from nori.engine.outputs import (
-    ComingStep,
     EngineLoad,
     ExpertRoutingCounts,
     ServedModel,
@@ -100,15 +99,6 @@ class LLMEngine:
         # (the gateway weighs where to compute prompts by it), and with "auto" the cap on a
         # step's prompt tokens follows it, updated before every step.
         self._step_costs = StepCostModel()
-        # Steps on more threads than the engine started with (CPUs lent by a co-hosted worker,
-        # nori.worker.cpu_lending) cost less: they are fitted apart, by thread count, so the
-        # published fit stays the one for the engine's own CPUs.
-        self._own_threads = torch.get_num_threads()
-        self._step_costs_lent: dict[int, StepCostModel] = {}
-        self._num_steps_on_lent_threads = 0
-        # For `coming_step`: each lent thread count's fit as of its last solve (the own
-        # threads' is `_step_cost_fit`).
-        self._lent_fits: dict[int, tuple[float, StepCostFit | None]] = {}
         self._auto_prefill_budget = budget == "auto"
         # The fit as of the last solve, refreshed at most every _STEP_COST_FIT_EVERY_S (a 3x3
         # solve per step would cost more than it tells; the registry hears of it once a second).
@@ -257,41 +247,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_unfinished > 0
 
-    def coming_step(self, threads: Sequence[int]) -> ComingStep:
-        """What the next step computes (nori.engine.scheduler's `coming_step_shape`), and what it
-        would take on each of `threads` intra-op thread counts."""
-        rows, prompt_tokens, prompts = self._scheduler.coming_step_shape()
-        seconds_on: dict[int, float | None] = {}
-        for count in threads:
-            fit = self._fit_on(count)
-            seconds_on[count] = None if fit is None else fit.seconds(rows, prompt_tokens)
-        return ComingStep(rows, prompt_tokens, prompts, seconds_on)
-
-    def _fit_on(self, threads: int) -> StepCostFit | None:
-        if threads == self._own_threads:
-            return self._step_cost_fit  # the published fit, solved as `step` keeps it
-        model = self._step_costs_lent.get(threads)
-        if model is None:
-            return None
-        now = time.monotonic()
-        solved_at, fit = self._lent_fits.get(threads, (-math.inf, None))
-        if now - solved_at >= _STEP_COST_FIT_EVERY_S or model.adds_to(fit):
-            fit = model.fit()
-            self._lent_fits[threads] = (now, fit)
-        return fit
-
     # ------------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
-        threads = torch.get_num_threads()
-        step_costs = self._step_costs
-        if threads != self._own_threads:
-            step_costs = self._step_costs_lent.setdefault(threads, StepCostModel())
-            self._num_steps_on_lent_threads += 1
         if self._auto_prefill_budget:
-            # Until steps on these threads have been timed, the own threads' budget.
-            budget_costs = step_costs if step_costs.timed_both_kinds else self._step_costs
-            self._scheduler.prefill_budget_with_decodes = budget_costs.prompt_budget(
+            self._scheduler.prefill_budget_with_decodes = self._step_costs.prompt_budget(
                 # The running requests are (about) the decode rows of the coming step.
                 num_decodes=len(self._scheduler.running),
                 ratio=1.0,
@@ -318,8 +278,9 @@ class LLMEngine:
         started = time.perf_counter()
         sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
         num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
-        num_prompt_tokens = output.num_batched_tokens - num_decodes
-        step_costs.observe(num_decodes, num_prompt_tokens, time.perf_counter() - started)
+        self._step_costs.observe(
+            num_decodes, output.num_batched_tokens - num_decodes, time.perf_counter() - started
+        )
         fit_age_s = time.monotonic() - self._step_cost_fit_at
         if fit_age_s >= _STEP_COST_FIT_EVERY_S or self._step_costs.adds_to(self._step_cost_fit):
             self._step_cost_fit = self._step_costs.fit()
@@ -410,7 +371,6 @@ class LLMEngine:
             num_prompt_tokens_computed=self._num_prompt_tokens_computed,
             spec_decode=SpecDecodeCounts() if self._speculator is None else self._speculator.counts,
             step_cost_fit=self._step_cost_fit,
-            num_steps_on_lent_threads=self._num_steps_on_lent_threads,
         )
 
     def expert_routing_counts(self) -> ExpertRoutingCounts | None:

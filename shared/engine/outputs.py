@@ -1,9 +1,8 @@
 """What the engine reports: each request's progress after a step (StepOutput), its load
-(EngineLoad), its coming step (ComingStep), and the model it serves (ServedModel)."""
+(EngineLoad), and the model it serves (ServedModel)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -124,19 +123,6 @@ def expert_imbalance(counts: tuple[int, ...]) -> float | None:
 
 
 @dataclass(frozen=True)
-class ComingStep:
-    """About what the engine's next step computes, and what it would take on some thread counts
-    (how a worker lent a partner's CPUs tells whether using them pays, nori.worker.cpu_lending)."""
-
-    num_decode_rows: int  # the rows arrived K/V takes included
-    num_prompt_tokens: int  # before any cap beside decodes, prefix caching not counted
-    num_prompts: int  # requests with prompt tokens left, whether or not they fit
-    # Seconds on each thread count asked for, by the fit of the steps timed on that many
-    # (None: too few yet).
-    seconds_on: Mapping[int, float | None]
-
-
-@dataclass(frozen=True)
 class EngineLoad:
     """How busy an engine is: taken after every step, read from any thread."""
 
@@ -159,9 +145,6 @@ class EngineLoad:
     spec_decode: SpecDecodeCounts = SpecDecodeCounts()
     # What this engine's steps cost (step_cost.py), as last fitted; None before any step.
     step_cost_fit: StepCostFit | None = None
-    # Steps run on more threads than the engine's own, on CPUs a co-hosted worker lent it while
-    # idle (nori.worker.cpu_lending), since the start.
-    num_steps_on_lent_threads: int = 0
     # time.monotonic() when it was taken (by the engine thread): its last sign of life.
     taken_at: float = 0.0
 

@@ -187,17 +187,6 @@ class Scheduler:
         """Requests waiting for a row in the running batch (new prompts and arrived K/V)."""
         return len(self.waiting) + len(self.ready)
 
-    def coming_step_shape(self) -> tuple[int, int, int]:
-        """About what the next step computes: (decode rows, prompt tokens, prompts), the rows
-        arrived K/V takes included; caps on prompt tokens beside decodes, and prefix caching,
-        not counted. Prompts: the requests with prompt tokens left, whether or not they fit."""
-        rows = len(self.ready) + sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
-        prompting = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        prompting.extend(self.waiting)
-        prompt_tokens = sum(r.num_uncomputed_tokens for r in prompting)
-        fitting = max(min(prompt_tokens, self.config.max_num_batched_tokens - rows), 0)
-        return rows, fitting, len(prompting)
-
     # ------------------------------------------------------------------------- one step
 
     def schedule(self, spec_lengths: Mapping[str, int] | None = None) -> SchedulerOutput:

@@ -45,16 +45,6 @@ class StepCostFit:
     per_row_s: float | None
     per_token_s: float | None
 
-    def seconds(self, num_decodes: int, num_prompt_tokens: int) -> float | None:
-        """A step of this shape, by the fit; None when it has a kind the fit has no cost for."""
-        total = self.fixed_s
-        for count, cost in ((num_decodes, self.per_row_s), (num_prompt_tokens, self.per_token_s)):
-            if count:
-                if cost is None:
-                    return None
-                total += cost * count
-        return total
-
 
 @dataclass
 class StepCostModel:
@@ -83,12 +73,6 @@ class StepCostModel:
                 self._gram[i][j] = keep * self._gram[i][j] + x[i] * x[j]
         self._num_decode_steps += num_decodes > 0
         self._num_prompt_steps += num_prompt_tokens > 0
-
-    @property
-    def timed_both_kinds(self) -> bool:
-        """Steps with decode rows and steps with prompt tokens have been timed (what `costs()`
-        needs), without solving."""
-        return bool(self._num_decode_steps and self._num_prompt_steps)
 
     def costs(self) -> tuple[float, float, float] | None:
         """(fixed, per decode row, per prompt token) seconds; None until steps of both kinds

@@ -123,17 +123,6 @@ class CpuPlan:
             return Placement(name, role, model.cpus, model.threads)
         return Placement(name, role, self.usable, len(self.usable))
 
-    def lending_pair(self) -> tuple[Placement, Placement] | None:
-        """The prefill and the decode worker that may lend each other their CPUs while idle
-        (nori.worker.cpu_lending): exactly one of each, on disjoint CPUs; None otherwise (two
-        borrowers of one idle worker would share its cores, and workers already sharing CPUs
-        have nothing to lend)."""
-        prefill = [p for p in self.placements if p.role == "prefill"]
-        decode = [p for p in self.placements if p.role == "decode"]
-        if len(prefill) != 1 or len(decode) != 1 or prefill[0].cpus & decode[0].cpus:
-            return None
-        return prefill[0], decode[0]
-
     def describe(self) -> list[str]:
         """One line per process: name, CPUs, threads."""
         return [placement.describe() for placement in self.placements]

@@ -100,9 +100,6 @@ class ClusterSpec(RoleSettings):
     log_dir: Path | None = None
     # Each process's CPUs and threads; None: unpinned, the libraries' default thread counts.
     cpu_plan: CpuPlan | None = None
-    # With a plan of one prefill and one decode worker on disjoint CPUs: each runs its steps on
-    # the other's CPUs too while the other is idle (`--cpu-lending`, nori.worker.cpu_lending).
-    cpu_lending: bool = False
     # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
     # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
     role_redis_urls: tuple[tuple[Role, str], ...] = field(default=(), repr=False)
@@ -284,7 +281,7 @@ class LocalCluster:
             if role == "batch":  # an HTTP client: beside the gateway, one thread
                 gateway = plan.placement("gateway", "gateway")
                 placement = dataclasses.replace(placement, cpus=gateway.cpus, threads=1)
-            args = [*args, *placement.serve_args(), *self._lending_args(plan, name)]
+            args = [*args, *placement.serve_args()]
             env.update(placement.env())
         argv = [
             sys.executable,
@@ -298,23 +295,6 @@ class LocalCluster:
         )
         self.processes.append(role_process)
         return role_process
-
-    def _lending_args(self, plan: CpuPlan, name: str) -> list[str]:
-        """`--cpu-lending` for the plan's lending pair (slot 0 prefill, 1 decode); none for
-        anyone else, or with lending off."""
-        pair = plan.lending_pair() if self.spec.cpu_lending else None
-        if pair is None or name not in (pair[0].name, pair[1].name):
-            return []
-        slot = 0 if name == pair[0].name else 1
-        partner = pair[1 - slot]
-        return ["--cpu-lending", f"{self._lending_file()}:{slot}:{partner.cpu_list}"]
-
-    def _lending_file(self) -> Path:
-        """The pair's flags: in shared memory where there is some; removed by `stop`."""
-        assert self._log_dir is not None
-        shm = Path("/dev/shm")
-        folder = shm if shm.is_dir() and os.access(shm, os.W_OK) else self._log_dir
-        return folder / f"nori-cpu-lending-{os.getpid()}-{id(self):x}"
 
     def health(self) -> dict[str, object] | None:
         try:
@@ -371,8 +351,6 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     role.process.kill()
                     role.process.wait()
-        if self._log_dir is not None:
-            self._lending_file().unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
         return self

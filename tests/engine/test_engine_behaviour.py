@@ -225,33 +225,3 @@ def test_the_top_level_names_are_vllms() -> None:
         "RequestOutput",
         "CompletionOutput",
     }
-
-
-def test_steps_on_more_threads_are_fitted_apart(tmp_path: Path) -> None:
-    """Steps on CPUs a partner lent (more intra-op threads than the engine started with) are
-    counted and fitted by their thread count; the published fit stays its own threads'."""
-    init_checkpoint(tmp_path, "tiny", seed=11)
-    own_threads = torch.get_num_threads()
-    engine = LLM(str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=128).engine
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    try:
-        engine.add_request("own", list(range(3, 40)), params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        own_fit = engine._step_costs.fit()
-        assert own_fit is not None and own_fit.per_row_s is not None
-        assert engine.load().step_cost_fit is not None
-        coming = engine.coming_step((own_threads, own_threads + 1))
-        assert coming.seconds_on[own_threads] is not None
-        assert coming.seconds_on[own_threads + 1] is None  # never stepped on that many
-        assert engine.load().num_steps_on_lent_threads == 0
-        torch.set_num_threads(own_threads + 1)
-        engine.add_request("lent", list(range(3, 40)), params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert engine.load().num_steps_on_lent_threads == 12  # the prompt's step and 11 decodes
-        assert engine.coming_step((own_threads + 1,)).seconds_on[own_threads + 1] is not None
-        # The own threads' fit saw none of those steps.
-        assert engine._step_costs.fit() == own_fit
-    finally:
-        torch.set_num_threads(own_threads)

@@ -54,23 +54,6 @@ def test_chunked_prefill_shares_the_budget_with_decodes() -> None:
     scheduler.block_manager.check_invariants(scheduler.requests())
 
 
-def test_the_coming_steps_shape_counts_decode_rows_and_the_prompt_tokens_left() -> None:
-    scheduler = make_scheduler(budget=8)
-    assert scheduler.coming_step_shape() == (0, 0, 0)
-    a = make_request("a", list(range(6)))
-    b = make_request("b", list(range(100, 120)))
-    scheduler.add(a)
-    scheduler.add(b)
-    # Both waiting: 26 prompt tokens, as many as the budget allows, of two prompts.
-    assert scheduler.coming_step_shape() == (0, 8, 2)
-    run_step(scheduler)  # a computed, b's first 2 tokens
-    # a decodes; b has 18 prompt tokens left, of which the step's other 7 tokens fit.
-    assert scheduler.coming_step_shape() == (1, 7, 1)
-    for _ in range(3):
-        run_step(scheduler)
-    assert scheduler.coming_step_shape() == (2, 0, 0)  # both decode
-
-
 def test_prompt_work_beside_decodes_is_capped_and_chunked() -> None:
     """With decodes running, a step carries at most prefill_budget_with_decodes prompt tokens:
     a long prompt is cut into chunks of that size that ride along with the decodes."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nori.engine.step_cost import StepCostFit, StepCostModel
+from nori.engine.step_cost import StepCostModel
 
 FIXED, PER_ROW, PER_TOKEN = 0.005, 0.0005, 0.0003
 
@@ -126,10 +126,3 @@ def test_a_fit_that_finds_no_positive_cost_states_the_cost_through_the_origin() 
     moment = sum(w * x * t for w, (x, t) in zip(weights, steps, strict=True))
     gram = sum(w * x * x for w, (x, _) in zip(weights, steps, strict=True))
     assert fit.per_token_s == pytest.approx(moment / gram)
-
-
-def test_a_fit_prices_a_step_of_a_shape_only_with_costs_for_its_kinds() -> None:
-    fit = StepCostFit(fixed_s=0.002, per_row_s=0.0005, per_token_s=None)
-    assert fit.seconds(4, 0) == pytest.approx(0.004)
-    assert fit.seconds(0, 0) == pytest.approx(0.002)
-    assert fit.seconds(4, 16) is None  # no prompt steps timed yet

@@ -226,18 +226,6 @@ def test_a_worker_added_later_takes_its_roles_slices_in_turn() -> None:
     assert colocated.placement("decode-0", "decode").cpu_list == "0-1"
 
 
-def test_one_prefill_and_one_decode_worker_on_cpus_of_their_own_lend_to_each_other() -> None:
-    pair = plan_cpus(range(4), CpuRequest()).lending_pair()
-    assert pair is not None
-    assert [(p.name, p.cpu_list) for p in pair] == [("prefill-0", "0-1"), ("decode-0", "2-3")]
-    # Two of a role (two borrowers of one idle worker), shared CPUs, colocated: no pair.
-    assert plan_cpus(range(4), CpuRequest(num_decode=2)).lending_pair() is None
-    assert plan_cpus(range(1), CpuRequest()).lending_pair() is None
-    assert plan_cpus(range(2), CpuRequest(colocated=True)).lending_pair() is None
-    overlapping = CpuRequest(cpus_prefill="0-1", cpus_decode="1-2")
-    assert plan_cpus(range(4), overlapping).lending_pair() is None
-
-
 def test_describe_has_one_line_per_process() -> None:
     lines = plan_cpus(range(2), CpuRequest()).describe()
     assert [line.split() for line in lines] == [
