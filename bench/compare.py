@@ -71,7 +71,7 @@ class CompareSettings:
     num_decode: int = 1
     # `nori serve` engine options for every worker of every side.
     worker_args: tuple[str, ...] = ()
-    transport: str = "auto"
+    transport: str | None = None
     max_queued_prompt_tokens: int = 8192
     # The conditional side's gateway --max-local-compute-s.
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo", help="comma-separated models, in turn")
     parser.add_argument("--out", default="results/serving/cross-host")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--transport", choices=("ucx", "tcp", "auto"), default="ucx")
+    parser.add_argument("--transport", choices=("ucx", "tcp"), default="ucx")
     parser.add_argument(
         "--worker-args",
         action="append",

@@ -7,7 +7,7 @@ The receiving host runs `nori bench transfer --listen ADDRESS:PORT`, the sending
 transfer --receiver ADDRESS:PORT --bulk messages --json ...`: UCX, our TCP transport and the
 plain socket all cross the same link, between the two hosts' addresses. Each host has its own
 IPC, PID and mount namespaces (a private /dev/shm), so no same-host path is open to UCX (its
-shared-memory and CMA transports) or to our transports (cross-memory attach is off besides); the
+shared-memory and CMA transports) or to our transports (their shared-memory path is off besides); the
 report's `ucx_transports` lanes say what UCX used, and this driver records whether every lane is
 TCP. memcpy and the checksums are measured on the sending host, as on one host.
 

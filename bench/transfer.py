@@ -63,7 +63,7 @@ async def _time_transport(
         header(checksums_follow=True), sender_checksum=stream.intdigest()
     )
     sender = make_sender(
-        kind, TransferConfig(timeout_s=300.0, cross_memory_attach=settings.cross_memory_attach)
+        kind, TransferConfig(timeout_s=300.0, map_shared_memory=settings.map_shared_memory)
     )
     rates, costs = [], []
     try:
@@ -167,7 +167,7 @@ def _measure(transport: str, settings: TransferBenchConfig, source: torch.Tensor
 
 def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
     """Runs the selected transports; returns one flat JSON-able report."""
-    from nori.transfer.factory import probe_transports, ucx_available
+    from nori.transfer.factory import ucx_available
 
     source = torch.randint(0, 256, (settings.num_blocks * settings.block_bytes,), dtype=torch.uint8)
     # In shared memory, as the workers' KV caches are (`nori.worker.engine_process`).
@@ -178,8 +178,6 @@ def run_transfer_benchmark(settings: TransferBenchConfig) -> dict[str, Any]:
         "statistic": f"median of {settings.repeats} timed repeats after 1 warm-up",
         "cpu_count": os.cpu_count(),
     }
-    # What `--transport auto` would choose here, and the probe's figures behind it.
-    report["auto_transport"] = asdict(probe_transports())
     samples: dict[str, list[float]] = {}
     try:
         measured_by = {

@@ -33,8 +33,8 @@ class TransferBenchConfig:
     # reservation: both ends move runs of up to 1 MiB as one message, in place,
     # `nori.transfer.buffers.joint_runs`).
     destinations: DestinationLayout = "scattered"
-    # Our transports' TransferConfig.cross_memory_attach (`--bulk auto`; False: `messages`).
-    cross_memory_attach: bool = True
+    # Our transports' TransferConfig.map_shared_memory (`--bulk mapped`; False: `messages`).
+    map_shared_memory: bool = True
     # HOST:PORT of `nori bench transfer --listen` (the receivers on another host); None: the
     # receivers are child processes of this one.
     receiver: str | None = None

@@ -71,7 +71,7 @@ async def _serve_transport(
     receiver = make_receiver(
         kind,
         _CacheSink(cache, settings.block_bytes),
-        TransferConfig(cross_memory_attach=settings.cross_memory_attach),
+        TransferConfig(map_shared_memory=settings.map_shared_memory),
     )
     conn.send((await receiver.start(host=host, advertise_host=host), _ucx_environment()))
     # Serve until the parent says stop (or goes away): its pipe becomes readable. It may first
@@ -89,9 +89,7 @@ async def _serve_transport(
             conn.send(
                 {
                     **ucx_transports(log),
-                    "bulk": bulk_path(
-                        receiver.bytes_pulled, receiver.bytes_mapped, receiver.bytes_received
-                    ),
+                    "bulk": bulk_path(receiver.bytes_mapped, receiver.bytes_received),
                 }
             )
         elif not stop.done():
@@ -153,18 +151,14 @@ _UCX_TAG_TABLE = re.compile(
 _UCX_TABLE_ROW = re.compile(r"\|\s*(\S+\.\.\S+)\s*\|\s*(.*?)\s*\|\s*(.*?)\s*\|")
 
 
-def bulk_path(bytes_pulled: int, bytes_mapped: int, bytes_received: int) -> str:
+def bulk_path(bytes_mapped: int, bytes_received: int) -> str:
     """What carried a receiver's bytes: copied out of its mapping of the sender's shared
-    memory, read from the sender's memory, or its messages."""
-    if not bytes_pulled:
+    memory, or its messages."""
+    if not bytes_mapped:
         return "messages"
-    ways = []
-    if bytes_mapped:
-        ways.append(f"shared memory mapped by the receiver for {bytes_mapped}")
-    if bytes_pulled > bytes_mapped:
-        ways.append(f"process_vm_readv by the receiver for {bytes_pulled - bytes_mapped}")
-    if bytes_received > bytes_pulled:
-        ways.append(f"messages for {bytes_received - bytes_pulled}")
+    ways = [f"shared memory mapped by the receiver for {bytes_mapped}"]
+    if bytes_received > bytes_mapped:
+        ways.append(f"messages for {bytes_received - bytes_mapped}")
     return f"{'; '.join(ways)} of {bytes_received} bytes"
 
 

@@ -56,7 +56,7 @@ class DecodeWorker(Worker):
         self,
         options: WorkerOptions,
         engine_config: EngineConfig,
-        transport: str = "auto",
+        transport: str | None = None,
         transfer_port: int = 0,
         lease_s: float = DEFAULT_KV_LEASE_S,
         colocated: bool = False,

@@ -3,10 +3,8 @@
 A prefill worker copies a request's blocks out of its cache (`nori.engine.kv_cache.read_blocks`),
 frees the blocks at once, and sends the copy. Copied into this arena, one shared-memory segment
 the worker keeps for its life, the copy can be taken by a decode worker on the same host out of
-its own mapping of the arena (`nori.transfer.cross_memory`): mapped once per prefill worker, no
-permission to read another process needed. A private copy can only be read with
-process_vm_readv, which Yama's ptrace_scope >= 1 (Ubuntu's default) forbids between sibling
-workers, and which costs more per byte.
+its own mapping of the arena (`nori.transfer.cross_memory_receiver`): mapped once per prefill
+worker, no permission to read another process needed. A private copy goes as messages.
 
 The arena's pages are taken from the kernel as they are first written and kept: its resident
 size is the most KV ever in flight at once, not its capacity. Allocation is first-fit over the
@@ -31,7 +29,7 @@ import torch
 
 from nori.engine.kv_cache import read_blocks
 from nori.kernels.copy_pieces import copy_share_of_chunks
-from nori.transfer.cross_memory import COPY_THREADS, copy_plan
+from nori.transfer.cross_memory_receiver import COPY_THREADS, copy_plan
 from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 
 # Every range starts on a page: tensors in it are aligned, and no two share a page.

@@ -53,7 +53,7 @@ class PrefillWorker(Worker):
     service_names = ("nori.v1.PrefillService",)
 
     def __init__(
-        self, options: WorkerOptions, engine_config: EngineConfig, transport: str = "auto"
+        self, options: WorkerOptions, engine_config: EngineConfig, transport: str | None = None
     ) -> None:
         super().__init__(options, engine_config)
         self.transport = transport

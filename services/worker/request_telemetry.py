@@ -159,8 +159,7 @@ class CallRecord:
     ) -> None:
         """The transfer as this decode worker saw it (times from time.monotonic()); its span is
         a child of the sender's, whose context came in the hand-off header. `bulk`: how the
-        bytes came (copied out of the sender's shared memory, read out of its memory, or as
-        messages); `transport`: the receiver's (ucx or tcp); `sender`: HandOff.sender."""
+        bytes came (copied out of the sender's shared memory, or as messages); `transport`: the receiver's (ucx or tcp); `sender`: HandOff.sender."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
         self._metrics.observe_transfer(nbytes, end - start, draft_nbytes, bulk)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)

@@ -335,9 +335,8 @@ class WorkerMetrics:
         )
         self.kv_received_bytes = Counter(
             "nori_kv_received_bytes",
-            "KV bytes received, by how they came: messages, read out of the sender's memory "
-            "(process_vm_readv), or copied out of the receiver's mapping of the sender's shared "
-            "memory.",
+            "KV bytes received, by how they came: messages, or copied out of the receiver's "
+            "mapping of the sender's shared memory (mapped).",
             ["bulk"],
             registry=registry,
         )

@@ -35,11 +35,11 @@ def register_transfer(commands: argparse._SubParsersAction) -> None:
     )
     transfer.add_argument(
         "--bulk",
-        choices=("auto", "messages"),
-        default="auto",
-        help="how our transports move the bytes between processes of one host: auto (the "
-        "receiver reads them from the sender's memory, cross-memory attach, where it can; "
-        "as the workers do) or messages (always sent as messages)",
+        choices=("mapped", "messages"),
+        default="mapped",
+        help="how our transports move the bytes between processes of one host: mapped (the "
+        "receiver copies them out of its mapping of the sender's shared memory where it can, "
+        "else messages; as the workers do) or messages (always sent as messages)",
     )
     transfer.add_argument(
         "--receiver",
@@ -77,7 +77,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         transports=tuple(name.strip() for name in args.transports.split(",") if name.strip()),
         destinations=args.destinations,
-        cross_memory_attach=args.bulk == "auto",
+        map_shared_memory=args.bulk == "mapped",
         receiver=args.receiver,
     )
     report = run_transfer_benchmark(settings)

@@ -111,9 +111,9 @@ def _add_worker_args(parser: argparse.ArgumentParser, default_port: int) -> None
     group.add_argument("--worker-id", default="", help="default: ROLE-HOSTNAME-PID")
     group.add_argument(
         "--transport",
-        default="auto",
-        choices=["auto", "ucx", "tcp"],
-        help="how KV blocks move: auto = UCX (ucxx) when importable, else plain TCP",
+        default=None,
+        choices=["ucx", "tcp"],
+        help="how KV blocks move between hosts (default: ucx where ucxx imports, else tcp)",
     )
     group.add_argument("--drain-timeout-s", type=float, default=120.0)
     add_engine_core_arg(group)

@@ -124,7 +124,7 @@ def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -
     )
     group.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     group.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
-    group.add_argument("--transport", default="auto", choices=["auto", "ucx", "tcp"])
+    group.add_argument("--transport", choices=["ucx", "tcp"], help="default: ucx if ucxx imports")
     group.add_argument(
         "--disaggregation",
         choices=DISAGGREGATION_MODES,

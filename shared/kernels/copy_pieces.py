@@ -2,7 +2,7 @@
 C++ kernels on CPU (copy_pieces_cpu.cpp) beside references of one ctypes memmove per piece.
 
 A KV transfer's receiver copies out of its mapping of the sender's shared memory in chunks of
-1 MiB (`nori.transfer.cross_memory`), on two threads: a kernel copies a whole chunk in one call
+1 MiB (`nori.transfer.cross_memory_receiver`), on two threads: a kernel copies a whole chunk in one call
 with the GIL released, where memmove calls from Python take the GIL back between pieces (two
 threads then ran no faster than one at 32 KiB pieces). `copy_and_hash_pieces` also returns the
 chunk's digest for the transfer checksum, each stretch hashed right after it is copied, while it

@@ -1,8 +1,8 @@
 // A KV transfer's copy out of a mapping of the sender's shared memory, piece by piece
-// (nori.transfer.cross_memory): each row of `pieces` is (destination address, source address,
-// byte count). In Python, a ctypes memmove per 32 KiB piece cost about a microsecond of call
-// overhead and a hand-over of the GIL, so two copy threads ran no faster than one; here a whole
-// 1 MiB chunk is one call, the GIL released throughout.
+// (nori.transfer.cross_memory_receiver): each row of `pieces` is (destination address, source
+// address, byte count). In Python, a ctypes memmove per 32 KiB piece cost about a microsecond of
+// call overhead and a hand-over of the GIL, so two copy threads ran no faster than one; here a
+// whole 1 MiB chunk is one call, the GIL released throughout.
 //
 // copy_and_hash_pieces also takes the chunk's digest for the transfer checksum
 // (nori.transfer.integrity.TransferHasher): xxh3-64 of the pieces' bytes in order, each

@@ -66,7 +66,8 @@ class ClusterSpec(RoleSettings):
     # Where the gateway listens (0.0.0.0: on every interface); workers stay on 127.0.0.1.
     host: str = "127.0.0.1"
     served_model_name: str | None = None
-    transport: str = "auto"
+    # "ucx" or "tcp"; None: each worker's default (ucx where ucxx imports).
+    transport: str | None = None
     kv_lease_s: float = DEFAULT_KV_LEASE_S
     kv_queue_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
@@ -203,8 +204,7 @@ class LocalCluster:
             worker_id,
             "--model",
             self.spec.model,
-            "--transport",
-            self.spec.transport,
+            *(("--transport", self.spec.transport) if self.spec.transport else ()),
             *self._common_args(),
             *self.spec.worker_args,
             *(self.spec.prefill_args if role == "prefill" else self.spec.decode_args),

@@ -2,12 +2,12 @@
 
 A decode worker implements `KVSink` and runs a receiver; a prefill worker sends with a sender:
 
-    receiver = make_receiver("auto", sink)       # UCX where ucxx imports, TCP otherwise
+    receiver = make_receiver(None, sink)         # UCX where ucxx imports, TCP otherwise
     address = await receiver.start(advertise_host=my_ip)
-    sender = make_sender("auto")                 # dispatches on the address scheme
+    sender = make_sender(None)                   # dispatches on the address scheme
     await sender.send(address, TransferHeader.of(...), buffers)
 
-Importing this package does not import ucxx; `make_*("auto"|"ucx")` and `ucx_available()` do.
+Importing this package does not import ucxx; `make_*(None|"ucx")` and `ucx_available()` do.
 """
 
 from nori.transfer.base import (
@@ -18,7 +18,7 @@ from nori.transfer.base import (
     TransferError,
     TransferRejected,
 )
-from nori.transfer.factory import make_receiver, make_sender, ucx_available
+from nori.transfer.factory import default_transport, make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import TransferHeader
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "TransferError",
     "TransferHeader",
     "TransferRejected",
+    "default_transport",
     "make_receiver",
     "make_sender",
     "ucx_available",

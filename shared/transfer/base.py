@@ -43,10 +43,10 @@ class TransferConfig:
     # Receivers refuse (and drop the connection of) larger headers: a bad peer cannot make a
     # receiver allocate unbounded memory.
     max_header_bytes: int = 1 << 20
-    # Between workers on one host, the receiver reads the bytes out of the sender's memory
-    # (process_vm_readv: one copy, instead of the messages' two) wherever its probe says it
-    # can (`nori.transfer.cross_memory`); off: always messages.
-    cross_memory_attach: bool = True
+    # Between workers on one host, the receiver copies the bytes out of its mapping of the
+    # sender's shared memory (one copy, instead of the messages' two) wherever it can map it
+    # (`nori.transfer.cross_memory_receiver`); off: always messages.
+    map_shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.timeout_s <= 0:
@@ -105,13 +105,8 @@ class KVReceiver(Protocol):
     def transfers_completed(self) -> int: ...
 
     @property
-    def bytes_pulled(self) -> int:
-        """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
-        ...
-
-    @property
     def bytes_mapped(self) -> int:
-        """Of `bytes_pulled`, those copied out of mappings of the senders' shared memory."""
+        """Bytes copied out of mappings of senders' shared memory, not received as messages."""
         ...
 
 

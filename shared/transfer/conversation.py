@@ -1,31 +1,13 @@
-"""The per-transfer conversation, the same over UCX and TCP.
+"""The per-transfer conversation, the same over UCX and TCP: a transport provides a `Channel`
+(framed messages both ways on one connection, one transfer at a time); this module holds the
+logic, so the two transports cannot drift apart.
 
-    sender                                receiver
-    header (+ source runs) --------------> sink.destinations(header), sizes checked
-           <------------------------------ accept (+ destination runs) | reject(message)
-    run 0 .. run m-1 (all posted) -------> received in place into the destinations, or
-                                           through a staging buffer (scattered small runs)
-    [checksum, with checksums_follow] ---> compared by the sink
-           <------------------------------ done(nbytes), after sink.completed
-
-or, when the header offers the receiver to read the bytes from the sender's memory and the
-receiver can (one host: `nori.transfer.cross_memory`):
-
-    header (+ pull_offer) ---------------> probe read back
-           <------------------------------ accept (pull)
-                                           reads every byte itself, hashing as it lands
-           <------------------------------ pulled
-    trailer (checksum, or zeros) --------> compared by the sink
-           <------------------------------ done(nbytes)
-
-A run is a stretch of buffers adjacent in memory on both sides (`buffers.joint_runs`): it moves
-as one message, so a transfer of blocks with consecutive ids is a few large messages, not
-thousands of 32 KiB ones. The receiver states consecutive small runs of its own as one run
-(`buffers.receive_runs`): the sender's adjacent sources move as one message all the same, which
-the receiver copies to its scattered places (`buffers.ScatteredRun`).
-
-Both directions are framed messages on one connection, one transfer at a time. A transport only
-provides a `Channel`; this module holds the logic, so the two transports cannot drift apart.
+Contract: the sender's header (with its runs of adjacent buffers, and on one host an offer of
+its shared memory) is answered by accept or reject; the bytes then move as messages, one per
+joint run of adjacent buffers (`buffers.joint_runs`), or are copied by the receiver out of the
+sender's shared memory (`cross_memory_receiver`); a `checksums_follow` checksum (or after a copy,
+the sender's trailer) follows; the receiver acknowledges with `done` only after the sink took
+the bytes. The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -33,18 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import struct
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
 import torch
 
-from nori.transfer.base import (
-    KVSink,
-    TransferConfig,
-    TransferError,
-    TransferRejected,
-)
+from nori.transfer.base import KVSink, TransferConfig, TransferError, TransferRejected
 from nori.transfer.buffers import (
     ReceivePiece,
     adjacent_runs,
@@ -54,15 +30,15 @@ from nori.transfer.buffers import (
     receive_pieces,
     receive_runs,
 )
-from nori.transfer.cross_memory import PullReader, PullSource, hash_while_pulled
-from nori.transfer.handoff import (
-    KVBulk,
-    KVTransferReply,
-    TransferHeader,
-    decode_reply,
-    encode_reply,
+from nori.transfer.cross_memory_receiver import PullReader
+from nori.transfer.cross_memory_sender import PullSource, hash_while_pulled
+from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
+from nori.transfer.integrity import (
+    TransferHasher,
+    pack_checksum,
+    transfer_hasher,
+    unpack_checksum,
 )
-from nori.transfer.integrity import TransferHasher, transfer_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +115,7 @@ class ReceiverStats:
     def __init__(self) -> None:
         self._counters = TransferCounters()
         self._address = ""
-        # Set by a receiver that reads from senders on its host (`serve_connection`'s reader).
+        # Set by a receiver that maps senders' shared memory (`serve_connection`'s reader).
         self._reader: PullReader | None = None
 
     @property
@@ -157,13 +133,8 @@ class ReceiverStats:
         return self._counters.transfers
 
     @property
-    def bytes_pulled(self) -> int:
-        """Bytes read out of senders' memory (cross-memory attach), not received as messages."""
-        return self._reader.bytes_pulled if self._reader is not None else 0
-
-    @property
     def bytes_mapped(self) -> int:
-        """Of `bytes_pulled`, those copied out of mappings of the senders' shared memory."""
+        """Bytes copied out of mappings of senders' shared memory, not received as messages."""
         return self._reader.bytes_mapped if self._reader is not None else 0
 
 
@@ -201,8 +172,8 @@ async def send_transfer(
     pull_source: PullSource | None = None,
 ) -> None:
     """The sender's side of one transfer; returns when the receiver acknowledged every byte.
-    With a `pull_source` the header offers the receiver to read the bytes itself
-    (`nori.transfer.cross_memory`)."""
+    With a `pull_source` the header offers the receiver to copy the bytes out of the sender's
+    shared memory (`nori.transfer.cross_memory_sender`)."""
     source_runs = adjacent_runs(views)
     offer = (
         pull_source.offer(views, source_runs, header.buffer_nbytes)
@@ -225,7 +196,7 @@ async def send_transfer(
     if accepted.pull:
         if offer is None:
             raise TransferError("the receiver would read bytes it was not offered")
-        await _within(_await_pull(channel, views, hasher, known), config.timeout_s, "being read")
+        await _within(_await_pull(channel, views, hasher, known), config.timeout_s, "being copied")
     else:
         destination_runs = tuple(accepted.destination_runs)
         if destination_runs:
@@ -265,27 +236,14 @@ async def _await_pull(
     hasher: TransferHasher | None,
     known: int | None = None,
 ) -> None:
-    """While the receiver reads the bytes: hashes them (unless their checksum is `known`), then
+    """While the receiver copies the bytes: hashes them (unless their checksum is `known`), then
     waits for its `pulled` and answers with the trailer (the checksum, zeros when unchecked).
-    Until the trailer is sent the buffers are the receiver's to read; after it, never again."""
+    Until the trailer is sent the buffers are the receiver's to copy; after it, never again."""
     if hasher is not None:
         await hash_while_pulled(views, hasher)
     _expect(_decode_reply(await channel.recv_message(MAX_REPLY_BYTES)), "pulled")
     checksum = hasher.intdigest() if hasher is not None else known
     await channel.send_message(pack_checksum(checksum if checksum is not None else 0))
-
-
-def pack_checksum(checksum: int) -> bytes:
-    """The message that follows the buffers of a `checksums_follow` transfer: the sender's
-    `transfer_hasher` digest, 8 bytes little-endian."""
-    return struct.pack("<Q", checksum)
-
-
-def unpack_checksum(payload: bytes) -> int:
-    if len(payload) != 8:
-        raise ValueError(f"a checksum of {len(payload)} bytes, not 8")
-    checksum: int = struct.unpack("<Q", payload)[0]
-    return checksum
 
 
 def _notify_failed(sink: KVSink, header: TransferHeader, error: str) -> None:
@@ -317,7 +275,7 @@ async def serve_connection(
     reader: PullReader | None = None,
 ) -> None:
     """Serves transfers on one connection until the peer leaves; never raises but cancellation.
-    With a `reader`, offers to read the bytes from a sender on this host are taken up.
+    With a `reader`, offers of a sender's shared memory on this host are taken up.
 
     Every failure a peer can cause (bad header, refused request, broken connection) ends in a
     rejection or a dropped connection, never in an exception escaping into the process.
@@ -390,13 +348,11 @@ async def _serve_one(
     try:
         if pull:
             assert reader is not None and offer is not None
-            bulk: KVBulk = await _within(
-                reader.pull(offer, pieces, hasher), config.timeout_s, "reading KV"
-            )
+            await _within(reader.pull(offer, pieces, hasher), config.timeout_s, "copying KV")
             await _within(
                 channel.send_message(encode_reply(KVTransferReply(pulled=True))),
                 config.timeout_s,
-                "saying the KV was read",
+                "saying the KV was copied",
             )
         else:
             await _within(
@@ -411,10 +367,10 @@ async def _serve_one(
             return False
         raise
 
-    header = dataclasses.replace(header, bulk=bulk if pull else "messages")
+    header = dataclasses.replace(header, bulk="mapped" if pull else "messages")
     if hasher is not None or pull:
         # The checksum; after a pull also the sender's word that its buffers were still its
-        # own while they were read.
+        # own while they were copied.
         try:
             sent = unpack_checksum(
                 await _within(channel.recv_message(8), config.timeout_s, "receiving the checksum")

@@ -37,10 +37,9 @@ __all__ = [
     "encode_reply",
 ]
 
-# How a transfer's bytes came: as messages, read by the receiver out of the sender's memory
-# (process_vm_readv), or copied by it out of its mapping of the sender's shared memory
-# (`nori.transfer.cross_memory`).
-KVBulk = Literal["messages", "read", "mapped"]
+# How a transfer's bytes came: as messages, or copied by the receiver out of its mapping of the
+# sender's shared memory (`nori.transfer.cross_memory_receiver`).
+KVBulk = Literal["messages", "mapped"]
 
 # Bumped when the header's layout changes incompatibly, so a mixed deployment fails loudly.
 # (Version 1 was a JSON object; it started with "{", which the magic check refuses. Version 2's
@@ -63,8 +62,8 @@ class TransferHeader:
     checksums_follow: bool = False
     # Runs of adjacent source buffers (KVTransferHeader.source_runs); empty: none stated.
     source_runs: tuple[int, ...] = ()
-    # The sender's offer to let the receiver read the bytes itself (`nori.transfer.cross_memory`);
-    # None: it sends them.
+    # The sender's offer of its shared memory, for the receiver to copy the bytes out of
+    # (`nori.transfer.cross_memory_sender`); None: it sends them.
     pull_offer: CrossMemoryOffer | None = None
     # Not on the wire: xxh3-64 of each buffer as it landed, computed by the receiving transport
     # while the bytes were still in cache (`nori.transfer.conversation`), so the sink compares

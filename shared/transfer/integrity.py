@@ -196,3 +196,16 @@ def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:
 def memory_at(pointer: int, nbytes: int) -> memoryview:
     """The bytes at `pointer` (inside views the caller keeps alive), without a copy."""
     return memoryview((ctypes.c_char * nbytes).from_address(pointer)).cast("B")
+
+
+def pack_checksum(checksum: int) -> bytes:
+    """The message that follows the buffers of a `checksums_follow` transfer: the sender's
+    `transfer_hasher` digest, 8 bytes little-endian."""
+    return struct.pack("<Q", checksum)
+
+
+def unpack_checksum(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise ValueError(f"a checksum of {len(payload)} bytes, not 8")
+    checksum: int = struct.unpack("<Q", payload)[0]
+    return checksum

@@ -22,7 +22,8 @@ from nori.transfer.base import (
     TransferError,
 )
 from nori.transfer.buffers import ReceivePiece, check_sources, piece_views
-from nori.transfer.cross_memory import PullReader, PullSource
+from nori.transfer.cross_memory_receiver import PullReader
+from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import TransferHasher, hash_chunks
 from nori.transfer.pool import ConnectionPool
@@ -223,7 +224,7 @@ class TcpReceiver(conversation.ReceiverStats):
         super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
-        self._reader = PullReader() if self._config.cross_memory_attach else None
+        self._reader = PullReader() if self._config.map_shared_memory else None
         self._staging = _HostStaging("TcpReceiver")
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -286,7 +287,7 @@ class TcpSender:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
-        self._pull_source = PullSource() if self._config.cross_memory_attach else None
+        self._pull_source = PullSource() if self._config.map_shared_memory else None
         self._counters = conversation.TransferCounters()
         self._staging = _HostStaging("TcpSender")
         self._pool: ConnectionPool[_TcpChannel] = ConnectionPool(

@@ -45,7 +45,8 @@ from nori.transfer.conversation import (
     send_transfer,
     serve_connection,
 )
-from nori.transfer.cross_memory import PullReader, PullSource
+from nori.transfer.cross_memory_receiver import PullReader
+from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import TransferHasher, hash_chunks
 from nori.transfer.pool import ConnectionPool
@@ -284,7 +285,7 @@ class UcxReceiver(ReceiverStats):
         super().__init__()
         self._sink = sink
         self._config = config or TransferConfig()
-        self._reader = PullReader() if self._config.cross_memory_attach else None
+        self._reader = PullReader() if self._config.map_shared_memory else None
         self._progress: UcxProgress | None = None
         self._listener: Any = None
         # Worker-address mode: the task reading hellos and one task per connection it serves.
@@ -395,7 +396,7 @@ class UcxSender:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
-        self._pull_source = PullSource() if self._config.cross_memory_attach else None
+        self._pull_source = PullSource() if self._config.map_shared_memory else None
         self._counters = TransferCounters()
         self._progress: UcxProgress | None = None
         self._pool: ConnectionPool[_UcxChannel] = ConnectionPool(

@@ -112,3 +112,12 @@ def test_the_gateway_gets_the_disaggregation_options_of_up() -> None:
         "0.3",
     ]
     assert gateway_options([]) == []
+
+
+def test_the_transport_is_ucx_or_tcp(capsys: pytest.CaptureFixture[str]) -> None:
+    """No flag: each worker takes its default (ucx where ucxx imports); `auto` is gone."""
+    assert build_parser().parse_args(["up"]).transport is None
+    assert build_parser().parse_args(["serve", "decode", "--transport", "tcp"]).transport == "tcp"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "prefill", "--transport", "auto"])
+    assert "--transport: invalid choice: 'auto'" in capsys.readouterr().err

@@ -304,7 +304,7 @@ def test_completions_cross_the_hosts_over_ucx_and_equal_the_offline_text(
         assert [r.json()["choices"][0]["text"] for r in responses] == expected
 
         # Every KV byte came as messages, on both decode hosts: none copied out of a mapping of
-        # the sender's shared memory, none read out of its memory (process_vm_readv).
+        # the sender's shared memory.
         def received(name: str, bulk: str) -> float:
             return value(after[name], "nori_kv_received_bytes_total", bulk=bulk) - value(
                 before[name], "nori_kv_received_bytes_total", bulk=bulk
@@ -313,7 +313,7 @@ def test_completions_cross_the_hosts_over_ucx_and_equal_the_offline_text(
         after = {name: cluster.metrics(name) for name in WORKERS}
         for name in DECODES:
             assert received(name, "messages") > 0, name
-            assert received(name, "mapped") == received(name, "read") == 0, name
+            assert received(name, "mapped") == 0, name
         sent = value(after["prefill"], "nori_kv_transfer_bytes_total") - value(
             before["prefill"], "nori_kv_transfer_bytes_total"
         )
@@ -360,12 +360,10 @@ def test_completions_cross_the_hosts_over_ucx_and_equal_the_offline_text(
                 ucx_lanes(cluster.log(name)),
             )
         # Nori's one-host path was tried and refused on each decode host: the sender's segment
-        # socket is an abstract Unix socket of another network namespace, and its pid names
-        # another process (or none) in this PID namespace.
+        # socket is an abstract Unix socket of another network namespace.
         for name in DECODES:
             log = cluster.log(name)
-            assert "is not copied out of its shared memory" in log, name
-            assert "is received as messages, not read from its memory" in log, name
+            assert "is received as messages, not copied out of its shared memory" in log, name
 
 
 def _one(spans: list[ReceivedSpan], service: str, name: str) -> ReceivedSpan:

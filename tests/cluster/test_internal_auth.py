@@ -193,7 +193,7 @@ def renew(stub: decode_pb2_grpc.DecodeServiceStub, request_id: str) -> list[str]
 
 async def send_forged(address: str, headers: list[TransferHeader]) -> list[str]:
     """What the receiver answers each header (a refusal's words), one small buffer each."""
-    sender = make_sender("auto")
+    sender = make_sender(None)
     answers = []
     try:
         for header in headers:

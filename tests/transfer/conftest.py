@@ -12,8 +12,8 @@ from tests.transfer.receiver_process import ReceiverProcess
 
 @pytest.fixture(scope="module", params=[*KINDS, *PULL_KINDS])
 def receiver(request: pytest.FixtureRequest) -> Iterator[ReceiverProcess]:
-    """A receiver taking the bytes as messages ("tcp", "ucx"), or reading them out of the
-    sender's memory ("tcp+pull", "ucx+pull": cross-memory attach)."""
+    """A receiver taking the bytes as messages ("tcp", "ucx"), or copying them out of the
+    sender's shared memory ("tcp+pull", "ucx+pull")."""
     kind, _, pull = request.param.partition("+")
     process = ReceiverProcess.start(kind, "pull" if pull else "messages")
     yield process

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ KINDS = [
         "ucx", marks=pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
     ),
 ]
-# The same transports with the receiver reading the bytes out of the sender's memory.
+# The same transports with the receiver copying the bytes out of the sender's shared memory.
 PULL_KINDS = [
     "tcp+pull",
     pytest.param(
@@ -48,7 +47,7 @@ def kv_blocks(
     generator = torch.Generator().manual_seed(seed)
     source = torch.randn(layers, kv, len(block_ids), *block_shape, generator=generator).to(dtype)
     # In shared memory, as a worker's KV cache is: a receiver on this host copies it out of
-    # its own mapping (test_cross_memory covers process_vm_readv out of private memory).
+    # its own mapping.
     source.share_memory_()
     buffers = [
         source[layer, k, i]
@@ -76,14 +75,6 @@ def reference_checksum(data: bytes) -> int:
         for start in range(0, len(data), chunk)
     )
     return int(xxhash.xxh3_64_intdigest(digests))
-
-
-def reads_across_processes() -> bool:
-    """Whether a process may read the memory of one that is not its descendant (a receiver
-    reading its parent, or a sibling worker): not under Yama's ptrace_scope >= 1, where the
-    receiver takes messages instead."""
-    yama = Path("/proc/sys/kernel/yama/ptrace_scope")
-    return not yama.exists() or yama.read_text().strip() == "0"
 
 
 def free_port() -> int:

@@ -86,7 +86,7 @@ async def _serve(
                     "events": list(sink.events),
                     "bytes_received": receiver.bytes_received,
                     "transfers_completed": receiver.transfers_completed,
-                    "bytes_pulled": receiver.bytes_pulled,
+                    "bytes_mapped": receiver.bytes_mapped,
                 }
             )
         elif command == "stop":
@@ -105,8 +105,8 @@ def _main(
 @dataclass
 class ReceiverProcess:
     kind: str
-    # "pull": the receiver reads senders' bytes from their memory where it can (the default);
-    # "messages": it never does (TransferConfig.cross_memory_attach off).
+    # "pull": the receiver copies senders' bytes out of their shared memory where it can (the
+    # default); "messages": it never does (TransferConfig.map_shared_memory off).
     bulk: str
     address: str
     caches: dict[str, torch.Tensor]
@@ -121,7 +121,7 @@ class ReceiverProcess:
         context = torch_mp.get_context("spawn")
         caches = make_caches()
         conn, child_conn = context.Pipe()
-        config = TransferConfig(cross_memory_attach=bulk == "pull")
+        config = TransferConfig(map_shared_memory=bulk == "pull")
         process = context.Process(
             target=_main, args=(kind, caches, child_conn, config), daemon=True
         )

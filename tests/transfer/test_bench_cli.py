@@ -11,7 +11,7 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    ("destinations", "bulk"), [("scattered", "auto"), ("adjacent", "messages")]
+    ("destinations", "bulk"), [("scattered", "mapped"), ("adjacent", "messages")]
 )
 def test_bench_transfer_json(destinations: str, bulk: str) -> None:
     command = ["bench", "transfer", "--total-mib", "4", "--json", "--destinations", destinations]
@@ -39,12 +39,13 @@ def test_bench_transfer_json(destinations: str, bulk: str) -> None:
         # What carried the bytes: copied by the receiver out of its mapping of this (the
         # sender's) shared memory, as the workers' KV caches are, which needs no permission to
         # read another process; or messages.
-        expected = "shared memory mapped by the receiver for " if bulk == "auto" else "messages"
+        expected = "shared memory mapped by the receiver for " if bulk == "mapped" else "messages"
         assert report["ucx_transports"]["bulk"].startswith(expected)
         assert set(report["ucx_cpu_s_per_gib"]) == {"sender", "receiver"}
     # CPU seconds per GiB on each side (the receiver's counted in clock ticks: maybe 0 here).
     assert min(report["tcp_transport_cpu_s_per_gib"].values()) >= 0
-    assert report["cross_memory_attach"] == (bulk == "auto")
+    assert report["map_shared_memory"] == (bulk == "mapped")
+    assert "auto_transport" not in report
 
 
 def test_bench_transfer_rejects_bad_settings() -> None:
@@ -78,7 +79,7 @@ def test_bench_transfer_between_two_hosts(tmp_path: Path) -> None:
     report = json.loads((out / "run1-32kib.json").read_text())
     host, _ = report["receiver"].rsplit(":", 1)
     assert host.startswith("10.213.")  # the receiving namespace's address, not loopback
-    assert report["cross_memory_attach"] is False
+    assert report["map_shared_memory"] is False
     for key in ("tcp_transport_gbps", "socket_gbps"):
         assert report[key] > 0
     summary = json.loads((out / "summary.json").read_text())

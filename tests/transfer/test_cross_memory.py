@@ -1,5 +1,5 @@
-"""The receiver reading a transfer's bytes out of the sender's memory (cross-memory attach):
-how reads are cut, reads from another process, and the ways it must fall back or fail."""
+"""The receiver copying a transfer's bytes out of its mapping of the sender's shared memory:
+how copies are cut, copies from another process, and the ways it must fall back or fail."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import subprocess
-import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -17,41 +15,19 @@ import torch
 
 from nori.transfer.base import TransferError
 from nori.transfer.buffers import ScatteredRun, check_sources
-from nori.transfer.cross_memory import (
+from nori.transfer.cross_memory_receiver import (
     COPY_THREAD_MIN_BYTES,
     PullReader,
-    PullSource,
     copy_plan,
-    pull_batches,
     regions_of,
 )
+from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
 from nori.transfer.integrity import transfer_hasher
 from tests.transfer.helpers import KINDS, kv_blocks, reference_checksum
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
 from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on
-
-
-def test_pull_batches_cut_both_layouts_at_the_byte_and_segment_limits() -> None:
-    # One source region of 100 bytes at 1000; destinations of 30, 50 (adjacent to it: one
-    # segment when in one call) and 20 bytes.
-    sources = [(1000, 100)]
-    destinations = [(0, 30), (30, 50), (500, 20)]
-    assert pull_batches(sources, destinations, max_bytes=40) == [
-        ([(0, 40)], [(1000, 40)]),
-        ([(40, 40)], [(1040, 40)]),
-        ([(500, 20)], [(1080, 20)]),
-    ]
-    # Two source regions; at most 2 segments a side per call.
-    sources = [(1000, 10), (2000, 10)]
-    destinations = [(0, 5), (100, 5), (200, 10)]
-    assert pull_batches(sources, destinations, max_bytes=64, max_segments=2) == [
-        ([(0, 5), (100, 5)], [(1000, 10)]),
-        ([(200, 10)], [(2000, 10)]),
-    ]
-    with pytest.raises(ValueError, match="different byte counts"):
-        pull_batches([(0, 10)], [(0, 9)])
 
 
 def test_copy_plan_cuts_both_layouts_into_chunks_of_the_stream() -> None:
@@ -106,49 +82,11 @@ def test_regions_merge_adjacent_views_in_order() -> None:
     assert regions_of(views) == [(base, 16), (base + 32, 16), (base, 4)]
 
 
-def _hold_bytes(conn: Connection) -> None:
-    """A sender stand-in: offers 3 MiB of random bytes, then waits to be told to go."""
-    source = torch.randint(0, 256, (3 * 1024 * 1024,), dtype=torch.uint8)
-    views = list(source.view(96, 32 * 1024).unbind(0))
-    pull_source = PullSource()
-    offer = pull_source.offer(views)
-    assert offer is not None
-    conn.send((offer.SerializeToString(), source.numpy().tobytes()))
-    conn.recv()
-
-
-@pytest.mark.asyncio
-async def test_a_receiver_reads_another_process_into_scattered_blocks_and_hashes_them() -> None:
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    child = context.Process(target=_hold_bytes, args=(child_conn,), daemon=True)
-    child.start()
-    try:
-        assert conn.poll(60)
-        payload, expected = conn.recv()
-        offer = CrossMemoryOffer.FromString(payload)
-        cache = torch.zeros(2 * 96, 32 * 1024, dtype=torch.uint8)
-        # Every other block, grouped as a receiver's staged runs would be: 3 reads of 1 MiB.
-        blocks = [cache[2 * i] for i in range(96)]
-        pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
-        reader = PullReader()
-        assert reader.can_pull(offer, pieces)
-        hasher = transfer_hasher()
-        await reader.pull(offer, pieces, hasher)
-        assert torch.cat(blocks).numpy().tobytes() == expected
-        assert not cache[1::2].any()
-        assert hasher.intdigest() == reference_checksum(expected)
-        assert reader.bytes_pulled == len(expected)
-        assert reader.bytes_mapped == 0  # private memory: read, not mapped
-
-        conn.send("go")
-        child.join(30)
-        with pytest.raises(TransferError, match="reading KV from the sender failed"):
-            await reader.pull(offer, pieces, None)
-        assert not reader.can_pull(offer, pieces)
-    finally:
-        child.kill()
-        child.join()
+def test_private_memory_is_not_offered() -> None:
+    """Bytes outside shared memory (a private copy) get no offer: they go as messages."""
+    source = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8)
+    assert PullSource().offer(list(source.view(2, -1).unbind(0))) is None
+    assert PullSource().offer([]) is None
 
 
 def _hold_shared_bytes(conn: Connection, nbytes: int) -> None:
@@ -172,10 +110,9 @@ def _hold_shared_bytes(conn: Connection, nbytes: int) -> None:
 async def test_a_receiver_copies_another_process_shared_memory_without_reading_the_process(
     nbytes: int,
 ) -> None:
-    """The offer's pid names no process the receiver could read (as under Yama's ptrace_scope
-    >= 1, which lets sibling workers read nothing of each other): the bytes still come, copied
-    out of the receiver's mapping of the sender's segments, hashed as they land. Once the sender
-    is gone its segments are unmapped."""
+    """Copied out of the receiver's mapping of the sender's segments, which needs no permission
+    to read the sender (Yama's ptrace_scope >= 1 lets sibling workers read nothing of each
+    other), hashed as they land. Once the sender is gone its segments are unmapped."""
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe()
     child = context.Process(target=_hold_shared_bytes, args=(child_conn, nbytes), daemon=True)
@@ -184,7 +121,6 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         assert conn.poll(60)
         payload, expected = conn.recv()
         offer = CrossMemoryOffer.FromString(payload)
-        offer.pid = _dead_pid()
         blocks_count = nbytes // (32 * 1024)
         cache = torch.zeros(2 * blocks_count, 32 * 1024, dtype=torch.uint8)
         blocks = [cache[2 * i] for i in range(blocks_count)]
@@ -196,7 +132,7 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         assert torch.cat(blocks).numpy().tobytes() == expected
         assert not cache[1::2].any()
         assert hasher.intdigest() == reference_checksum(expected)
-        assert reader.bytes_pulled == reader.bytes_mapped == nbytes
+        assert reader.bytes_mapped == nbytes
 
         # A region outside the offered segments is refused, not read.
         cache.zero_()
@@ -209,7 +145,7 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
 
         conn.send("go")
         child.join(30)
-        assert not reader.can_pull(offer, pieces)  # nothing to map, nothing to read
+        assert not reader.can_pull(offer, pieces)  # nothing to map
         assert reader.mapped_senders == 0
         reader.close()
     finally:
@@ -218,9 +154,10 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
 
 
 @pytest.mark.asyncio
-async def test_a_segment_the_sender_no_longer_holds_is_read_instead() -> None:
-    """A key the sender's socket does not know (it closed that segment): the receiver says so
-    once and reads the bytes with process_vm_readv (this process may read itself)."""
+async def test_a_segment_the_sender_no_longer_holds_is_not_copied() -> None:
+    """A key the sender's socket does not know (it closed that segment): the receiver maps
+    nothing and refuses the offer (the bytes then go as messages); a copy asked for anyway
+    fails without touching the destination."""
     source = torch.randint(0, 256, (64 * 1024,), dtype=torch.uint8)
     source.share_memory_()
     pull_source = PullSource()
@@ -230,32 +167,25 @@ async def test_a_segment_the_sender_no_longer_holds_is_read_instead() -> None:
     destination = torch.zeros_like(source)
     reader = PullReader()
     try:
-        assert reader.can_pull(offer, [destination])
-        await reader.pull(offer, [destination], None)
-        assert torch.equal(destination, source)
-        assert reader.bytes_pulled == source.numel() and reader.bytes_mapped == 0
+        assert not reader.can_pull(offer, [destination])
         assert reader.mapped_senders == 0
+        with pytest.raises(TransferError, match="no longer mapped"):
+            await reader.pull(offer, [destination], None)
+        assert not destination.any() and reader.bytes_mapped == 0
     finally:
         reader.close()
         pull_source.close()
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("broken", ["pid and socket of nobody", "other probe bytes"])
-async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
+@pytest.mark.parametrize("broken", ["socket of nobody", "other probe bytes"])
+async def test_an_offer_that_cannot_be_mapped_moves_the_bytes_as_messages(
     kind: str, broken: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A pid the receiver cannot read (another host or namespace, no process, no permission)
-    and a segment socket it cannot reach (another host or network namespace), or both naming
-    another process: the receiver says so once in its log and takes the bytes as messages;
-    they land all the same."""
+    """A segment socket the receiver cannot reach (another host or network namespace), or one
+    that answers for another sender: the receiver says so once in its log and takes the bytes
+    as messages; they land all the same."""
     real_offer = PullSource.offer
 
     def broken_offer(
@@ -263,8 +193,7 @@ async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
     ) -> CrossMemoryOffer | None:
         offer = real_offer(self, views, *how)
         assert offer is not None and offer.segment_socket  # kv_blocks is shared memory
-        if broken == "pid and socket of nobody":
-            offer.pid = _dead_pid()
+        if broken == "socket of nobody":
             offer.segment_socket = "nori-kv-nobody-listens-here"
         else:
             offer.probe = bytes(16)
@@ -275,17 +204,15 @@ async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
     receiver = make_receiver(kind, CacheSink(caches))
     await receiver.start(host="127.0.0.1")
     sender = make_sender(kind)
-    caplog.set_level(logging.INFO, logger="nori.transfer.cross_memory")
+    caplog.set_level(logging.INFO, logger="nori.transfer.cross_memory_receiver")
     try:
         for block in (4, 5):
             header, buffers, source = kv_blocks(f"r{block}", [block], torch.float32, seed=block)
             await sender.send(receiver.address, header, buffers)
             assert torch.equal(caches["float32"][:, :, [block]], source)
-        assert receiver.bytes_pulled == 0
-        refusals = [r for r in caplog.records if "not read from its memory" in r.getMessage()]
+        assert receiver.bytes_mapped == 0
+        refusals = [r for r in caplog.records if "not copied out of its shared" in r.getMessage()]
         assert len(refusals) == 1
-        unmapped = [r for r in caplog.records if "not copied out of its shared" in r.getMessage()]
-        assert len(unmapped) == 1
     finally:
         await sender.close()
         await receiver.close()
@@ -294,17 +221,17 @@ async def test_an_offer_whose_probe_fails_moves_the_bytes_as_messages(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_sender_gone_before_its_trailer_fails_the_transfer(kind: str) -> None:
-    """Bytes read from a sender that never confirmed it still owned them (it left after the
+    """Bytes copied from a sender that never confirmed it still owned them (it left after the
     receiver's `pulled`, before its trailer) are never handed to the decode side."""
     caches = {"float32": torch.full(CACHE_SHAPE, UNTOUCHED)}
     sink = CacheSink(caches)
     receiver = make_receiver(kind, sink)
     address = await receiver.start(host="127.0.0.1")
     raw, channel = await _raw_channel(kind, address)
+    source = PullSource()  # serves the segments the receiver maps
     try:
         header, buffers, _ = kv_blocks("no-trailer", [2, 3], torch.float32, seed=8)
         views = check_sources(header, buffers)
-        source = PullSource()  # holds the probe the receiver reads
         offered = TransferHeader(
             header.hand_off, header.buffer_nbytes, pull_offer=source.offer(views)
         )
@@ -320,6 +247,7 @@ async def test_a_sender_gone_before_its_trailer_fails_the_transfer(kind: str) ->
         await channel.close()
         await raw.close()
         await receiver.close()
+        source.close()
 
 
 def _ask_for_segments_as_nobody(name: str, key: int, conn: Connection) -> None:

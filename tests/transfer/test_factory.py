@@ -14,13 +14,7 @@ import torch
 from nori.transfer.address import Address, brief_address, parse_address, worker_peer
 from nori.transfer.base import TransferRejected
 from nori.transfer.buffers import check_destinations, check_sources
-from nori.transfer.factory import (
-    _probe_cpus,
-    make_receiver,
-    make_sender,
-    probe_transports,
-    ucx_available,
-)
+from nori.transfer.factory import default_transport, make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.tcp import TcpReceiver
 from nori.transfer.ucx_env import LOOPBACK_DEVICE, confine_ucx_to, is_loopback
@@ -35,7 +29,7 @@ _WITHOUT_UCXX = textwrap.dedent(
 
     import torch
     from nori.transfer.handoff import TransferHeader
-    from nori.transfer.factory import make_receiver, make_sender, probe_transports, ucx_available
+    from nori.transfer.factory import default_transport, make_receiver, make_sender, ucx_available
 
     class Sink:
         def __init__(self):
@@ -49,9 +43,9 @@ _WITHOUT_UCXX = textwrap.dedent(
 
     async def main():
         sink = Sink()
-        receiver = make_receiver("auto", sink)
+        receiver = make_receiver(None, sink)
         address = await receiver.start(host="127.0.0.1")
-        sender = make_sender("auto")
+        sender = make_sender(None)
         data = torch.arange(16.0)
         await sender.send(address, TransferHeader.of("r", [2], [data.nbytes]), [data])
         try:
@@ -68,6 +62,7 @@ _WITHOUT_UCXX = textwrap.dedent(
         await receiver.close()
         print(json.dumps({
             "available": ucx_available(),
+            "default": default_transport(),
             "receiver": type(receiver).__name__,
             "address": address,
             "landed": bool(torch.equal(sink.cache[2], data)),
@@ -80,13 +75,13 @@ _WITHOUT_UCXX = textwrap.dedent(
 )
 
 
-def test_auto_falls_back_to_tcp_without_ucxx() -> None:
+def test_the_default_is_tcp_without_ucxx() -> None:
     result = subprocess.run(
         [sys.executable, "-c", _WITHOUT_UCXX], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["available"] is False
+    assert report["available"] is False and report["default"] == "tcp"
     assert report["receiver"] == "TcpReceiver"
     assert report["address"].startswith("tcp://127.0.0.1:")
     assert report["landed"]
@@ -99,43 +94,18 @@ def test_auto_falls_back_to_tcp_without_ucxx() -> None:
 def test_kinds() -> None:
     sink = CacheSink({})
     assert isinstance(make_receiver("tcp", sink), TcpReceiver)
-    with pytest.raises(ValueError, match="one of auto, ucx, tcp"):
-        make_receiver("rdma", sink)
+    with pytest.raises(ValueError, match="one of ucx, tcp, got 'auto'"):
+        make_receiver("auto", sink)
     with pytest.raises(ValueError, match="one of"):
         make_sender("udp")
-    # "auto" is what the probe measured faster on this host (once per process).
-    probe = probe_transports()
-    assert probe is probe_transports()
-    if probe.chosen == "ucx":
+    # The default: UCX where ucxx imports, else TCP; no measurement.
+    assert default_transport() == ("ucx" if ucx_available() else "tcp")
+    if ucx_available():
         from nori.transfer.ucx import UcxReceiver
 
-        assert ucx_available() and isinstance(make_receiver("auto", sink), UcxReceiver)
-        assert probe.ucx_gbps is not None and (probe.tcp_gbps or 0) <= probe.ucx_gbps
+        assert isinstance(make_receiver(None, sink), UcxReceiver)
     else:
-        assert isinstance(make_receiver("auto", sink), TcpReceiver)
-        assert probe.ucx_gbps is None or probe.tcp_gbps is not None
-        assert probe.ucx_gbps is None or probe.ucx_gbps < probe.tcp_gbps  # type: ignore[operator]
-
-
-def test_the_probe_keeps_its_two_ends_on_different_cpus() -> None:
-    """A thread allowed several CPUs probes from its first only, its child gets the rest, and
-    the thread's own CPUs come back afterwards; a thread pinned to one leaves its child the
-    others."""
-    allowed = frozenset(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip("this process may run on one CPU only")
-    first = min(allowed)
-    with _probe_cpus() as child_cpus:
-        assert os.sched_getaffinity(0) == {first}
-        assert child_cpus == allowed - {first}
-    assert os.sched_getaffinity(0) == allowed
-    os.sched_setaffinity(0, {first})
-    try:
-        with _probe_cpus() as child_cpus:
-            assert os.sched_getaffinity(0) == {first}
-            assert child_cpus == frozenset(range(os.cpu_count() or 1)) - {first}
-    finally:
-        os.sched_setaffinity(0, allowed)
+        assert isinstance(make_receiver(None, sink), TcpReceiver)
 
 
 @pytest.mark.asyncio

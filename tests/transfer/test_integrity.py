@@ -75,17 +75,17 @@ class _CheckingSink:
 async def test_checksums_that_follow_the_data_are_checked(
     kind: str, pull: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real transfer whose checksum follows the data (or, read by the receiver out of the
-    sender's memory, comes in its trailer): accepted when the bytes match, with the receiver's
+    """A real transfer whose checksum follows the data (or, copied by the receiver out of the
+    sender's shared memory, comes in its trailer): accepted when the bytes match, with the receiver's
     own hash (computed as they landed) equal to an independent xxh3 of the bytes; refused when
     the sender's checksum is not the bytes' (a corrupted transfer)."""
     size, count = 4096, 24
     sink = _CheckingSink(2 * size * count)
-    config = TransferConfig(cross_memory_attach=pull)
+    config = TransferConfig(map_shared_memory=pull)
     receiver = make_receiver(kind, sink, config)
     address = await receiver.start(host="127.0.0.1")
     sender = make_sender(kind, config)
-    source = torch.randint(0, 256, (size * count,), dtype=torch.uint8)
+    source = torch.randint(0, 256, (size * count,), dtype=torch.uint8).share_memory_()
     blocks = list(source.view(count, size).unbind(0))
     header = TransferHeader.of("r", list(range(count)), [size] * count, checksums_follow=True)
     try:
@@ -101,7 +101,7 @@ async def test_checksums_that_follow_the_data_are_checked(
         with pytest.raises(TransferRejected, match="corrupted KV transfer"):
             await sender.send(address, header, blocks)
         assert len(sink.completed_headers) == 1
-        assert receiver.bytes_pulled == (2 * size * count if pull else 0)
+        assert receiver.bytes_mapped == (2 * size * count if pull else 0)
     finally:
         await sender.close()
         await receiver.close()
@@ -116,11 +116,11 @@ async def test_a_checksum_taken_where_the_bytes_were_written_is_sent_and_checked
 ) -> None:
     """A sender whose checksum was taken beforehand (the prefill worker's export copy) sends it
     without hashing: right, the transfer lands; wrong (the bytes changed after it was taken),
-    the receiver, which hashed what landed, refuses it. Sent as messages, copied out of the
-    sender's shared memory, or read out of its private memory."""
+    the receiver, which hashed what landed, refuses it. Sent as messages, or copied out of the
+    sender's shared memory (private memory goes as messages all the same)."""
     size, count = 64 * 1024, 40  # 2.5 MiB: several chunks of the checksum
     sink = _CheckingSink(2 * size * count)
-    config = TransferConfig(cross_memory_attach=pull)
+    config = TransferConfig(map_shared_memory=pull)
     receiver = make_receiver(kind, sink, config)
     address = await receiver.start(host="127.0.0.1")
     sender = make_sender(kind, config)
@@ -223,14 +223,14 @@ async def test_scattered_blocks_staged_in_many_messages_land_in_place(
     each is reused, within a transfer and on the next one), around a run large enough to land
     in place: every block's bytes reach its slot, no other slot changes, and the checksum the
     receiver took as the pieces landed is the xxh3 of the sent bytes. The same when the
-    receiver reads them out of the sender's memory (more than one 1 MiB read, each cut at
-    block boundaries that are not the chunk's)."""
+    receiver copies them out of the sender's shared memory (more than one 1 MiB chunk, each
+    cut at block boundaries that are not the chunk's)."""
     block_bytes = 8 * 1024
     scattered = [2 * i for i in range(700)]  # 5.5 MiB, in groups of 1 MiB
     run = list(range(1500, 1564))  # 512 KiB, adjacent
     block_ids = scattered[:300] + run + scattered[300:] + [1401, 1403]
     sink = _LayoutSink(1600, block_bytes)
-    config = TransferConfig(cross_memory_attach=pull)
+    config = TransferConfig(map_shared_memory=pull)
     receiver = make_receiver(kind, sink, config)
     address = await receiver.start(host="127.0.0.1")
     sender = make_sender(kind, config)
@@ -239,7 +239,7 @@ async def test_scattered_blocks_staged_in_many_messages_land_in_place(
             generator = torch.Generator().manual_seed(seed)
             source = torch.randint(
                 0, 256, (len(block_ids) * block_bytes,), dtype=torch.uint8, generator=generator
-            )
+            ).share_memory_()
             blocks = list(source.view(len(block_ids), block_bytes).unbind(0))
             header = TransferHeader.of(
                 f"r{seed}", block_ids, [block_bytes] * len(block_ids), checksums_follow=True
@@ -252,7 +252,7 @@ async def test_scattered_blocks_staged_in_many_messages_land_in_place(
             assert torch.equal(cache[block_ids], source.view(len(block_ids), block_bytes))
             others = sorted(set(range(1600)) - set(block_ids))
             assert not cache[others].any()
-        assert receiver.bytes_pulled == (2 * len(block_ids) * block_bytes if pull else 0)
+        assert receiver.bytes_mapped == (2 * len(block_ids) * block_bytes if pull else 0)
     finally:
         await sender.close()
         await receiver.close()

@@ -11,7 +11,7 @@ import torch
 from nori.transfer.base import TransferConfig, TransferError, TransferRejected
 from nori.transfer.factory import make_sender
 from nori.transfer.handoff import TransferHeader
-from tests.transfer.helpers import KINDS, free_port, kv_blocks, reads_across_processes
+from tests.transfer.helpers import KINDS, free_port, kv_blocks
 from tests.transfer.receiver_process import UNTOUCHED, ReceiverProcess
 
 
@@ -32,7 +32,7 @@ async def test_blocks_land_in_the_destination_blocks_and_nowhere_else(
     header, buffers, source = kv_blocks(
         request_id, block_ids, dtype, seed=1, output_token_ids=(42,)
     )
-    pulled_before = receiver.status()["bytes_pulled"]
+    mapped_before = receiver.status()["bytes_mapped"]
     sender = make_sender(receiver.kind)
     try:
         await sender.send(receiver.address, header, buffers)
@@ -49,11 +49,9 @@ async def test_blocks_land_in_the_destination_blocks_and_nowhere_else(
     status = receiver.status()
     assert status["bytes_received"] >= header.total_nbytes
     assert status["transfers_completed"] >= 1
-    # What carried the bytes: read out of this process's memory (the receiver is its child),
-    # or sent as messages.
-    pulled = status["bytes_pulled"] - pulled_before
-    reads = receiver.bulk == "pull" and reads_across_processes()
-    assert pulled == (header.total_nbytes if reads else 0)
+    # What carried the bytes: copied out of this process's shared memory, or sent as messages.
+    mapped = status["bytes_mapped"] - mapped_before
+    assert mapped == (header.total_nbytes if receiver.bulk == "pull" else 0)
 
 
 @pytest.mark.asyncio

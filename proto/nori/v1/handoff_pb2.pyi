@@ -64,9 +64,7 @@ class KVTransferHeader(_message.Message):
     def __init__(self, hand_off: _Optional[_Union[HandOff, _Mapping]] = ..., buffer_nbytes: _Optional[_Iterable[int]] = ..., buffer_checksums: _Optional[_Iterable[int]] = ..., checksums_follow: _Optional[bool] = ..., source_runs: _Optional[_Iterable[int]] = ..., pull_offer: _Optional[_Union[CrossMemoryOffer, _Mapping]] = ...) -> None: ...
 
 class CrossMemoryOffer(_message.Message):
-    __slots__ = ("pid", "probe_address", "probe", "region_addresses", "region_nbytes", "segment_socket", "segment_addresses", "segment_nbytes", "segment_keys")
-    PID_FIELD_NUMBER: _ClassVar[int]
-    PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("probe", "region_addresses", "region_nbytes", "segment_socket", "segment_addresses", "segment_nbytes", "segment_keys")
     PROBE_FIELD_NUMBER: _ClassVar[int]
     REGION_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     REGION_NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -74,8 +72,6 @@ class CrossMemoryOffer(_message.Message):
     SEGMENT_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_KEYS_FIELD_NUMBER: _ClassVar[int]
-    pid: int
-    probe_address: int
     probe: bytes
     region_addresses: _containers.RepeatedScalarFieldContainer[int]
     region_nbytes: _containers.RepeatedScalarFieldContainer[int]
@@ -83,7 +79,7 @@ class CrossMemoryOffer(_message.Message):
     segment_addresses: _containers.RepeatedScalarFieldContainer[int]
     segment_nbytes: _containers.RepeatedScalarFieldContainer[int]
     segment_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pid: _Optional[int] = ..., probe_address: _Optional[int] = ..., probe: _Optional[bytes] = ..., region_addresses: _Optional[_Iterable[int]] = ..., region_nbytes: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_nbytes: _Optional[_Iterable[int]] = ..., segment_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, probe: _Optional[bytes] = ..., region_addresses: _Optional[_Iterable[int]] = ..., region_nbytes: _Optional[_Iterable[int]] = ..., segment_socket: _Optional[str] = ..., segment_addresses: _Optional[_Iterable[int]] = ..., segment_nbytes: _Optional[_Iterable[int]] = ..., segment_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferReply(_message.Message):
     __slots__ = ("accepted", "rejected", "done_nbytes", "pulled", "destination_runs", "pull")
