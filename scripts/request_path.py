@@ -2,12 +2,13 @@
 
 Starts `nori up` (the demo model; `--colocated` for one worker) with a profiler in each of its
 Python processes (a `sitecustomize` on PYTHONPATH: the gateway, the workers, their engine
-processes), sends one warm-up request, then measures two windows of the same length: an idle one,
-and one holding a single `POST /v1/completions`. A file is on the request's path when the request
-window called its functions more often than the idle window did (heartbeats, stats polls and
-other background calls happen in both). Prints the files in the order the request first entered
-them, with their line counts, and the totals: all of them, and without the model's forward pass
-and sampling (the serving path proper).
+processes), sends warm-up requests, then measures three windows of the same length: idle, one
+`POST /v1/completions`, idle again. A file is on the request's path when the request window
+called its functions more often than either idle window (heartbeats, stats polls and other
+background calls happen in all three). Generated gRPC stubs (`*_pb2*.py`) are left out, as in
+the product's line count. Prints the files in the order the request first entered them, with
+their line counts, and the totals: all of them, and without the model's forward pass and
+sampling (the serving path proper).
 
 Usage: python scripts/request_path.py [--colocated] [--stream] [--json FILE]
 """
@@ -174,6 +175,10 @@ def main() -> int:
         http(f"{base}/v1/completions", body)
         time.sleep(max(0.0, window_s - (time.monotonic() - started)))
         toggle_all(trace_dir)
+        time.sleep(1)
+        toggle_all(trace_dir)  # window 2: idle again
+        time.sleep(window_s)
+        toggle_all(trace_dir)
         time.sleep(2)
     finally:
         cluster.send_signal(signal.SIGTERM)
@@ -181,9 +186,12 @@ def main() -> int:
             cluster.wait(timeout=60)
         except subprocess.TimeoutExpired:
             cluster.kill()
-    idle, _ = window_counts(trace_dir, 0)
+    idle = window_counts(trace_dir, 0)[0] | window_counts(trace_dir, 2)[0]  # the larger count
     busy, first = window_counts(trace_dir, 1)
-    on_path = sorted((name for name in busy if busy[name] > idle.get(name, 0)), key=first.get)
+    on_path = sorted(
+        (name for name in busy if busy[name] > idle.get(name, 0) and "_pb2" not in name),
+        key=first.get,
+    )
     rows = []
     for name in on_path:
         lines = len(Path(name).read_text().splitlines())
