@@ -1,18 +1,13 @@
 """The cluster secret, and every credential the roles derive from it.
 
-One secret (`--cluster-secret`, else `NORI_CLUSTER_SECRET`; `nori up` generates one, Compose
-reads it from a secret file) is shared by every process of a cluster. Nothing sends it anywhere:
-each use gets its own key, an HMAC-SHA256 of the secret over the use's name, so a key that leaks
-from one use (a gRPC token seen on the wire) neither reveals the secret nor serves another use.
-
-- `rpc_token()`: the token every internal gRPC call carries in its metadata
-  (`RPC_TOKEN_METADATA`); workers refuse calls without it with UNAUTHENTICATED
-  (`nori.rpc.auth`);
-- `sign()` / `verify()`: signatures over a message, e.g. a worker's registry entry
-  (`nori.state.registry`), so the gateway routes only to workers that hold the secret.
-
-Without a secret the cluster is open, as before: nothing is signed, every call is accepted. That
-is for a single trusted host only; the "Security" section of docs/operations.md says what to set.
+One secret (`--cluster-secret`, else `NORI_CLUSTER_SECRET`; `nori up` generates one) is shared
+by every process of a cluster and never sent: each use gets its own key, an HMAC-SHA256 of the
+secret over the use's name, so a key leaked from one use neither reveals the secret nor serves
+another. `rpc_token()` is the token every internal gRPC call carries (`RPC_TOKEN_METADATA`;
+workers refuse calls without it, `nori.rpc.auth`); `sign()` / `verify()` sign messages such as a
+worker's registry entry, so the gateway routes only to workers that hold the secret. Without a
+secret the cluster is open (nothing signed, every call accepted): for a single trusted host only,
+see "Security" in docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """What every role shares: the roles themselves, each default in one place, the settings base,
 and the environment.
 
-Environment variables Nori reads, all here (`Environment.read`):
-
-- `REDIS_URL`: the Redis the cluster meets in (`nori serve`'s default `--redis-url`; `nori up`
-  and `nori bench compare` use it when reachable, else start a private redis-server);
-- `NORI_ADVERTISE_HOST`: the host other processes reach a worker at (`auto`: this host's own
-  address, as a scaled container needs);
-- `NORI_CACHE_DIR`: where the built-in models are written (default ~/.cache/nori/models);
-- `NORI_CPU_KERNELS=0`: the PyTorch references instead of the C++ CPU kernels;
-- `NORI_API_KEY`: the key the gateway's API requires (`--api-key`), as a Bearer token, which
-  the batch runner sends; `NORI_API_KEY_FILE`: a file holding it, read when the variable is unset;
-- `NORI_CLUSTER_SECRET`: the secret every role of a cluster shares (`--cluster-secret`), from
-  which the internal credentials derive (`nori.cluster_auth`); `NORI_CLUSTER_SECRET_FILE`: a
-  file holding it (a Compose secret, /run/secrets/...), read when the variable is unset;
-- `NORI_REDIS_PASSWORD` / `NORI_REDIS_PASSWORD_FILE`: the Redis password, used when the Redis URL
-  carries none (Compose passes a secret file; the URL then names only the user).
+Environment variables Nori reads, all here (`Environment.read`): `REDIS_URL` (the default
+`--redis-url`); `NORI_ADVERTISE_HOST` (the host others reach a worker at; `auto`: this host's
+address); `NORI_CACHE_DIR` (built-in models, default ~/.cache/nori/models); `NORI_CPU_KERNELS=0`
+(the PyTorch references instead of the C++ CPU kernels); `NORI_API_KEY` (the gateway's Bearer
+key, `--api-key`); `NORI_CLUSTER_SECRET` (`--cluster-secret`, `nori.cluster_auth`); and
+`NORI_REDIS_PASSWORD` (used when the Redis URL carries none). Each secret may instead come from
+the file its `*_FILE` variable names (a Compose secret), read when the variable is unset.
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 DisaggregationMode = Literal["auto", "always", "never"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
 # --max-local-compute-s: the most decode-worker compute one prompt may take there under
-# --disaggregation auto: short prompts (a 128-token prompt of the 24M model is ~50 ms on one
-# core) fit, long ones (1-2k tokens: 0.4-0.8 s) do not.
+# --disaggregation auto: short prompts fit, long ones do not.
 DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -1,21 +1,13 @@
 """A batch's work in Redis: the lines still to run, which runner holds which, the counts.
 
-Per batch, under `{namespace}:batch:{id}:`:
-
-    lines       a stream, one entry per line still to run (field `i`: its index among the
-                batch's valid lines), read by the consumer group `runners`
-    completed   the line numbers done with success, a set
-    failed      the line numbers done with an error (invalid lines included), a set
-    seeded      present once `lines` and the sets were built from the directory
-    lock:WHAT   a short lock (seed, validate, finalize): one runner does it
-
-A runner claims entries with XREADGROUP; its claim is a lease: an entry idle (not renewed with
-XCLAIM) for `lease_ms` is taken over by another runner with XAUTOCLAIM, so the lines of a
-runner killed with -9 run again elsewhere. A line is acknowledged (XACK, XDEL, SADD) only after
-its result is fsync'd in the directory. Every key expires: a day past the batch's own expiry.
-
-Nothing here is the truth: when `seeded` is missing (a Redis restarted empty, or a batch that
-just passed validation), `seed` rebuilds all of it from the result logs on disk.
+Per batch, under `{namespace}:batch:{id}:`: `lines`, a stream with one entry per line still to
+run (field `i`: its index among the valid lines), read by the consumer group `runners`;
+`completed` and `failed`, sets of line numbers done; `seeded`, present once those were built from
+the directory; `lock:WHAT`, a short lock (seed, validate, finalize) so one runner does it.
+A claim (XREADGROUP) is a lease: an entry not renewed (XCLAIM) for `lease_ms` is taken over with
+XAUTOCLAIM, so a killed runner's lines run again elsewhere. A line is acknowledged (XACK, XDEL,
+SADD) only after its result is fsync'd in the directory. Every key expires a day past the batch.
+Nothing here is the truth: without `seeded`, `seed` rebuilds it all from the result logs on disk.
 """
 
 from __future__ import annotations

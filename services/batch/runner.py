@@ -1,20 +1,13 @@
 """The batch runner role (`nori serve batch`): runs the lines of every batch in the directory.
 
-Any number of runners share the work (`nori.batch.jobs`: a Redis stream per batch, read by one
-consumer group, each claim a lease the runner renews). Each turn of `BatchRunner.run`:
-
-1. tends every batch not yet final, oldest first: validates a new one, seeds its queue in
-   Redis when Redis does not have it (a new batch, or a Redis restarted empty), stops its lines
-   when it is cancelled or expired, and finalizes it when every line is done or its lines are
-   stopped (validating and finalizing: `validate_finalize.py`, one runner each);
-2. claims lines up to `max_in_flight` and sends each through the gateway (`line_client.py`);
-3. renews the leases of the lines it holds.
-
-A finished line's result is appended to this runner's log in the batch folder and fsync'd
-(`AppendLog`: one fsync for whatever finished meanwhile), and only then acknowledged in Redis:
-a runner killed at any moment loses no result, and a line it held runs again elsewhere once
-its lease runs out. Finalizing keeps each line's first result, so the output holds every line
-exactly once.
+Any number of runners share the work through `nori.batch.jobs`. Each turn of `BatchRunner.run`
+tends every batch not yet final, oldest first (validates a new one, seeds its queue where Redis
+lacks it, stops its lines when cancelled or expired, finalizes it when every line is done:
+`validate_finalize.py`, one runner each); claims lines up to `max_in_flight` and sends each
+through the gateway (`line_client.py`); and renews the leases of the lines it holds. A finished
+line's result is appended to this runner's log and fsync'd (`AppendLog`) before it is
+acknowledged in Redis: a killed runner loses no result, and finalizing keeps each line's first
+result, so the output holds every line exactly once. The flow: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The batch directory (`--batch-dir`): uploaded files, batches and their results, on disk.
 
-The directory is the source of truth. Redis (`nori.batch.jobs`) holds only what can be rebuilt
-from it: the queue of lines still to run, who holds which, the counts. Every file here is written
-whole and atomically (`nori.batch.durable_writes`: a temporary beside it, fsync'd, renamed, the
-folder fsync'd), except the runners' result logs, which are appended to and fsync'd before a
-line counts as done:
-
-    files/<file id>/content            the bytes as uploaded
-    files/<file id>/meta.json          the OpenAI file object (written last: the file exists)
-    batches/<batch id>/batch.json      the creation request, times, the batch's trace context
-    batches/<batch id>/validated.json  the input's valid lines (line number, byte range,
-                                       custom_id) and its invalid ones: status in_progress
-    batches/<batch id>/cancel.json     a cancel was asked: status cancelling
-    batches/<batch id>/results/<runner>.jsonl   one record per finished line, per runner
-    batches/<batch id>/final.json      the end: status, output and error files, counts
-
-A line's result may be logged twice (a runner killed after its fsync and before telling Redis):
-`read_results` keeps the first record of each line, so the output holds each line exactly once.
+The directory is the source of truth; Redis (`nori.batch.jobs`) holds only what can be rebuilt
+from it. Every file is written whole and atomically (`nori.batch.durable_writes`), except the
+runners' result logs, appended to and fsync'd before a line counts as done. Layout:
+`files/<id>/content` and `meta.json` (written last); `batches/<id>/batch.json` (the request, its
+times and trace context), `validated.json` (valid lines' byte ranges and custom_ids, invalid
+ones), `cancel.json`, `results/<runner>.jsonl` (one record per finished line) and `final.json`
+(status, output and error files, counts). A line logged twice (a runner killed between its fsync
+and Redis) keeps its first record in `read_results`, so the output holds each line exactly once.
 """
 
 from __future__ import annotations

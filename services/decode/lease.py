@@ -1,26 +1,13 @@
 """A reservation's lease: how long reserved blocks may wait for their KV, and who keeps them.
 
-The lease bounds how long a reservation may go *unattended*, not how long its prompt may take.
-The prefill worker holding the prompt renews it (`RenewLeases`, at least three times per lease)
-from the moment the prompt reaches it until its KV is sent: while the prompt waits in the
-prefill queue, while it is computed, exported and sent. So a long queue or a long prompt never
-uses the lease up, while a prefill worker that hangs (SIGSTOP) or dies stops renewing and the
-blocks are free one lease later. The reservation itself counts as the first renewal: the gateway
-has one lease to get the prompt to a prefill worker.
-
-Renewals alone would let a live but swamped prefill worker hold blocks for ever, so each phase has
-one more bound of its own:
-
-    QUEUED     reserved; the prompt is on its way or waits in the prefill queue. Ends at the last
-               renewal + lease, and at most `queue_timeout_s` after the reservation (gateway
-               admission keeps queues far shorter; this only catches a queue that never moves).
-    COMPUTING  a prefill engine has begun the prompt (a renewal said `started`): last renewal +
-               lease. A wedged engine stops its worker's renewals (`EngineThread.responsive`).
-    RECEIVING  bytes are landing in the blocks: `transfer_timeout_s` from the transfer's start; the
-               blocks are never freed under the transport before that.
-    ARRIVED, FAILED  final; the waiter takes it from there.
-
-Pure logic on a monotonic clock passed in by the caller, so tests can drive it exactly.
+The lease bounds how long a reservation may go *unattended*. The prefill worker holding the
+prompt renews it (`RenewLeases`, at least three times per lease) until its KV is sent, so a long
+queue or prompt never uses it up, while a hung or dead prefill worker frees the blocks one lease
+later; the reservation counts as the first renewal. Each phase adds a bound of its own: QUEUED
+ends at the last renewal + lease and at most `queue_timeout_s` after the reservation; COMPUTING
+(a renewal said `started`) at the last renewal + lease; RECEIVING `transfer_timeout_s` after the
+transfer's start, never freeing blocks under the transport before that; ARRIVED and FAILED are
+final. Pure logic on a monotonic clock the caller passes in, so tests drive it exactly.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Shared memory a prefill worker copies each prefilled request's KV blocks into, to send them.
 
-A prefill worker copies a request's blocks out of its cache (`nori.engine.kv_cache.read_blocks`),
-frees the blocks at once, and sends the copy. Copied into this arena, one shared-memory segment
-the worker keeps for its life, the copy can be taken by a decode worker on the same host out of
-its own mapping of the arena (`nori.transfer.cross_memory_receiver`): mapped once per prefill
-worker, no permission to read another process needed. A private copy goes as messages.
-
-The arena's pages are taken from the kernel as they are first written and kept: its resident
-size is the most KV ever in flight at once, not its capacity. Allocation is first-fit over the
-free ranges, each range ALIGN-aligned; an export that does not fit (the arena full, or larger
-than it) gets a private copy, as before. A range goes back when its transfer ends, however it
-ends: the prefill servicer releases it from the transfer's own completion, never while a
-receiver may still be reading it.
+The worker copies a request's blocks out of its cache, frees them at once, and sends the copy.
+Copied into this arena (one segment kept for the worker's life), a decode worker on the same
+host can take it out of its own mapping (`nori.transfer.cross_memory_receiver`); a private copy
+goes as messages. Pages are taken as first written and kept: the resident size is the most KV
+ever in flight, not the capacity. Allocation is first-fit over ALIGN-aligned free ranges; an
+export that does not fit gets a private copy. A range goes back when its transfer ends, however
+it ends, never while a receiver may still read it.
 """
 
 from __future__ import annotations

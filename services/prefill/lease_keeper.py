@@ -1,18 +1,13 @@
 """Keeps the decode reservations of the prompts this worker holds alive.
 
-A decode worker reserves blocks for a prompt before the prompt reaches us, under a lease
-(`services/decode/lease.py`). The lease must not run out because the prompt waits in our queue or
-takes long to compute, yet must run out when we hang or die. So this worker vouches for every
-prompt it holds, from the moment the Prefill call arrives until its KV is sent. When a prompt
-arrives, and then every third of the shortest lease it holds, one `RenewLeases` call per decode
-worker renews all of that worker's reservations at once (a burst costs a few calls a second, not
-one per request), saying which prompts the engine has started (the decode side then stops
-applying its queue timeout).
-
-Nothing here is a timer on the decode side: if this process stops (SIGSTOP, a crash) or its engine
-thread wedges (`engine_responsive` turns False), the renewals stop, and the decode workers free the
-blocks one lease later. Renewals that fail are logged and retried on the next round; a decode
-worker that no longer knows a request (finished, cancelled, expired) is not asked again.
+A decode worker reserves blocks for a prompt under a lease (`services/decode/lease.py`) that must
+outlast our queue and compute, yet run out when we hang or die. So this worker vouches for every
+prompt it holds, from the Prefill call's arrival until its KV is sent: on arrival, and then every
+third of the shortest lease it holds, one `RenewLeases` call per decode worker renews all of that
+worker's reservations, saying which prompts the engine has started. If this process stops or its
+engine wedges (`engine_responsive` turns False), the renewals stop and the blocks are freed one
+lease later. Failed renewals are retried next round; a request the decode worker no longer knows
+is not asked again.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """`nori serve --cpus LIST --threads N`: pin this process and size its thread pools, from inside.
 
-Done in the process itself, so that a container (or anything else that runs `nori serve`) gets
-the same binding as `nori up`. Linux CPU affinity belongs to each thread, and a new thread
-inherits its creator's, so `bind_process` runs first thing in the role's handler, before gRPC's
-pollers, asyncio's executor, the engine thread and the OpenMP pool start: they all inherit it.
-The few threads that already exist by then (importing torch, which building the command's
-parser does, starts one) are pinned one by one.
-
-Without flags, a process held to fewer CPUs by a CFS quota than its affinity shows (a container
-given `cpus:`) runs one thread per whole CPU of its quota (`usable_cpu_count`), so replicas that
-share a host's cores do not oversubscribe them.
-
-The intra-op thread count is set with `torch.set_num_threads` (`set_torch_threads`): torch is
-already loaded when the handler runs, and OpenMP and MKL read OMP_NUM_THREADS/MKL_NUM_THREADS
-only once, when they load. The launcher (`nori up`) therefore also puts those variables in the
-child's environment, and `bind_process` sets them for whatever this process starts later.
+Done in the process itself, so a container gets the same binding as `nori up`. CPU affinity is
+per thread and inherited, so `bind_process` runs first thing in the role's handler, before
+gRPC's pollers, asyncio's executor, the engine thread and the OpenMP pool start; the few threads
+already there (importing torch starts one) are pinned one by one. Without flags, a process whose
+CFS quota is below its affinity (a container given `cpus:`) runs one thread per whole CPU of its
+quota (`usable_cpu_count`). torch is already loaded by then, so the intra-op thread count is set
+with `torch.set_num_threads`; OpenMP and MKL read OMP_NUM_THREADS/MKL_NUM_THREADS only when they
+load, so `nori up` also puts them in the child's environment, and `bind_process` sets them for
+whatever this process starts later.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""The engine core a worker's gRPC side drives: an LLMEngine on its own thread, or in its own
-process (`--engine-core`).
+"""The engine core a worker's gRPC side drives: an LLMEngine on its own thread (`EngineThread`)
+or in its own process (`nori.worker.engine_process`), chosen by `--engine-core`.
 
-The engine is not thread-safe and a step can take tens of milliseconds, so one loop owns it and
-alternates between applying queued operations (add, abort, finish a KV transfer, ...) and
-stepping. The asyncio side never touches the engine: it sends operations with
-`call(function, *args)`, each a named function (an LLMEngine method, or a module-level function
-such as `nori.engine.engine.abort_all`) applied as `function(engine, *args)`, and receives each
-step's outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers and Redis
-heartbeats keep running while the model computes.
-
-- `thread`: the loop is a thread of the worker's process (`EngineThread`, below). Operations and
-  outputs are handed over in memory, but the engine loop and the I/O side share one interpreter
-  and its GIL.
-- `process`: the loop runs in a process of its own (`nori.worker.engine_process`), as vLLM's V1
-  engine core. Operations go over a pipe (their functions pickle by reference), and each step's
-  outputs, the answers to the operations it applied, its load and its probe come back as one
-  message. The KV cache lives in shared memory, so a
-  decode worker's transfers still land straight in it.
-- `auto` (the default): `process` on CPU, with one rank, for a worker given two CPUs or more;
-  `thread` otherwise (`resolve_engine_core`).
-
-Both take a `probe`, run in the engine loop after each step, whose result (when not None) is
-handed to `on_probe` on the event loop: how a role learns what only the engine can see (the
-prefill worker's stored blocks and newly started prompts).
+The engine is not thread-safe, so one loop owns it and alternates between applying queued
+operations and stepping. The asyncio side never touches the engine: `call(function, *args)`
+queues a named, picklable function applied as `function(engine, *args)` between steps, and each
+step's outputs reach the event loop through `on_outputs`. A `probe` runs in the engine loop after
+each step; its result (when not None) goes to `on_probe`: how a role learns what only the engine
+sees. In a process, the KV cache lives in shared memory, so a decode worker's transfers still
+land straight in it.
 """
 
 from __future__ import annotations
@@ -58,13 +43,9 @@ def resolve_engine_core(
     mode: EngineCoreMode, config: EngineConfig, num_cpus: int
 ) -> Literal["process", "thread"]:
     """`auto`: a process of its own on CPU, with one rank, for a worker given two CPUs or more
-    (`num_cpus`: its affinity); a thread otherwise.
-
-    On the 2-core Xeon host, a colocated worker (both CPUs) on a thread lost 37% of SmolLM2's
-    served bf16 throughput to the GIL: 306 against 497-506 output tok/s, 64 prompts at 16. A
-    worker pinned to one CPU has no core to give the I/O side: there the process was even on
-    SmolLM2 (331 against 339) and lost 6-11% on the demo model (docs/benchmarks.md). A GPU
-    engine's cache and tensor-parallel ranks have not been run in an engine process.
+    (`num_cpus`: its affinity); a thread otherwise (a worker on one CPU has no core to give the
+    I/O side; a GPU engine has not been run in an engine process). Why:
+    docs/benchmarks.md#engine-core-thread-or-process.
     """
     if mode != "auto":
         return mode

@@ -1,24 +1,14 @@
 """The engine core in a process of its own (`--engine-core process`), as vLLM's V1 engine core.
 
-The worker's process keeps gRPC, KV transfers, Redis and metrics; the engine process keeps the
-model and nothing else, so neither waits on the other's GIL. They talk over two pipes:
-
-- to the engine: `(call_id, function, args, kwargs)`, an operation to apply between steps
-  (`call_id` None: nobody waits for its answer); `None` asks it to stop.
-- to the worker: `(answers, outputs, load, probed)`, once per turn of the engine loop: the
-  answers to the operations it applied, its step's outputs, its load, and the probe's result.
-  One message and one wake-up of the event loop per step, however many rows it ran.
-
-The worker reads on its event loop (`add_reader`) and writes from a thread of its own: a write
-that waits while the engine steps (a full pipe) never stalls the event loop, which must keep
-reading for the engine's own writes to go on.
-
-The engine process is started with `spawn` (fork would copy gRPC's and UCX's threads), before the
-worker opens its gRPC server. Once its engine is built, the KV cache moves into shared memory and
-its tensors go to the worker (torch.multiprocessing passes them as file descriptors): a decode
-worker's transfers land in it directly, as with an engine thread. The engine process dies with
-its worker (PR_SET_PDEATHSIG); if it dies first, every pending operation fails and the worker is
-told (`on_death`) and exits at once: the cluster treats it as a dead worker.
+The worker keeps gRPC, KV transfers, Redis and metrics; the engine process keeps the model, so
+neither waits on the other's GIL. Two pipes: to the engine `(call_id, function, args, kwargs)`,
+an operation to apply between steps (`call_id` None: nobody waits), or `None` to stop; to the
+worker `(answers, outputs, load, probed)`, one message per turn of the engine loop. The worker
+reads on its event loop and writes from a thread of its own, so a full pipe never stalls the
+loop. The process is spawned (fork would copy gRPC's and UCX's threads) before the gRPC server
+opens; its KV cache moves into shared memory and its tensors go to the worker, so transfers land
+in it directly. It dies with its worker (PR_SET_PDEATHSIG); if it dies first, pending operations
+fail and the worker is told (`on_death`) and exits: the cluster sees a dead worker.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
-Counters and histograms are updated as requests pass (`request_telemetry.py`); the state gauges
-(running and waiting requests, KV blocks, transfers in flight) and the engine's own counters
-(preemptions, prompt positions computed, speculative decoding's drafts and accepted tokens) are
-read from the engine's last load snapshot when Prometheus scrapes, so the engine thread does no
-extra work for them. A mixture-of-experts model's tokens per expert are read from the engine
-when scraped (`watch_experts`): one operation between steps, one device copy. A registry of its own per worker (not prometheus_client's global default)
-lets one process hold several workers, as the tests do.
+Counters and histograms are updated as requests pass (`request_telemetry.py`). The state gauges
+and the engine's own counters are read from the engine's last load snapshot at scrape time, so
+the engine loop does no extra work for them; a mixture-of-experts model's tokens per expert cost
+one operation between steps per scrape (`watch_experts`). Each worker has a registry of its own
+(not prometheus_client's global one), so one process may hold several workers.
 """
 
 from __future__ import annotations
@@ -46,16 +44,14 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 TRANSFER_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 400)
 
-# Request outcomes on a worker (the `outcome` label): how the engine finished it ("stop",
-# "length"), handed on to a decode worker ("transferred"), ended by its caller ("abort"),
-# or failed here ("error").
+# The `outcome` label: finished by the engine ("stop", "length"), handed on to a decode worker
+# ("transferred"), ended by its caller ("abort"), or failed here ("error").
 OUTCOMES = ("stop", "length", "transferred", "abort", "error")
 
 # nori_moe_expert_imbalance's window: the tokens routed since the latest scrape at least this
-# long before the current one (four Prometheus scrapes at its default 15 s interval).
+# long before the current one.
 IMBALANCE_WINDOW_S = 60.0
-# How long a scrape waits for the engine loop to read the expert counts (it answers between
-# steps); past it the scrape shows the last counts read.
+# How long a scrape waits for the engine loop's expert counts; past it, the last counts read.
 EXPERT_COUNTS_WAIT_S = 5.0
 
 
@@ -104,10 +100,9 @@ class _EngineStateCollector(Collector):
 def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
     """vLLM's spec_decode counters under Nori's prefix, and two ratios over the worker's life.
 
-    The counters are always there (zero without speculation), so that `rate()` works from the
-    first scrape. The ratios are omitted until the first draft, rather than written as NaN or
-    0: either would read as a measurement, and NaN poisons sums and averages across workers.
-    Over a time window, divide the counters' increases instead (what `nori bench serve` does).
+    The counters are always there (zero without speculation), so `rate()` works from the first
+    scrape. The ratios are omitted until the first draft: NaN or 0 would read as a figure, and
+    NaN poisons sums across workers. Over a window, divide the counters' increases instead.
     """
     for name, documentation, value in (
         (
@@ -150,19 +145,14 @@ def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
 
 
 class _ExpertLoadCollector(Collector):
-    """A mixture-of-experts model's load balance, read from the engine at scrape time: nothing
-    at all for a dense model.
+    """A mixture-of-experts model's load balance, read at scrape time; nothing for a dense model.
 
-    - `nori_moe_expert_tokens_total{layer, expert}`: tokens routed to each expert of each
-      routed decoder layer since the engine loaded (each token counts in each of its top-k
-      experts); `increase()` over a range gives that window's tokens per expert.
+    - `nori_moe_expert_tokens_total{layer, expert}`: tokens routed to each expert of each routed
+      layer since the engine loaded (a token counts in each of its top-k experts).
     - `nori_moe_expert_imbalance{layer}`: the busiest expert's tokens over the mean per expert
-      (1.0 perfectly even, num_experts all on one), over the tokens routed since the latest
-      earlier scrape at least IMBALANCE_WINDOW_S before this one, or since the earliest scrape
-      while none is that old (the first scrape: since the engine loaded). About the last
-      minute at any scrape interval, and one window for every scraper (a window "since the
-      previous scrape" would split between two scrapers). A layer that routed nothing in the
-      window has no sample.
+      (1.0 even, num_experts all on one), over the tokens routed since the latest scrape at least
+      IMBALANCE_WINDOW_S old (else the earliest): one window for every scraper, whatever its
+      interval. A layer that routed nothing in the window has no sample.
     """
 
     def __init__(

@@ -34,12 +34,9 @@ def prefill_budget(text: str) -> PrefillBudget:
 
 
 # Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
-# no cap beyond --max-num-batched-tokens, as vLLM's chunked prefill. Waiting prompts join the
-# running batch at once, which keeps it full: on SmolLM2-135M in bf16 (random 128/128, 64
-# prompts at concurrency 16, colocated) "auto" (prompt chunks of about one decode step's cost,
-# so a long prompt never stalls the running streams for more than about a step) served 18%
-# fewer tokens per second (docs/benchmarks.md). A nightly batch wants the throughput; "auto"
-# stays for those whose streams' inter-token latency matters more.
+# no cap beyond --max-num-batched-tokens, as vLLM's chunked prefill, so waiting prompts join the
+# running batch at once and keep it full. "auto" (prompt chunks of about one decode step's cost)
+# is for those whose streams' inter-token latency matters more than throughput.
 SERVING_PREFILL_BUDGET: str | None = None
 
 # --prefill-budget-with-decodes not given to `nori serve decode` (an int, not a string: argparse
@@ -57,9 +54,8 @@ def role_prefill_budget(given: object, colocated: bool) -> object:
     return SERVING_PREFILL_BUDGET if colocated else "auto"
 
 
-# A batch's prompt tokens per step on a serving worker (--background-prefill-budget): a step of
-# 256 prompt tokens of the demo model takes about 0.1 s on one core of an AVX2 EPYC, which an
-# interactive prompt arriving beside a batch waits for (2048, the whole step, waited about 1 s).
+# A batch's prompt tokens per step on a serving worker (--background-prefill-budget): the step an
+# interactive prompt arriving beside a batch waits for.
 SERVING_BACKGROUND_PREFILL_BUDGET = 256
 
 

@@ -1,16 +1,11 @@
 """Bookkeeping for the paged KV cache: which block holds what, and who uses it.
 
-Pure Python (no torch, no Redis): the KV tensors live in the model runner, this only hands out
-block ids. Three kinds of block, together always the whole pool:
-
-- in use: ref_count > 0, held by one or more requests (several when they share a cached prefix);
-- cached: ref_count == 0 but holding a full block with a known content hash, reusable by a later
-  request with the same prefix until it is evicted;
-- free: ref_count == 0 and no hash.
-
-Free and cached blocks wait together in one queue ordered least recently used first; allocation
-takes from its front, evicting the hash of a cached block it takes. Block hashes and the events
-recorded for the block directory are nori.prefix_cache's.
+Pure Python (no torch, no Redis): the KV tensors live in the model runner, this hands out block
+ids. Every block of the pool is in use (ref_count > 0, held by one or more requests sharing a
+prefix), cached (ref_count == 0, a full block with a known content hash, reusable until evicted)
+or free (ref_count == 0, no hash). Free and cached blocks wait together in one queue, least
+recently used first; allocation takes from its front, evicting the hash of a cached block it
+takes. Block hashes and the block directory's events are nori.prefix_cache's.
 """
 
 from __future__ import annotations

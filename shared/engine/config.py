@@ -233,8 +233,7 @@ class SchedulerConfig:
     policy: SchedulingPolicy = "continuous"
     # Share of the KV pool a new request must leave free when others are running. Requests grow
     # a block every block_size tokens; admitting into the last free blocks only forces a
-    # preemption (and a recompute) a few steps later. With 128 mixed-length requests on 2048
-    # blocks, 3% cut preemptions from 63 to 5 at the same number of steps.
+    # preemption (and a recompute) a few steps later.
     admission_watermark: float = 0.03
     # Prompt tokens (new prompts and chunks of unfinished ones) a step may carry while decodes
     # run in it; None: only max_num_batched_tokens bounds them (offline throughput). Serving

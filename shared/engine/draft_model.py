@@ -1,18 +1,13 @@
 """Speculative decoding's draft model: a smaller model with the target's tokenizer that drafts
 tokens autoregressively, with its own paged K/V indexed by the target's block ids.
 
-One block table for both models: a request's block b holds the target's K/V of its tokens in the
-target's cache tensors and the draft's K/V of the same tokens in the draft's. So the draft needs
-no block manager of its own, and whatever moves or frees a request's blocks (preemption, the
-prefix cache, a prefill worker's hand-off, an abort) moves or frees the draft's K/V with them:
-the draft's tensors are simply more of the cache's tensors (`ModelRunner.kv_tensors`).
-
-The draft's K/V follows the target's exactly: every step the target computes, the draft computes
-on the same tokens at the same slots (`mirror`), so both hold valid K/V for the same positions
-(a prefix-cache hit, a received prompt or a recompute included). Before a verification, `propose`
-runs k single-token steps from the request's last token, writing K/V at the positions the
-target is about to verify (the scheduler reserved their slots); the verification's mirror step
-then rewrites them from the same tokens.
+One block table for both models: a request's block b holds the target's K/V of its tokens and
+the draft's K/V of the same tokens, so whatever moves or frees a request's blocks (preemption,
+the prefix cache, a hand-off, an abort) moves or frees the draft's K/V too; the draft's tensors
+are more of the cache's tensors (`ModelRunner.kv_tensors`). Invariant: every step the target
+computes, the draft computes on the same tokens at the same slots (`mirror`), so both hold valid
+K/V for the same positions. `propose` runs k single-token steps from the last token, writing K/V
+at the slots the scheduler reserved for verification, which the verification's mirror rewrites.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The engine's `Attention`: write new K/V into the paged cache, then attend over it.
 
-One instance serves one step. What the kernels derive from the step's metadata alone (the CPU
-reference's gather plan, the verification rows' sequences and lengths) is computed at the first
-layer and reused by the others, and the engine's own, already consistent inputs skip the kernel
-wrappers' argument checks on the reference path: both are per-layer costs the step pays once
-instead.
-
-A step's rows are decodes (one row a sequence), then speculative verifications (a few rows a
-sequence, causal among themselves: multi-query decodes), then prompt chunks. Decodes and
-verifications take the decode kernels, prompt chunks the prefill kernels.
-
-With an 8-bit cache (--kv-cache-dtype int8|fp8) every attention reads K/V as stored, codes
-times scales, the new prompt tokens' own included: a token's result is then the same whether its
-prefix came from the prefix cache, an earlier chunk or another worker's transfer.
+One instance serves one step. A step's rows are decodes (one row a sequence), then speculative
+verifications (a few causal rows a sequence), then prompt chunks; decodes and verifications take
+the decode kernels, prompt chunks the prefill kernels. What the kernels derive from the step's
+metadata alone is computed at the first layer and reused by the others, and the engine's own
+inputs skip the reference path's argument checks. With an 8-bit cache (--kv-cache-dtype
+int8|fp8) every attention reads K/V as stored, new prompt tokens included, so a token's result is
+the same whether its prefix came from the cache, an earlier chunk or another worker.
 """
 
 from __future__ import annotations

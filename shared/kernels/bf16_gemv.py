@@ -1,7 +1,7 @@
 """bfloat16 weights times a few bfloat16 token rows: the CPU decode step's GEMV in bf16.
 
-oneDNN's prepacked bf16 GEMM costs about 23 us a call whatever the layer's size; at a few rows
-that is more than the product. This C++ kernel (`bf16_gemv_cpu.cpp`) reads a weight packed once
+oneDNN's prepacked bf16 GEMM has a fixed cost per call that, at a few rows, is more than the
+product (docs/benchmarks.md#cpu-kernels-and-weight-layouts). This C++ kernel (`bf16_gemv_cpu.cpp`) reads a weight packed once
 by `pack_bf16_gemv_weight`: panels of 16 outputs, each line two K positions of those 16
 outputs, the operand of AVX-512 BF16's dpbf16. Every line streams once per call, for all the
 rows, and the sums are float32. The reference computes the same in PyTorch over the plain

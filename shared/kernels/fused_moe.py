@@ -3,20 +3,12 @@ MLPs, weighted by its routing weights and summed.
 
     out[t] = sum_j weight[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
 
-Weights are stacked per expert: `w13` [E, 2I, H] holds each expert's gate rows then its up rows
-(as one fused projection), `w2` [E, H, I] its down projection; any strides (the CPU model keeps
-them in [in, out] memory order). With `w13_scale` [E, 2I] and `w2_scale` [E, H] the weights are
-int8, one float32 scale per output row (`quantize_weight` per expert).
-
-An id outside [0, E) is skipped: with expert parallelism a rank holds experts [start, start + E)
-and the caller passes ids shifted by `start`, so the other ranks' experts read as negative or
-past the end; that token's row then gets only this rank's share (summed over the ranks later).
-
-Three paths, one contract:
-- `fused_experts_reference`: the loop over experts that transformers runs, in PyTorch;
-- the C++ CPU kernel (`fused_moe_cpu.cpp`): tokens grouped by expert, one GEMM per expert group,
-  then a weighted scatter back;
-- the Triton kernel: a grouped GEMM over expert-sorted tokens (`fused_moe_triton.py`).
+`w13` [E, 2I, H] stacks each expert's gate rows then its up rows, `w2` [E, H, I] its down
+projection, any strides; with `w13_scale` [E, 2I] and `w2_scale` [E, H] the weights are int8, one
+float32 scale per output row. An id outside [0, E) is skipped: under expert parallelism a rank
+passes ids shifted by its first expert, and a token gets only this rank's share. Three paths,
+one contract: `fused_experts_reference` (transformers' loop over experts), the C++ CPU kernel
+(`fused_moe_cpu.cpp`) and the Triton kernel (`fused_moe_triton.py`).
 """
 
 from __future__ import annotations
@@ -78,17 +70,11 @@ def fused_experts_cpu(
     not built. `hidden` float32 or bfloat16, the weights in its dtype or int8 with scales.
 
     The weights' memory order picks the route. Stored [in, out] (each expert's output dimension
-    contiguous: `w.transpose(1, 2).contiguous().transpose(1, 2)`) they take the streamed kernel,
-    which reads each weight line once per 6 rows and widens bfloat16/int8 in registers; any
-    other strides take one library GEMM per expert group (at::mm; int8 widened to the rows'
-    dtype first: torch's int8 GEMM crashed for bfloat16 rows on an Intel Xeon with AVX-512). Measured on a 2-core AMD EPYC (Zen 2: AVX2, no AVX-512) at the
-    small preset's shape (`nori bench moe-layer`), [in, out] is as fast or faster in every
-    case: float32 alike at batch 1 and ~1.2x faster at 16-64 (both bound by reading the
-    weights); bfloat16 2-7x (torch's bfloat16 GEMM without AVX-512 BF16 is slow); int8 1.4-2x
-    for bfloat16 rows and 2-9x for float32 ones.
-    Weights packed in panels of 16 outputs (`pack_expert_panels`) take the same streamed
-    kernel reading each tile's weights as one contiguous block, which the hardware prefetcher
-    follows: what the CPU model stores (measured in docs/benchmarks.md).
+    contiguous) or packed in panels of 16 outputs (`pack_expert_panels`, what the CPU model
+    stores) they take the streamed kernel, which reads each weight line once per 6 rows and
+    widens bfloat16/int8 in registers; any other strides take one library GEMM per expert group
+    (at::mm, int8 widened to the rows' dtype first: torch's int8 GEMM crashed for bfloat16 rows
+    on AVX-512). Costs: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
     """
     kernels = cpu_kernels()
     if kernels is None:

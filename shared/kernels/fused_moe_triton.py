@@ -1,24 +1,14 @@
 """The fused mixture-of-experts layer in Triton: a grouped GEMM over expert-sorted tokens.
 
-Same contract as `fused_experts_reference` (fused_moe.py): hidden [T, H] through each token's
-top-k experts' gated MLPs, weighted by the routing weights and summed; ids outside [0, E) are
-skipped (expert parallelism). The design is vLLM's and SGLang's:
-
-1. `align_pairs_by_expert`: the T*k (token, slot) pairs, numbered `pair = t * k + j`, sorted
-   by expert and each expert's group padded to a multiple of BLOCK_M, so that one block of
-   BLOCK_M rows belongs to one expert. Pure PyTorch, no host synchronisation: the buffers are
-   sized by an upper bound known from the shapes, and blocks past the padded total are marked
-   idle (-1) for the kernel to skip.
-2. `_grouped_gemm_kernel`, launched twice. Each program takes one M-block (one expert) and one
-   N-block; it gathers its A rows through the sorted pair ids (the first GEMM reads row
-   pair // k of `hidden`, the second the pair's own row of the activation), multiplies by the
-   expert's weight (any strides, int8/fp8 widened in registers), scales per output column for
-   quantized weights, multiplies each row by its routing weight (second GEMM) and writes each
-   row back to the pair's row of a [T*k, N] output. Padding rows are masked.
-3. silu(gate) * up between the two GEMMs, and the sum over the k slots at the end; skipped
-   pairs are never written and their zero rows add nothing.
-
-Triton is optional: the module imports without it and only the kernel launch needs it.
+Same contract as `fused_experts_reference` (fused_moe.py); the design is vLLM's and SGLang's.
+`align_pairs_by_expert` sorts the T*k (token, slot) pairs (`pair = t * k + j`) by expert and pads
+each group to a multiple of BLOCK_M, so one M-block belongs to one expert; no host sync: buffers
+are sized by a bound from the shapes, and blocks past the padded total are marked idle (-1).
+`_grouped_gemm_kernel` runs twice; each program gathers its rows through the sorted pair ids,
+multiplies by its expert's weight (any strides, 8-bit widened in registers, scaled per output
+column), weights each row by its routing weight (second GEMM) and writes it to the pair's row of
+a [T*k, N] output. silu(gate) * up runs between the GEMMs and the sum over the k slots at the end;
+skipped pairs are never written. Triton is optional: only the launch needs it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """int8 weights times a few token rows quantized to int8 per row: the CPU decode step's GEMV.
 
-torch's x86 int8 GEMM costs about 20 us a call at one row whatever the layer's size (it is
-built for many rows); this C++ kernel (`int8_gemv_cpu.cpp`) does a decode step's few rows in
+torch's x86 int8 GEMM has a fixed cost per call built for many rows
+(docs/benchmarks.md#cpu-kernels-and-weight-layouts); this C++ kernel (`int8_gemv_cpu.cpp`) does a decode step's few rows in
 one pass over a weight packed once by `pack_int8_gemv_weight` (panels of 16 outputs, each
 64-byte line four K positions of those outputs: AVX-512 VNNI's operand). Each row is quantized
 symmetrically with its own scale (the largest magnitude to 127), the products are summed

@@ -4,8 +4,8 @@
 k_cache [num_blocks, block_size, Hkv, D] int8/float8_e4m3fn goes with k_scale
 [num_blocks, block_size, Hkv] float16 (the same for V); a cached row dequantizes to
 code.float() * scale.float(). The scale is symmetric, amax(|row|) / limit rounded to float16.
-Float16 rather than float32 scales: at head_dim 64 a token-head then costs 64 + 2 bytes,
-1.94x less than bfloat16, where a float32 scale would leave 1.88x.
+Float16 rather than float32 scales: at head_dim 64 a token-head then costs 64 + 2 bytes
+(bfloat16: 128), not 64 + 4.
 
 The store kernel quantizes as it writes, so the cache never holds the full-precision rows.
 """

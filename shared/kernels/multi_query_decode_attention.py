@@ -1,16 +1,12 @@
 """Multi-query decode: a few query rows per sequence over its paged context, causal among
-themselves. Speculative decoding's verification scores the last sampled token and its k drafts
-this way (k + 1 rows, k up to about 8).
+themselves (speculative verification: the last sampled token and its k drafts).
 
-Row i of a sequence with q_len new rows and seq_len context tokens (the new rows included)
-attends to positions [0, seq_len - (q_len - 1 - i)): exactly a decode row whose context is that
-long. So every path is the decode attention with a context length per row:
-- Triton: the decode kernel in its ROW_SEQUENCES mode, where each row names its sequence, so
-  the block tables are read in place, not copied per row;
-- C++ (CPU) and the PyTorch reference: each row becomes a decode row of its own, its sequence's
-  block table row repeated (a few int32 rows a step).
-The prefill kernels compute the same rows, but they are built for long query tiles; a
-verification's few rows per sequence are the decode kernels' shape.
+Row i of a sequence with q_len new rows and seq_len context tokens (new rows included) attends
+to positions [0, seq_len - (q_len - 1 - i)): exactly a decode row whose context is that long. So
+every path is decode attention with a context length per row: Triton's decode kernel in its
+ROW_SEQUENCES mode (each row names its sequence, block tables read in place); C++ and the PyTorch
+reference make each row a decode row of its own, its block table row repeated. The prefill
+kernels compute the same rows but are built for long query tiles.
 """
 
 from __future__ import annotations

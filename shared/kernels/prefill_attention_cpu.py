@@ -1,17 +1,12 @@
 """Prefill attention on CPU: whole new prompts batched, chunks and padded prompts one by one.
 
-A prompt whose every token is new in this step (no cached prefix, no earlier chunk, no left
-padding) attends only to its own keys and values, which the layer has just computed: no gather
-from the paged cache is needed. Prompts of equal length then share one causal
-scaled_dot_product_attention call with grouped-query heads (`enable_gqa`), where the reference
-runs one gather, one K/V expansion per query head and one call per sequence. Chunks that
-continue a prefix, and padded rows, gather their context from the paged cache and take one
-call each, in the cache's own dtype with grouped-query heads and an explicit mask. The
-reference's float32 call with expanded heads, on 3-D tensors (torch's math path), made a
-1,500-token prompt of the 24M preset in 300-token chunks take 1.01 s against 0.57 s whole; it
-now takes 0.65 s (2 EPYC cores, bf16). An 8-bit cache takes the reference
-(`paged_prefill_attention_reference`), which dequantizes what it reads. The plan depends only
-on the step's metadata, so the engine builds it once per step.
+A prompt whose every token is new in this step attends only to the keys and values the layer
+just computed: prompts of equal length share one causal scaled_dot_product_attention call with
+grouped-query heads (`enable_gqa`), no gather from the paged cache. Chunks that continue a prefix,
+and padded rows, gather their context from the paged cache and take one call each, in the cache's
+dtype with an explicit mask (docs/benchmarks.md#cpu-prefill-attention). An 8-bit cache takes the
+reference (`paged_prefill_attention_reference`), which dequantizes what it reads. The plan
+depends only on the step's metadata, so the engine builds it once per step.
 """
 
 from __future__ import annotations
@@ -83,9 +78,8 @@ def _prompt_major(
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """bfloat16 where query, key and value all are: torch's CPU flash attention then runs its
-    products in bf16 with float32 sums, 2.8x the float32 call on SmolLM2's 512-token prompts
-    (1.0 against 2.9 ms a layer on 2 Xeon cores with AMX) and as far from the float64 result
-    (the bf16 output's rounding dominates both). Otherwise float32."""
+    products in bf16 with float32 sums, faster than the float32 call and as far from the
+    float64 result (the bf16 output's rounding dominates both). Otherwise float32."""
     if all(tensor.dtype == torch.bfloat16 for tensor in tensors):
         return torch.bfloat16
     return torch.float32

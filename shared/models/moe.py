@@ -2,18 +2,12 @@
 top-k experts, the fused expert kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds
 a shared expert scaled by a sigmoid gate.
 
-Routing follows transformers exactly: softmax over all experts in float32, top-k of those
-probabilities, then (Mixtral always, the Qwen models when `norm_topk_prob`) rescaled to sum to 1;
-Mixtral keeps the weights in float32, the Qwen models cast them to the activations' dtype.
-
-Parallelism (set by `nori.models.shard`): with tensor parallelism every rank holds a slice of
-every expert's intermediate features; with expert parallelism (`--enable-expert-parallel`) a
-rank holds whole experts [expert_start, expert_start + local experts). Either way each rank
-computes its partial sum for every token that needs it and one all-reduce adds them up, the
-shared expert's slice included.
-
-Each block counts the tokens routed to each of its experts (`routed_tokens`, cumulative since
-load): the load-balance metrics read those counters.
+Routing follows transformers exactly: softmax over all experts in float32, top-k, then (Mixtral
+always, Qwen when `norm_topk_prob`) rescaled to sum to 1; Mixtral keeps the weights in float32,
+Qwen casts them to the activations' dtype. Under tensor parallelism every rank holds a slice of
+every expert, under expert parallelism whole experts (`nori.models.shard`); either way one
+all-reduce adds the ranks' partial sums, shared expert included. Each block counts the tokens
+routed to each expert since load (`routed_tokens`), for the load-balance metrics.
 """
 
 from __future__ import annotations
@@ -107,7 +101,7 @@ class ExpertWeights(nn.Module):
     def pack_for_cpu(self) -> None:
         """Packs both matrices in panels of 16 outputs (`pack_expert_panels`), float or 8-bit:
         the C++ kernel streams each tile's weights as one contiguous block, its fastest route
-        (docs/benchmarks.md: 1.6x the [in, out] order at batch 16 in float32)."""
+        (docs/benchmarks.md#cpu-kernels-and-weight-layouts)."""
         for name in ("w13", "w2"):
             packed = pack_expert_panels(getattr(self, name).data)
             setattr(self, name, nn.Parameter(packed, requires_grad=False))

@@ -13,9 +13,8 @@ from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
 # Up to this many rows take the C++ GEMV (bf16_gemv_cpu.cpp) rather than oneDNN's packed GEMM,
-# whose call costs about 23 us at any size. On AVX-512 BF16 without AMX the GEMV is 20-40%
-# faster from 1 to 8 rows and no faster from 16 (docs/benchmarks.md); with AMX oneDNN's GEMM
-# wins from 2 rows, but one row is memory-bound either way.
+# whose call has a fixed cost at any size; with AMX oneDNN's GEMM wins from 2 rows, but one row
+# is memory-bound either way (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
 GEMV_MAX_ROWS = 8
 
 
@@ -23,8 +22,7 @@ class PackedBf16Linear(nn.Module):
     """A bfloat16 layer on CPU with its weight prepacked for oneDNN's bf16 GEMM.
 
     The AVX-512 BF16 kernels want the weight in their own blocked layout; F.linear re-lays it
-    out on every call, which at decode batch sizes costs more than the product (a 2752x512
-    layer at batch 1: 40 us prepacked, 84 us through F.linear, 95 us in float32 on this CPU).
+    out on every call, which at decode batch sizes costs more than the product.
     torch.compile's CPU backend packs frozen weights the same way; the results are identical.
     A decode step's few rows take the C++ GEMV instead, over its own packed copy of the
     weight (two more bytes a weight), on hosts without AMX; with AMX only a single row does.
@@ -69,7 +67,7 @@ def _has_amx() -> bool:
 
 def bf16_packing_supported() -> bool:
     """Whether oneDNN's bf16 GEMM runs on this CPU: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT. On an AVX2-only host (some AMD EPYC hosts of this kind) its weight reorder
+    AVX-NE-CONVERT. On an AVX2-only host its weight reorder
     raises; bfloat16 layers stay plain nn.Linear there (torch's own, slower, bf16 path)."""
     return torch.backends.mkldnn.is_available() and bool(
         torch.ops.mkldnn._is_mkldnn_bf16_supported()

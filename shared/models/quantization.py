@@ -1,21 +1,12 @@
 """Weight-only quantization of a loaded model's linear layers (`--quantization int8|fp8`).
 
-Every projection of every decoder layer (the fused qkv and gate/up, o and down) is replaced
-after loading by a module holding 8-bit weights with one float32 scale per output channel:
-fewer bytes read per decode step, which is what bounds a decode step. The LM head follows with
-`--quantize-lm-head`; the embedding table is a lookup (one row per token), so it stays as it is.
-
-- CPU, int8: torch's x86 int8 GEMM (fbgemm/oneDNN, VNNI on this CPU) behind its dynamically
-  quantized Linear. Each call also quantizes its activations to 8 bits on the fly: the kernel
-  multiplies int8 by uint8. That is the fast path measured in docs/benchmark-results.md. The kernel takes one
-  activation scale per call; each row is divided by its own largest magnitude first (and the
-  output row multiplied back), so every token keeps its 8 bits whatever the other rows hold.
-  Up to 8 rows (decode steps at small batch) a C++ int8 GEMV (`nori.kernels.int8_gemv`, VNNI)
-  quantizes each row itself and skips the GEMM's fixed cost of about 20 us a call.
-- GPU, int8 or fp8: the Triton weight-only kernel (`nori.kernels.quantized_linear`): weights
-  read as 8 bits, converted in registers, activations untouched.
-- CPU, fp8: the kernel's PyTorch reference (this CPU has no fp8 GEMM): exact to the fp8
-  weights, for checking fidelity, not for speed.
+Every projection of every decoder layer is replaced after loading by a module holding 8-bit
+weights with one float32 scale per output channel (the LM head too with `--quantize-lm-head`; the
+embedding table stays). CPU int8 runs torch's x86 int8 GEMM over activations quantized per row
+on the fly, so every token keeps its 8 bits whatever the other rows hold; up to `GEMV_MAX_ROWS`
+rows take the C++ int8 GEMV (`nori.kernels.int8_gemv`) instead. GPU int8 or fp8 runs the Triton
+weight-only kernel (`nori.kernels.quantized_linear`); CPU fp8 runs that kernel's PyTorch
+reference, exact to the fp8 weights, for fidelity, not speed.
 """
 
 from __future__ import annotations
@@ -69,8 +60,8 @@ class WeightOnlyLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight={self.qweight.dtype}"
 
 
-# Up to this many rows the C++ GEMV beats torch's int8 GEMM (docs/benchmark-results.md; on
-# SmolLM2 a step of 16 rows was slower with it, 42.3 against 34.8 ms: docs/benchmarks.md).
+# Up to this many rows the C++ GEMV beats torch's int8 GEMM
+# (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
 GEMV_MAX_ROWS = 8
 
 

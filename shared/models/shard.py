@@ -1,18 +1,13 @@
 """One rank's shard of a model: its shapes (`local_model_config`, what its KV cache holds) and
-the cut itself, in place (`shard_model`, Megatron-style):
+the cut itself, in place (`shard_model`, Megatron-style).
 
-- attention: the rank's query heads and the kv heads they read, in the fused qkv projection
-  (column-parallel); o_proj takes the matching input columns (row-parallel, summed over ranks);
-- MLP: the rank's share of gate and up (column-parallel), down_proj's matching columns
-  (row-parallel);
-- mixture-of-experts MLP: the router whole; every expert's share of its intermediate features
-  (as a dense MLP's), or with expert parallelism whole experts, E / world_size per rank; the
-  shared expert's share of its features. The block adds the routed and shared partial sums and
-  all-reduces them once (`nori.models.moe`);
-- the embedding and the LM head: the rank's share of the vocabulary.
-
-Norms and rotary tables are small and kept whole. Runs right after the checkpoint is read and
-before 8-bit quantization or prepacking, which then see plain nn.Linear shards.
+Attention keeps the rank's query heads and the kv heads they read in the fused qkv projection
+(column-parallel), o_proj the matching input columns (row-parallel); the MLP its share of gate
+and up, down_proj the matching columns; a mixture-of-experts MLP the whole router and every
+expert's share of its features, or whole experts (E / world_size per rank) under expert
+parallelism, all-reduced once (`nori.models.moe`); the embedding and LM head its share of the
+vocabulary. Norms and rotary tables stay whole. Runs after the checkpoint is read and before
+8-bit quantization or prepacking, which then see plain nn.Linear shards.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Workers accept internal gRPC calls only from holders of the cluster secret.
 
-Every internal call (gateway -> workers: Generate, Prefill, GetStats; prefill -> decode:
-RenewLeases) carries `ClusterAuth.rpc_token()` in its metadata under `RPC_TOKEN_METADATA`, added
-by the caller to the metadata it already sends (`ClusterAuth.rpc_metadata()`), so no client
-interceptor touches every streamed message. The worker's server checks it once per call with
-`ClusterTokenInterceptor` and answers a call without it, or with a wrong one, UNAUTHENTICATED
-before any handler runs: no engine work, no reservation, nothing a caller could learn from.
-
-The standard health service stays open (`nori health HOST:PORT`, the containers' healthchecks,
-holds no secret); it says SERVING or not and nothing else. An open cluster (no secret) installs
-no interceptor at all, so it costs nothing there.
+Every internal call (Generate, Prefill, GetStats, RenewLeases) carries `ClusterAuth.rpc_token()`
+under `RPC_TOKEN_METADATA` in the metadata its caller already sends, so no client interceptor
+touches streamed messages. `ClusterTokenInterceptor` checks it once per call and answers a
+missing or wrong token UNAUTHENTICATED before any handler runs. The standard health service
+stays open (it says SERVING or not, nothing else); an open cluster (no secret) installs no
+interceptor at all.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Renders Hugging Face chat templates the way transformers does.
+"""Renders Hugging Face chat templates the way transformers does, byte for byte.
 
 The environment mirrors `transformers.utils.chat_template_utils._compile_jinja_template`: an
-immutable sandbox (templates come from model repositories, so they are untrusted code),
-`trim_blocks`/`lstrip_blocks` on (templates are written assuming them), the `loopcontrols`
-extension, a `tojson` filter that keeps non-ASCII text as is, and the `raise_exception` and
-`strftime_now` globals. Templates rendered here then produce byte-identical prompts.
-
-A request may bring its own template, so rendering is bounded as well as sandboxed
-(`TemplateLimits`): every loop iteration and every call a template makes is a step charged to a
-per-render budget that also carries a deadline; `range` and every string or list a template
-builds are capped in size (operators, filters and methods whose result would pass the cap are
-refused before they allocate it), and so is the rendered text. Jinja's own sandbox caps only a
-single `range`, which nested loops multiply. A template over its limits fails with a
-`TemplateLimitError` naming the limit, a 400 at the gateway.
+immutable sandbox (templates are untrusted code), `trim_blocks`/`lstrip_blocks`, `loopcontrols`,
+a `tojson` that keeps non-ASCII text, and the `raise_exception` and `strftime_now` globals. A
+request may bring its own template, so rendering is also bounded (`TemplateLimits`): every loop
+iteration and call is charged to a per-render step budget with a deadline, and `range`, every
+string or list a template builds and the rendered text are capped in size, refused before they
+are allocated. A template over its limits raises `TemplateLimitError` (a 400 at the gateway).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Streaming detokenization of one request's output, with stop strings.
 
-Why not `tokenizers.decoders.DecodeStream`: it raises "Invalid prefix encountered" whenever a later
-token changes text it already returned, which byte-fallback tokenizers do routinely (a run of
-`<0xNN>` pieces that turns out to be invalid UTF-8 is rendered as one U+FFFD per byte, replacing
-characters decoded from the start of the run), and it has no way to flush held-back bytes at the
-end. We use vLLM's two-offset scheme instead and add two rules so that the concatenation of
-everything emitted always equals `Tokenizer.decode` of the same ids:
-
-* text is held back while the newest token is a byte-fallback piece (the run may still grow), and
-* text is held back while the decoded window ends in U+FFFD (a byte-level BPE character split
-  across tokens).
-
-`flush()` releases whatever is still held when the request ends.
+vLLM's two-offset scheme, with two rules so that everything emitted, concatenated, always equals
+`Tokenizer.decode` of the same ids: text is held back while the newest token is a byte-fallback
+piece (the run may still grow), and while the decoded window ends in U+FFFD (a byte-level BPE
+character split across tokens). `flush()` releases what is still held when the request ends.
+(`tokenizers.decoders.DecodeStream` raises whenever a later token changes text it returned,
+which byte-fallback tokenizers do routinely, and cannot flush held-back bytes.)
 """
 
 from __future__ import annotations

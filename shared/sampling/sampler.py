@@ -1,17 +1,12 @@
 """The batched sampler: logits [B, V] -> one token per row, and the per-row stages it is built of.
 
 Stage order follows vLLM: min_tokens bans, repetition/frequency/presence penalties, then greedy
-rows take the argmax; sampled rows get temperature, top-k, top-p, min-p and a random draw.
-Stages that no row uses are skipped (see SamplingBatch), so an all-greedy batch is one argmax.
-The stages are module functions too (penalised_logits, sampled_probs, target_probs), so that
-speculative decoding (speculative.py) verifies drafts against exactly the distribution the
-sampler would draw from.
-
-Random draws use the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i / sum(p) (E = -log U with U uniform, which is several times faster than
-exponential_ on CPU and the same distribution). Each seeded row fills its E row from its own
-generator, so its tokens depend only on its seed and its own logits, not on batch mates or its
-position in the batch.
+rows take the argmax; sampled rows get temperature, top-k, top-p, min-p and a random draw. Stages
+no row uses are skipped (SamplingBatch), so an all-greedy batch is one argmax. The stages are
+module functions too, so speculative decoding verifies drafts against exactly the sampler's
+distribution. Draws use the exponential race: argmax(p_i / E_i), E_i = -log U ~ Exp(1), picks
+token i with probability p_i / sum(p). Each seeded row fills its E row from its own generator,
+so its tokens depend only on its seed and logits, never on its batch mates.
 """
 
 from __future__ import annotations

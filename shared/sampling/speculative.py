@@ -1,30 +1,14 @@
 """Speculative decoding's verification: which draft tokens a request keeps after the target model
 has scored them.
 
-The target model scores, per request, its last token plus k drafts: k + 1 consecutive logits
-rows, row i seeing the request's output + drafts[:i] (SamplingBatch's RowState), so row i's
-processed distribution p_i is the one a plain decode step would sample from at that position.
-A request keeps the accepted drafts and then one more token: 1 to k + 1 tokens a step.
-
-Greedy requests keep drafts while each equals the argmax of its row's penalised logits, then that
-argmax (at the first mismatch, or row k's when all match): exactly a plain greedy run's tokens.
-
-Sampled requests follow speculative sampling (Leviathan et al. 2023, Chen et al. 2023), which
-emits every token with p's distribution whatever the draft distribution q: accept d_i with
-probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from
-normalise(max(0, p_i - q_i)) and stop; with all k accepted draw a bonus token from p_k. A draft
-without probabilities (n-gram lookup, a greedy draft model) has a one-hot q: accepted with
-probability p_i(d_i), and a rejection draws from p_i without d_i. q_i(d_i) == 0 counts as a
-rejection (the draft could not have been drawn from q), and a residual with no mass left falls
-back to p_i.
-
-Random draws, in this order. A seeded request (its rows' generator is not None) draws only from
-its own generator: k uniforms for the acceptance tests of drafts 0..k-1, then V uniforms for the
-exponential race (sampler.exponential_race) that picks its last token, whatever was accepted;
-so its tokens depend only on its seed, its logits and its drafts, never on batch mates. Unseeded
-requests share `generator`: one uniform_ over [J, max k], then one over [J, V], J being the
-number of sampled requests in the batch (each skipped when every sampled request is seeded).
-Greedy requests draw nothing.
+The target scores a request's last token plus k drafts as k + 1 rows, row i seeing output +
+drafts[:i], so row i's processed distribution p_i is what a plain decode step would sample from.
+A request keeps its accepted drafts and one more token (1 to k + 1 a step). Greedy requests keep
+drafts while each equals its row's argmax, then that argmax: exactly a plain greedy run. Sampled
+requests follow speculative sampling (Leviathan et al., Chen et al. 2023), exact for any draft
+distribution q: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+draw from normalise(max(0, p_i - q_i)); with all accepted, a bonus token from p_k. A draft without
+probabilities has a one-hot q; q_i(d_i) == 0 rejects; a residual with no mass falls back to p_i.
 """
 
 from __future__ import annotations
@@ -174,7 +158,12 @@ def _speculative_sample(
     generator: torch.Generator | None,
 ) -> list[list[int]]:
     """The sampled requests' rule, over all of them at once: the draft tests as a [J, max k]
-    table (padded past each k), then one [J, V] residual-or-bonus distribution and one race."""
+    table (padded past each k), then one [J, V] residual-or-bonus distribution and one race.
+
+    Draws, in this order: a seeded request draws only from its own generator, k uniforms for its
+    acceptance tests, then V for the race, whatever was accepted, so its tokens depend only on
+    its seed, logits and drafts. Unseeded ones share `generator`: one uniform_ over [J, max k],
+    then one over [J, V] (each skipped when every sampled request is seeded)."""
     device = probs.device
     lengths = [len(p.token_ids) for p in proposals]
     width = max(lengths)

@@ -1,16 +1,11 @@
 """The Redis client of a long-running role: a bounded pool that waits instead of failing.
 
-redis-py's default pool raises MaxConnectionsError once 100 commands are in flight, which a
-gateway under a few dozen concurrent requests reaches (each records its states in the
-background). A blocking pool makes the extra commands wait for a connection, at most
-`timeout_s`, and every command has a socket timeout, so no caller waits on Redis forever.
-
-The URL carries everything about the connection (password, `rediss://` with its `ssl_*` query
-arguments), so it is a secret: messages show it through `redacted`. A URL without a password
-takes NORI_REDIS_PASSWORD(_FILE) (a Compose secret file: the URL then names just the user).
-
-A worker that starts while Redis is away waits for it (`wait_for_redis`) instead of exiting:
-under a supervisor, an exit means a restart backoff, and a rejoin seconds after Redis is back.
+redis-py's default pool raises MaxConnectionsError at 100 commands in flight, which a busy
+gateway reaches; this blocking pool makes extra commands wait for a connection, at most
+`timeout_s`, and every command has a socket timeout, so no caller waits on Redis forever. The URL
+carries everything about the connection, so it is a secret: messages show it `redacted`; one
+without a password takes NORI_REDIS_PASSWORD(_FILE). A worker that starts while Redis is away
+waits for it (`wait_for_redis`) instead of exiting into a supervisor's restart backoff.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The worker registry: who is in the cluster now, what it serves, and how loaded it is.
 
 Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a worker that
-dies (or loses Redis) drops out of the cluster by itself; nobody has to clean up after it. Workers
-join and leave at run time just by starting and stopping their Heartbeat.
-
-In a cluster with a secret (`nori.cluster_auth`), every entry is signed (nori.state.entry_signing):
-an HMAC under the secret's "worker-entry" key over all of its fields, and those include
-`expires_at` (the write's time plus the TTL). The gateway routes only to entries that verify and
-have not expired (`list_entries`), so whoever can write to Redis but lacks the secret cannot join
-the cluster, and a genuine entry copied later (a replay) is refused once its expiry passes.
-Signing everything, the load figures too, costs one HMAC per heartbeat and leaves nothing to
-reason about: a forger can neither add a worker nor steer load between real ones. Without a
-secret nothing is signed or checked (an open cluster).
+dies (or loses Redis) drops out by itself; workers join and leave by starting and stopping their
+Heartbeat. With a cluster secret every entry is signed (`nori.state.entry_signing`): an HMAC over
+all of its fields, `expires_at` and the load figures included. The gateway routes only to
+entries that verify and have not expired (`list_entries`), so a writer to Redis without the
+secret can neither add a worker nor steer load, and a replayed entry dies at its expiry. Without
+a secret nothing is signed or checked (an open cluster).
 """
 
 from __future__ import annotations

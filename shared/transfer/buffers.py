@@ -65,11 +65,9 @@ def check_destinations(
 
 # ---------------------------------------------------------------------- runs of adjacent buffers
 #
-# A KV block of one layer's K or V is one buffer (32 KiB for a Llama-3-8B-class model in
-# bfloat16), and a message per buffer costs its per-message overhead thousands of times a
-# transfer: over UCX's shared memory on a 2-core Xeon, 64 MiB in 32 KiB messages moved at 2.8
-# GB/s, in 256 KiB ones at 5.5. Blocks with consecutive ids are adjacent in the cache, on both
-# sides, so each side states its runs of adjacent buffers (the sender in the header, the
+# A KV block of one layer's K or V is one buffer, and a message per buffer costs its per-message
+# overhead thousands of times a transfer. Blocks with consecutive ids are adjacent in the cache,
+# on both sides, so each side states its runs of adjacent buffers (the sender in the header, the
 # receiver in its acceptance), and both move each run that both find adjacent as one message.
 
 
@@ -152,8 +150,7 @@ def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.T
 #
 # A receiver whose destinations are not adjacent (a fragmented cache, or the one-block runs of a
 # short prompt, one per layer and K/V) would take one message per small run, and a UCX message
-# costs its per-message overhead however small it is: 64 MiB landing in scattered 32 KiB blocks
-# moved at 1.8 GB/s, in adjacent ones at 3.3 (AMD EPYC, 2 cores). So the receiver states its
+# costs its per-message overhead however small it is. So the receiver states its
 # consecutive small runs as one run (up to MAX_RUN_BYTES): the sender, whose sources are adjacent,
 # moves it as one message, and the receiver takes that message into a staging buffer of its own
 # and copies each piece to its place (a `ScatteredRun`). Runs this large or larger land in place:

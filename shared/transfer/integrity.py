@@ -1,51 +1,11 @@
-"""Checksums of KV transfer buffers: the receiver decodes only on the bytes the sender sent.
+"""Checksums of KV transfer buffers: the receiver decodes only the bytes the sender sent.
 
-Now (issue 28, fifth session): a `checksums_follow` transfer carries one checksum of its whole
-byte stream, xxh3-64 over the xxh3-64 digests of each CHECKSUM_CHUNK_BYTES of it
-(`TransferHasher`). The prefill worker's export copy takes it as it copies the blocks
-(`nori.prefill.export_arena`); a receiver copying out of the sender's shared memory takes each
-chunk's digest as it copies the chunk (`nori.kernels.copy_pieces`); the other paths hash as the
-bytes go out and land. What follows is how the earlier designs were measured.
-
-One xxh3-64 per buffer, computed by the sender over its export buffers and carried in the
-transfer header, and by the receiver over the cache blocks the bytes landed in; the decode
-worker's sink compares the two before the request joins a batch (fail-closed: a header without
-checksums is refused, and so is a transfer whose bytes differ).
-
-What it costs is the memory traffic and the calls, not the hashing. Measured on an Intel Xeon
-(AVX-512, 2 cores shared with other work), 64 MiB in 2048 buffers of 32 KiB: xxh3 over buffers
-that are out of cache runs at ~12 GB/s (5.4 ms), over a 32 KiB buffer still in cache at ~50 GB/s
-(0.66 us); the per-buffer wrapper of the first version (dtype view, `.numpy()`, checks) cost
-~3 us a call, 6 ms per transfer, more than the hash. So:
-
-- `buffer_checksum` takes the short path (one `.numpy()` and one hash call) for the CPU uint8
-  views the transports hand it;
-- the receiving transport hashes each buffer as soon as its receive completes, while UCX's copy
-  just left it in the cache, instead of a second pass over the whole transfer afterwards
-  (`nori.transfer.conversation`: the figures travel to the sink as
-  `TransferHeader.received_checksums`).
-
-`nori bench transfer` measures the end-to-end cost (`integrity_cost_vs_ucx`: sender hashing plus
-receiver hashing and comparing, against the same transfer unchecked). On that Xeon: 0.35 at 32
-KiB blocks and 0.66 at 256 KiB (UCX eager over sysv), of which the extra message is 0.06-0.10:
-the hashes still run at the out-of-cache speed there, the target (0.2) is not met yet.
-
-A prefill worker sends `checksums_follow` headers (one xxh3 over the whole transfer, after the
-data); per-buffer checksums in the header are still accepted and checked by the sink.
-
-Scattered small blocks land through the UCX receiver's staging buffer (`buffers.ScatteredRun`),
-hashed there while the buffer is in L2, before it is copied out: on an AMD EPYC (Zen 3, AVX2,
-2 cores), 64 MiB of scattered 32 KiB blocks, the check cost 0.05-0.08 of the transfer (0.63-0.77
-before, each block its own message hashed in place; `results/transfer/issue28_s3/`). Runs that
-land in place still pay the pass below (0.2-0.5 there).
-
-Where the remaining cost is (same Xeon, 64 MiB of 32 KiB blocks in runs): the receiver's hash
-alone, with the sender's checksum taken beforehand in the export copy and carried in the
-header, cost 0.38 of the transfer, as much as both sides hashing (0.34): the floor is the
-receiver's one read pass over bytes that UCX's copy-out did not leave in the cache (xxh3 over
-that memory runs at 12-16 GB/s, 45 GB/s over a chunk still in L2), about 5 ms for 64 MiB against
-a 14 ms transfer. Hashing the export copy piece by piece cost more than it saved (the pieces
-lost index_select's two threads: +1.06 of the transfer), so it was not kept.
+A `checksums_follow` transfer carries one checksum of its whole byte stream after the data:
+xxh3-64 over the xxh3-64 digests of each CHECKSUM_CHUNK_BYTES of it (`TransferHasher`), so it
+does not depend on how the bytes were cut into calls. The prefill worker's export copy takes it as
+it copies the blocks; a receiver takes it as the bytes land, while they are still in cache. A
+header with per-buffer checksums is still accepted; one with none is refused (fail-closed), and so
+is a transfer whose bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
 """
 
 from __future__ import annotations
@@ -128,10 +88,8 @@ class TransferHasher:
     one shorter (no stretch at all for no bytes).
 
     It does not depend on how the bytes are cut into calls, so each side hashes runs of
-    adjacent buffers in one call (per-call overhead was most of the cost at 32 KiB buffers);
-    and the chunks hash independently, so a receiver that copies a transfer on several threads
-    hashes each chunk on the thread that just copied it, in that core's cache
-    (`add_chunk_digests`)."""
+    adjacent buffers in one call; and the chunks hash independently, so a receiver that copies
+    on several threads hashes each chunk on the thread that copied it (`add_chunk_digests`)."""
 
     def __init__(self) -> None:
         self._digests = bytearray()

@@ -2,8 +2,7 @@
 
 They are defaults (`os.environ.setdefault`): an operator's environment always wins. Every worker
 that imports `nori.transfer.ucx` gets them, so a benchmark and a deployment run the same UCX.
-The figures below are from two processes on one 2-core host, 64 MiB in 256 KiB blocks (raw
-ucxx, before the rest of the transport's tuning), except where they say otherwise.
+What each one bought: docs/benchmarks.md#ucx-settings.
 """
 
 from __future__ import annotations
@@ -17,28 +16,21 @@ UCX_ENV_DEFAULTS = MappingProxyType(
     {
         # ucxx opens endpoints with peer-failure error handling, and UCX then leaves its
         # shared-memory transports (sysv, posix) out unless they may run with error handling:
-        # two workers on one host silently talked over TCP loopback (~3.5 GB/s instead of ~8).
+        # two workers on one host would silently talk over TCP loopback.
         "UCX_MM_ERROR_HANDLING": "y",
         # TCP segments of 1 MiB instead of 8 KiB (send) / 64 KiB (receive): far fewer syscalls
-        # and protocol fragments per KV block; UCX over TCP went from ~0.7 to ~3.4 GB/s.
+        # and protocol fragments per KV block.
         "UCX_TCP_TX_SEG_SIZE": "1M",
         "UCX_TCP_RX_SEG_SIZE": "1M",
         # Between workers on one host, every tagged message goes eager through the shared-
-        # memory FIFO (copy-in, copy-out), never rendezvous. ucxx sets UCX_RNDV_THRESH=8192,
-        # and between two processes UCX then moved every KV block over 8 KiB by "rendezvous
-        # fragmented copy-in copy-out" through sysv (the same two copies, plus a handshake per
-        # message); CMA, the one-copy path, is never selected for these endpoints (UCX 1.21,
-        # UCX_PROTO_INFO=y), whatever UCX_TLS or UCX_CMA_BW say. Measured with `nori bench
-        # transfer` (64 MiB, medians of 5; Intel Xeon, AVX-512, 2 cores shared with other
-        # work, so the figures wander by +-30 %): 32 KiB blocks 0.95 -> 1.17 GB/s, 256 KiB
-        # blocks 1.52 -> 2.06 GB/s, run back to back. Across hosts ucxx's 8 KiB stays.
-        # (Larger FIFO segments, UCX_MM_SEG_SIZE=64k, made 32 KiB messages a little faster
-        # again but broke transfers of 256 KiB messages: the receiver dropped the connection.)
+        # memory FIFO (copy-in, copy-out), never rendezvous: ucxx's UCX_RNDV_THRESH=8192 made
+        # UCX move every KV block over 8 KiB by "rendezvous fragmented copy-in copy-out" (the
+        # same two copies plus a handshake per message), and CMA, the one-copy path, is never
+        # selected for these endpoints. Across hosts ucxx's 8 KiB stays.
         "UCX_RNDV_THRESH": "intra:inf,inter:8192",
         # No ucxx progress thread: `nori.transfer.ucx_progress.UcxProgress` drives the worker
         # from the asyncio loop (polling while data moves, sleeping on the worker's event fd
-        # when idle). The thread (plus ucxx's notifier thread) cost half the bandwidth on few
-        # cores, and ucxx's own blocking mode spins a core even when idle.
+        # when idle).
         "UCXPY_PROGRESS_MODE": "blocking",
         # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows, so every process would
         # print an "unused environment variable" warning at start.
@@ -71,7 +63,8 @@ def confine_ucx_to(host: str) -> None:
 
     UCX opens a listening TCP socket on every network device it uses (its TCP transport); a
     worker told `--host 127.0.0.1` (as `nori up` starts them) would still listen on the host's
-    external interfaces (its receiver opens none: senders reach it by its worker address). For such a worker only
+    external interfaces (its receiver opens none: senders reach it by its worker address). For
+    such a worker only
     `lo` is used (UCX_NET_DEVICES; the shared-memory transports are not network devices, so
     KV between workers on one host still moves through shared memory). A default, as the
     others: an operator's UCX_NET_DEVICES wins. Call it before UCX starts (the first receiver

@@ -1,33 +1,14 @@
 """Driving this process's UCX worker from asyncio, and posting requests on its endpoints.
 
-ucxx offers two ways to make progress from asyncio, and neither suits a worker process:
-
-- "thread" mode runs a progress thread plus a notifier thread per process; on a host with few
-  cores they compete with the event loop and halved the measured bandwidth.
-- "blocking" mode binds the worker's event fd to the loop but never re-arms the worker after the
-  first event, so the fd stays readable and the loop spins a core forever, idle or not; and
-  every `await ep.send()` polls its own request with `asyncio.sleep(0)`.
-
-`UcxProgress` keeps ucxx in "blocking" mode (no threads) and drives the worker itself:
-
-- while a transfer's data moves it progresses the worker on every loop turn (bandwidth), and
-  yields the CPU on turns where nothing happened (see `wait_all` for why both);
-- while a connection waits for its next message it arms the worker and sleeps until the
-  worker's event fd fires: an idle receiver or sender uses no CPU (measured: 0.0-0.7 %).
-
-It watches the worker's fd through its own epoll object, so any number of senders and
-receivers in one process coexist without sharing state, and ucxx's own reader on the fd is
-left as it is.
-
-Bulk data is posted straight on the endpoint (`tag_send`/`tag_recv`), one request per buffer,
-with no coroutine per request: that per-request coroutine was most of the cost of small KV
-blocks (32 KiB blocks: 1.5 GB/s through `ep.send`, 5.4 GB/s posted directly). These use ucxx's
-private `Endpoint._ep` and `_tags` (and `ucxx.core._get_ctx` for the worker); without the
-first two (another ucxx version) the public coroutines are used instead, slower but correct.
-
-`UcxProgress` also reads and posts on tags of the worker itself (`take_bye`, `say_bye`,
-`next_tagged`, `post_send`): what the connections of `nori.transfer.ucx_worker_address` are
-made of.
+`UcxProgress` keeps ucxx in "blocking" mode (no progress threads) and drives the worker itself:
+while a transfer's data moves it progresses the worker on every loop turn and yields the CPU on
+turns where nothing happened (`wait_all`); while a connection waits for its next message it arms
+the worker and sleeps until the worker's event fd fires, so an idle connection uses no CPU. It
+watches that fd through its own epoll object: any number of senders and receivers in one process
+coexist without shared state. Bulk data is posted straight on the endpoint, one request per
+buffer and no coroutine per request, through ucxx's private `Endpoint._ep` and `_tags`; without
+them (another ucxx version) the public coroutines are used, slower but correct. The worker's own
+tags carry `ucx_worker_address`'s connections. Why: docs/benchmarks.md#ucx-progress-from-asyncio.
 """
 
 from __future__ import annotations
@@ -64,9 +45,8 @@ _IDLE_TIMEOUT_S = 0.1
 # Progress/arm rounds per event before yielding the loop to other work.
 _ARM_ATTEMPTS = 16
 # A safety net under the event-driven progress: one round this often whatever happens. ucxx's
-# own handshakes (a listener's peer-info exchange) wait on requests that only progress moves;
-# after peers died mid-transfer, a decode worker's listener was seen to time out every new
-# handshake for over 10 s (no event came to wake it). 20 rounds a second cost nothing idle.
+# own handshakes (a listener's peer-info exchange) wait on requests that only progress moves, and
+# after peers died mid-transfer no event may come to wake them.
 _TICK_S = 0.05
 
 
@@ -248,17 +228,13 @@ class UcxProgress:
         """Waits for every request; raises the first failure. `on_done(i)` runs as soon as
         request i is found done (in order), before the wait goes on to the next.
 
-        Each loop turn progresses the worker, and a turn that found nothing to do also yields
-        the CPU (`sched_yield`). Spinning on regardless collapsed throughput ten- to twentyfold
-        whenever the host's cores were busy (0.2 GB/s next to a matmul, against 2.3 GB/s for
-        a socket): the spinner burnt the time slices its peer needed; yielding on every idle
-        turn did best there and costs nothing on an idle host. Sleeping on the worker's fd
-        instead stalls: UCX does not signal every step a transfer needs (a shared-memory sender
-        waiting for free FIFO slots gets no event). Only after `_QUIET_SLEEP_S` without any
-        progress (a stalled peer, not a descheduled one) does it sleep on the fd, briefly.
-        Requests finish roughly in order, so only the oldest unfinished one is checked per turn.
-        `peer_left` is asked on every turn without progress: once it says so, ConnectionError
-        (a peer whose bye UCX cannot turn into an endpoint error, see the module doc).
+        Each loop turn progresses the worker; a turn that found nothing to do also yields the
+        CPU (`sched_yield`), so a spinner never burns the time slices its peer needs. It does not
+        sleep on the worker's fd while data moves (UCX does not signal every step: a
+        shared-memory sender waiting for FIFO slots gets no event), only after `_QUIET_SLEEP_S`
+        without progress (a stalled peer), briefly. Only the oldest unfinished request is checked
+        per turn (they finish roughly in order). `peer_left` is asked on every turn without
+        progress: once it says so, ConnectionError.
         """
         quiet_since: float | None = None
         for index, request in enumerate(requests):

@@ -1,17 +1,13 @@
 """Connections to a UCX worker address: the hello that opens one, and how each end sees the
 other leave.
 
-A receiver bound to loopback opens no listening socket of its own (ucxx 0.52's listener takes a
-port but no address, so it would bind every interface): senders reach it by its UCX *worker
-address*, and a connection starts with a hello on the receiver's tag (`connect_to_worker`,
-`accept_hello`): the sender's connection tags, process and worker address, answered by a welcome
-over an endpoint back to the sender. Such endpoints are two one-way UCX endpoints, so neither
-side learns of the other closing from UCX: a channel's `close` sends a bye on a tag of its own,
-which the peer reads as the end (`UcxProgress.wait_message`), and a peer process that dies
-(SIGKILL) is seen gone from /proc (`PeerWatch`): UCX itself reports neither on such endpoints.
-
-Messages and byes move through `nori.transfer.ucx_progress.UcxProgress`; this module only
-builds the endpoints and speaks the hello.
+A receiver bound to loopback opens no listening socket (ucxx 0.52's listener would bind every
+interface): senders reach it by its UCX worker address, opening with a hello on the receiver's
+tag (`connect_to_worker`, `accept_hello`) that carries the sender's tags, process and worker
+address, answered by a welcome. Such a connection is two one-way endpoints, on which UCX reports
+neither a close nor a dead peer: a channel's `close` sends a bye on a tag of its own, and a
+killed peer process is seen gone from /proc (`PeerWatch`). Messages and byes move through
+`ucx_progress.UcxProgress`; this module builds the endpoints and speaks the hello.
 """
 
 from __future__ import annotations

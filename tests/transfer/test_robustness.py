@@ -245,13 +245,13 @@ class _DropAfterAccept:
             task = loop.create_task(accept())
             self._stop = [task.cancel, listener.close]
             return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-        from nori.transfer.ucx import _UcxChannel
+        from nori.transfer.ucx_channel import UcxChannel
         from nori.transfer.ucx_progress import UcxProgress, create_listener
 
         progress = UcxProgress()
 
         async def handle(endpoint: Any) -> None:  # ucxx awaits only coroutine functions
-            await self._serve(_UcxChannel(endpoint, progress))
+            await self._serve(UcxChannel(endpoint, progress))
 
         ucx_listener = create_listener(handle, 0, 5.0)
         self._stop = [ucx_listener.close, progress.close]
