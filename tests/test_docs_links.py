@@ -27,7 +27,9 @@ _REFERENCE = re.compile(r"(?:\b([0-9a-f]{7,40}):)?(?<![\w/])(results/[\w./*{},-]
 def _references() -> list[tuple[str, str | None, str]]:
     found = []
     for document in DOCUMENTS:
-        for match in _REFERENCE.finditer(document.read_text()):
+        # An image link from docs/ names results/ relative to docs/.
+        text = document.read_text().replace("](../results/", "](results/")
+        for match in _REFERENCE.finditer(text):
             commit, path = match.group(1), match.group(2).rstrip(".,")
             end = match.end(2)
             if path != "results/" and match.string[end : end + 1] != "<":
