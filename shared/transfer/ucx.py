@@ -37,7 +37,6 @@ from nori.transfer.ucx_progress import (
     UcxProgress,
     connect,
     create_listener,
-    worker_addresses_supported,
 )
 from nori.transfer.ucx_worker_address import (
     MAX_HELLO_BYTES,
@@ -60,9 +59,7 @@ class UcxReceiver(ReceiverStats):
 
     Bound to a loopback `host` (as `nori up` starts every worker), it opens no socket of its
     own: its address carries its UCX worker address, senders say hello to it by that, and UCX's
-    own TCP sockets stay on the loopback device (`ucx_env.confine_ucx_to`). Otherwise (or on a
-    ucxx without the internals that takes, `worker_addresses_supported`) it listens
-    with ucxx's listener, which binds every interface: its Python API (ucxx 0.52) takes a port
+    own TCP sockets stay on the loopback device (`ucx_env.confine_ucx_to`). Otherwise it listens with ucxx's listener, which binds every interface: its Python API (ucxx 0.52) takes a port
     but no address. Either way a transfer is accepted only with its reservation's token
     (`DecodeKVSink`). `advertise_host` is what the address carries.
     """
@@ -86,7 +83,7 @@ class UcxReceiver(ReceiverStats):
         if self._progress is not None or self._closing:
             raise RuntimeError("a UcxReceiver starts once")
         self._progress = UcxProgress()
-        if is_loopback(host) and worker_addresses_supported():
+        if is_loopback(host):
             hello_tag = secrets.randbits(64)
             peer = worker_peer(hello_tag, worker_address())
             self._accepting = asyncio.ensure_future(self._accept_hellos(hello_tag))

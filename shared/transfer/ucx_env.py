@@ -1,7 +1,9 @@
 """UCX settings the UCX transport applies to its own process, before ucxx initialises.
 
-They are defaults (`os.environ.setdefault`): an operator's environment always wins. Every worker
-that imports `nori.transfer.ucx` gets them, so a benchmark and a deployment run the same UCX.
+They are defaults (`os.environ.setdefault`): an operator's environment wins, except for ucxx's
+progress mode, always "blocking" (no progress thread: `UcxProgress` drives the worker). Every
+worker that imports `nori.transfer.ucx` gets them, so a benchmark and a deployment run the same
+UCX.
 What each one bought: docs/benchmarks.md#ucx-settings.
 """
 
@@ -28,10 +30,6 @@ UCX_ENV_DEFAULTS = MappingProxyType(
         # same two copies plus a handshake per message), and CMA, the one-copy path, is never
         # selected for these endpoints. Across hosts ucxx's 8 KiB stays.
         "UCX_RNDV_THRESH": "intra:inf,inter:8192",
-        # No ucxx progress thread: `nori.transfer.ucx_progress.UcxProgress` drives the worker
-        # from the asyncio loop (polling while data moves, sleeping on the worker's event fd
-        # when idle).
-        "UCXPY_PROGRESS_MODE": "blocking",
         # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.19 no longer knows, so every process would
         # print an "unused environment variable" warning at start.
         "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -42,6 +40,8 @@ UCX_ENV_DEFAULTS = MappingProxyType(
 def apply_ucx_env_defaults() -> None:
     for name, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    # Not a default: `UcxProgress` is the one thing that progresses the worker.
+    os.environ["UCXPY_PROGRESS_MODE"] = "blocking"
 
 
 # Linux's loopback interface, as UCX names network devices.

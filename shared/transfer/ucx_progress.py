@@ -6,8 +6,8 @@ turns where nothing happened (`wait_all`); while a connection waits for its next
 the worker and sleeps until the worker's event fd fires, so an idle connection uses no CPU. It
 watches that fd through its own epoll object: any number of senders and receivers in one process
 coexist without shared state. Bulk data is posted straight on the endpoint, one request per
-buffer and no coroutine per request, through ucxx's private `Endpoint._ep` and `_tags`; without
-them (another ucxx version) the public coroutines are used, slower but correct. The worker's own
+buffer and no coroutine per request, through ucxx's private `Endpoint._ep` and `_tags` (the ucxx version
+pyproject.toml pins has them). The worker's own
 tags carry `ucx_worker_address`'s connections. Why: docs/benchmarks.md#ucx-progress-from-asyncio.
 """
 
@@ -26,13 +26,8 @@ apply_ucx_env_defaults()
 
 import numpy as np  # noqa: E402
 import ucxx  # noqa: E402 - UCX reads the environment set just above when ucxx initialises
-from ucxx._lib import libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 from ucxx.types import Tag, TagMaskFull  # noqa: E402
-
-try:
-    from ucxx._lib.arr import Array
-except ImportError:  # pragma: no cover - only another ucxx layout
-    Array = None
 
 T = TypeVar("T")
 
@@ -51,7 +46,7 @@ _TICK_S = 0.05
 
 
 class UcxRequest(Protocol):
-    """A posted UCX operation; asyncio.Task fits too (the fallback path)."""
+    """A posted UCX operation; an asyncio.Task (a ucxx coroutine, `UcxProgress.run`) fits too."""
 
     def done(self) -> bool: ...
 
@@ -81,32 +76,16 @@ class Poster:
     """
 
     def __init__(self, endpoint: Any) -> None:
-        self._endpoint = endpoint
-        self._raw: Any = getattr(endpoint, "_ep", None)
-        tags: Any = getattr(endpoint, "_tags", None)
-        self._direct = self._raw is not None and tags is not None and Array is not None
-        # The same tags ucxx's Endpoint.send/recv use, so both paths interoperate.
-        self._send_tag: Any = Tag(tags["msg_send"]) if self._direct else None
-        self._recv_tag: Any = Tag(tags["msg_recv"]) if self._direct else None
+        self._raw: Any = endpoint._ep
+        # The same tags ucxx's Endpoint.send/recv use, so both interoperate.
+        self._send_tag: Any = Tag(endpoint._tags["msg_send"])
+        self._recv_tag: Any = Tag(endpoint._tags["msg_recv"])
 
     def send(self, buffer: object) -> UcxRequest:
-        if not self._direct:
-            return asyncio.ensure_future(self._endpoint.send(buffer))
         return _Posted(self._raw.tag_send(Array(buffer), self._send_tag), buffer)
 
     def recv(self, buffer: object) -> UcxRequest:
-        if not self._direct:
-            return asyncio.ensure_future(self._endpoint.recv(buffer))
         return _Posted(self._raw.tag_recv(Array(buffer), self._recv_tag, TagMaskFull), buffer)
-
-
-def worker_addresses_supported() -> bool:
-    """Whether this ucxx has the internals worker-address connections use (0.52 has)."""
-    return (
-        Array is not None
-        and hasattr(ucx_api, "UCXAddress")
-        and hasattr(ucx_api.UCXWorker, "tag_recv_with_handle")
-    )
 
 
 class UcxProgress:
@@ -118,21 +97,18 @@ class UcxProgress:
         # ucxx's own per-loop machinery (its listener and endpoint handshakes rely on it).
         context.continuous_ucx_progress(event_loop=self.loop)
         self._worker = context.worker
-        # Somebody else initialised ucxx with a progress thread: that thread owns progress,
-        # and this object only waits (progressing from two threads is not allowed).
-        self._drives = context.progress_mode == "blocking"
+        if context.progress_mode != "blocking":
+            raise RuntimeError("UcxProgress drives the UCX worker: ucxx must run in blocking mode")
         self._waiters: set[asyncio.Future[None]] = set()
         # Requests nobody awaits (byes), kept with their buffers until UCX is done with them.
         self._kept: list[_Posted] = []
         self._rearm_scheduled = False
-        self._epoll: select.epoll | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
-        if self._drives:
-            self._epoll = select.epoll()
-            self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
-            self.loop.add_reader(self._epoll.fileno(), self._on_event)
-            self._on_event()
-            self._tick()
+        self._epoll: select.epoll | None = select.epoll()
+        self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self.loop.add_reader(self._epoll.fileno(), self._on_event)
+        self._on_event()
+        self._tick()
 
     def _tick(self) -> None:
         self._worker.progress()
@@ -160,9 +136,8 @@ class UcxProgress:
         self.wake()
 
     def poll(self) -> None:
-        """One round of progress now (between batches of posts, say), if this object drives."""
-        if self._drives:
-            self._worker.progress()
+        """One round of progress now (between batches of posts, say)."""
+        self._worker.progress()
 
     def wake(self) -> None:
         """Lets every idle waiter look again (after an event, or when connections close)."""
@@ -202,10 +177,8 @@ class UcxProgress:
         """Waits, without spinning, until a message is ready on `endpoint`; returns its length,
         or None once the endpoint is closed or `peer_left` says so (messages that arrived
         first are still returned)."""
-        attempt = 0
         while True:
             try:
-                # Probing also progresses the worker when no progress thread runs.
                 probe = endpoint.tag_probe()
             except AttributeError:  # the endpoint was aborted locally
                 return None
@@ -213,11 +186,7 @@ class UcxProgress:
                 return int(probe.length)
             if endpoint.closed or (peer_left is not None and peer_left()):
                 return None
-            if self._drives:
-                await self._sleep(_IDLE_TIMEOUT_S)
-            else:
-                await asyncio.sleep(min(0.005, 50e-6 * 2**attempt))
-            attempt += 1
+            await self._sleep(_IDLE_TIMEOUT_S)
 
     async def wait_all(
         self,
@@ -239,9 +208,7 @@ class UcxProgress:
         quiet_since: float | None = None
         for index, request in enumerate(requests):
             while not request.done():
-                if not self._drives:
-                    await asyncio.sleep(0)
-                elif self._worker.progress_once():
+                if self._worker.progress_once():
                     quiet_since = None
                     continue
                 if peer_left is not None and peer_left():
@@ -251,8 +218,6 @@ class UcxProgress:
                         if isinstance(pending, _Posted) and not pending.done():
                             self._kept.append(pending)
                     raise ConnectionError("the peer closed the connection")
-                if not self._drives:
-                    continue
                 if quiet_since is None:
                     quiet_since = time.monotonic()
                     await asyncio.sleep(0)
@@ -317,10 +282,7 @@ class UcxProgress:
                 posted, buffer = taken
                 await self.wait_all([posted])
                 return buffer.tobytes() if len(buffer) <= max_bytes else None
-            if self._drives:
-                await self._sleep(_IDLE_TIMEOUT_S)
-            else:
-                await asyncio.sleep(0.005)
+            await self._sleep(_IDLE_TIMEOUT_S)
 
     async def run(self, awaitable: Awaitable[T]) -> T:
         """Awaits a ucxx coroutine (handshake, control message) while progressing the worker."""

@@ -329,23 +329,6 @@ def test_header_round_trip() -> None:
     )
 
 
-@pytest.mark.asyncio
-@pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
-async def test_ucx_works_through_the_public_ucxx_api_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Without the ucxx internals the fast path uses (another ucxx version, say), every buffer
-    # goes through ucxx's public Endpoint.send/recv coroutines instead.
-    import nori.transfer.ucx_progress as ucx_progress
-
-    monkeypatch.setattr(ucx_progress, "Array", None)
-    caches = _local_caches()
-    receiver = make_receiver("ucx", CacheSink(caches))
-    await receiver.start(host="127.0.0.1")
-    try:
-        await _still_serves("ucx", receiver, caches)
-    finally:
-        await receiver.close()
-
-
 # ------------------------------------------------------------ UCX receivers on loopback
 
 _SENDER_THEN_SLEEP = """
