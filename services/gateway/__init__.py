@@ -9,7 +9,8 @@ One /v1/completions request, in the order it passes the files (control only poin
 - `endpoints.py`: prompts and sampling parameters (`prompts.py`), one backend request per
   choice, then `respond`: the backend streams (`streams.py`), answered in the API's format
   (`formats.py`);
-- `cluster.py`: admission (`admission.py`), a share of the decode pool (`decode_shares.py`);
+- `cluster.py`: the request's one ticket (`ticket.py`) in the gateway's `ledger.py`: admission,
+  fair shares of the pools, what each worker holds;
 - `request_flow.py`: route, reserve, prefill, stream, migrate, over gRPC (`worker_calls.py`,
   with the retry policy) to the workers of `worker_pool.py`;
 - `errors.py`: every error and the OpenAI answer it becomes; `backend.py`: the interface between

@@ -26,7 +26,7 @@ class GenerationRequest:
     # batch larger than the queue bound is served whole rather than refused forever.
     admission_group: str | None = None
     # Who sent it (a digest of its API key, else its address): the owner whose share of the
-    # decode pool it counts against (nori.gateway.decode_shares.DecodeShares).
+    # pools it counts against (nori.gateway.ledger).
     client: str = ""
     # The HTTP request's members (prompts x n) and its n: what the gateway's caps check.
     group_size: int = 1

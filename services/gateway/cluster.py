@@ -1,13 +1,12 @@
-"""The cluster backend: admits each request, takes its share of the decode pool and hands it to
-the request flow.
+"""The cluster backend: one `RequestTicket` per request, from admission to its one `close()`.
 
-`generate` is the order of things: the fan-out caps (400), the gateway's `max_in_flight` (429),
-admission (`admission.PromptQueue`: 429 when the prompt tokens already queued for the pool would
-make its first token too late), then a share of the decode pool (`decode_shares.DecodeShares`:
-no more calls go out than the workers serve at once, and one request or client keeps to its
-share while others wait), then `request_flow.RequestFlow.run`: the workers, retries and
-migration. Who the workers are is `worker_pool.py`, read from Redis; the pool's capacity comes
-from the workers' GetStats every few seconds.
+`generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429:
+the gateway's `max_in_flight`, or a prompt that would wait too long behind the prompt tokens
+queued for the pool), a slot (the decode pool's call and the prompt pool's, held to fair
+shares: 429 for a single request without one, a wait for a batch member), then
+`request_flow.RequestFlow.run`: the workers, retries and migration. Who the workers are is
+`worker_pool.py`, read from Redis; the pools' capacities come from the workers' GetStats every
+few seconds. Whatever path the request takes, the `finally` of `generate` closes its ticket.
 """
 
 from __future__ import annotations
@@ -24,14 +23,14 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from nori.cluster_auth import ClusterAuth
-from nori.gateway.admission import GroupWait, PromptQueue, QueuedPrompt
 from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
-from nori.gateway.decode_shares import DecodeShare, DecodeShares, pool_capacity
 from nori.gateway.disaggregation import DisaggregationPolicy
 from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
+from nori.gateway.ledger import ASSUMED_FIGURES, Ledger, pool_capacity
 from nori.gateway.request_flow import RequestFlow
-from nori.gateway.worker_calls import RetryLimits
-from nori.gateway.worker_pool import Router, WorkerPool
+from nori.gateway.ticket import RequestTicket
+from nori.gateway.worker_calls import GroupWait, RetryLimits
+from nori.gateway.worker_pool import WorkerPool
 from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
@@ -43,7 +42,7 @@ from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
-# How often the gateway reads the decode pool's capacity (GetStats) for its fair shares.
+# How often the gateway reads the pools' capacities (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
 
 
@@ -66,9 +65,9 @@ class ClusterOptions(RoleSettings):
     # room the rest need, so a batch larger than the cluster's queues is served in waves.
     # 0: no waiting (429 at once, like a single request).
     group_wait_s: float = 600.0
-    # The share of the decode pool's running slots one request (its members) or one client
-    # (API key, else address) may hold while another waits or runs (decode_shares.DecodeShares);
-    # alone, either may fill every running slot.
+    # The share of a pool's running slots (decode, and the workers computing prompts) one
+    # request (its members) or one client (API key, else address) may hold while another waits
+    # or runs (nori.gateway.ledger); alone, either may fill every running slot.
     max_decode_share: float = 0.5
     # Choices per prompt (n), and choices of one request (prompts x n), past which a request is
     # refused with 400; the API itself takes n up to 64 (prompts.MAX_N).
@@ -97,7 +96,9 @@ class ClusterOptions(RoleSettings):
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
 
     # Admission: prompt tokens that may wait for their first token, per worker computing prompts
-    # (prefill or colocated); 0 = no bound. See admission.py for the default.
+    # (prefill or colocated); 0 = no bound. The default is four engine steps at the default
+    # step budget (--max-num-batched-tokens 2048): every admitted prompt starts within about
+    # four steps, while the prefill batch is still always full.
     max_queued_prompt_tokens: int = 8192
 
 
@@ -105,15 +106,15 @@ class ClusterBackend:
     def __init__(self, options: ClusterOptions, tracer: trace.Tracer | None = None) -> None:
         self.options = options
         self._tracer = tracer
-        self.router = Router()
         self._redis: Redis | None = None
         self._pool: WorkerPool | None = None
         self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
         self._flow: RequestFlow | None = None
-        self._num_in_flight = 0
-        self.prompt_queue = PromptQueue(options.max_queued_prompt_tokens)
-        self.decode_shares = DecodeShares(options.max_decode_share)
+        # Every open request's ticket: what it holds on the workers and in the fair shares.
+        self.ledger = Ledger(
+            options.max_in_flight, options.max_queued_prompt_tokens, options.max_decode_share
+        )
         # Where prompts are computed, its measurements and its decision counter (/metrics).
         self.disaggregation = DisaggregationPolicy(
             options.disaggregation, options.max_local_compute_s
@@ -141,7 +142,7 @@ class ClusterBackend:
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
             self._pool,
-            self.router,
+            self.ledger.router,
             self._directory,
             self._states,
             self._tracer,
@@ -210,23 +211,17 @@ class ClusterBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_fan_out(request)
-        if self._num_in_flight >= self.options.max_in_flight:
-            raise QueueFullError(
-                f"the gateway has {self._num_in_flight} requests in flight (the limit)"
-            )
-        num_prompt_workers = sum(
-            1 for w in self.pool.workers if w.role in ("prefill", "colocated") and not w.draining
-        )
-        queued = await self._admit(request, num_prompt_workers)
+        ticket = await self._admit(request)
         request_id = request.request_id
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
-        self._num_in_flight += 1
         outcome = "cancelled"
         num_output_tokens = 0
-        share: DecodeShare | None = None
         try:
-            share = await self._decode_share(request, queued)
-            async for chunk in self.flow.run(request, queued):
+            # A batch member (or a batch line) waits for its slot; a single request is a 429.
+            waits = request.admission_group is not None or request.priority > 0
+            self._refresh_capacity()
+            await ticket.take(self.options.group_wait_s if waits else 0.0)
+            async for chunk in self.flow.run(request, ticket):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
                     # Before the yield: a consumer may close us right after the last chunk.
@@ -237,67 +232,48 @@ class ClusterBackend:
             self._record(request_id, "failed", error=str(error))
             raise
         finally:
-            queued.abandon()  # a no-op once its first token came
-            if share is not None:
-                share.release()
-            self._num_in_flight -= 1
+            ticket.close()
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
 
-    async def _admit(self, request: GenerationRequest, num_prompt_workers: int) -> QueuedPrompt:
-        """The prompt into the admission count. A background request (a batch line, priority
+    async def _admit(self, request: GenerationRequest) -> RequestTicket:
+        """The request's ticket (`Ledger.admit`). A background request (a batch line, priority
         above interactive) is never refused for a full queue: it waits for room, up to
         `group_wait_s`, while interactive requests are measured against interactive work."""
-        background = request.priority > 0
-        wait = GroupWait(self.options.group_wait_s if background else 0.0)
+        wait = GroupWait(self.options.group_wait_s if request.priority > 0 else 0.0)
         while True:
+            num_prompt_workers = sum(
+                1
+                for w in self.pool.workers
+                if w.role in ("prefill", "colocated") and not w.draining
+            )
             try:
-                return self.prompt_queue.admit(
-                    len(request.prompt_token_ids),
-                    num_prompt_workers,
-                    time.monotonic(),
-                    request.admission_group,
-                    background,
-                )
+                return self.ledger.admit(request, num_prompt_workers, time.monotonic())
             except QueueFullError:
-                woken = self.prompt_queue.room_freed(len(request.prompt_token_ids))
+                if self.ledger.num_open >= self.ledger.max_in_flight:
+                    raise
+                woken = self.ledger.room_freed(len(request.prompt_token_ids))
                 if not await wait.turn(woken):
                     raise
 
-    async def _decode_share(self, request: GenerationRequest, queued: QueuedPrompt) -> DecodeShare:
-        """The request's hold on the decode pool (`DecodeShares`). A batch member beyond its
-        share waits for one here (up to `group_wait_s`, its tokens out of the prompt queue
-        meanwhile); a single request without one gets 429 at once, as from a full worker."""
-        group = request.admission_group or request.request_id
-        # Batch lines are an owner of their own, apart from the same key's interactive work.
-        client = f"{request.client}#background" if request.priority > 0 else request.client
-        self._refresh_capacity()
-        share = self.decode_shares.try_take(group, client, request.priority)
-        if share is not None:
-            return share
-        waits = request.admission_group is not None or request.priority > 0
-        wait_s = self.options.group_wait_s if waits else 0.0
-        queued.pause()
-        try:
-            return await self.decode_shares.take(group, client, wait_s, request.priority)
-        finally:
-            queued.resume()
-
     def _refresh_capacity(self) -> None:
-        """The fair shares' capacity for the decode pool as the registry has it now: a worker
-        that joined or left since the last GetStats round counts at once (see `pool_capacity`)."""
-        decode_pool = [
-            w.worker_id
-            for w in self.pool.workers
-            if w.role in ("decode", "colocated") and not w.draining
-        ]
-        capacity = pool_capacity(self._capacity_figures, decode_pool)
-        if capacity != self.decode_shares.capacity:
-            self.decode_shares.set_capacity(capacity)
+        """The pools' capacities as the registry has them now: a worker that joined or left
+        since the last GetStats round counts at once (see `pool_capacity`). The prompt pool is
+        the prefill workers, else (or under `--disaggregation never`) the decode pool."""
+        serving = [w for w in self.pool.workers if not w.draining]
+        decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
+        prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
+        if not prompt_pool or self.options.disaggregation == "never":
+            prompt_pool = decode_pool
+        figures = self._capacity_figures
+        decode = pool_capacity(figures, decode_pool, ASSUMED_FIGURES)
+        prompt = pool_capacity(figures, prompt_pool, ASSUMED_FIGURES)
+        if (decode, prompt) != (self.ledger.capacity, self.ledger.prompt_capacity):
+            self.ledger.set_capacity(decode, prompt)
 
     async def _watch_capacity(self) -> None:
-        """Keeps `decode_shares` told what the decode pool holds, from the workers' GetStats:
-        a worker that joins, leaves or drains changes it."""
+        """Keeps the ledger told what the pools hold, from the workers' GetStats: a worker
+        that joins, leaves or drains changes it."""
         figures = self._capacity_figures
         while True:
             try:

@@ -41,6 +41,7 @@ one request has measured the prefill path, prompts go to the prefill worker (tod
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,6 +79,21 @@ class PathQueues:
     # Prompt tokens sent to be computed and not yet seen computed, on each worker.
     decode_pending_tokens: int
     prefill_pending_tokens: int
+
+    @classmethod
+    def counted(
+        cls,
+        decode: WorkerInfo,
+        prefill: WorkerInfo | None,
+        in_flight: Mapping[str, int],
+        pending_tokens: Mapping[str, int],
+    ) -> PathQueues:
+        """From the registry's figures and this gateway's counts per worker (`Router`)."""
+        return cls(
+            decode_running=max(decode.num_running, in_flight.get(decode.worker_id, 0)),
+            decode_pending_tokens=pending_tokens.get(decode.worker_id, 0),
+            prefill_pending_tokens=pending_tokens.get(prefill.worker_id, 0) if prefill else 0,
+        )
 
 
 @dataclass(frozen=True)

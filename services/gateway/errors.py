@@ -55,7 +55,7 @@ class InvalidRequestError(BackendError):
 
 class QueueFullError(BackendError):
     """The gateway's own bound: too many requests in flight, or too many prompt tokens queued
-    for the pool (`admission.PromptQueue`)."""
+    for the pool (`ledger.Ledger.admit`)."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"
@@ -63,8 +63,8 @@ class QueueFullError(BackendError):
 
 
 class ShareRefusedError(BackendError):
-    """No decode share for the request now: the pool is full, or its owner holds its share
-    (`decode_shares.DecodeShares`)."""
+    """No slot for the request now: a pool is full, or its owner holds its share
+    (`ledger.Ledger`)."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"

@@ -16,11 +16,13 @@
      hung or died, or the prompt never left its queue);
    - **stream**: token one, then the rest from the decode stream;
 3. on a colocated worker, a prompt the decode worker computes itself, or to continue a request
-   whose decode worker died (**migrate**), `compute_and_decode`: the worker computes the prompt (and what was already streamed) itself
-   and its stream carries every later token;
+   whose decode worker died (**migrate**), `compute_and_decode`: the worker computes the prompt
+   (and what was already streamed) itself and its stream carries every later token;
 4. on a failure, `worker_calls.RetryPolicy.after` decides, in one place, whether and how to try
    again.
 
+Where the request is, is its `RequestTicket`'s to count (`prompt_on`, `decoding_on`, and off
+again per attempt; its `close()` in `ClusterBackend.generate` releases what an attempt left).
 Closing the iterator cancels the calls, and cancelling a call frees the request's blocks on that
 worker.
 """
@@ -38,7 +40,6 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from nori.gateway.admission import GroupWait, QueuedPrompt
 from nori.gateway.backend import GenerationChunk, GenerationRequest
 from nori.gateway.disaggregation import DisaggregationPolicy, PathQueues
 from nori.gateway.errors import (
@@ -52,13 +53,16 @@ from nori.gateway.errors import (
     WorkerLostError,
     WorkerUnreachableError,
 )
+from nori.gateway.ticket import RequestTicket
 from nori.gateway.worker_calls import (
+    GroupWait,
     RetryLimits,
     RetryPolicy,
     await_call,
     chunk_from_delta,
     messages,
     read,
+    reservation,
 )
 from nori.gateway.worker_pool import Router, WorkerPool
 from nori.repeated_log import RepeatedFailureLog
@@ -71,29 +75,6 @@ from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptSlot:
-    """A prompt counted on the worker computing it by the router, from the pick to its first
-    token (so that a burst spreads over the prefill pool, and the cost model sees the queues);
-    released exactly once, on any path. On a prefill worker it counts a request in flight there
-    too; on a decode worker computing it (`whole_request=False`) only its tokens, since the
-    request is already counted there."""
-
-    router: Router
-    worker: WorkerInfo
-    num_tokens: int
-    whole_request: bool = True
-    _held: bool = True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            if self.whole_request:
-                self.router.ended(self.worker.worker_id, self.num_tokens)
-            else:
-                self.router.prompt_done(self.worker.worker_id, self.num_tokens)
 
 
 @dataclass
@@ -125,8 +106,7 @@ class RequestFlow:
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
         self.disaggregation = policy or DisaggregationPolicy("always")
-        # What every worker call carries besides its trace context: the cluster's token
-        # (`ClusterAuth.rpc_metadata()`; none in an open cluster).
+        # Every worker call carries it (the cluster's token, if any) and its trace context.
         self._rpc_metadata = rpc_metadata
         # The longest wait for a worker stream's next message (see worker_calls.read).
         self._stall_timeout_s = stall_timeout_s
@@ -140,7 +120,7 @@ class RequestFlow:
         self._limits = limits or RetryLimits()
 
     async def run(
-        self, request: GenerationRequest, queued: QueuedPrompt
+        self, request: GenerationRequest, ticket: RequestTicket
     ) -> AsyncIterator[GenerationChunk]:
         """The request on a decode worker; elsewhere when that one is full, when its prompt's
         prefill worker fails before token one, or (migration) when the decode worker dies."""
@@ -157,14 +137,14 @@ class RequestFlow:
             if decode is None:
                 await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
                 continue
-            self._router.started(decode.worker_id)
+            ticket.decoding_on(decode.worker_id)
             try:
                 if streamed.token_ids:
-                    chunks = self.compute_and_decode(request, decode, queued, resumed=streamed)
+                    chunks = self.compute_and_decode(request, decode, ticket, resumed=streamed)
                 elif decode.role == "colocated":
-                    chunks = self.compute_and_decode(request, decode, queued)
+                    chunks = self.compute_and_decode(request, decode, ticket)
                 else:
-                    chunks = self.serve_disaggregated(request, decode, queued)
+                    chunks = self.serve_disaggregated(request, decode, ticket)
                 async for chunk in chunks:
                     streamed.add(chunk)
                     yield chunk
@@ -183,21 +163,19 @@ class RequestFlow:
                     base_id = request.request_id.rsplit("~", 1)[0]
                     request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
             finally:
-                self._router.ended(decode.worker_id)
+                ticket.decoding_off()
 
     async def compute_and_decode(
         self,
         request: GenerationRequest,
         worker: WorkerInfo,
-        queued: QueuedPrompt,
+        ticket: RequestTicket,
         resumed: Resumed | None = None,
-        prompt_slot: PromptSlot | None = None,
     ) -> AsyncGenerator[GenerationChunk, None]:
         """One worker computes the prompt and decodes: a colocated worker, a decode worker the
-        prompt was routed to (conditional disaggregation; `prompt_slot` counts its tokens there
-        until token one), or (migration) the decode worker that continues a request whose
-        worker died, from `resumed` (what that one had streamed), which it computes with the
-        prompt before it goes on."""
+        prompt was routed to (conditional disaggregation), or (migration) the decode worker
+        that continues a request whose worker died, from `resumed` (what that one had
+        streamed), which it computes with the prompt before it goes on."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
             worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
@@ -207,9 +185,7 @@ class RequestFlow:
         try:
             async for message in messages(call, worker.worker_id, self._stall_timeout_s):
                 answered = True
-                if prompt_slot is not None:
-                    prompt_slot.release()
-                queued.prefilled(time.monotonic())
+                ticket.first_token(time.monotonic())
                 yield chunk_from_delta(message.delta)
         except WorkerFullError as error:
             # Refused at the call's start (its queue is full): nothing ran, another may take it.
@@ -221,11 +197,9 @@ class RequestFlow:
             raise DecodeFullError(str(error), retry_after_s=1.0) from None
         finally:
             call.cancel()
-            if prompt_slot is not None:
-                prompt_slot.release()
 
     async def serve_disaggregated(
-        self, request: GenerationRequest, decode: WorkerInfo, queued: QueuedPrompt
+        self, request: GenerationRequest, decode: WorkerInfo, ticket: RequestTicket
     ) -> AsyncGenerator[GenerationChunk, None]:
         """The request on a disaggregated decode worker, its prompt computed where the policy
         chooses: the choice is made before the reservation is taken (the lease starts with the
@@ -240,14 +214,8 @@ class RequestFlow:
                 decode,
                 prefill,
                 cached,
-                PathQueues(
-                    decode_running=max(
-                        decode.num_running, self._router.in_flight[decode.worker_id]
-                    ),
-                    decode_pending_tokens=self._router.pending_prompt_tokens[decode.worker_id],
-                    prefill_pending_tokens=(
-                        self._router.pending_prompt_tokens[prefill.worker_id] if prefill else 0
-                    ),
+                PathQueues.counted(
+                    decode, prefill, self._router.in_flight, self._router.pending_prompt_tokens
                 ),
             )
             attributes = choice.span_attributes()
@@ -255,59 +223,51 @@ class RequestFlow:
             # On the request's own span too: what a trace search filters by.
             request_span.set_attributes(attributes)
         if choice.path == "decode":
-            self._router.prompt_started(decode.worker_id, num_tokens)
-            slot = PromptSlot(self._router, decode, num_tokens, whole_request=False)
-            chunks = self.compute_and_decode(request, decode, queued, prompt_slot=slot)
+            ticket.prompt_on(decode.worker_id, whole_request=False)
+            chunks = self.compute_and_decode(request, decode, ticket)
         elif prefill is None:
             raise SaturatedError("no prefill worker is available")
         else:
-            self._router.started(prefill.worker_id, num_tokens)
-            slot = PromptSlot(self._router, prefill, num_tokens)
-            chunks = self.prefill_then_decode(request, decode, queued, slot)
+            ticket.prompt_on(prefill.worker_id)
+            chunks = self.prefill_then_decode(request, decode, prefill, ticket)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            slot.release()  # counted from the pick: no path may leave it held
+            ticket.prompt_off()  # counted from the pick: this attempt leaves it on no path
             await chunks.aclose()
 
     async def prefill_then_decode(
         self,
         request: GenerationRequest,
         decode: WorkerInfo,
-        queued: QueuedPrompt,
-        slot: PromptSlot,
+        prefill: WorkerInfo,
+        ticket: RequestTicket,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """Reserve on the decode worker, prefill on the prefill worker of `slot` (counted there
-        from its pick), stream from the decode worker. Both workers' spans are children of the
-        request's (the current) span."""
+        """Reserve on the decode worker, prefill on `prefill`, stream from the decode worker.
+        Both workers' spans are children of the request's (the current) span."""
         metadata = self._call_metadata()
         started = time.monotonic()
-        try:
-            decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
-        except BaseException:
-            slot.release()  # the slot is counted from the pick: no path may leave it held
-            raise
+        decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
         try:
             # 1. reserve
             with self._tracer.start_as_current_span("reserve") as span:
-                destination = await self._reservation(decode_call, decode)
+                destination = await reservation(decode_call, decode, self._stall_timeout_s)
                 span.set_attribute("nori.kv.blocks", len(destination.block_ids))
                 span.set_attribute("nori.kv.lease_s", destination.lease_seconds)
             self._record(
                 request.request_id,
                 "prefilling",
-                prefill_worker=slot.worker.worker_id,
+                prefill_worker=prefill.worker_id,
                 decode_worker=decode.worker_id,
             )
             # 2. prefill, watching the decode stream
             decode_next = asyncio.ensure_future(
                 read(decode_call, decode.worker_id, self._stall_timeout_s)
             )
-            response = await self._prefill(request, slot.worker, destination, decode_next, metadata)
-            slot.release()
-            queued.prefilled(time.monotonic())
+            response = await self._prefill(request, prefill, destination, decode_next, metadata)
+            ticket.first_token(time.monotonic())
             self.disaggregation.observe_prefill_path(
                 len(request.prompt_token_ids),
                 time.monotonic() - started,
@@ -332,29 +292,6 @@ class RequestFlow:
             if decode_next is not None:
                 decode_next.cancel()
             decode_call.cancel()
-            slot.release()
-
-    async def _reservation(
-        self, decode_call: grpc.aio.UnaryStreamCall, decode: WorkerInfo
-    ) -> KVDestination:
-        """The decode worker's reserved blocks, as the destination the prefill worker needs."""
-        try:
-            message = await read(decode_call, decode.worker_id, self._stall_timeout_s)
-        except (WorkerFullError, WorkerUnreachableError) as error:
-            # Full or unavailable before any work: another decode worker may take it.
-            raise DecodeFullError(str(error), error.retry_after_s) from None
-        except WorkerLostError as error:
-            if not error.cancelled_by_server:
-                raise
-            # Dropped from its gRPC backlog before it was served: nothing ran there.
-            raise DecodeFullError(str(error), retry_after_s=1.0) from None
-        if message is None or not message.HasField("reservation"):
-            raise BackendError(f"{decode.worker_id} did not answer with a reservation")
-        destination = KVDestination()
-        destination.CopyFrom(message.reservation)
-        # The prefill worker renews the lease here while it holds the prompt.
-        destination.grpc_address = decode.grpc_address
-        return destination
 
     async def _prefill(
         self,

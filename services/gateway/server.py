@@ -45,7 +45,7 @@ class GatewayOptions(RoleSettings):
     # None: the block size the workers state in the registry.
     block_size: int | None = None
     max_in_flight: int = 4096
-    # Admission bound per worker computing prompts; 0 = none (see nori.gateway.admission).
+    # Admission bound per worker computing prompts; 0 = none (see nori.gateway.ledger).
     max_queued_prompt_tokens: int = 8192
     # --stream-interval: a streamed request's tokens reach its client this many at a time.
     stream_interval: int = 1
@@ -65,7 +65,7 @@ class GatewayOptions(RoleSettings):
     stream_stall_timeout_s: float = 300.0
     # A batch member's wait for room when every worker is full (ClusterOptions.group_wait_s).
     group_wait_s: float = 600.0
-    # One request's or client's share of the decode pool while others wait (decode_shares.DecodeShares).
+    # One request's or client's share of the decode pool while others wait (nori.gateway.ledger).
     max_decode_share: float = 0.5
     # Caps on n and on a request's choices, prompts x n (ClusterOptions.max_n and
     # max_request_members).
@@ -149,19 +149,16 @@ async def serve_gateway(options: GatewayOptions) -> None:
     await backend.start()
 
     async def extra_metrics() -> str:
-        queued = backend.prompt_queue.queued_tokens
+        ledger = backend.ledger
         admission = (
             "# TYPE nori_gateway_queued_prompt_tokens gauge\n"
-            f"nori_gateway_queued_prompt_tokens {queued}\n"
-        )
-        shares = backend.decode_shares
-        admission += (
+            f"nori_gateway_queued_prompt_tokens {ledger.queued_tokens}\n"
             "# TYPE nori_gateway_decode_shares_held gauge\n"
-            f"nori_gateway_decode_shares_held {shares.num_held}\n"
+            f"nori_gateway_decode_shares_held {ledger.num_held}\n"
             "# TYPE nori_gateway_decode_shares_waiting gauge\n"
-            f"nori_gateway_decode_shares_waiting {shares.num_waiting}\n"
+            f"nori_gateway_decode_shares_waiting {ledger.num_waiting}\n"
             "# TYPE nori_gateway_decode_pool_calls gauge\n"
-            f"nori_gateway_decode_pool_calls {shares.capacity.calls if shares.capacity else 0}\n"
+            f"nori_gateway_decode_pool_calls {ledger.capacity.calls if ledger.capacity else 0}\n"
         )
         refused = refused_worker_entries_text(backend.pool.refused_entries)
         batches = ""

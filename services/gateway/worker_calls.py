@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 
-from nori.gateway.admission import GroupWait
 from nori.gateway.backend import GenerationChunk
 from nori.gateway.errors import (
     BackendError,
@@ -31,7 +31,9 @@ from nori.gateway.errors import (
     WorkerUnreachableError,
 )
 from nori.rpc.convert import logprobs_from_proto, prompt_logprobs_from_delta, stop_reason_from_proto
+from nori.state.registry import WorkerInfo
 from nori.v1 import common_pb2, decode_pb2, prefill_pb2
+from nori.v1.handoff_pb2 import KVDestination
 
 T = TypeVar("T")
 
@@ -124,7 +126,72 @@ async def messages(
     raise BackendError(f"{worker} ended the stream before the request finished")
 
 
+async def reservation(
+    decode_call: grpc.aio.UnaryStreamCall, decode: WorkerInfo, stall_timeout_s: float
+) -> KVDestination:
+    """The decode worker's reserved blocks, as the destination the prefill worker needs."""
+    try:
+        message = await read(decode_call, decode.worker_id, stall_timeout_s)
+    except (WorkerFullError, WorkerUnreachableError) as error:
+        # Full or unavailable before any work: another decode worker may take it.
+        raise DecodeFullError(str(error), error.retry_after_s) from None
+    except WorkerLostError as error:
+        if not error.cancelled_by_server:
+            raise
+        # Dropped from its gRPC backlog before it was served: nothing ran there.
+        raise DecodeFullError(str(error), retry_after_s=1.0) from None
+    if message is None or not message.HasField("reservation"):
+        raise BackendError(f"{decode.worker_id} did not answer with a reservation")
+    destination = KVDestination()
+    destination.CopyFrom(message.reservation)
+    # The prefill worker renews the lease here while it holds the prompt.
+    destination.grpc_address = decode.grpc_address
+    return destination
+
+
 # ---------------------------------------------------------------------- after a failure
+
+FIRST_DELAY_S = 0.05
+MAX_DELAY_S = 1.0
+
+
+class GroupWait:
+    """The wait of a batch member or a batch line that found every worker full
+    (`ClusterOptions.group_wait_s`): backoff, 50 ms doubling up to 1 s, until `limit_s` after
+    the first turn.
+
+    A single request that finds every worker full gets 429 at once (limit 0): its client is
+    the one to retry. A batch was admitted as a whole, and its own running members free the
+    room the rest need, so they wait for it instead of failing the batch.
+    """
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit_s = limit_s
+        self._clock = clock
+        self._deadline: float | None = None
+        self._delay_s = FIRST_DELAY_S
+
+    async def turn(self, woken: asyncio.Future[None] | None = None) -> bool:
+        """Waits before the next try, or until `woken` is done (room freed), whichever comes
+        first; False (without waiting) once the time is up. `woken` is cancelled either way."""
+        try:
+            if self._limit_s <= 0:
+                return False
+            now = self._clock()
+            if self._deadline is None:
+                self._deadline = now + self._limit_s
+            if now >= self._deadline:
+                return False
+            delay_s = min(self._delay_s, self._deadline - now)
+            if woken is None:
+                await asyncio.sleep(delay_s)
+            else:
+                await asyncio.wait([woken], timeout=delay_s)
+            self._delay_s = min(self._delay_s * 2, MAX_DELAY_S)
+            return True
+        finally:
+            if woken is not None:
+                woken.cancel()
 
 
 @dataclass(frozen=True)
@@ -137,7 +204,7 @@ class RetryLimits:
     # Moves of a request whose decode worker died to another one (--migration-limit).
     migration_limit: int = 3
     # How long a member of a batch (or a batch line) waits for room when every worker is full,
-    # instead of 429 (`admission.GroupWait`); a single request does not wait.
+    # instead of 429 (`GroupWait`); a single request does not wait.
     group_wait_s: float = 600.0
 
 

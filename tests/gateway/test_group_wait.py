@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from nori.gateway.admission import MAX_DELAY_S, GroupWait
+from nori.gateway.worker_calls import MAX_DELAY_S, GroupWait
 
 
 class FakeClock:

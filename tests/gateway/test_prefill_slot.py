@@ -9,10 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from nori.gateway.admission import PromptQueue
 from nori.gateway.backend import GenerationRequest
+from nori.gateway.ledger import Ledger
 from nori.gateway.request_flow import RequestFlow
-from nori.gateway.worker_pool import Router
 from nori.sampling.params import SamplingParams
 from nori.state.registry import WorkerInfo
 
@@ -44,14 +43,15 @@ class NoCachedPrefixes:
 async def test_a_failure_after_the_prefill_pick_releases_the_slot() -> None:
     # Lazy: nothing connects unless a call is made, and none is.
     channel = grpc.aio.insecure_channel("127.0.0.1:9")
-    router = Router()
+    ledger = Ledger()
+    router = ledger.router
     flow = RequestFlow(OnePrefillPool(channel), router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     # SamplingParams takes any int; the proto's int32 top_k does not (the gateway refuses it
     # with a 400 first, protocol.Int32: this is the path if anything else ever fails there).
     request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=4, top_k=2**31))
-    queued = PromptQueue(0).admit(3, 1, 0.0, None)
+    ticket = ledger.admit(request, 1, 0.0)
     with pytest.raises(ValueError, match="out of range"):
-        async for _ in flow.serve_disaggregated(request, DECODE, queued):
+        async for _ in flow.serve_disaggregated(request, DECODE, ticket):
             pass
     assert router.pending_prompt_tokens == {}
     assert router.in_flight == {}

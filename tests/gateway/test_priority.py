@@ -16,8 +16,8 @@ from google.protobuf.message import Message
 
 from nori.gateway.backend import GenerationRequest
 from nori.gateway.endpoints import COALESCE_MS
+from nori.gateway.ledger import Ledger
 from nori.gateway.request_flow import RequestFlow, Resumed
-from nori.gateway.worker_pool import Router
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
 from nori.settings import BATCH_PRIORITY
@@ -143,11 +143,6 @@ class Pool:
         return self._channel
 
 
-class Queued:
-    def prefilled(self, now: float) -> None:
-        pass
-
-
 def delta(token: int, finished: bool = False) -> common_pb2.TokenDelta:
     return common_pb2.TokenDelta(
         token_ids=[token], text="x", finished=finished, finish_reason="length" if finished else ""
@@ -166,9 +161,11 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
         ],
         answer=prefill_pb2.PrefillResponse(first=delta(7)),
     )
-    flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
+    ledger = Ledger()
+    flow = RequestFlow(Pool(channel), ledger.router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, stream_interval=3)
-    chunks = [c async for c in flow.serve_disaggregated(request, DECODE, Queued())]  # type: ignore[arg-type]
+    ticket = ledger.admit(request, 1, 0.0)
+    chunks = [c async for c in flow.serve_disaggregated(request, DECODE, ticket)]
     assert [c.new_token_ids for c in chunks] == [[7], [8]]
     generate, prefill = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest) and generate.priority == 7
@@ -179,9 +176,11 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
 
 async def test_a_migrated_request_keeps_its_priority() -> None:
     channel = RecordingChannel(stream=[decode_pb2.GenerateResponse(delta=delta(9, finished=True))])
-    flow = RequestFlow(Pool(channel), Router(), NoCachedPrefixes(), None)  # type: ignore[arg-type]
+    ledger = Ledger()
+    flow = RequestFlow(Pool(channel), ledger.router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     resumed = Resumed([7, 8], num_chars=2)
-    chunks = [c async for c in flow.compute_and_decode(REQUEST, DECODE, Queued(), resumed)]  # type: ignore[arg-type]
+    ticket = ledger.admit(REQUEST, 1, 0.0)
+    chunks = [c async for c in flow.compute_and_decode(REQUEST, DECODE, ticket, resumed)]
     assert [c.new_token_ids for c in chunks] == [[9]]
     (generate,) = channel.sent
     assert isinstance(generate, decode_pb2.GenerateRequest)

@@ -1,4 +1,4 @@
-"""DecodeShares: who may hold the decode pool's calls (pure logic, exact counts)."""
+"""The ledger's fair shares: who may hold the decode pool's calls (exact counts)."""
 
 from __future__ import annotations
 
@@ -7,167 +7,160 @@ import asyncio
 import grpc
 import pytest
 
-from nori.gateway.admission import PromptQueue
 from nori.gateway.backend import GenerationRequest
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
-from nori.gateway.decode_shares import DecodeShares, PoolCapacity, pool_capacity
 from nori.gateway.endpoints import client_identity
 from nori.gateway.errors import InvalidRequestError, ShareRefusedError, WorkerLostError
+from nori.gateway.ledger import Ledger, PoolCapacity, pool_capacity
 from nori.gateway.worker_calls import error_from_rpc
 from nori.sampling.params import SamplingParams
-
-
-def shares(rows: int = 8, calls: int = 10, max_share: float = 0.5) -> DecodeShares:
-    pool = DecodeShares(max_share)
-    pool.set_capacity(PoolCapacity(rows=rows, calls=calls))
-    return pool
+from tests.gateway.ledger_helpers import request, shares, take, try_take
 
 
 def test_no_capacity_known_limits_nothing() -> None:
-    pool = DecodeShares(0.5)
-    held = [pool.try_take("big", "a") for _ in range(1000)]
+    pool = Ledger(max_share=0.5)
+    held = [try_take(pool, "big", "a") for _ in range(1000)]
     assert all(share is not None for share in held)
 
 
 def test_a_lone_request_fills_the_rows_and_leaves_the_queues_free() -> None:
     pool = shares(rows=8, calls=10)
-    held = [pool.try_take("big", "a") for _ in range(8)]
+    held = [try_take(pool, "big", "a") for _ in range(8)]
     assert all(held)
-    assert pool.try_take("big", "a") is None  # the rows are full: the rest waits
+    assert try_take(pool, "big", "a") is None  # the rows are full: the rest waits
     # Another client's single request gets one of the calls beyond the rows at once.
-    assert pool.try_take("single-1", "b") is not None
-    assert pool.try_take("single-2", "c") is not None
-    assert pool.try_take("single-3", "d") is None  # every call is out
+    assert try_take(pool, "single-1", "b") is not None
+    assert try_take(pool, "single-2", "c") is not None
+    assert try_take(pool, "single-3", "d") is None  # every call is out
     assert pool.num_held == 10
 
 
 def test_while_others_are_active_a_request_keeps_to_its_share() -> None:
     pool = shares(rows=8, calls=10, max_share=0.5)
-    held = [pool.try_take("big", "a") for _ in range(8)]
-    single = pool.try_take("single", "b")
+    held = [try_take(pool, "big", "a") for _ in range(8)]
+    single = try_take(pool, "single", "b")
     assert single is not None
     # The big request holds 8 > 4 (half the rows) while another is active: none of its
     # members starts until it is back under 4, even with calls free.
     for share in held[:4]:
         assert share is not None
-        share.release()
+        share.close()
     assert pool.num_held == 5
-    assert pool.try_take("big", "a") is None
-    held[4].release()  # type: ignore[union-attr]
-    assert pool.try_take("big", "a") is not None  # 3 + 1 = 4
-    assert pool.try_take("big", "a") is None
-    single.release()  # alone again: the rows are its to fill
-    assert pool.try_take("big", "a") is not None
+    assert try_take(pool, "big", "a") is None
+    held[4].close()  # type: ignore[union-attr]
+    assert try_take(pool, "big", "a") is not None  # 3 + 1 = 4
+    assert try_take(pool, "big", "a") is None
+    single.close()  # alone again: the rows are its to fill
+    assert try_take(pool, "big", "a") is not None
 
 
 def test_one_clients_requests_share_one_limit() -> None:
     pool = shares(rows=8, calls=20, max_share=0.5)
     for i in range(8):
-        assert pool.try_take(f"r{i}", "a") is not None
-    assert pool.try_take("r8", "a") is None  # the client fills the rows with its singles
-    assert pool.try_take("other", "b") is not None
-    assert pool.try_take("r9", "a") is None
+        assert try_take(pool, f"r{i}", "a") is not None
+    assert try_take(pool, "r8", "a") is None  # the client fills the rows with its singles
+    assert try_take(pool, "other", "b") is not None
+    assert try_take(pool, "r9", "a") is None
 
 
 async def test_a_freed_call_goes_to_the_waiter_holding_least() -> None:
     pool = shares(rows=4, calls=4, max_share=0.5)
-    held = [pool.try_take("big", "a") for _ in range(4)]
-    big_next = asyncio.ensure_future(pool.take("big", "a", wait_s=10))
-    newcomer = asyncio.ensure_future(pool.take("batch-of-b", "b", wait_s=10))
+    held = [try_take(pool, "big", "a") for _ in range(4)]
+    big_next = asyncio.ensure_future(take(pool, "big", "a", wait_s=10))
+    newcomer = asyncio.ensure_future(take(pool, "batch-of-b", "b", wait_s=10))
     await asyncio.sleep(0)
     assert pool.num_waiting == 2
-    held[0].release()  # type: ignore[union-attr]
+    held[0].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert newcomer.done() and not big_next.done()  # b holds nothing, a holds 3
     # a holds 3 > 2 (its share while b is active): freed calls do not go to it.
-    held[1].release()  # type: ignore[union-attr]
+    held[1].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert not big_next.done()
-    held[2].release()  # type: ignore[union-attr]
+    held[2].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert big_next.done()  # a holds 1 < 2
     assert pool.num_held == 3
-    newcomer.result().release()
-    big_next.result().release()
-    held[3].release()  # type: ignore[union-attr]
+    newcomer.result().close()
+    big_next.result().close()
+    held[3].close()  # type: ignore[union-attr]
     assert pool.num_held == 0
-    assert pool._held == {} and pool._active == {}  # nothing left behind
+    assert pool.held == {} and pool.active == {}  # nothing left behind
 
 
 async def test_a_wait_that_runs_out_is_a_429_and_leaves_nothing() -> None:
     pool = shares(rows=1, calls=1)
-    held = pool.try_take("first", "a")
+    held = try_take(pool, "first", "a")
     with pytest.raises(ShareRefusedError) as refused:
-        await pool.take("second", "b", wait_s=0.01)
+        await take(pool, "second", "b", wait_s=0.01)
     assert refused.value.status_code == 429
     assert "decode pool is full" in str(refused.value)
     with pytest.raises(ShareRefusedError):
-        await pool.take("single", "c", wait_s=0)  # no wait at all
+        await take(pool, "single", "c", wait_s=0)  # no wait at all
     assert pool.num_waiting == 0
     assert held is not None
-    held.release()
-    assert pool._held == {} and pool._active == {}
+    held.close()
+    assert pool.held == {} and pool.active == {}
 
 
 async def test_a_cancelled_waiter_leaves_nothing() -> None:
     pool = shares(rows=1, calls=1)
-    held = pool.try_take("first", "a")
-    waiter = asyncio.ensure_future(pool.take("second", "b", wait_s=10))
+    held = try_take(pool, "first", "a")
+    waiter = asyncio.ensure_future(take(pool, "second", "b", wait_s=10))
     await asyncio.sleep(0)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert held is not None
-    held.release()
+    held.close()
     assert pool.num_held == 0 and pool.num_waiting == 0
-    assert pool._held == {} and pool._active == {}
+    assert pool.held == {} and pool.active == {}
 
 
 async def test_a_call_freed_as_a_waiter_is_cancelled_goes_to_no_one() -> None:
     """A batch whose client left: its waiters' tasks are cancelled while its running members
     release their shares, before the cancelled tasks have run again."""
     pool = shares(rows=1, calls=1)
-    held = pool.try_take("batch", "a")
-    waiter = asyncio.ensure_future(pool.take("batch", "a", wait_s=10))
+    held = try_take(pool, "batch", "a")
+    waiter = asyncio.ensure_future(take(pool, "batch", "a", wait_s=10))
     await asyncio.sleep(0)
     waiter.cancel()  # its future is cancelled now, its task runs later
     assert held is not None
-    held.release()  # must not grant the cancelled waiter (the share would never come back)
+    held.close()  # must not grant the cancelled waiter (the share would never come back)
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert pool.num_held == 0 and pool.num_waiting == 0
-    assert pool._held == {} and pool._active == {}
-    assert pool.try_take("next", "b") is not None
+    assert pool.held == {} and pool.active == {}
+    assert try_take(pool, "next", "b") is not None
 
 
 def test_a_share_is_released_once() -> None:
     pool = shares(rows=2, calls=2)
-    share = pool.try_take("r", "a")
+    share = try_take(pool, "r", "a")
     assert share is not None
-    share.release()
-    share.release()
+    share.close()
+    share.close()
     assert pool.num_held == 0
 
 
 def test_share_bounds() -> None:
     with pytest.raises(ValueError, match="max-decode-share"):
-        DecodeShares(0)
+        Ledger(max_share=0)
     with pytest.raises(ValueError, match="max-decode-share"):
-        DecodeShares(1.5)
+        Ledger(max_share=1.5)
 
 
-def test_a_paused_prompt_is_out_of_the_token_count_but_keeps_its_group_admitted() -> None:
-    queue = PromptQueue(max_tokens_per_worker=10)
-    first = queue.admit(8, 1, now=0.0, group="batch")
-    second = queue.admit(8, 1, now=0.0, group="batch")  # joins its group past the bound
+def test_a_waiting_prompt_is_out_of_the_token_count_but_keeps_its_group_admitted() -> None:
+    queue = Ledger(max_tokens_per_worker=10)
+    first = queue.admit(request(8, group="batch"), 1, now=0.0)
+    first.take_slot()
+    second = queue.admit(request(8, group="batch"), 1, now=0.0)  # joins its group past the bound
+    assert queue.queued_tokens == 8  # waits for a slot: not queued on any worker
+    second.take_slot()
     assert queue.queued_tokens == 16
-    second.pause()  # waits for a decode share: not queued on any worker
-    assert queue.queued_tokens == 8
-    second.resume()
-    assert queue.queued_tokens == 16
-    second.pause()
-    second.abandon()  # failed while paused: its tokens are not taken off twice
-    first.prefilled(1.0)
+    second.close()  # failed before its first token
+    second.close()  # its tokens are not taken off twice
+    first.first_token(1.0)
     assert queue.queued_tokens == 0
 
 
@@ -231,52 +224,52 @@ def test_the_pool_capacity_counts_a_worker_that_has_not_said_yet_as_the_mean_of_
 
 async def test_a_freed_call_goes_to_an_interactive_waiter_before_batch_ones() -> None:
     pool = shares(rows=2, calls=2, max_share=1.0)
-    held = [pool.try_take("line-0", "runner#background"), pool.try_take("line-1", "c")]
+    held = [try_take(pool, "line-0", "runner#background"), try_take(pool, "line-1", "c")]
     batch_waiters = [
-        asyncio.ensure_future(pool.take(f"line-{i}", "runner#background", 10, priority=1000))
+        asyncio.ensure_future(take(pool, f"line-{i}", "runner#background", 10, priority=1000))
         for i in (2, 3)
     ]
     await asyncio.sleep(0)
-    interactive = asyncio.ensure_future(pool.take("chat", "d", 10, priority=0))
+    interactive = asyncio.ensure_future(take(pool, "chat", "d", 10, priority=0))
     await asyncio.sleep(0)
-    held[0].release()  # type: ignore[union-attr]
+    held[0].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     # The interactive request came last and holds nothing more than the others: it goes first.
     assert interactive.done() and not any(w.done() for w in batch_waiters)
-    interactive.result().release()
+    interactive.result().close()
     await asyncio.sleep(0)
     assert batch_waiters[0].done() and not batch_waiters[1].done()
     for waiter in batch_waiters[1:]:
         waiter.cancel()
-    batch_waiters[0].result().release()
-    held[1].release()  # type: ignore[union-attr]
+    batch_waiters[0].result().close()
+    held[1].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert pool.num_held == 0
 
 
 async def test_batch_lines_fill_the_rows_but_leave_the_workers_queues_to_interactive_work() -> None:
     pool = shares(rows=4, calls=6, max_share=1.0)
-    batch = [pool.try_take(f"line-{i}", "r#background", priority=1000) for i in range(5)]
+    batch = [try_take(pool, f"line-{i}", "r#background", priority=1000) for i in range(5)]
     assert [share is not None for share in batch] == [True] * 4 + [False]
-    waiter = asyncio.ensure_future(pool.take("line-9", "r#background", 10, priority=1000))
+    waiter = asyncio.ensure_future(take(pool, "line-9", "r#background", 10, priority=1000))
     await asyncio.sleep(0)
     # Interactive members count against each other only, as the workers count their calls:
     # every call of the pool is theirs at once, whatever the batch holds.
-    chats = [pool.try_take(f"chat-{i}", f"c{i}") for i in range(7)]
+    chats = [try_take(pool, f"chat-{i}", f"c{i}") for i in range(7)]
     assert [share is not None for share in chats] == [True] * 6 + [False]
     with pytest.raises(ShareRefusedError, match="6 interactive requests hold its 6 calls"):
-        await pool.take("chat-7", "c7", 0)
+        await take(pool, "chat-7", "c7", 0)
     assert pool.num_held == 10 and pool.num_background_held == 4 and not waiter.done()
-    batch[0].release()  # type: ignore[union-attr]
+    batch[0].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert not waiter.done()  # 9 calls held, 4 rows: no room for a batch line
     for share in chats[:5]:
-        share.release()  # type: ignore[union-attr]
+        share.close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert not waiter.done()  # batch lines start while fewer calls than rows are held
-    chats[5].release()  # type: ignore[union-attr]
+    chats[5].close()  # type: ignore[union-attr]
     await asyncio.sleep(0)
     assert waiter.done()
     for share in [*batch[1:4], waiter.result()]:
-        share.release()  # type: ignore[union-attr]
+        share.close()  # type: ignore[union-attr]
     assert pool.num_held == 0 and pool.num_background_held == 0
