@@ -5,7 +5,7 @@ The engine is not thread-safe and a step can take tens of milliseconds, so one l
 alternates between applying queued operations (add, abort, finish a KV transfer, ...) and
 stepping. The asyncio side never touches the engine: it sends operations with
 `call(function, *args)`, each a named function (an LLMEngine method, or a module-level function
-such as `nori.engine.engine.abort_all`) applied as `function(engine, *args)`, and receives each
+such as `nori.prefill.servicer.export_and_release`) applied as `function(engine, *args)`, and receives each
 step's outputs on the event loop through `on_outputs`. gRPC handlers, KV transfers and Redis
 heartbeats keep running while the model computes.
 
@@ -42,7 +42,7 @@ import torch
 
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_device
-from nori.engine.engine import LLMEngine, abort_all
+from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.worker.cpu_binding import usable_cpu_count
 
@@ -190,7 +190,7 @@ def result_of_step(
         outputs = engine.step()
     except Exception:
         logger.exception("engine step failed; aborting the running requests")
-        outputs = abort_all(engine)
+        outputs = engine.abort_all()
     return outputs, probe(engine) if probe is not None else None
 
 

@@ -25,6 +25,7 @@ from nori.engine.follower_ranks import (
     rank_group,
 )
 from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
+from nori.engine.outputs import ExpertRoutingCounts
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -281,6 +282,30 @@ class ModelRunner:
         if self.draft is None or self.draft.kv_cache is None:
             return self.kv_cache.tensors
         return self.kv_cache.tensors + self.draft.kv_cache.tensors
+
+    def expert_routing_counts(self) -> ExpertRoutingCounts | None:
+        """Tokens routed to each expert of each routed layer since the model loaded (None for a
+        dense model): a copy of the mixture-of-experts blocks' counters, for load-balance
+        metrics (a worker's /metrics, `nori bench offline`).
+
+        The counters live on the model's device and grow inside the forward pass; reading them
+        waits for the device (one copy of all layers at once), so it is done when asked (a
+        scrape, the end of a benchmark run), never per step. Under tensor or expert
+        parallelism every rank runs the router on every token identically and counts into a
+        full [num_experts] counter, so this rank's (the leader's) counts are the whole count.
+        Engines sharing this runner read the counts of all of them.
+        """
+        blocks = self.model.moe_blocks()
+        if not blocks:
+            return None
+        counts = torch.stack([block.routed_tokens for block in blocks.values()]).tolist()
+        return ExpertRoutingCounts(
+            top_k=self.model_config.num_experts_per_tok,
+            layers=tuple(
+                (layer, tuple(layer_counts))
+                for layer, layer_counts in zip(blocks, counts, strict=True)
+            ),
+        )
 
     def close(self) -> None:
         """Ends the follower ranks of a tensor-parallel engine (nothing to do otherwise)."""

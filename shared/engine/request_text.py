@@ -79,3 +79,17 @@ def make_output(request: Request) -> StepOutput:
     request.num_emitted_tokens = len(output_ids)
     request.num_emitted_chars = len(request.text)
     return result
+
+
+def aborted_output(request: Request) -> StepOutput:
+    """The last output of a request ended by `abort_all`: its tokens, no text."""
+    return StepOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=request.output_token_ids,
+        text="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=RequestStatus.FINISHED_ABORTED.value,
+    )

@@ -20,6 +20,7 @@ back the blocks only rejected drafts used.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ class Scheduler:
     prefill_budget_with_decodes: int | None = field(init=False)
     # Preemptions since the scheduler was made (a request preempted twice counts twice).
     num_preemptions: int = field(default=0, init=False)
+    # Prompt positions scheduled since the scheduler was made (a recompute counts again).
+    num_prompt_tokens_computed: int = field(default=0, init=False)
     # Steps since one with an interactive request (priority <= 0) about: it gates the cap on
     # background prompt tokens. Starts past the linger: a batch alone is never capped.
     steps_since_interactive: int = field(init=False)
@@ -247,7 +250,20 @@ class Scheduler:
                 self._admit_static_batch(budget, scheduled)
 
         scheduled.sort(key=lambda s: (s.num_new_tokens > 1, s.num_spec_tokens == 0))
+        self._count(scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+
+    def _count(self, scheduled: list[ScheduledRequest]) -> None:
+        """Stamps when each request first runs (its queue wait ends) and counts the step's
+        prompt positions (a chunk computes only part of its prompt)."""
+        now = time.time()
+        for item in scheduled:
+            request = item.request
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = now
+            prompt_end = min(request.num_prompt_tokens, request.num_tokens)
+            step_end = min(prompt_end, request.num_computed_tokens + item.num_new_tokens)
+            self.num_prompt_tokens_computed += max(step_end - request.num_computed_tokens, 0)
 
     def _background_budget(self, budget: int) -> int:
         """Background prompt tokens this step may carry: capped while interactive work is about

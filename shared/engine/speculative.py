@@ -111,14 +111,31 @@ class Speculator:
             assert draft is not None, "a draft_model speculator without a draft model"
             draft.propose(drafting, self._runner.generator)
 
+    @staticmethod
+    def accept(sampled: Sequence[SampledTokens]) -> dict[str, int]:
+        """Puts each verification's accepted drafts in its request (they are computed tokens,
+        which `Scheduler.update` counts and the prefix cache hashes) and returns the rejected
+        drafts by request id, for `Scheduler.update`. `record` takes them out again."""
+        num_rejected = {}
+        for result in sampled:
+            if result.num_drafts:
+                result.request.token_ids.extend(result.token_ids[:-1])
+                num_rejected[result.request.request_id] = result.num_rejected
+        return num_rejected
+
     def record(self, sampled: Sequence[SampledTokens]) -> None:
-        """Counts the step's verifications and clears their drafts."""
+        """Counts the step's verifications, clears their drafts and takes the accepted ones out
+        of the requests again: the engine appends every sampled token one by one, checking for
+        a stop after each."""
         drafts = tokens = accepted = 0
         for result in sampled:
             if result.num_drafts:
                 drafts += 1
                 tokens += result.num_drafts
-                accepted += len(result.token_ids) - 1
+                num_accepted = len(result.token_ids) - 1
+                accepted += num_accepted
+                if num_accepted:
+                    del result.request.token_ids[-num_accepted:]
                 result.request.spec_token_ids = []
                 result.request.spec_draft_probs = None
         if drafts:

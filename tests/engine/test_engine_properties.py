@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nori.engine.engine import LLMEngine, export_request, import_request
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVToRemote
 from nori.engine.llm import LLM
 from nori.engine.request import RequestStatus
@@ -83,9 +83,9 @@ def test_random_traffic_never_leaks_blocks(
             else:
                 request = prefill._requests.get(name)
                 if request is not None and request.status is RequestStatus.PREFILLED:
-                    export = export_request(prefill, name)
+                    export = prefill.export_request(name)
                     prefill.finish_kv_transfer(name)
-                    import_request(decode, export)  # False (pool full) simply drops it
+                    decode.import_request(export)  # False (pool full) simply drops it
         check(prefill)
         check(decode)
 
