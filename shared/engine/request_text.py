@@ -27,7 +27,7 @@ def check_stop(
         if result.stop_string is not None:
             request.stop_reason = result.stop_string
             return RequestStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or request.num_unpadded_tokens >= max_model_len:
+    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
         return _flush(request, RequestStatus.FINISHED_LENGTH)
     return None
 

@@ -90,7 +90,7 @@ class Speculator:
             return 0
         left = min(
             request.max_new_tokens - request.num_output_tokens,
-            self._max_model_len - request.num_unpadded_tokens,
+            self._max_model_len - request.num_tokens,
         )
         return min(self.config.num_speculative_tokens, left - 1)
 
