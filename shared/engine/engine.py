@@ -39,7 +39,7 @@ from nori.engine.kv_transfer import (
     generator_state,
     set_generator_state,
 )
-from nori.engine.model_runner import ModelRunner, SampledTokens
+from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import (
     EngineLoad,
     ExpertRoutingCounts,
@@ -59,6 +59,7 @@ from nori.engine.request_text import (
 from nori.engine.scheduler import Scheduler, SchedulerOutput
 from nori.engine.speculative import Speculator
 from nori.engine.step_cost import StepCosts
+from nori.engine.step_sampling import SampledTokens
 from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams

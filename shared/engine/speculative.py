@@ -25,10 +25,11 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from nori.engine.config import SpeculativeConfig
-from nori.engine.model_runner import ModelRunner, SampledTokens
+from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import SpecDecodeCounts
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import SchedulerOutput
+from nori.engine.step_sampling import SampledTokens
 
 
 def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
