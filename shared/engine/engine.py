@@ -1,21 +1,14 @@
 """The engine loop: admit requests, step the batch, turn sampled tokens into outputs.
 
-A step is schedule -> run the model -> update. Memory and batching are the scheduler's, tensors
-the model runner's, step costs and the auto prompt cap `StepCosts`'; this file owns the
-per-request text state (detokenizer, stop conditions) and the hand-off of a request's K/V
-between engines. Its whole surface is `LLMEngine`'s members, listed in its docstring (a test
-holds the list to the class); an engine core sends them by name (`LLMEngine.prefilled_kv`).
+A step is schedule -> execute -> update. Memory and batching are the scheduler's, tensors the
+model runner's, step costs and the auto prompt cap `StepCosts`'; this file owns the requests'
+text side (detokenizer, stop conditions) and the hand-off of their K/V between engines.
 
 A remote-KV request's life (`abort_request` frees its blocks from any state):
-
-- decode side: `add_request(remote_kv=KVFromRemote())` reserves blocks for the prompt's K/V and
-  the first sampled token and returns the prompt's block ids (NoFreeBlocks: no room)
-  -> WAITING_FOR_KV (skipped by the scheduler; a transport writes the K/V into the blocks)
-  -> `finish_kv_transfer(id, first tokens, generator state[, blocks])` -> READY (when the
-  batch is full) -> RUNNING (decoding) -> finished.
-- prefill side: `add_request(remote_kv=KVToRemote())` -> WAITING -> RUNNING (the prompt) ->
-  first token: PREFILLED (blocks held; `prefilled_kv` or `export_request` reads them)
-  -> `finish_kv_transfer(id)` -> FINISHED_STOPPED (blocks freed).
+- decode side: `add_request(remote_kv=KVFromRemote())` reserves its blocks -> WAITING_FOR_KV
+  (a transport writes the K/V) -> `finish_kv_transfer` -> READY (batch full) -> RUNNING.
+- prefill side: `add_request(remote_kv=KVToRemote())` -> WAITING -> RUNNING -> first token:
+  PREFILLED (blocks held; `prefilled_kv`, `export_request`) -> `finish_kv_transfer` -> freed.
 """
 
 from __future__ import annotations
@@ -68,17 +61,15 @@ from nori.sampling.tokenizer import Tokenizer
 
 class LLMEngine:
     """One model's engine. Its members, all of them (nobody outside reaches the scheduler,
-    block manager or runner):
+    block manager or runner; a test holds this list to the class):
 
     - `config` (EngineConfig), `model` (ServedModel: model config, tokenizer, max_model_len);
-    - `add_request` (every request comes in here; a remote-KV one says where its K/V is
-      computed), `step`, `abort_request`, `abort_all`, `has_unfinished_requests`;
-    - the remote-KV hand-off: `finish_kv_transfer` (the K/V is in, or was sent),
-      `prefilled_kv` (a prefilled request's state and block ids, for a reader of the cache),
-      `export_request` and `import_request` (the hand-off within one process);
-    - `load` (EngineLoad: queue, blocks, preemptions, the running batch), `kv_cache`
-      (KVCacheView: tensors, block layouts and reads, prefix-cache events, invariants),
-      `expert_routing_counts` (a mixture-of-experts model's tokens per expert), `close`.
+    - `add_request` (every request comes in here), `step`, `abort_request`, `abort_all`,
+      `has_unfinished_requests`;
+    - the remote-KV hand-off: `finish_kv_transfer`, `prefilled_kv` (state and block ids, for a
+      reader of the cache), `export_request` and `import_request` (within one process);
+    - `load` (EngineLoad), `kv_cache` (KVCacheView: tensors, block reads, prefix-cache events,
+      invariants), `expert_routing_counts` (tokens per expert), `close`.
     """
 
     def __init__(
@@ -134,18 +125,14 @@ class LLMEngine:
     ) -> list[int]:
         """Queues a request. Raises ValueError for input the engine can never serve.
 
-        `priority`: vLLM's; lower values are served first, in arrival order among equals, and a
-        request may preempt running ones of a larger value when the KV pool has no room for it.
-
+        `priority`: vLLM's; lower values first, arrival order among equals; a request may
+        preempt running ones of a larger value when the KV pool has no room for it.
         `remote_kv`: None, the prompt is computed here. KVToRemote: the prompt and first token
-        only; its K/V then waits to be sent (PREFILLED). KVFromRemote: its prompt's K/V comes from
-        elsewhere: blocks are reserved now for it and the first sampled token (preempting less
-        important running requests if need be; else NoFreeBlocks), and the prompt's block ids
-        are returned, in order, for the K/V to land in. Others return [].
-
-        `output_token_ids`: a request resumed here after the worker decoding it died (migration):
-        the tokens it had sampled, already streamed with `num_emitted_chars` of their text,
-        computed with the prompt and counted as output; sampling goes on after the last.
+        only, then its K/V waits to be sent (PREFILLED). KVFromRemote: blocks are reserved now
+        for its prompt's K/V and first token (preempting if need be; else NoFreeBlocks) and the
+        prompt's block ids returned, in order; others return [].
+        `output_token_ids`: a request resumed after its worker died (migration): the tokens it
+        sampled, `num_emitted_chars` of their text already streamed; sampling goes on after.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

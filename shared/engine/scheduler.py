@@ -1,21 +1,14 @@
 """Iteration-level scheduling: which requests run in the next step, and with how many tokens.
 
-Pure Python. Each step has a token budget shared by every scheduled request: running requests
-come first (a decode costs one token, an unfinished chunked prefill up to the rest of the budget),
-then waiting requests by priority (vLLM's: lower values first), in arrival order within one.
-With decodes in the step, prompt tokens can be capped separately (`prefill_budget_with_decodes`):
-every running stream waits for the whole step, so a small cap keeps inter-token latency near the
-pure decode step while long prompts ride along in chunks. When the KV pool runs dry, the least
-important running request (the largest priority value; the newest among equals) is preempted:
-it gives back its blocks and goes back to the waiting queue, in front of its equals, to be
-recomputed (cheaply, when its prefix is still cached); a waiting request may likewise preempt
-running ones of a strictly larger value (`preempt_for`). Requests whose K/V is in transit are
-`held` outside all this until `activate` (their K/V arrived) or `finish` (sent or aborted).
-
-Speculative decoding: a decoding request may carry draft tokens after its last token
-(`schedule(spec_lengths)`); it is granted as many as the token budget and the free blocks allow
-(never preempting for a draft), and after the step `update` keeps the accepted ones and gives
-back the blocks only rejected drafts used.
+Pure Python. One token budget per step: running requests first (a decode costs one token, an
+unfinished prompt a chunk), then waiting ones by priority (lower values first), in arrival order
+within one. With decodes in the step, prompt tokens may be capped (`prefill_budget_with_decodes`).
+When the KV pool runs dry the least important running request (largest priority, newest among
+equals) is preempted: its blocks go back and it is recomputed later, ahead of its equals; a
+waiting request may preempt running ones of a strictly larger value (`preempt_for`). Requests
+whose K/V is in transit are `held` until `activate` or `finish`. Drafts (`schedule(spec_lengths)`)
+are granted as the budget and free blocks allow, never by preempting; `update` keeps the
+accepted ones and gives back the blocks only rejected drafts used.
 """
 
 from __future__ import annotations

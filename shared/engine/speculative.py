@@ -1,19 +1,14 @@
-"""Speculative decoding's engine side: who drafts, how many tokens, and what the verifications
-yielded.
+"""Speculative decoding's engine side: who drafts, how many tokens, what verifications yielded.
 
-Every step, before scheduling, `plan` says how many draft tokens each decoding request would
-like to verify (`Scheduler.schedule(spec_lengths)` grants what fits); after scheduling,
-`propose` fills `Request.spec_token_ids` for the granted ones. The model then scores the last
-token and the drafts in one multi-query decode, `nori.sampling.speculative.verify_drafts` keeps
-the longest accepted prefix and one more token, and `record` counts what happened.
+Each step `plan` (before scheduling) says how many drafts each decoding request would verify
+(`Scheduler.schedule(spec_lengths)` grants what fits); `propose` fills `Request.spec_token_ids`
+for the granted ones; the model scores the last token and the drafts in one multi-query decode
+(`verify_drafts` keeps the longest accepted prefix and one more token); `accept` and `record`
+keep the books around `Scheduler.update`.
 
-Proposers:
-- "ngram": prompt lookup (vLLM's): the longest suffix of the request's tokens, between
-  `prompt_lookup_min` and `prompt_lookup_max` tokens long, that occurred before; the tokens that
-  followed its latest earlier occurrence are the drafts. No second model: it pays off where the
-  output copies the input (summaries, extraction, rewriting, question answering over a document).
-- "draft_model": a smaller model with the same tokenizer drafts autoregressively
-  (`nori.engine.draft_model.DraftModel`, owned by the model runner).
+Proposers: "ngram", prompt lookup (vLLM's): the tokens that followed the latest earlier
+occurrence of the request's longest recurring suffix (no second model); "draft_model", a
+smaller model with the same tokenizer (`DraftModel`, owned by the model runner).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""What a step costs, learnt from the steps the engine times: sizes the prompt chunks that ride
-along with decodes (`prefill_budget_with_decodes="auto"`).
+"""What a step costs, learnt from the steps the engine times: `fixed + per_row * decode rows +
+per_token * prompt tokens`, fitted together by least squares over every timed step, older steps
+weighing less (while prompts queue no step is decode-only, so no cost is fitted alone). No torch.
 
-A step's time is close to `fixed + per_row * decode_rows + per_token * prompt_tokens`. Keeping
-the prompt part of a step at most `ratio` times the decode part of the batch now running keeps a
-running stream's inter-token latency within (1 + ratio) decode steps, whatever the model and
-the hardware: a token cap right for a 3.7M-parameter model on a CPU would stall a 24M one for
-tens of milliseconds, and be far too small for a GPU.
-
-The three costs are fitted together, by least squares over every timed step with older steps
-weighing less, rather than each from steps of one kind: once prompts queue, every step carries
-some, so a decode-only estimate would stay frozen at the batch size of the last decode-only step.
-(Frozen at 1 row, it made a 24M model's budget 23 tokens where 16 rows allowed 53, and a burst
-of 15 prompts of 512 tokens waited 7.0-7.8 s instead of 4.4.) No torch (numpy solves the
-3x3 system); the clock is the caller's.
-
-The same fit, published in the worker registry (`StepCostFit`, `fit()`), is what the gateway's
-conditional disaggregation weighs: a prompt's cost on its prefill worker against its cost on the
-decode worker beside that worker's running streams (nori.gateway.disaggregation). A prefill
-worker times prompt steps only and a disaggregated decode worker mostly decode steps, so `fit()`
-also answers from steps of one kind: a feature never seen gets no cost (None), the others are
-fitted without it.
+With `prefill_budget_with_decodes="auto"` the prompt part of a step is kept at most `ratio`
+times the decode part of the running batch, which keeps a stream's inter-token latency within
+(1 + ratio) decode steps on any model and hardware. The fit is also published (`StepCostFit`)
+for the gateway's conditional disaggregation; a kind of step never timed gets no cost (None).
 
 `StepCosts` is the engine's side: `before_schedule` sets the scheduler's prompt cap (with
 "auto"), `after_execute` times the step into the fit and refreshes the published `fit`.
