@@ -1,11 +1,8 @@
 """Offline throughput: continuous batching, and optionally static batching on the same prompts.
 
-Static batching here is the classic scheme of a [batch, max_len] tensor (Hugging Face
-`generate`, FasterTransformer): a batch is formed only when the previous one has completely
-finished (it waits for its longest member); its prompts are left-padded to the longest one, the
-pads computed but masked out of attention; every member reserves KV memory for the batch's
-longest prompt plus its largest max_tokens up front, since it cannot grow later; and a member
-that finishes early keeps its row, computing padding tokens, until the batch ends. Both runs
+Static batching is the classic scheme of a [batch, max_len] tensor (bench/static_batching.py: a
+batch waits for its longest member, its prompts are padded to the longest, every member reserves
+its rectangle up front, and a member that finishes early keeps computing its row). Both runs
 share the loaded model, the kernels, the KV pool, max_num_seqs and the token budget; each starts
 with an empty prefix cache (static batching has none).
 
@@ -23,13 +20,18 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, replace
+from typing import Literal
 
-from nori.engine.config import EngineConfig, SchedulingPolicy
+from nori.bench.static_batching import StaticBatchScheduler
+from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import ExpertRoutingCounts, StepOutput, expert_imbalance
+from nori.engine.scheduler import Scheduler
 from nori.models.demo import resolve_model
 from nori.sampling.params import SamplingParams
+
+SchedulingPolicy = Literal["continuous", "static"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,13 @@ def run_policy(
 ) -> RunResult:
     from tqdm import tqdm
 
-    engine = LLMEngine(replace(config, scheduling_policy=policy), runner=runner)
+    if policy == "static":
+        config = replace(config, enable_prefix_caching=False)
+    engine = LLMEngine(
+        config,
+        runner=runner,
+        scheduler_class=StaticBatchScheduler if policy == "static" else Scheduler,
+    )
     for index, (prompt, output_len) in enumerate(
         zip(workload.prompts, workload.output_lens, strict=True)
     ):
@@ -229,6 +237,8 @@ def run_offline_benchmark(
     """`workload`: these requests (`--batch-file`) instead of random ones."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if compare_static and config.speculative_config is not None:
+        raise ValueError("static batching has no speculative decoding: drop one of the two")
     runner = ModelRunner(config, resolve_model(config.model))  # ignore_eos: no EOS masking
     if workload is None:
         workload = make_workload(

@@ -1,20 +1,53 @@
 """Where one engine step's time goes on a GPU: engine phases and the top operators.
 
 Usage: python bench/profile_steps.py MODEL_DIR [--load-format dummy] [--num-requests 64]
-Prints per-phase milliseconds (schedule, model + sampling, postprocess) averaged over decode-heavy
-steps, then torch.profiler's top operators by self CPU and by device time.
+Prints per-phase milliseconds (schedule, model + sampling, update + postprocess) averaged over
+decode-heavy steps (timed through a Scheduler and a ModelRunner subclass), then torch.profiler's top operators by self CPU and by device time.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
+from nori.engine.model_runner import ModelRunner, StepResult
+from nori.engine.scheduler import Scheduler, SchedulerOutput
+from nori.models.demo import resolve_model
 from nori.sampling.params import SamplingParams
+
+
+class TimedScheduler(Scheduler):
+    """Adds up the seconds spent in `schedule` (of every instance: the engine makes one)."""
+
+    total_s: ClassVar[float] = 0.0
+
+    def schedule(self, spec_lengths: Mapping[str, int] | None = None) -> SchedulerOutput:
+        started = time.perf_counter()
+        output = super().schedule(spec_lengths)
+        TimedScheduler.total_s += time.perf_counter() - started
+        return output
+
+
+class TimedRunner(ModelRunner):
+    """Adds up the seconds of `execute`, the device waited for on both sides."""
+
+    seconds = 0.0
+
+    def execute(
+        self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
+    ) -> StepResult:
+        self.synchronize()
+        started = time.perf_counter()
+        result = super().execute(output, generators)
+        self.synchronize()
+        self.seconds += time.perf_counter() - started
+        return result
 
 
 def main() -> None:
@@ -26,39 +59,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
 
-    engine = LLMEngine(
-        EngineConfig(model=args.model, load_format=args.load_format, num_kv_blocks=4096)
-    )
+    config = EngineConfig(model=args.model, load_format=args.load_format, num_kv_blocks=4096)
+    runner = TimedRunner(config, resolve_model(config.model))  # ignore_eos: no EOS masking
+    engine = LLMEngine(config, runner=runner, scheduler_class=TimedScheduler)
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
     for index in range(args.num_requests):
         prompt = [100 + (index * 7 + i) % 1000 for i in range(args.prompt_len)]
         engine.add_request(f"r{index}", prompt, params)
-    while (
-        any(r.num_output_tokens == 0 for r in engine._scheduler.running)
-        or engine._scheduler.waiting
-    ):
-        engine.step()
+    started: set[str] = set()
+    while len(started) < args.num_requests:  # every request decoding
+        started.update(output.request_id for output in engine.step())
     for _ in range(5):
         engine.step()
 
-    sync = engine._runner.synchronize
-    phases = {"schedule": 0.0, "execute": 0.0, "update+postprocess": 0.0}
+    schedule_s, execute_s, total_s = TimedScheduler.total_s, runner.seconds, 0.0
     for _ in range(args.steps):
-        sync()
-        t0 = time.perf_counter()
-        output = engine._scheduler.schedule()
-        t1 = time.perf_counter()
-        sampled = engine._runner.execute(output, engine._generators(output)).sampled
-        sync()
-        t2 = time.perf_counter()
-        engine._scheduler.update(output)
-        for token in sampled:
-            engine._postprocess(token)
-        t3 = time.perf_counter()
-        phases["schedule"] += t1 - t0
-        phases["execute"] += t2 - t1
-        phases["update+postprocess"] += t3 - t2
-    batch = len(engine._scheduler.running)
+        runner.synchronize()
+        step_started = time.perf_counter()
+        engine.step()
+        runner.synchronize()
+        total_s += time.perf_counter() - step_started
+    schedule_s = TimedScheduler.total_s - schedule_s
+    execute_s = runner.seconds - execute_s
+    phases = {
+        "schedule": schedule_s,
+        "execute": execute_s,
+        "update+postprocess": total_s - schedule_s - execute_s,
+    }
+    batch = engine.load().num_running
     print({k: round(v / args.steps * 1000, 2) for k, v in phases.items()}, "ms/step, batch", batch)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -67,7 +95,7 @@ def main() -> None:
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(10):
             engine.step()
-        sync()
+        runner.synchronize()
     table = profiler.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=20))
     if torch.cuda.is_available():

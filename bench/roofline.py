@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from nori.engine.config import EngineConfig
-from nori.engine.engine import LLMEngine, abort_all
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_cache import bytes_per_block
 from nori.engine.model_runner import ModelRunner
 from nori.models.config import ModelConfig
@@ -240,7 +240,7 @@ def time_decode(
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
-    abort_all(engine)
+    engine.abort_all()
     return statistics.median(times)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from nori.engine.engine import LLMEngine, export_request, prefilled_kv
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.prefill.export_arena import ExportArena, ExportCopy
 from nori.prefill.lease_keeper import LeaseKeeper
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 def export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
     """A prefilled request's state and a copy of its blocks, which are then freed (an engine
     operation: it goes to an engine process by name)."""
-    export = export_request(engine, request_id)
+    export = engine.export_request(request_id)
     engine.finish_kv_transfer(request_id)
     return export
 
@@ -141,7 +141,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         if facts.tensor_parallel_size > 1:
             export = await self._engine.call(export_and_release, request_id)
             return export, ExportCopy(export.blocks)
-        state, block_ids = await self._engine.call(prefilled_kv, request_id)
+        state, block_ids = await self._engine.call(LLMEngine.prefilled_kv, request_id)
         copying = asyncio.ensure_future(
             asyncio.to_thread(self._arena.read_blocks, facts.kv_cache_tensors, block_ids)
         )

@@ -27,7 +27,7 @@ import torch
 
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_device
-from nori.engine.engine import LLMEngine, abort_all
+from nori.engine.engine import LLMEngine
 from nori.engine.outputs import EngineLoad, StepOutput
 from nori.worker.cpu_binding import usable_cpu_count
 
@@ -171,7 +171,7 @@ def result_of_step(
         outputs = engine.step()
     except Exception:
         logger.exception("engine step failed; aborting the running requests")
-        outputs = abort_all(engine)
+        outputs = engine.abort_all()
     return outputs, probe(engine) if probe is not None else None
 
 

@@ -22,9 +22,6 @@ class AttentionMetadata:
     # Longest context in the step, known on the host: sizes the decode kernel's context splits
     # without a device sync.
     max_seq_len: int
-    # Per sequence, [B]: positions before this are left padding that real tokens must not see
-    # (the static-batching baseline); None when no sequence in the step is padded.
-    context_starts: torch.Tensor | None = None
     # Speculative verification: sequences [num_decodes, num_decodes + num_verifies) each carry
     # a few query rows (the last token and its drafts), causal among themselves over their
     # paged context: a multi-query decode. Prompt chunks follow them.

@@ -47,7 +47,6 @@ def build_batch_inputs(
     num_verifies = 0
     max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
     block_rows: list[list[int]] = []
-    context_starts: list[int] = []
     prompt_logprob_rows: list[PromptLogprobRows] = []
 
     for item in output.scheduled:
@@ -59,14 +58,7 @@ def build_batch_inputs(
             assert len(request.spec_token_ids) == item.num_spec_tokens, "drafts not proposed"
             input_ids.extend(request.spec_token_ids)
             num_verifies += 1
-        # Left padding (static baseline): real tokens keep positions 0, 1, ... as unpadded, so a
-        # padded row never runs past the model's position range (RoPE itself is shift-invariant).
-        pad = request.num_padding_tokens
-        if pad:
-            positions.extend(max(p - pad, 0) for p in range(start, end))
-        else:
-            positions.extend(range(start, end))
-        context_starts.append(pad)
+        positions.extend(range(start, end))
         block_ids = request.block_ids
         slots.extend(
             block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
@@ -96,7 +88,6 @@ def build_batch_inputs(
         query_start_loc=as_tensor(query_start_loc, torch.int32),
         block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
         max_seq_len=max(seq_lens),
-        context_starts=as_tensor(context_starts, torch.int32) if any(context_starts) else None,
     )
     return BatchInputs(
         input_ids=as_tensor(input_ids, torch.int64),
@@ -112,15 +103,14 @@ def _prompt_logprob_rows(
 ) -> PromptLogprobRows | None:
     """The rows of tokens [start, end) that score prompt tokens still without a logprob.
 
-    Token index i (padding included) scores token i + 1; the prompt is tokens [pad, pad + P), and
-    the request already holds logprobs for its first `done` prompt tokens. A recompute after a
-    preemption therefore adds nothing twice.
+    Token index i scores token i + 1; the prompt is tokens [0, P), and the request already holds
+    logprobs for its first `done` prompt tokens. A recompute after a preemption therefore adds
+    nothing twice.
     """
     assert request.prompt_logprobs is not None
-    pad = request.num_padding_tokens
     done = len(request.prompt_logprobs)
-    low = max(start, pad + done - 1)
-    high = min(end, pad + len(request.prompt_token_ids) - 1)
+    low = max(start, done - 1)
+    high = min(end, len(request.prompt_token_ids) - 1)
     if low >= high:
         return None
     return PromptLogprobRows(

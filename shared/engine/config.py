@@ -21,8 +21,6 @@ Quantization = Literal["int8", "fp8"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
 # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
 LoadFormat = Literal["auto", "dummy"]
-# "static": the classic static batching baseline (see SchedulerConfig.policy).
-SchedulingPolicy = Literal["continuous", "static"]
 AttentionBackend = Literal["auto", "triton", "cpu", "reference"]
 # Speculative decoding's proposer (vLLM's --speculative-config "method"): prompt lookup over the
 # request's own tokens, or a smaller model with the same tokenizer.
@@ -174,8 +172,6 @@ class EngineConfig:
     # Longest prompt + output; None means the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    # "continuous" or "static" (the baseline `nori bench offline --compare-static` runs).
-    scheduling_policy: SchedulingPolicy = "continuous"
     # Seeds weight init for dummy weights and the sampler of unseeded requests.
     seed: int = 0
     # "auto": Triton kernels on GPU; on CPU the C++ decode kernel where it builds, else the
@@ -214,23 +210,18 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs a quantization method (int8 or fp8)")
         speculative = self.speculative_config
-        if speculative is not None:
-            if self.scheduling_policy == "static":
-                raise ValueError("speculative decoding needs the continuous scheduling policy")
-            if speculative.method == "draft_model" and self.tensor_parallel_size > 1:
-                raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
+        if (
+            speculative is not None
+            and speculative.method == "draft_model"
+            and self.tensor_parallel_size > 1
+        ):
+            raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # "static": classic static batching, the baseline continuous batching is measured against.
-    # A batch is formed only when the previous one has fully finished (it waits for its longest
-    # member); every member is left-padded to the batch's longest prompt and reserves a padded
-    # rectangle up front (that prompt plus the batch's largest max_tokens), as a
-    # [batch, max_len] tensor would.
-    policy: SchedulingPolicy = "continuous"
     # Share of the KV pool a new request must leave free when others are running. Requests grow
     # a block every block_size tokens; admitting into the last free blocks only forces a
     # preemption (and a recompute) a few steps later.
@@ -267,7 +258,6 @@ class SchedulerConfig:
                 "prefill_budget_with_decodes must be >= 1 (or None), "
                 f"got {self.prefill_budget_with_decodes}"
             )
-        check_mode("policy", self.policy, SchedulingPolicy)
 
 
 # The fields that take one of a few names, with the type that names them.
@@ -276,7 +266,6 @@ _MODES: dict[str, object] = {
     "quantization": Quantization | None,
     "kv_cache_dtype": KVCacheDtype,
     "load_format": LoadFormat,
-    "scheduling_policy": SchedulingPolicy,
     "attention_backend": AttentionBackend,
 }
 

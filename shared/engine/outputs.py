@@ -85,9 +85,9 @@ class SpecDecodeCounts:
 class ExpertRoutingCounts:
     """Tokens a mixture-of-experts model routed to each expert of each routed layer, cumulative
     since the model loaded (`LLMEngine.expert_routing_counts`). Every forwarded position counts
-    once in each of its top-k experts: prompt positions computed, decode and verification rows,
-    a static batch's padding rows; not prompt positions found in the prefix cache or received
-    with their K/V."""
+    once in each of its top-k experts: prompt positions computed, every decode and verification
+    row (a benchmark's padding rows too); not prompt positions found in the prefix cache or
+    received with their K/V."""
 
     # Experts each token is routed to.
     top_k: int

@@ -129,7 +129,6 @@ class PagedAttention:
         """Attention of the decode rows (the first query.shape[0] sequences, one token each)."""
         meta = self.metadata
         rows = slice(query.shape[0])
-        context_starts = None if meta.context_starts is None else meta.context_starts[rows]
         tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
         k_scale, v_scale = self._scales
         if self.use_triton:
@@ -141,7 +140,6 @@ class PagedAttention:
                 seq_lens,
                 scale,
                 max_seq_len=meta.max_seq_len,
-                context_starts=context_starts,
                 use_triton=True,
                 k_scale=k_scale,
                 v_scale=v_scale,
@@ -154,14 +152,11 @@ class PagedAttention:
                 tables,
                 seq_lens,
                 scale,
-                context_starts,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
         if self._decode_plan is None:
-            self._decode_plan = plan_reference_decode(
-                tables, seq_lens, self.kv_cache.block_size, context_starts
-            )
+            self._decode_plan = plan_reference_decode(tables, seq_lens, self.kv_cache.block_size)
         return run_reference_decode(
             query, k_cache, v_cache, self._decode_plan, scale, k_scale, v_scale
         )
@@ -185,19 +180,15 @@ class PagedAttention:
         query_start_loc = meta.query_start_loc[first : end + 1] - first
         rows = multi_query_rows(query_start_loc, meta.seq_lens[first:end], end_row - first)
         tables = meta.block_tables[first:end]
-        context_starts = None if meta.context_starts is None else meta.context_starts[first:end]
         if self.use_triton:
-            self._verify = _VerifyRows(end_row, query_start_loc, rows, tables, context_starts)
+            self._verify = _VerifyRows(end_row, query_start_loc, rows, tables)
             return self._verify
         # The CPU kernel and the reference take one decode row per verification row.
-        row_starts = None if context_starts is None else rows.expand(context_starts)
         row_tables = rows.expand(tables)
         plan = None
         if self.backend == "reference":
-            plan = plan_reference_decode(
-                row_tables, rows.seq_lens, self.kv_cache.block_size, row_starts
-            )
-        self._verify = _VerifyRows(end_row, query_start_loc, rows, row_tables, row_starts, plan)
+            plan = plan_reference_decode(row_tables, rows.seq_lens, self.kv_cache.block_size)
+        self._verify = _VerifyRows(end_row, query_start_loc, rows, row_tables, plan)
         return self._verify
 
     def _multi_query_decode(
@@ -217,7 +208,6 @@ class PagedAttention:
                 *(query, k_cache, v_cache, verify.block_tables, verify.query_start_loc),
                 *(meta.seq_lens[first:end], scale),
                 max_seq_len=meta.max_seq_len,
-                context_starts=verify.context_starts,
                 k_scale=k_scale,
                 v_scale=v_scale,
                 use_triton=True,
@@ -226,7 +216,6 @@ class PagedAttention:
         if verify.reference_plan is None:
             return paged_decode_attention_cpu(
                 *(query, k_cache, v_cache, verify.block_tables, verify.rows.seq_lens, scale),
-                verify.context_starts,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -250,12 +239,11 @@ class PagedAttention:
         query_start_loc = meta.query_start_loc[first:]
         if first_row:
             query_start_loc = query_start_loc - first_row
-        context_starts = None if meta.context_starts is None else meta.context_starts[first:]
         tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
         k_scale, v_scale = self._scales
         if self.backend == "cpu":
             if self._prefill_plan is None:
-                self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, context_starts)
+                self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, None)
             if k_scale is not None and v_scale is not None:
                 # The fresh prompts attend to their own rows as the cache holds them.
                 slots = meta.slot_mapping[first_row:]
@@ -264,18 +252,16 @@ class PagedAttention:
             return run_cpu_prefill(
                 *(query, key, value, k_cache, v_cache, tables, query_start_loc, seq_lens, scale),
                 self._prefill_plan,
-                context_starts,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
         attention_args = (query, k_cache, v_cache, tables, query_start_loc, seq_lens, scale)
         if not self.use_triton:
             return paged_prefill_attention_reference(
-                *attention_args, context_starts, k_scale=k_scale, v_scale=v_scale
+                *attention_args, k_scale=k_scale, v_scale=v_scale
             )
         return paged_prefill_attention(
             *attention_args,
-            context_starts=context_starts,
             use_triton=True,
             k_scale=k_scale,
             v_scale=v_scale,
@@ -291,10 +277,9 @@ class _VerifyRows:
     # [V + 1]: the verifications' rows, counted from their first.
     query_start_loc: torch.Tensor
     rows: MultiQueryRows
-    # Triton: the verifications' own block tables [V, M] and context starts [V] (rows.sequences
-    # indexes them); the CPU kernel and the reference: one of each per row [R, ...].
+    # Triton: the verifications' own block tables [V, M] (rows.sequences indexes them); the CPU
+    # kernel and the reference: one per row [R, M].
     block_tables: torch.Tensor
-    context_starts: torch.Tensor | None
     # The reference's gather plan of the rows; None on the other backends.
     reference_plan: ReferenceDecodePlan | None = None
 

@@ -58,16 +58,13 @@ class Request:
     # Stop after the first sampled token and keep the blocks for export to a decode engine
     # (the engine's KVToRemote).
     prefill_only: bool = False
-    # The most tokens it may generate (max_tokens, capped by the model's length): the static
-    # policy reserves room for them up front. 0: not known (the policies that do not need it).
+    # The most tokens it may generate (max_tokens, capped by the model's length); 0: not known.
     max_new_tokens: int = 0
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache when the request was (last) admitted.
     num_cached_tokens: int = 0
-    # Static batching only: pad tokens in front of the prompt (see `left_pad`).
-    num_padding_tokens: int = 0
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Chained content hashes of this request's full blocks, extended as tokens arrive.
@@ -104,8 +101,7 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        """Prompt length in the cache: the prompt plus any left padding."""
-        return self.num_padding_tokens + len(self.prompt_token_ids)
+        return len(self.prompt_token_ids)
 
     @property
     def skips_prefix_cache(self) -> bool:
@@ -125,29 +121,8 @@ class Request:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def num_unpadded_tokens(self) -> int:
-        """Prompt plus output, without left padding: what counts against max_model_len."""
-        return self.num_tokens - self.num_padding_tokens
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-
-    def left_pad(self, count: int, pad_token_id: int) -> None:
-        """Puts `count` pad tokens in front of the prompt, replacing any earlier padding.
-
-        The static-batching baseline pads every member of a batch to its longest prompt, as a
-        dense [batch, max_len] tensor does. The pads are computed like any token but masked out
-        of the real tokens' attention, and positions restart at 0 after them, so the output is
-        the same as without padding.
-        """
-        if count < 0:
-            raise ValueError(f"padding must be >= 0 tokens, got {count}")
-        if self.num_computed_tokens:
-            raise ValueError(f"request {self.request_id!r}: cannot pad after computing tokens")
-        unpadded = self.token_ids[self.num_padding_tokens :]
-        self.token_ids = [pad_token_id] * count + unpadded
-        self.num_padding_tokens = count

@@ -27,7 +27,7 @@ def check_stop(
         if result.stop_string is not None:
             request.stop_reason = result.stop_string
             return RequestStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or request.num_unpadded_tokens >= max_model_len:
+    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
         return _flush(request, RequestStatus.FINISHED_LENGTH)
     return None
 
@@ -79,3 +79,17 @@ def make_output(request: Request) -> StepOutput:
     request.num_emitted_tokens = len(output_ids)
     request.num_emitted_chars = len(request.text)
     return result
+
+
+def aborted_output(request: Request) -> StepOutput:
+    """The last output of a request ended by `abort_all`: its tokens, no text."""
+    return StepOutput(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=request.output_token_ids,
+        text="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=RequestStatus.FINISHED_ABORTED.value,
+    )

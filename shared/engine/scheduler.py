@@ -1,25 +1,19 @@
 """Iteration-level scheduling: which requests run in the next step, and with how many tokens.
 
-Pure Python. Each step has a token budget shared by every scheduled request: running requests
-come first (a decode costs one token, an unfinished chunked prefill up to the rest of the budget),
-then waiting requests by priority (vLLM's: lower values first), in arrival order within one.
-With decodes in the step, prompt tokens can be capped separately (`prefill_budget_with_decodes`):
-every running stream waits for the whole step, so a small cap keeps inter-token latency near the
-pure decode step while long prompts ride along in chunks. When the KV pool runs dry, the least
-important running request (the largest priority value; the newest among equals) is preempted:
-it gives back its blocks and goes back to the waiting queue, in front of its equals, to be
-recomputed (cheaply, when its prefix is still cached); a waiting request may likewise preempt
-running ones of a strictly larger value (`preempt_for`). Requests whose K/V is in transit are
-`held` outside all this until `activate` (their K/V arrived) or `finish` (sent or aborted).
-
-Speculative decoding: a decoding request may carry draft tokens after its last token
-(`schedule(spec_lengths)`); it is granted as many as the token budget and the free blocks allow
-(never preempting for a draft), and after the step `update` keeps the accepted ones and gives
-back the blocks only rejected drafts used.
+Pure Python. One token budget per step: running requests first (a decode costs one token, an
+unfinished prompt a chunk), then waiting ones by priority (lower values first), in arrival order
+within one. With decodes in the step, prompt tokens may be capped (`prefill_budget_with_decodes`).
+When the KV pool runs dry the least important running request (largest priority, newest among
+equals) is preempted: its blocks go back and it is recomputed later, ahead of its equals; a
+waiting request may preempt running ones of a strictly larger value (`preempt_for`). Requests
+whose K/V is in transit are `held` until `activate` or `finish`. Drafts (`schedule(spec_lengths)`)
+are granted as the budget and free blocks allow, never by preempting; `update` keeps the
+accepted ones and gives back the blocks only rejected drafts used.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +22,6 @@ from itertools import takewhile
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import SchedulerConfig
 from nori.engine.request import Request, RequestStatus
-
-# Static batching pads prompts with this id. Any id serves: pads are computed but hidden from
-# the real tokens' attention.
-STATIC_PAD_TOKEN_ID = 0
 
 
 @dataclass(frozen=True)
@@ -97,13 +87,13 @@ class Scheduler:
     # Requests whose K/V is in place (a finished transfer) waiting for a row in the running
     # batch, by priority then arrival; they keep their blocks and join as decodes when one frees.
     ready: deque[Request] = field(default_factory=deque, init=False)
-    # Static policy: finished members that keep their row until the whole batch is done.
-    padding_rows: set[str] = field(default_factory=set, init=False)
     # The prompt-token cap of steps with decodes: the config's, unless the engine adjusts it
     # step by step (prefill_budget_with_decodes="auto").
     prefill_budget_with_decodes: int | None = field(init=False)
     # Preemptions since the scheduler was made (a request preempted twice counts twice).
     num_preemptions: int = field(default=0, init=False)
+    # Prompt positions scheduled since the scheduler was made (a recompute counts again).
+    num_prompt_tokens_computed: int = field(default=0, init=False)
     # Steps since one with an interactive request (priority <= 0) about: it gates the cap on
     # background prompt tokens. Starts past the linger: a batch alone is never capped.
     steps_since_interactive: int = field(init=False)
@@ -141,26 +131,11 @@ class Scheduler:
             _queue_behind_equals(self.running, request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request wherever it is and frees its blocks at once.
-
-        Under the static policy a member that stops early (not an abort) keeps its row, computing
-        padding tokens as a [batch, max_len] tensor would, until the batch's last member stops.
-        """
-        if (
-            self.config.policy == "static"
-            and status is not RequestStatus.FINISHED_ABORTED
-            and request in self.running
-        ):
-            self.padding_rows.add(request.request_id)
-        else:
-            self._release(request)
+        """Ends a request wherever it is and frees its blocks at once."""
+        self._release(request)
         request.status = status
-        if self.padding_rows and len(self.padding_rows) == len(self.running):
-            for row in list(self.running):
-                self._release(row)
 
     def _release(self, request: Request) -> None:
-        self.padding_rows.discard(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -179,7 +154,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        """Requests still to run, padding rows of a static batch included."""
+        """Requests still to run (the running batch and those queued for a row in it)."""
         return len(self.running) + len(self.waiting) + len(self.ready)
 
     @property
@@ -239,15 +214,25 @@ class Scheduler:
 
         # Admitting new work while others were just preempted would only thrash the pool.
         if not preempted:
-            if self.config.policy == "continuous":
-                self._admit_waiting(
-                    min(budget, prefill_budget), background_budget, scheduled, preempted
-                )
-            elif not self.running:
-                self._admit_static_batch(budget, scheduled)
+            self._admit_waiting(
+                min(budget, prefill_budget), background_budget, scheduled, preempted
+            )
 
         scheduled.sort(key=lambda s: (s.num_new_tokens > 1, s.num_spec_tokens == 0))
+        self._count(scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+
+    def _count(self, scheduled: list[ScheduledRequest]) -> None:
+        """Stamps when each request first runs (its queue wait ends) and counts the step's
+        prompt positions (a chunk computes only part of its prompt)."""
+        now = time.time()
+        for item in scheduled:
+            request = item.request
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = now
+            prompt_end = min(request.num_prompt_tokens, request.num_tokens)
+            step_end = min(prompt_end, request.num_computed_tokens + item.num_new_tokens)
+            self.num_prompt_tokens_computed += max(step_end - request.num_computed_tokens, 0)
 
     def _background_budget(self, budget: int) -> int:
         """Background prompt tokens this step may carry: capped while interactive work is about
@@ -268,7 +253,7 @@ class Scheduler:
         at the end) need no such care: beside them alone, prompts take the whole budget, as
         offline, and the batch fills its rows sooner."""
         cap = self.prefill_budget_with_decodes
-        if cap is None or self.config.policy != "continuous":
+        if cap is None:
             return budget
         decodes = any(
             request.num_uncomputed_tokens == 1 and request.priority <= 0 for request in self.running
@@ -347,11 +332,7 @@ class Scheduler:
         the fewest in preemption order, and none when all of them together would free too few.
         Returns those preempted; like any preempted request they lose nothing but time, being
         recomputed later (from the prefix cache, while their blocks stay there).
-
-        The continuous policy only: a static batch keeps its members to the end.
         """
-        if self.config.policy != "continuous":
-            return []
         manager = self.block_manager
         missing = manager.num_missing_blocks(request, num_new_tokens, cached_prefix)
         if missing == 0:
@@ -366,34 +347,6 @@ class Scheduler:
                 return victims
         return []
 
-    def _admit_static_batch(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        manager = self.block_manager
-        pool_tokens = manager.num_blocks * manager.block_size
-        batch: list[Request] = []
-        padded = 0
-        longest_prompt = longest_new = 0
-        for request in self.waiting:
-            if len(batch) == self.config.max_num_seqs:
-                break
-            prompt = max(longest_prompt, request.num_unpadded_tokens)
-            new = max(longest_new, request.max_new_tokens)
-            length = min(prompt + new, pool_tokens)
-            if batch and (len(batch) + 1) * manager.blocks_needed(length) > manager.num_free_blocks:
-                break
-            batch.append(request)
-            longest_prompt, longest_new, padded = prompt, new, length
-        for request in batch:
-            request.left_pad(longest_prompt - request.num_unpadded_tokens, STATIC_PAD_TOKEN_ID)
-            # A recomputed member may already hold more tokens than the capped rectangle: its
-            # blocks must cover them all (the engine's max_model_len keeps it within the pool).
-            needed = max(padded, request.num_tokens) - request.num_computed_tokens
-            if not manager.allocate(request, needed):
-                break
-            self.waiting.popleft()
-            num_new = min(request.num_uncomputed_tokens, budget)
-            self._start(request, num_new, scheduled)
-            budget -= num_new
-
     def _start(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
         request.status = RequestStatus.RUNNING
         _queue_behind_equals(self.running, request)
@@ -401,10 +354,6 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
 
     def _preempt(self, request: Request) -> None:
-        if request.request_id in self.padding_rows:
-            # A finished row that outgrew its reservation: nothing to recompute, just drop it.
-            self._release(request)
-            return
         self.running.remove(request)
         self.block_manager.free(request)
         request.spec_token_ids = []

@@ -1,19 +1,14 @@
-"""Speculative decoding's engine side: who drafts, how many tokens, and what the verifications
-yielded.
+"""Speculative decoding's engine side: who drafts, how many tokens, what verifications yielded.
 
-Every step, before scheduling, `plan` says how many draft tokens each decoding request would
-like to verify (`Scheduler.schedule(spec_lengths)` grants what fits); after scheduling,
-`propose` fills `Request.spec_token_ids` for the granted ones. The model then scores the last
-token and the drafts in one multi-query decode, `nori.sampling.speculative.verify_drafts` keeps
-the longest accepted prefix and one more token, and `record` counts what happened.
+Each step `plan` (before scheduling) says how many drafts each decoding request would verify
+(`Scheduler.schedule(spec_lengths)` grants what fits); `propose` fills `Request.spec_token_ids`
+for the granted ones; the model scores the last token and the drafts in one multi-query decode
+(`verify_drafts` keeps the longest accepted prefix and one more token); `accept` and `record`
+keep the books around `Scheduler.update`.
 
-Proposers:
-- "ngram": prompt lookup (vLLM's): the longest suffix of the request's tokens, between
-  `prompt_lookup_min` and `prompt_lookup_max` tokens long, that occurred before; the tokens that
-  followed its latest earlier occurrence are the drafts. No second model: it pays off where the
-  output copies the input (summaries, extraction, rewriting, question answering over a document).
-- "draft_model": a smaller model with the same tokenizer drafts autoregressively
-  (`nori.engine.draft_model.DraftModel`, owned by the model runner).
+Proposers: "ngram", prompt lookup (vLLM's): the tokens that followed the latest earlier
+occurrence of the request's longest recurring suffix (no second model); "draft_model", a
+smaller model with the same tokenizer (`DraftModel`, owned by the model runner).
 """
 
 from __future__ import annotations
@@ -25,10 +20,11 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from nori.engine.config import SpeculativeConfig
-from nori.engine.model_runner import ModelRunner, SampledTokens
+from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import SpecDecodeCounts
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import SchedulerOutput
+from nori.engine.step_sampling import SampledTokens
 
 
 def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
@@ -90,7 +86,7 @@ class Speculator:
             return 0
         left = min(
             request.max_new_tokens - request.num_output_tokens,
-            self._max_model_len - request.num_unpadded_tokens,
+            self._max_model_len - request.num_tokens,
         )
         return min(self.config.num_speculative_tokens, left - 1)
 
@@ -111,14 +107,31 @@ class Speculator:
             assert draft is not None, "a draft_model speculator without a draft model"
             draft.propose(drafting, self._runner.generator)
 
+    @staticmethod
+    def accept(sampled: Sequence[SampledTokens]) -> dict[str, int]:
+        """Puts each verification's accepted drafts in its request (they are computed tokens,
+        which `Scheduler.update` counts and the prefix cache hashes) and returns the rejected
+        drafts by request id, for `Scheduler.update`. `record` takes them out again."""
+        num_rejected = {}
+        for result in sampled:
+            if result.num_drafts:
+                result.request.token_ids.extend(result.token_ids[:-1])
+                num_rejected[result.request.request_id] = result.num_rejected
+        return num_rejected
+
     def record(self, sampled: Sequence[SampledTokens]) -> None:
-        """Counts the step's verifications and clears their drafts."""
+        """Counts the step's verifications, clears their drafts and takes the accepted ones out
+        of the requests again: the engine appends every sampled token one by one, checking for
+        a stop after each."""
         drafts = tokens = accepted = 0
         for result in sampled:
             if result.num_drafts:
                 drafts += 1
                 tokens += result.num_drafts
-                accepted += len(result.token_ids) - 1
+                num_accepted = len(result.token_ids) - 1
+                accepted += num_accepted
+                if num_accepted:
+                    del result.request.token_ids[-num_accepted:]
                 result.request.spec_token_ids = []
                 result.request.spec_draft_probs = None
         if drafts:

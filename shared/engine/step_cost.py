@@ -1,32 +1,28 @@
-"""What a step costs, learnt from the steps the engine times: sizes the prompt chunks that ride
-along with decodes (`prefill_budget_with_decodes="auto"`).
+"""What a step costs, learnt from the steps the engine times: `fixed + per_row * decode rows +
+per_token * prompt tokens`, fitted together by least squares over every timed step, older steps
+weighing less (while prompts queue no step is decode-only, so no cost is fitted alone). No torch.
 
-A step's time is close to `fixed + per_row * decode_rows + per_token * prompt_tokens`. Keeping
-the prompt part of a step at most `ratio` times the decode part of the batch now running keeps a
-running stream's inter-token latency within (1 + ratio) decode steps, whatever the model and
-the hardware: a token cap right for a 3.7M-parameter model on a CPU would stall a 24M one for
-tens of milliseconds, and be far too small for a GPU.
+With `prefill_budget_with_decodes="auto"` the prompt part of a step is kept at most `ratio`
+times the decode part of the running batch, which keeps a stream's inter-token latency within
+(1 + ratio) decode steps on any model and hardware. The fit is also published (`StepCostFit`)
+for the gateway's conditional disaggregation; a kind of step never timed gets no cost (None).
 
-The three costs are fitted together, by least squares over every timed step with older steps
-weighing less, rather than each from steps of one kind: once prompts queue, every step carries
-some, so a decode-only estimate would stay frozen at the batch size of the last decode-only step.
-(Frozen at 1 row, it made a 24M model's budget 23 tokens where 16 rows allowed 53, and a burst
-of 15 prompts of 512 tokens waited 7.0-7.8 s instead of 4.4.) No torch (numpy solves the
-3x3 system); the clock is the caller's.
-
-The same fit, published in the worker registry (`StepCostFit`, `fit()`), is what the gateway's
-conditional disaggregation weighs: a prompt's cost on its prefill worker against its cost on the
-decode worker beside that worker's running streams (nori.gateway.disaggregation). A prefill
-worker times prompt steps only and a disaggregated decode worker mostly decode steps, so `fit()`
-also answers from steps of one kind: a feature never seen gets no cost (None), the others are
-fitted without it.
+`StepCosts` is the engine's side: `before_schedule` sets the scheduler's prompt cap (with
+"auto"), `after_execute` times the step into the fit and refreshes the published `fit`.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from nori.engine.config import PrefillBudget
+    from nori.engine.scheduler import Scheduler, SchedulerOutput
 
 # Features of a step: 1 (the fixed part), decode rows, prompt tokens.
 _NUM_FEATURES = 3
@@ -34,6 +30,11 @@ _NUM_FEATURES = 3
 _MIN_STEPS_OF_A_KIND = 4
 # Keeps the fit defined while a feature has not varied yet; tiny beside any real step's weight.
 _RIDGE = 1e-9
+# The "auto" prompt cap before any step has been timed.
+AUTO_PREFILL_BUDGET_START = 256
+# Seconds between solves of the published fit (a 3x3 solve per step would cost more than it
+# tells; the registry hears of it once a second).
+_FIT_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -150,3 +151,41 @@ class StepCostModel:
         fixed, per_row, per_token = costs
         tokens = int(ratio * (fixed + per_row * max(num_decodes, 1)) / per_token)
         return max(low, min(tokens, high))
+
+
+class StepCosts:
+    """The engine's step costs: the model over every timed step, the fit it publishes
+    (`EngineLoad.step_cost_fit`, refreshed at most every `_FIT_EVERY_S` or when it gains a
+    kind), and with `prefill_budget_with_decodes="auto"` the scheduler's prompt cap, set from
+    the model before every step (`AUTO_PREFILL_BUDGET_START` until it is defined)."""
+
+    def __init__(self, budget: PrefillBudget, block_size: int, max_num_batched_tokens: int) -> None:
+        self.model = StepCostModel()
+        self.fit: StepCostFit | None = None
+        self._auto = budget == "auto"
+        self._low, self._high = block_size, max_num_batched_tokens
+        self._fit_at = -math.inf
+
+    @staticmethod
+    def initial_budget(budget: PrefillBudget) -> int | None:
+        """The scheduler's prompt cap before the first step."""
+        return AUTO_PREFILL_BUDGET_START if budget == "auto" else budget
+
+    def before_schedule(self, scheduler: Scheduler) -> None:
+        if self._auto:
+            scheduler.prefill_budget_with_decodes = self.model.prompt_budget(
+                # The running requests are (about) the decode rows of the coming step.
+                num_decodes=len(scheduler.running),
+                ratio=1.0,
+                low=self._low,
+                high=self._high,
+                default=AUTO_PREFILL_BUDGET_START,
+            )
+
+    def after_execute(self, output: SchedulerOutput, seconds: float) -> None:
+        """`seconds`: what running the model on `output` took."""
+        num_decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1)
+        self.model.observe(num_decodes, output.num_batched_tokens - num_decodes, seconds)
+        if time.monotonic() - self._fit_at >= _FIT_EVERY_S or self.model.adds_to(self.fit):
+            self.fit = self.model.fit()
+            self._fit_at = time.monotonic()

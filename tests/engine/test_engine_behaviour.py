@@ -131,23 +131,6 @@ def test_generation_stops_at_max_model_len(tmp_path: Path) -> None:
     assert output.finish_reason == "length" and len(output.token_ids) == 4
 
 
-def test_left_padding_does_not_count_against_max_model_len(tmp_path: Path) -> None:
-    """A static batch pads the 4-token prompt to 20: it still may grow to 24 real tokens."""
-    init_checkpoint(tmp_path, "tiny", seed=2)
-    llm = LLM(
-        str(tmp_path),
-        dtype="float32",
-        num_kv_blocks=256,
-        block_size=8,
-        max_model_len=24,
-        scheduling_policy="static",
-    )
-    outputs = llm.generate([[5] * 20, [6] * 4], SamplingParams(max_tokens=100, ignore_eos=True))
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 20]
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    assert llm.engine.load().num_free_blocks == 256
-
-
 def test_chat_uses_the_template(llm: LLM) -> None:
     output = llm.chat(
         [{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3, ignore_eos=True)
@@ -159,29 +142,6 @@ def test_chat_uses_the_template(llm: LLM) -> None:
     # The template writes BOS itself: encoding adds no second one.
     assert output.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
     assert output.prompt_token_ids.count(llm.tokenizer.bos_token_id) <= 1
-
-
-def test_static_policy_gives_the_same_tokens_and_frees_everything(tmp_path: Path) -> None:
-    init_checkpoint(tmp_path, "tiny", seed=4)
-    prompts = [[5 + i] * (3 + 4 * i) for i in range(6)]
-    params = [
-        SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)
-    ]
-    continuous = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, block_size=4)
-    static = LLM(
-        str(tmp_path),
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=4,
-        max_num_seqs=4,
-        scheduling_policy="static",
-    )
-    expected = continuous.generate(prompts, params)
-    got = static.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-    assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
-    static.engine.kv_cache.check_invariants()
-    assert static.engine.load().num_free_blocks == 64
 
 
 def test_a_small_model_on_cpu_takes_no_more_kv_than_its_sequences_can_fill(

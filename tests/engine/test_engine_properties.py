@@ -11,10 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nori.engine.engine import LLMEngine, export_request, import_request
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVToRemote
 from nori.engine.llm import LLM
-from nori.engine.request import RequestStatus
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 
@@ -81,11 +80,13 @@ def test_random_traffic_never_leaks_blocks(
                 prefill.abort_request(name)
                 decode.abort_request(name)
             else:
-                request = prefill._requests.get(name)
-                if request is not None and request.status is RequestStatus.PREFILLED:
-                    export = export_request(prefill, name)
+                try:
+                    export = prefill.export_request(name)
+                except ValueError:
+                    pass  # not (or no longer) a prefilled request
+                else:
                     prefill.finish_kv_transfer(name)
-                    import_request(decode, export)  # False (pool full) simply drops it
+                    decode.import_request(export)  # False (pool full) simply drops it
         check(prefill)
         check(decode)
 
@@ -96,4 +97,7 @@ def test_random_traffic_never_leaks_blocks(
         check(engine)
         assert engine.load().num_free_blocks == NUM_BLOCKS
         assert not engine.has_unfinished_requests()
-        assert not engine._requests
+        # Nothing is still tracked: every id can be added again.
+        for name in names:
+            engine.add_request(name, [1], SamplingParams(max_tokens=1))
+            engine.abort_request(name)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nori.engine.engine import LLMEngine, export_request, import_request
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, KVToRemote
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
@@ -74,10 +74,10 @@ def test_prefill_export_import_decode_is_token_identical(
 
     ids = prefill(prefill_engine, prompts, params)
     for request_id in ids:
-        export = export_request(prefill_engine, request_id)
+        export = prefill_engine.export_request(request_id)
         source_blocks = list(prefill_engine._requests[request_id].block_ids)
         prefill_engine.finish_kv_transfer(request_id)
-        assert import_request(decode_engine, export)
+        assert decode_engine.import_request(export)
         target = decode_engine._requests[request_id]
         assert target.status is RequestStatus.RUNNING
         assert target.block_ids[: len(source_blocks)] != source_blocks
@@ -95,7 +95,7 @@ def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
     prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
     decode_engine = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=32).engine
     prefill(prefill_engine, [[5] * 20], PARAMS[0])
-    export = export_request(prefill_engine, "req-0")
+    export = prefill_engine.export_request("req-0")
     free_before = decode_engine.load().num_free_blocks
     state = export.state
     block_ids = decode_engine.add_request(
@@ -112,20 +112,22 @@ def test_reserved_blocks_are_freed_by_abort(checkpoint: Path) -> None:
 def test_reserve_reports_a_full_pool_and_bad_exports(checkpoint: Path) -> None:
     prefill_engine = LLM(str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=8).engine
     prefill(prefill_engine, [[5] * 40], PARAMS[0])
-    export = export_request(prefill_engine, "req-0")
+    export = prefill_engine.export_request("req-0")
     small = LLM(str(checkpoint), dtype="float32", block_size=8, num_kv_blocks=8).engine
     small.add_request("resident", [7] * 39, SamplingParams(max_tokens=8))
     small.step()  # holds 5 of the 8 blocks; the import needs 6
-    assert not import_request(small, export)
-    assert "req-0" not in small._requests
+    assert not small.import_request(export)
+    # Nothing of it stays behind: its id is free again.
+    small.add_request("req-0", [1], SamplingParams(max_tokens=1))
+    small.abort_request("req-0")
     small.kv_cache.check_invariants()
     other_block_size = LLM(
         str(checkpoint), dtype="float32", num_kv_blocks=256, block_size=16
     ).engine
     with pytest.raises(ValueError, match="block size"):
-        import_request(other_block_size, export)
+        other_block_size.import_request(export)
     with pytest.raises(ValueError, match="not a prefilled request"):
-        export_request(prefill_engine, "nope")
+        prefill_engine.export_request("nope")
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded-top-p", "seeded-penalty"])
@@ -155,7 +157,7 @@ def test_reserve_before_prefill_then_complete_is_token_identical(
     ids = prefill(prefill_engine, prompts, params)
     first_tokens = {}
     for request_id in ids:
-        export = export_request(prefill_engine, request_id)
+        export = prefill_engine.export_request(request_id)
         prefill_engine.finish_kv_transfer(request_id)
         # What a transport does: write each block straight into the reserved cache blocks.
         for cache, blocks in zip(decode_engine.kv_cache.tensors, export.blocks, strict=True):

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nori.engine.engine import LLMEngine, export_request
+from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, KVToRemote, NoFreeBlocks
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
@@ -121,7 +121,7 @@ def test_a_reservation_preempts_a_batch_request_on_a_decode_engine(
     )
     while prefill.engine.has_unfinished_requests():
         prefill.engine.step()
-    export = export_request(prefill.engine, "i")
+    export = prefill.engine.export_request("i")
     prefill.engine.finish_kv_transfer("i")
     assert export.state.priority == urgent
     for cache, blocks in zip(decode.kv_cache.tensors, export.blocks, strict=True):

@@ -184,19 +184,3 @@ def test_only_the_first_delta_carries_them_on_the_wire(checkpoint: Path) -> None
     assert first is not None and first[0] is None
     assert [entry.token_id for entry in first[1:] if entry is not None] == [6, 7, 8]
     assert all(entry.top == () for entry in first[1:] if entry is not None)
-
-
-def test_static_batches_left_padded_match_transformers(
-    checkpoint: Path, prompts: list[list[int]], reference: list[torch.Tensor]
-) -> None:
-    """The static baseline pads each batch to its longest prompt; pads are never scored."""
-    engine = make_engine(
-        checkpoint,
-        num_kv_blocks=256,
-        block_size=8,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        scheduling_policy="static",
-    )
-    for output, expected in zip(run(engine, prompts, max_tokens=2), reference, strict=True):
-        assert_prompt_logprobs(output, expected)

@@ -1,5 +1,4 @@
-"""Scheduler: token budget, chunked prefill mixed with decodes, preemption, abort, static policy,
-priorities."""
+"""Scheduler: token budget, chunked prefill mixed with decodes, preemption, abort, priorities."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from collections.abc import Iterable
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import SchedulerConfig
 from nori.engine.request import Request, RequestStatus
-from nori.engine.scheduler import STATIC_PAD_TOKEN_ID, Scheduler, SchedulerOutput
+from nori.engine.scheduler import Scheduler, SchedulerOutput
 from tests.engine.helpers import make_request
 
 
@@ -258,62 +257,6 @@ def test_prefix_cache_hit_skips_computed_blocks() -> None:
     assert plan(output) == [("a", 1), ("b", 2)]
     assert b.block_ids[:2] == a.block_ids[:2]
     assert b.num_cached_tokens == 8
-
-
-def test_static_policy_waits_for_the_whole_batch_and_reserves_a_padded_rectangle() -> None:
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=3, budget=64, policy="static")
-    prompts = {"a": [1, 2, 3, 4, 5], "b": [6, 7], "c": [8, 9, 10], "d": [11]}
-    max_new = {"a": 2, "b": 6, "c": 1, "d": 1}
-    requests = {
-        name: make_request(name, tokens, max_new_tokens=max_new[name])
-        for name, tokens in prompts.items()
-    }
-    for request in requests.values():
-        scheduler.add(request)
-    # Every member is left-padded to the longest prompt (5) and reserves the rectangle:
-    # 5 + 6 (largest max_tokens) = 11 tokens = 3 blocks each.
-    output = run_step(scheduler)
-    assert plan(output) == [("a", 5), ("b", 5), ("c", 5)]
-    assert requests["b"].token_ids[:5] == [STATIC_PAD_TOKEN_ID] * 3 + [6, 7]
-    assert requests["b"].num_padding_tokens == 3 and requests["c"].num_padding_tokens == 2
-    assert requests["b"].output_token_ids == [7]  # the token run_step sampled
-    assert requests["a"].block_ids == [0, 1, 2]
-    assert requests["b"].block_ids == [3, 4, 5]
-    assert requests["c"].block_ids == [6, 7, 8]
-    scheduler.finish(requests["a"], RequestStatus.FINISHED_LENGTH)
-    scheduler.finish(requests["c"], RequestStatus.FINISHED_LENGTH)
-    # d waits although a and c are done: b, the batch's longest member, still runs, and a and c
-    # keep their rows (and blocks), computing padding, as a [batch, max_len] tensor would.
-    assert plan(run_step(scheduler)) == [("a", 1), ("b", 1), ("c", 1)]
-    assert requests["a"].block_ids == [0, 1, 2]
-    assert requests["a"].status is RequestStatus.FINISHED_LENGTH
-    scheduler.finish(requests["b"], RequestStatus.FINISHED_LENGTH)
-    assert all(r.block_ids == [] for r in requests.values() if r.request_id != "d")
-    assert scheduler.block_manager.num_free_blocks == 16 - 0
-    assert plan(run_step(scheduler)) == [("d", 1)]
-    assert len(requests["d"].block_ids) == 1
-
-
-def test_static_batch_is_limited_by_the_padded_reservation() -> None:
-    scheduler = make_scheduler(num_blocks=8, block_size=4, max_seqs=8, budget=64, policy="static")
-    for name in "abcd":
-        scheduler.add(make_request(name, [1] * 8, max_new_tokens=8))
-    # Each member needs 16 tokens = 4 blocks: only two fit in 8 blocks.
-    assert [r for r, _ in plan(run_step(scheduler))] == ["a", "b"]
-
-
-def test_static_abort_frees_at_once_and_ends_a_batch_of_padding() -> None:
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_seqs=4, budget=64, policy="static")
-    a = make_request("a", [1, 2, 3], max_new_tokens=4)
-    b = make_request("b", [4, 5, 6], max_new_tokens=4)
-    for request in (a, b):
-        scheduler.add(request)
-    run_step(scheduler)
-    scheduler.finish(a, RequestStatus.FINISHED_STOPPED)
-    assert a.block_ids != [] and "a" in scheduler.padding_rows
-    scheduler.finish(b, RequestStatus.FINISHED_ABORTED)
-    assert a.block_ids == [] and b.block_ids == [] and not scheduler.running
-    scheduler.block_manager.check_invariants(scheduler.requests())
 
 
 def test_admission_leaves_a_watermark_while_others_run() -> None:

@@ -32,7 +32,6 @@ actions = st.lists(
     budget=st.integers(1, 32),
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
-    policy=st.sampled_from(["continuous", "static"]),
     prefill_cap=st.one_of(st.none(), st.integers(1, 8)),
 )
 def test_random_traffic_keeps_invariants(
@@ -42,7 +41,6 @@ def test_random_traffic_keeps_invariants(
     budget: int,
     max_seqs: int,
     caching: bool,
-    policy: str,
     prefill_cap: int | None,
 ) -> None:
     scheduler = make_scheduler(
@@ -50,7 +48,6 @@ def test_random_traffic_keeps_invariants(
         block_size,
         max_seqs,
         budget,
-        policy=policy,
         prefill_budget_with_decodes=prefill_cap,
     )
     manager = scheduler.block_manager
@@ -71,7 +68,7 @@ def test_random_traffic_keeps_invariants(
             output = run_step(scheduler, sampled_token=int(value))  # type: ignore[call-overload]
             assert output.num_batched_tokens <= budget
             prompt_tokens = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
-            if prefill_cap is not None and policy == "continuous" and decoding:
+            if prefill_cap is not None and decoding:
                 assert prompt_tokens <= prefill_cap
             assert len(scheduler.running) <= max_seqs
             for item in output.scheduled:
@@ -86,8 +83,7 @@ def test_random_traffic_keeps_invariants(
                     else RequestStatus.FINISHED_STOPPED
                 )
                 scheduler.finish(request, status)
-                if request.request_id not in scheduler.padding_rows:
-                    assert request.block_ids == []
+                assert request.block_ids == []
         manager.check_invariants(scheduler.requests())
     for request in list(scheduler.requests()):
         scheduler.finish(request, RequestStatus.FINISHED_ABORTED)

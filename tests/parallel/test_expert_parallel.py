@@ -134,4 +134,4 @@ def test_a_dense_model_ignores_the_flag_and_says_so(
     with caplog.at_level(logging.INFO, logger="nori.engine.model_runner"):
         llm = LLM(str(tmp_path), enable_expert_parallel=True, **ENGINE)
     assert "has no experts; ignored" in caplog.text
-    assert not llm.engine._runner.model.moe_blocks()
+    assert llm.engine.expert_routing_counts() is None  # no mixture-of-experts block

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nori.engine.engine import export_request, import_request
 from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.engine.llm import LLM
 from nori.models.init_checkpoint import init_checkpoint
@@ -101,13 +100,13 @@ def test_a_request_moves_between_engines_of_different_tensor_parallel_sizes(
         engine.engine.add_request(request_id, prompt, params, remote_kv=KVToRemote())
         while engine.engine.has_unfinished_requests():
             engine.engine.step()
-        export = export_request(engine.engine, request_id)
+        export = engine.engine.export_request(request_id)
         engine.engine.finish_kv_transfer(request_id)
         return export
 
     def decode(engine: LLM, exports: list[KVExport]) -> list[list[int]]:
         for export in exports:
-            assert import_request(engine.engine, export)
+            assert engine.engine.import_request(export)
         finished: dict[str, list[int]] = {}
         while engine.engine.has_unfinished_requests():
             for output in engine.engine.step():
