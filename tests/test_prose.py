@@ -25,20 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MAX_DOCSTRING_LINES = 12
 
-# Files whose prose other branches of issue 49 are rewriting; empty this once they are merged.
-NOT_YET_REWRITTEN = frozenset(
-    {
-        "shared/engine/engine.py",
-        "shared/engine/scheduler.py",
-        "shared/engine/model_runner.py",
-        "shared/engine/request.py",
-        "shared/engine/batch_inputs.py",
-        "shared/engine/step_cost.py",
-        "shared/engine/speculative.py",
-        "shared/engine/attention_metadata.py",
-    }
-)
-NOT_YET_REWRITTEN_FOLDERS: tuple[str, ...] = ()
 
 _NUMBER = r"\d[\d.,]*"
 MEASUREMENT = re.compile(
@@ -82,11 +68,6 @@ def _product_files() -> list[Path]:
     )
 
 
-def _mine(path: Path) -> bool:
-    name = path.relative_to(ROOT).as_posix()
-    return name not in NOT_YET_REWRITTEN and not name.startswith(NOT_YET_REWRITTEN_FOLDERS)
-
-
 def _docstrings(tree: ast.Module) -> list[tuple[str, ast.Expr]]:
     found = []
     for node in ast.walk(tree):
@@ -120,12 +101,7 @@ def _benchmark_anchors() -> set[str]:
     return anchors
 
 
-FILES = [path for path in _product_files() if _mine(path)]
-
-
-def test_the_allowlist_names_files_that_exist() -> None:
-    for name in NOT_YET_REWRITTEN:
-        assert (ROOT / name).is_file(), f"{name} is gone: drop it from NOT_YET_REWRITTEN"
+FILES = _product_files()
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda path: path.relative_to(ROOT).as_posix())
