@@ -1,9 +1,6 @@
-"""The gateway's FastAPI app: OpenAI routes, /tokenize and /detokenize, health and metrics over
-any `Backend`.
-
-`create_app` is all a launcher needs: hand it a backend, the served model's tokenizer and its
-context length. The app owns the backend from then on and closes it at shutdown (unless told
-not to), so a server started with uvicorn cleans up on Ctrl-C.
+"""The gateway's FastAPI app over any `Backend`: the OpenAI routes, /tokenize and /detokenize,
+health and metrics. `create_app` is all a launcher needs; the app owns the backend from then on
+and closes it at shutdown (unless told not to).
 """
 
 from __future__ import annotations
@@ -62,8 +59,7 @@ DETOKENIZE_PATH = "/detokenize"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 
-# Token id -> text lookups are repeated for every logprob; the cache is bounded by the
-# vocabulary in practice, and by this in the worst case.
+# Token id -> text, for every logprob: bounded by the vocabulary in practice.
 _TOKEN_TEXT_CACHE_SIZE = 1 << 18
 # Template steps per token of context (a conversation that fits takes far fewer), with a floor.
 _TEMPLATE_STEPS_PER_TOKEN = 8
@@ -88,14 +84,11 @@ def create_app(
 ) -> FastAPI:
     """The OpenAI-compatible app for one served model.
 
-    `max_model_len`: the longest prompt + output the backend accepts; longer requests are
-    refused with a 400 before they reach the backend. `vocab_size`: prompt token ids must be
-    below it (default: the tokenizer's size; pass the model's when its embedding is larger).
-    `extra_metrics`: awaited on each GET /metrics; its Prometheus text is appended (the cluster
-    backend's per-worker figures). `routers`: more routes (the Batch API), behind the same
-    middleware; `path_body_limits`: their own body bounds, by path. `stream_interval`: a
-    streamed request's tokens go out this many to an event (the first output at once, the rest at the end).
-    `drain`: while it drains, new requests get 503 and the in-flight ones are counted (nori.gateway.drain).
+    `max_model_len`: the longest prompt + output accepted (longer: a 400). `vocab_size`: prompt
+    token ids must be below it (default: the tokenizer's). `extra_metrics`: Prometheus text
+    appended to GET /metrics. `routers`: more routes (the Batch API) behind the same middleware,
+    with `path_body_limits`. `stream_interval`: tokens per streamed event. `drain`: while it
+    drains, new requests get 503.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -129,8 +122,7 @@ def create_app(
         token_text=token_text,
         max_token_bytes=max_token_bytes,
         stream_interval=stream_interval,
-        # A rendered prompt longer than this many characters cannot fit the context whatever
-        # it tokenizes to (see prompts.refuse_hopeless_text), so no template needs to write more.
+        # Longer rendered text cannot fit the context (prompts.refuse_hopeless_text).
         template_limits=TemplateLimits(
             max_steps=max(_MIN_TEMPLATE_STEPS, _TEMPLATE_STEPS_PER_TOKEN * max_model_len),
             max_output_chars=max(1 << 20, 4 * max_token_bytes * max_model_len),
@@ -152,8 +144,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.add_middleware(EchoRequestIdMiddleware)
-    # An oversized body is refused before anything reads it, and a request without the key
-    # before that (added last = outermost).
+    # Added last = outermost: the key is checked first, then the body's size.
     prompt_limit = prompt_body_limit(max_model_len, max_request_body_bytes)
     app.add_middleware(
         BodyLimitMiddleware,
@@ -249,13 +240,11 @@ async def _answer(response: Awaitable[Response]) -> Response:
     try:
         return await response
     except Exception as error:
-        # Converted here rather than by an exception handler: Starlette re-raises what reaches
-        # its catch-all handler, and an expected 429 should not log a traceback.
+        # Not by an exception handler: Starlette re-raises (and logs) what reaches its catch-all.
         return as_api_error(error).response()
 
 
-# /tokenize and /detokenize, as vLLM serves them: what a prompt (or a chat) is as token ids, and
-# what token ids read as; nothing reaches a worker.
+# /tokenize and /detokenize, as vLLM serves them; nothing reaches a worker.
 
 
 def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
@@ -266,7 +255,6 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
         tokens = chat_prompt(ctx, body)
     else:
         assert body.prompt is not None
-        # Text that cannot fit the context is not tokenized: its count would only say so.
         refuse_hopeless_text(ctx, body.prompt, "prompt")
         tokens = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     token_strs = None
@@ -280,5 +268,5 @@ def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
 def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
     check_model(ctx, body.model)
     tokens = check_token_ids(ctx, body.tokens, "tokens") if body.tokens else []
-    # Special tokens stay, as in vLLM: the text is what the ids are, not what a reply shows.
+    # Special tokens stay, as in vLLM.
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(tokens, skip_special_tokens=False))

@@ -1,12 +1,10 @@
 """The cluster backend: one `RequestTicket` per request, from admission to its one `close()`.
 
-`generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429:
-the gateway's `max_in_flight`, or a prompt that would wait too long behind the prompt tokens
-queued for the pool), a slot (the decode pool's call and the prompt pool's, held to fair
-shares: 429 for a single request without one, a wait for a batch member), then
-`request_flow.RequestFlow.run`: the workers, retries and migration. Who the workers are is
-`worker_pool.py`, read from Redis; the pools' capacities come from the workers' GetStats every
-few seconds. Whatever path the request takes, the `finally` of `generate` closes its ticket.
+`generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429), a
+slot under fair shares (429 for a single request without one, a wait for a batch member), then
+`RequestFlow.run`: the workers, retries and migration. The pools' capacities come from the
+workers' GetStats every few seconds. Whatever path the request takes, `generate`'s `finally`
+closes its ticket.
 """
 
 from __future__ import annotations
@@ -48,33 +46,23 @@ CAPACITY_REFRESH_S = 2.0
 
 @dataclass(frozen=True)
 class ClusterOptions(RoleSettings):
-    # The workers' KV block size (the gateway hashes prompts in blocks of it to look them up);
-    # None: the size the workers state in the registry.
+    # None: the KV block size the workers state in the registry.
     block_size: int | None = None
     refresh_s: float = 0.5
     max_in_flight: int = 4096
-    # Decode workers to try when one answers that its pool is full.
+    # See worker_calls.RetryLimits.
     decode_attempts: int = 3
-    # Tries of a prompt whose prefill worker failed (died, hung up, sent bad KV), each on a
-    # prefill worker that has not just failed.
     prefill_attempts: int = 3
-    # Moves of a request whose decode worker died to another one (--migration-limit).
     migration_limit: int = 3
-    # How long a member of a batch (several prompts, or n > 1) waits for room when every worker
-    # is full, instead of 429: the batch was admitted as one, and its running members free the
-    # room the rest need, so a batch larger than the cluster's queues is served in waves.
-    # 0: no waiting (429 at once, like a single request).
+    # How long a batch member waits for room when every worker is full (0: a 429 at once), so
+    # a batch larger than the cluster's queues is served in waves.
     group_wait_s: float = 600.0
-    # The share of a pool's running slots (decode, and the workers computing prompts) one
-    # request (its members) or one client (API key, else address) may hold while another waits
-    # or runs (nori.gateway.ledger); alone, either may fill every running slot.
+    # A pool's running slots one request or client may hold beside others (nori.gateway.ledger).
     max_decode_share: float = 0.5
-    # Choices per prompt (n), and choices of one request (prompts x n), past which a request is
-    # refused with 400; the API itself takes n up to 64 (prompts.MAX_N).
+    # Choices per prompt (n), and of one request (prompts x n), past which it is a 400.
     max_n: int = 64
     max_request_members: int = 4096
-    # A worker stream silent this long counts as lost, and its request moves on. Longer than
-    # any legitimate silence: a prompt's wait in a bounded queue, a long prompt's compute.
+    # Longer than any legitimate silence of a worker stream (a queued or long prompt).
     stream_stall_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -89,16 +77,13 @@ class ClusterOptions(RoleSettings):
         if not 0 < self.max_decode_share <= 1:
             raise ValueError(f"--max-decode-share must be in (0, 1], got {self.max_decode_share}")
 
-    # Where a prompt is computed when there are decode workers: "always" on a prefill worker,
-    # "never" on its decode worker, "auto" per request (nori.gateway.disaggregation).
+    # Where prompts are computed: "always" on a prefill worker, "never", "auto" per request.
     disaggregation: DisaggregationMode = "always"
     # auto: the most decode-worker compute one prompt may take there.
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
 
-    # Admission: prompt tokens that may wait for their first token, per worker computing prompts
-    # (prefill or colocated); 0 = no bound. The default is four engine steps at the default
-    # step budget (--max-num-batched-tokens 2048): every admitted prompt starts within about
-    # four steps, while the prefill batch is still always full.
+    # Admission: prompt tokens that may wait for their first token, per worker computing prompts;
+    # 0 = no bound. The default: four engine steps at the default step budget.
     max_queued_prompt_tokens: int = 8192
 
 
@@ -111,20 +96,15 @@ class ClusterBackend:
         self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
         self._flow: RequestFlow | None = None
-        # Every open request's ticket: what it holds on the workers and in the fair shares.
         self.ledger = Ledger(
             options.max_in_flight, options.max_queued_prompt_tokens, options.max_decode_share
         )
-        # Where prompts are computed, its measurements and its decision counter (/metrics).
         self.disaggregation = DisaggregationPolicy(
             options.disaggregation, options.max_local_compute_s
         )
-        # Each decode worker's last (rows, calls) from GetStats: one whose GetStats timed out
-        # (busy) keeps them rather than dropping out of the pool's capacity.
+        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
         self._capacity_figures: dict[str, tuple[int, int]] = {}
         self._capacity_watch: asyncio.Task[None] | None = None
-        # Registry entries are checked against it (nori.state.registry), and every call to a
-        # worker carries its token (nori.rpc.auth).
         self._auth = ClusterAuth.from_text(options.cluster_secret)
         self.rpc_metadata = self._auth.rpc_metadata()
 
@@ -195,8 +175,8 @@ class ClusterBackend:
     # ------------------------------------------------------------------ requests
 
     def _check_fan_out(self, request: GenerationRequest) -> None:
-        """A 400 for a request wider than the caps: a batch of more members than the gateway
-        takes in flight could never be served whole, only 429 for ever."""
+        """A 400 for a request wider than the caps (wider than `max_in_flight`, it would get
+        429s for ever)."""
         if request.num_choices > self.options.max_n:
             raise InvalidRequestError(
                 f"n is {request.num_choices}, more than this server allows ({self.options.max_n}, "
@@ -217,7 +197,6 @@ class ClusterBackend:
         outcome = "cancelled"
         num_output_tokens = 0
         try:
-            # A batch member (or a batch line) waits for its slot; a single request is a 429.
             waits = request.admission_group is not None or request.priority > 0
             self._refresh_capacity()
             await ticket.take(self.options.group_wait_s if waits else 0.0)
@@ -237,9 +216,8 @@ class ClusterBackend:
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
 
     async def _admit(self, request: GenerationRequest) -> RequestTicket:
-        """The request's ticket (`Ledger.admit`). A background request (a batch line, priority
-        above interactive) is never refused for a full queue: it waits for room, up to
-        `group_wait_s`, while interactive requests are measured against interactive work."""
+        """The request's ticket (`Ledger.admit`). A background request (priority above 0) waits
+        for room, up to `group_wait_s`, rather than being refused for a full queue."""
         wait = GroupWait(self.options.group_wait_s if request.priority > 0 else 0.0)
         while True:
             num_prompt_workers = sum(
@@ -257,9 +235,8 @@ class ClusterBackend:
                     raise
 
     def _refresh_capacity(self) -> None:
-        """The pools' capacities as the registry has them now: a worker that joined or left
-        since the last GetStats round counts at once (see `pool_capacity`). The prompt pool is
-        the prefill workers, else (or under `--disaggregation never`) the decode pool."""
+        """The pools' capacities by the registry now (a worker that joined or left counts at
+        once). The prompt pool is the prefill workers, else (or under `never`) the decode pool."""
         serving = [w for w in self.pool.workers if not w.draining]
         decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
         prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
@@ -272,8 +249,7 @@ class ClusterBackend:
             self.ledger.set_capacity(decode, prompt)
 
     async def _watch_capacity(self) -> None:
-        """Keeps the ledger told what the pools hold, from the workers' GetStats: a worker
-        that joins, leaves or drains changes it."""
+        """Keeps the ledger told what the pools hold, from the workers' GetStats."""
         figures = self._capacity_figures
         while True:
             try:

@@ -1,41 +1,13 @@
-"""Conditional disaggregation: per request, where its prompt is computed.
+"""Conditional disaggregation: per request, whether its prompt is computed on a prefill worker
+("prefill": its KV blocks then move to the decode worker) or on the decode worker, beside its
+running streams ("decode").
 
-In a disaggregated cluster a prompt can be computed on a prefill worker, whose KV blocks then
-move to the decode worker ("prefill"), or on the decode worker that will decode it, beside its
-running streams ("decode"). The first keeps long prompts from stalling those streams; for a
-short prompt it costs more than it saves (a reservation, a second gRPC call, a transfer), and
-behind a long prompt in the prefill worker's queue a short one waits for all of it. Dynamo
-prefills short or well-cached prompts on the decode worker; llm-d disaggregates only when the
-uncached suffix is long. Here the choice is made per request, by what each path would cost now,
-from figures measured in the cluster, not from a hard-coded length:
-
-- the workers' step-cost fits (nori.engine.step_cost, published in the registry): seconds fixed,
-  per decode row and per prompt token of one engine step, on each side;
-- the queues: prompt tokens this gateway has sent each worker and not yet seen computed, and the
-  decode worker's running streams;
-- what this gateway measured of the prefill path on requests it sent there
-  (`observe_prefill_path`): the transfer's time as a line in the prompt's length, and the hop
-  (the reservation and the two calls: the first token's wait minus the prefill worker's own
-  queue, compute and transfer time).
-
-The cost of a path is the request's own time to its first token plus the delay it puts on the
-decode worker's running streams (each of them waits while that worker computes the prompt, or
-receives its KV): in request-seconds,
-
-    decode:  (pending_d + T) d_tok c + d_step(N)                      + N T d_tok
-    prefill: hop + x_fixed + p_fixed + (pending_p + T_u) p_tok + T x_tok + N T x_tok
-
-(T prompt tokens, T_u of them not cached on the prefill worker, N other streams running on the
-decode worker, x_fixed + T x_tok the transfer's time; c = 2 while streams run there, 1 when
-none do: a decode worker computes a prompt beside its streams in chunks of about one decode
-step's cost, `--prefill-budget-with-decodes auto`, so the prompt takes about twice its compute
-and no step stalls the streams for long). The cheaper path wins; a prompt whose computation on
-the decode worker would take longer than `max_local_compute_s` goes to the prefill worker
-whatever the queues (halving the speed of every stream for that long is what disaggregation
-exists to avoid). Both costs are linear
-in T, so for the present queues there is one prompt length where they meet: the learnt
-threshold, on the trace and in the metrics. Until both workers have fitted their step costs and
-one request has measured the prefill path, prompts go to the prefill worker (today's path).
+`choose_path` is pure: it weighs each path's cost in request-seconds (the request's own wait for
+token one plus the delay it puts on the decode worker's streams) from figures measured in the
+cluster: the workers' step-cost fits, the prompt tokens queued on each worker, and this gateway's
+`PrefillPathMeter`. A prompt whose compute on the decode worker would exceed `max_local_compute_s`
+goes to the prefill worker; so does every prompt until all the figures are known. The cost model
+is in docs/architecture.md, "Conditional disaggregation".
 """
 
 from __future__ import annotations
@@ -52,21 +24,15 @@ from nori.state.registry import WorkerInfo
 
 PromptPath = Literal["prefill", "decode"]
 DecisionReason = Literal[
-    # --disaggregation always / never
-    "mode",
-    # auto, with no prefill worker available: the decode worker computes it rather than refuse
+    "mode",  # --disaggregation always / never
     "no_prefill_worker",
-    # auto, before the costs are known (no step-cost fit yet, or the prefill path unmeasured)
-    "not_measured",
-    # auto: the cheaper path by the cost model
+    "not_measured",  # no step-cost fit yet, or the prefill path unmeasured
     "cheaper_on_decode",
     "cheaper_on_prefill",
-    # auto: cheaper on the decode worker, but its compute there would exceed max_local_compute_s
-    "local_cap",
+    "local_cap",  # cheaper on the decode worker, but over max_local_compute_s there
 ]
 
-# Weight of a new measurement of the prefill path in its running averages: about the last 20
-# requests count.
+# Weight of a new measurement of the prefill path in its running averages.
 _SMOOTHING = 0.05
 
 
@@ -74,7 +40,6 @@ _SMOOTHING = 0.05
 class PathQueues:
     """What waits on the two workers a request could use, as this gateway counts it."""
 
-    # Streams the decode worker is generating (its registry figure, or this gateway's count).
     decode_running: int
     # Prompt tokens sent to be computed and not yet seen computed, on each worker.
     decode_pending_tokens: int
@@ -106,8 +71,7 @@ class PathChoice:
     uncached_tokens: int  # not in the chosen prefill worker's prefix cache
     decode_cost_s: float | None = None
     prefill_cost_s: float | None = None
-    # The prompt length at which both paths would cost the same now (None: not measured;
-    # inf: the decode worker is cheaper at any length the compute cap allows).
+    # Where both paths cost the same now (None: not measured; inf: decode is always cheaper).
     threshold_tokens: float | None = None
 
     def span_attributes(self) -> dict[str, str | int | float]:
@@ -128,8 +92,7 @@ class PathChoice:
 
 @dataclass(frozen=True)
 class PrefillPathFigures:
-    """What the prefill path costs beyond the prefill worker's compute, as measured (None: not
-    yet): its hop, and its transfer as `transfer_fixed_s + transfer_s_per_token * tokens`."""
+    """The prefill path's measured hop and transfer (`fixed + per_token * tokens`), or None."""
 
     hop_s: float | None = None
     transfer_fixed_s: float | None = None
@@ -142,11 +105,9 @@ class PrefillPathFigures:
 
 @dataclass
 class PrefillPathMeter:
-    """Running figures of the prefill path from the requests this gateway sent there: the hop
-    as an exponential average, the transfer time as a line in the prompt's length, fitted by
-    least squares with older requests weighing less (a transfer has a fixed cost, a header and
-    acknowledgements, beside its bytes: one average rate would charge a long prompt for every
-    short one's fixed cost)."""
+    """The prefill path as this gateway saw it: the hop as an exponential average, the transfer
+    time as a line in the prompt's length (it has a fixed cost beside its bytes), fitted by
+    least squares with older requests weighing less."""
 
     hop_s: float | None = None
     # Σw, Σw·tokens, Σw·tokens², Σw·seconds, Σw·tokens·seconds over the transfers.
@@ -159,8 +120,7 @@ class PrefillPathMeter:
         prefill_seconds: float,
         transfer_seconds: float,
     ) -> None:
-        """One request served by the prefill path: its wait for token one at the gateway, and
-        what its prefill worker reported (its queue and compute, its transfer)."""
+        """One request served by the prefill path, and what its prefill worker reported."""
         self.hop_s = _average(
             self.hop_s, max(first_token_wait_s - prefill_seconds - transfer_seconds, 0.0)
         )
@@ -177,8 +137,7 @@ class PrefillPathMeter:
             return PrefillPathFigures(self.hop_s)
         spread = n * sxx - sx * sx
         if spread <= 1e-9 * n * sxx:
-            # Prompts of one length so far: fixed part and slope cannot be told apart; all of it
-            # per token (the dearer guess for longer prompts).
+            # One prompt length so far: all of it per token (the dearer guess for longer prompts).
             return PrefillPathFigures(self.hop_s, 0.0, sy / sx)
         slope = max((n * sxy - sx * sy) / spread, 0.0)
         fixed = max((sy - slope * sx) / n, 0.0)
@@ -199,7 +158,7 @@ def choose_path(
     measured: PrefillPathFigures,
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S,
 ) -> PathChoice:
-    """Where this prompt is computed (see the module doc). Pure: every input is a figure."""
+    """Where this prompt is computed (see the module doc). Pure."""
     uncached = max(num_prompt_tokens - min(cached_on_prefill, num_prompt_tokens), 1)
     if mode == "always":
         return PathChoice("prefill", "mode", num_prompt_tokens, uncached)
@@ -207,8 +166,7 @@ def choose_path(
         return PathChoice("decode", "mode", num_prompt_tokens, num_prompt_tokens)
     if prefill is None:
         return PathChoice("decode", "no_prefill_worker", num_prompt_tokens, num_prompt_tokens)
-    # A disaggregated decode worker computes no prompts until some are sent to it: until then
-    # its cost per prompt token is taken to be the prefill worker's (the same model and kernels).
+    # A decode worker that has computed no prompt yet is taken to cost what the prefill one does.
     decode_per_token = decode.step_per_token_s or prefill.step_per_token_s
     if (
         decode_per_token <= 0
@@ -220,9 +178,7 @@ def choose_path(
     assert measured.hop_s is not None and measured.transfer_fixed_s is not None
     assert measured.transfer_s_per_token is not None
     running = queues.decode_running
-    # Token one comes out of the step that computes the prompt, beside the others' rows.
     decode_step_s = decode.step_fixed_s + decode.step_per_row_s * running
-    # decode: a_d + b_d T, prefill: a_p + b_p T (+ the prefix cache's saving on the prefill side)
     chunking = 2.0 if running > 0 else 1.0
     decode_fixed = queues.decode_pending_tokens * decode_per_token * chunking + decode_step_s
     decode_slope = decode_per_token * (chunking + running)
@@ -253,8 +209,7 @@ def choose_path(
 
 
 class DisaggregationPolicy:
-    """The gateway's side of conditional disaggregation: the mode, what it measured of the
-    prefill path, and the per-decision counter (Prometheus, in a registry of its own)."""
+    """The mode, the prefill path's meter, and the decision metrics (in a registry of its own)."""
 
     def __init__(
         self, mode: DisaggregationMode, max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S

@@ -1,10 +1,9 @@
 """The gateway's graceful stop: on SIGTERM (or the first Ctrl-C) it drains before it exits.
 
-- While draining, a new API request gets 503 with `Retry-After` in OpenAI's error shape (its
-  connection answered, never reset), and `/health` answers 503 `draining`, so that load
-  balancers and orchestrators send new work elsewhere. `/metrics` stays as it was.
-- Requests already in flight (streams included) run to their end; the server exits once none is
-  left, or after the drain timeout, whichever comes first. A second signal stops it at once.
+While draining, a new API request gets 503 with `Retry-After` (answered, never reset) and
+`/health` answers 503 `draining`, so balancers send new work elsewhere; requests in flight,
+streams included, run to their end. The server exits once none is left or after the drain
+timeout; a second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from nori.gateway.errors import APIError
 
 logger = logging.getLogger(__name__)
 
-# What a client refused while the gateway drains is told to wait before it tries again.
 RETRY_AFTER_S = 5
 
 
@@ -57,7 +55,7 @@ class Drain:
 
 class DrainMiddleware:
     """Refuses new requests while draining (`open_paths` excepted) and counts the rest in flight
-    until their response, a stream's last byte included, is sent."""
+    until their last byte is sent."""
 
     def __init__(
         self, app: ASGIApp, drain: Drain, open_paths: Collection[str], health_path: str
@@ -93,8 +91,7 @@ class DrainMiddleware:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, which drains (`Drain`) on its first SIGTERM or SIGINT for at most
-    `timeout_s`, then shuts down as uvicorn does; a second signal shuts it down at once."""
+    """uvicorn's server, draining for at most `timeout_s` on its first SIGTERM or SIGINT."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float) -> None:
         super().__init__(config)

@@ -1,13 +1,9 @@
 """`/v1/completions` and `/v1/chat/completions`, from the parsed body to the answer.
 
-An endpoint turns its body into prompts and sampling parameters (`prompts.py`), the backend's
-requests (one per choice, named after the client's `x-request-id`, described on the request's
-span) and a format (how its API spells a whole response and its stream events, `formats.py`).
-`respond`, one responder for both APIs, streaming or not, does the rest: it starts the backend
-streams (`streams.GenerationRun`) and collects what they produce in a `Session`. The
-non-streaming path drains the session while watching for the client's disconnect; the streaming
-path waits for the first chunk the same way (so that a backend refusal is still an HTTP 429/503,
-not an error inside a 200 stream) and then hands the rest to an SSE generator.
+An endpoint makes prompts and sampling parameters (`prompts.py`), one backend request per choice
+and a format (`formats.py`); `respond`, one responder for both APIs, streaming or not, starts the
+backend streams and collects them in a `Session`. A stream waits for its first chunk before the
+200, so a backend refusal is still an HTTP 429/503, not an error inside the stream.
 """
 
 from __future__ import annotations
@@ -56,11 +52,9 @@ from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, Usag
 from nori.gateway.streams import ClientDisconnected, EventStreamResponse, GenerationRun
 from nori.sampling.params import SamplingParams
 
-# Bodies above this many bytes are tokenized on a worker thread: a 10 MB prompt takes the
-# tokenizer seconds, which on the event loop would stall every stream and /health.
+# Larger bodies are tokenized on a thread, off the event loop that serves every stream.
 LARGE_BODY_BYTES = 64 * 1024
-# A non-streamed request's outputs come from the decode worker at most this often after its
-# first token: per-token messages would cost the worker and the gateway for nobody.
+# A non-streamed request's outputs come from the decode worker at most this often.
 COALESCE_MS = 1000
 # gen_ai.provider.name: this server (the conventions' list names the hosted APIs).
 PROVIDER_NAME = "nori"
@@ -68,8 +62,7 @@ _Result = TypeVar("_Result")
 
 
 async def off_loop_if_large(request: Request, work: Callable[..., _Result], *args: Any) -> _Result:
-    """`work(*args)`, on a thread when the request body is large or of unstated size (small
-    ones stay inline: a thread hop costs more than tokenizing a short prompt)."""
+    """`work(*args)`, on a thread when the request body is large or of unstated size."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) <= LARGE_BODY_BYTES:
         return work(*args)
@@ -118,7 +111,7 @@ async def create_chat_completion(
     check_model(ctx, body.model)
     check_chat(body)
     check_stop_token_ids(body, ctx.vocab_size)
-    # Always on a thread: the template (perhaps the request's own) runs up to its time limit.
+    # Always on a thread: a template (perhaps the request's own) runs up to its time limit.
     prompt = await asyncio.to_thread(chat_prompt, ctx, body)
     requested, param = chat_max_tokens_field(body)
     max_tokens = resolve_max_tokens(requested, param, len(prompt), ctx.max_model_len)
@@ -152,11 +145,8 @@ def generation_requests(
     priority: int,
     streamed: bool,
 ) -> list[GenerationRequest]:
-    """One backend request per choice: `prompts[i]` is choice i's prompt; with n > 1 each prompt
-    stands n times in a row (`samples_per_prompt`). The choices of one HTTP request are one
-    admission group; their owner for the decode pool's shares is `client_identity`; `priority`
-    is the body's (vLLM's; lower first). Not `streamed`: the answer is one body at the end, so
-    the workers send their outputs merged (`COALESCE_MS`)."""
+    """One backend request per choice (`prompts[i]`: choice i's; each prompt stands n times in a
+    row), one admission group per HTTP request; not `streamed`, outputs come merged."""
     group = request_ids[0] if len(prompts) > 1 else None
     client = client_identity(http_request.scope)
     return [
@@ -177,9 +167,8 @@ def generation_requests(
 
 
 def client_identity(scope: Scope) -> str:
-    """Who sent a request, for fair shares: its API key (a digest: the key itself is never
-    kept), else its address. Behind a proxy every keyless client is one address, and clients
-    sharing one key are one owner; the request's own share bounds them still."""
+    """Who sent a request, for fair shares: a digest of its API key (never the key), else its
+    address (behind a proxy, one owner for every keyless client)."""
     header = dict(scope.get("headers", [])).get(b"authorization", b"")
     scheme, _, token = header.partition(b" ")
     if scheme.lower() == b"bearer" and token.strip():
@@ -191,8 +180,7 @@ def client_identity(scope: Scope) -> str:
 def describe_request(
     operation: str, model: str, params: SamplingParams, response_id: str
 ) -> trace.Span:
-    """Sets the OpenTelemetry GenAI request attributes on the current (server) span and
-    returns it."""
+    """Sets the GenAI request attributes on the current (server) span and returns it."""
     span = trace.get_current_span()
     if span.is_recording():
         span.set_attributes(
@@ -211,8 +199,7 @@ def describe_request(
 
 # ---------------------------------------------------------------------- the responder
 
-# Not an HTTP status a client will see (it has gone); nginx's code for "client closed request"
-# keeps these apart from real errors in the request metrics.
+# nginx's "client closed request": no client sees it, but the metrics tell it from errors.
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -245,9 +232,8 @@ async def respond(
     samples_per_prompt: int = 1,
     span: trace.Span = trace.INVALID_SPAN,
 ) -> Response:
-    """Serves `requests` (choice i is `requests[i]`; with n > 1 each prompt stands n times in a
-    row, `samples_per_prompt`) and answers in `form`. `span`: the request's server span, which
-    gets the usage and finish reasons at the end."""
+    """Serves `requests` (choice i is `requests[i]`) and answers in `form`; `span` gets the
+    usage and finish reasons at the end."""
     session = Session(ctx, requests, samples_per_prompt, span)
     session.start()
     if not stream:
@@ -272,11 +258,8 @@ async def respond(
 async def _events(
     session: Session, first: tuple[int, GenerationChunk] | None, form: ResponseFormat
 ) -> AsyncIterator[str]:
-    """The SSE body: opening events, events per chunk, closing events, then [DONE].
-
-    An error after the 200 has been sent can only be reported in the stream, as vLLM does: one
-    `data: {"error": ...}` event, then [DONE].
-    """
+    """The SSE body: opening events, events per chunk, closing events, then [DONE]. An error
+    after the 200 is one `data: {"error": ...}` event, then [DONE], as vLLM does."""
     try:
         for event in form.opening():
             yield event
@@ -288,20 +271,17 @@ async def _events(
         for event in form.closing(session.usage()):
             yield event
     except ClientDisconnected:
-        # The client left just as its first chunk came (the watcher of `session.first` queued
-        # the disconnect behind it): nobody to tell, and nothing went wrong.
+        # The client left just as its first chunk came: nobody to tell.
         return
     except Exception as error:
         yield sse_event(as_api_error(error).body().model_dump_json())
     finally:
-        # On disconnect (cancellation or aclose) this stops the backend streams still running.
         session.cancel()
     yield SSE_DONE
 
 
 class Session:
-    """One HTTP request's backend streams, the output of each of its choices so far, and its
-    metrics (tokens, time to first token, latency) and span attributes."""
+    """One HTTP request's backend streams, its choices' output so far, its metrics and span."""
 
     def __init__(
         self,
@@ -333,7 +313,7 @@ class Session:
             return None
         index, chunk = item
         if not self._seen[index]:
-            # Counted once the backend has taken the prompt, so refused requests do not count.
+            # Counted once the backend took the prompt: refused requests do not count.
             self._seen[index] = True
             if index % self._samples_per_prompt == 0:
                 metrics.prompt_tokens.inc(self.choices[index].num_prompt_tokens)

@@ -1,14 +1,10 @@
 """Every error a client can see, and the OpenAI answer each becomes:
 `{"error": {"message", "type", "param", "code"}}` with the right status.
 
-A backend that cannot serve a request raises a `BackendError`. Each kind is a direct subclass
-(one level, nothing nests) and carries its own HTTP answer: `status_code`, `error_type`, and
+Each `BackendError` kind is a direct subclass carrying its own `status_code`, `error_type` and
 `retry_after_s` (set: the answer has Retry-After; 429 is "you sent too much now", 503 "the
-workers cannot serve now"). Code that handles a group of them names the classes in a tuple.
-
-Every failure reaches the client through `APIError`, so the body shape and the status code are
-decided in one place. Unexpected exceptions are logged with their traceback and answered with a
-generic 500: a traceback says nothing useful to a client and may say too much.
+workers cannot serve now"). Every failure reaches the client through `APIError`; an unexpected
+exception is logged with its traceback and answered with a generic 500.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ class BackendError(Exception):
 
     status_code: int = 500
     error_type: str = "internal_error"
-    # Seconds for Retry-After; None: the answer has none.
     retry_after_s: float | None = None
 
     def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
@@ -54,8 +49,7 @@ class InvalidRequestError(BackendError):
 
 
 class QueueFullError(BackendError):
-    """The gateway's own bound: too many requests in flight, or too many prompt tokens queued
-    for the pool (`ledger.Ledger.admit`)."""
+    """The gateway's own bound: too many requests or prompt tokens queued (`Ledger.admit`)."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"
@@ -63,8 +57,7 @@ class QueueFullError(BackendError):
 
 
 class ShareRefusedError(BackendError):
-    """No slot for the request now: a pool is full, or its owner holds its share
-    (`ledger.Ledger`)."""
+    """No slot for the request now: a pool is full, or its owner holds its share."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"
@@ -72,8 +65,7 @@ class ShareRefusedError(BackendError):
 
 
 class WorkerFullError(BackendError):
-    """A worker refused the request before any work (RESOURCE_EXHAUSTED): its queue or KV pool
-    is full. Another worker may have room; when none has, the client gets 429."""
+    """A worker refused the request before any work (RESOURCE_EXHAUSTED): another may have room."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"
@@ -81,8 +73,7 @@ class WorkerFullError(BackendError):
 
 
 class DecodeFullError(BackendError):
-    """The decode worker could not take the request before any work ran there (full, or its
-    call dropped from a gRPC backlog): the flow tries another decode worker."""
+    """The decode worker took nothing of the request (full, or the call dropped unserved)."""
 
     status_code = 429
     error_type = "rate_limit_exceeded"
@@ -114,32 +105,26 @@ class UpstreamTimeoutError(BackendError):
 
 
 class PrefillFailedError(BackendError):
-    """A prefill worker failed a prompt (died, hung up, could not send the KV): another one may
-    compute it, since the client has seen nothing yet."""
+    """A prefill worker failed a prompt; another may compute it (the client has seen nothing)."""
 
     def __init__(self, message: str, worker_id: str, unreachable: bool = False) -> None:
         super().__init__(message)
         self.worker_id = worker_id
-        # The worker itself is gone (its calls fail at the connection), not just this prompt.
+        # The worker itself is gone, not just this prompt.
         self.unreachable = unreachable
 
 
 class TransferFailedError(BackendError):
-    """A decode worker refused or lost a prompt's KV transfer (a sender that died mid-way, bytes
-    that failed their checksum): its blocks are freed; the request may start over."""
+    """A decode worker refused or lost a prompt's KV transfer and freed its blocks."""
 
 
 class WorkerLostError(BackendError):
-    """A worker's call broke off mid-way (the worker died or hung up): a request it was decoding
-    can continue on another worker (migration)."""
+    """A worker's call broke off mid-way: a request it was decoding may migrate."""
 
     def __init__(self, message: str, cancelled_by_server: bool = False) -> None:
         super().__init__(message)
-        # The worker's gRPC server ended the call with CANCELLED, which the gateway never asks
-        # for: gRPC core cancels calls that wait unserved in a server's backlog past
-        # `grpc.server.max_pending_requests` (1,000, random early drop up to 3,000), before any
-        # handler runs. Before the call's first message nothing ran there, so the flow makes it
-        # a DecodeFullError (another try may succeed); later, the stream is lost.
+        # CANCELLED by the worker's gRPC server (a call dropped from its backlog unserved):
+        # before the first message nothing ran there, so the flow retries it elsewhere.
         self.cancelled_by_server = cancelled_by_server
 
 
@@ -185,7 +170,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def from_backend_error(error: BackendError) -> APIError:
     headers = {}
     if error.retry_after_s is not None:
-        # Retry-After is whole seconds; never 0, which invites an immediate retry storm.
+        # Whole seconds, never 0 (an immediate retry storm).
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     message = str(error) or type(error).__name__
     return APIError(error.status_code, message, error.error_type, headers=headers)
@@ -203,7 +188,7 @@ def as_api_error(error: BaseException) -> APIError:
         if error.status_code == HTTPStatus.INTERNAL_SERVER_ERROR:
             logger.error("backend error: %s", error, exc_info=error)
         elif error.status_code > HTTPStatus.INTERNAL_SERVER_ERROR:
-            # Saturation and upstream timeouts are expected under load: one line, no traceback.
+            # Expected under load: one line, no traceback.
             logger.warning("backend error %d: %s", error.status_code, error)
         return from_backend_error(error)
     logger.error("unexpected error while serving a request", exc_info=error)
@@ -220,8 +205,7 @@ def _describe_field(field: str, errors: Sequence[Any]) -> str:
     locations = [_location(error) for error in errors]
     if len(errors) == 1:
         return f"{'.'.join(locations[0])}: {errors[0].get('msg', 'invalid value')}"
-    # Several errors under one field are usually a union: pydantic reports one per member,
-    # tagged with the member's type right after the field's path. Name the types instead.
+    # A union: pydantic reports one error per member, tagged with its type. Name the types.
     prefix = locations[0]
     for location in locations[1:]:
         common = 0
@@ -253,7 +237,6 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
         if field:
             parts.append(_describe_field(field, field_errors))
         elif all(e.get("type") == "value_error" for e in field_errors):
-            # A check of the whole body (protocol.py's text check) says what is wrong itself.
             parts.extend(str(e.get("msg", "")).removeprefix("Value error, ") for e in field_errors)
         else:
             parts.append("the request body must be a JSON object")

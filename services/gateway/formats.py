@@ -1,9 +1,8 @@
 """How each OpenAI API spells its answer: a whole response, or the SSE events of a stream.
 
-`CompletionFormat` and `ChatFormat` turn what the backend produced (`GenerationChunk`s, and per
-choice the `Choice` they add up to) into the API's JSON, log-probabilities in the API's layout
-(as vLLM reports them) and the usage. They only build text: the responder (`endpoints.respond`)
-decides when each is sent.
+`CompletionFormat` and `ChatFormat` turn `GenerationChunk`s, and per choice the `Choice` they
+add up to, into the API's JSON, logprobs in vLLM's layout, and the usage. They only build text;
+`endpoints.respond` decides when each is sent.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
-    # The prompt's own logprobs (an echo with logprobs), from the first chunk; the first None.
+    # An echo's prompt logprobs, from the first chunk; the first None.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -98,8 +97,7 @@ def _clamp(logprob: float) -> float:
 
 
 class TokenNames:
-    """A token id as the logprobs name it: its text, or `token_id:N`
-    (`return_tokens_as_token_ids`)."""
+    """A token id as the logprobs name it: its text, or `token_id:N`."""
 
     def __init__(self, token_text: Callable[[int], str], as_token_ids: bool) -> None:
         self._text = token_text
@@ -112,8 +110,7 @@ class TokenNames:
 def prompt_entries(
     token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobs | None] | None
 ) -> list[TokenLogprobs | int]:
-    """An echoed prompt's tokens for `completion_logprobs`: each one's logprobs, or its bare id
-    where it has none (the first token)."""
+    """An echoed prompt's tokens: each one's logprobs, or its bare id where it has none."""
     scored = prompt_logprobs or ()
     entries: list[TokenLogprobs | int] = []
     for index, token_id in enumerate(token_ids):
@@ -125,9 +122,8 @@ def prompt_entries(
 def completion_logprobs(
     entries: Sequence[TokenLogprobs | int], names: TokenNames, text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
-    """vLLM's layout, with text offsets from `text_offset` on; and the offset after the last
-    token. The sampled token is always among top_logprobs, as vLLM reports it. A bare token id
-    (an echoed prompt's first token) has null logprobs, as in vLLM."""
+    """vLLM's layout, text offsets from `text_offset` on, and the offset after the last token.
+    The sampled token is always among top_logprobs; a bare token id has null logprobs."""
     result = CompletionLogprobs()
     for entry in entries:
         if isinstance(entry, int):
@@ -142,8 +138,7 @@ def completion_logprobs(
         result.tokens.append(token)
         result.token_logprobs.append(_clamp(entry.logprob))
         top = {names(token_id): _clamp(logprob) for token_id, logprob in entry.top}
-        # Distinct ids can share a string (each partial UTF-8 byte decodes to U+FFFD); the
-        # sampled token's own value wins so that top_logprobs[i][tokens[i]] is always right.
+        # Distinct ids can share a string (U+FFFD): top_logprobs[i][tokens[i]] must be right.
         top[token] = _clamp(entry.logprob)
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
@@ -177,7 +172,6 @@ def _utf8(text: str) -> list[int]:
 class _Format:
     """What both APIs' formats share: the response's id, time and model, and the usage chunk."""
 
-    # The chunk model of the API, which the streamed choices are wrapped in.
     _chunk_type: ClassVar[type[CompletionChunk] | type[ChatCompletionChunk]]
 
     def __init__(
@@ -194,16 +188,13 @@ class _Format:
 
     def _chunk(self, choices: Sequence[object], usage: Usage | None = None) -> str:
         model: BaseModel = self._chunk_type(**self._envelope, choices=choices, usage=usage)  # type: ignore[arg-type]
-        # With include_usage OpenAI sends `"usage": null` on every chunk but the last; without
-        # it, no usage key at all.
+        # As OpenAI: `"usage": null` on every chunk but the last with include_usage, else none.
         return sse_event(model.model_dump_json(exclude=None if self._include_usage else {"usage"}))
 
     def opening(self) -> list[str]:
-        """SSE events before the first chunk's."""
         return []
 
     def closing(self, usage: Usage) -> list[str]:
-        """SSE events after the last chunk (before [DONE])."""
         return [self._chunk([], usage)] if self._include_usage else []
 
 
@@ -234,11 +225,10 @@ class CompletionFormat(_Format):
             body.stream_options,
         )
         self._want_logprobs = body.logprobs is not None
-        # Per choice, the characters of token strings already reported: logprobs' text offsets
-        # run on across a choice's chunks.
+        # Per choice: logprobs' text offsets run on across its chunks.
         self._text_offsets: dict[int, int] = {}
         self._echo = list(echo)
-        # max_tokens 0: the prompt alone (the token the engine computed to score it is left out).
+        # max_tokens 0: the prompt alone (the token computed to score it is left out).
         self._prompt_only = body.echo and body.max_tokens == 0
         self._echoed: set[int] = set()
 
@@ -249,8 +239,7 @@ class CompletionFormat(_Format):
         entries: Sequence[TokenLogprobs] | None,
         prompt_logprobs: Sequence[TokenLogprobs | None] | None,
     ) -> tuple[str, list[TokenLogprobs | int]]:
-        """A choice's text and logprob entries: when echoing, its prompt's come first (once per
-        choice), as vLLM reports them."""
+        """A choice's text and logprob entries, an echoed prompt's first (once per choice)."""
         generated: list[TokenLogprobs | int] = [] if self._prompt_only else list(entries or ())
         text = "" if self._prompt_only else text
         if not self._echo or index in self._echoed:
@@ -270,7 +259,6 @@ class CompletionFormat(_Format):
         return logprobs
 
     def response(self, choices: Sequence[Choice], usage: Usage) -> CompletionResponse:
-        """The whole response, once every choice has finished."""
         rendered = []
         for index, choice in enumerate(choices):
             text, entries = self._content(
@@ -288,7 +276,6 @@ class CompletionFormat(_Format):
         return CompletionResponse(**self._envelope, choices=rendered, usage=usage)  # type: ignore[arg-type]
 
     def render(self, index: int, chunk: GenerationChunk) -> list[str]:
-        """SSE events for one chunk of choice `index` (none while text is held back)."""
         text, entries = self._content(index, chunk.new_text, chunk.logprobs, chunk.prompt_logprobs)
         logprobs = self._logprobs(index, entries)
         if not text and logprobs is None and not chunk.finished:
@@ -343,7 +330,7 @@ class ChatFormat(_Format):
         )
 
     def opening(self) -> list[str]:
-        # Each choice's stream starts with the role, as OpenAI's does.
+        # As OpenAI: each choice's stream starts with the role.
         role = ChatDelta(role="assistant", content="")
         return [self._chunk([ChatStreamChoice(index=i, delta=role)]) for i in range(self._n)]
 
@@ -355,7 +342,7 @@ class ChatFormat(_Format):
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)
             events.append(self._chunk([choice]))
         if chunk.finished:
-            # As OpenAI does: the finish reason comes on a chunk of its own with an empty delta.
+            # As OpenAI: the finish reason on a chunk of its own, with an empty delta.
             final = ChatStreamChoice(
                 index=index,
                 delta=ChatDelta(),

@@ -1,26 +1,13 @@
-"""The gateway's one count of its requests: a `RequestTicket` per request, in one `Ledger`.
-
-A ticket (`ticket.py`) goes `queued` -> `prompt` (on a worker) -> `decoding` -> `closed`, and
-its `close()` releases whatever it still holds, exactly once. What it holds is counted here only:
-
-- its place among the requests in flight (`--max-in-flight`: 429 past it);
-- its prompt tokens, from its slot to its first token: admission refuses (429) a request whose
-  prompt would wait behind more than `max_queued_prompt_tokens` per worker computing prompts;
-  an empty queue takes any prompt, and the members of an admitted request (its group) are
-  never refused, they wait for a slot instead;
-- its slot: a decode-pool call until it closes, and a prompt-pool call until its first token;
-- its calls and prompt tokens on each worker (`worker_pool.Router`: what the picks weigh).
-
-The decisions are pure functions of these counts. Fair shares: a ticket's owners are its
-request (group) and its client (API key, else address); an owner holds at most a pool's rows
-alone, or `max_share` of them while another owner holds or waits, and the calls beyond the rows
-stay free for newcomers. A request's members count against their client like its separate
-requests: in the decode pool, in the prompt pool (members only: a single request goes to the
-worker, which refuses it when full), and in admission, where other clients' tokens count up to
-`max_share` of the bound (what is beyond waits for their slots, behind the new prompt). A freed
-slot goes to the waiter of the most urgent priority, then whose client, then group, holds
-least (first come on ties). With no figures from a pool's workers, each counts as the workers'
-defaults (`ASSUMED_FIGURES`).
+"""The gateway's one count of its requests: a `RequestTicket` (`ticket.py`) per request, in one
+`Ledger`. What a ticket holds is counted here only: its place among the requests in flight
+(`--max-in-flight`), its prompt tokens until its first token (admission: 429 past
+`max_queued_prompt_tokens` per prompt worker; an admitted group's members are never refused),
+its decode slot until it closes and prompt slot until its first token, and its calls and prompt
+tokens on each worker (`worker_pool.Router`). The decisions are pure functions of these counts.
+Fair shares: an owner (the ticket's group, its client) holds at most a pool's rows alone, or
+`max_share` of them beside another active owner; a freed slot goes to the most urgent priority,
+then the client, then the group, holding least (first come on ties). docs/architecture.md, "The
+path of one request through the cluster", has the whole of it.
 """
 
 from __future__ import annotations
@@ -41,15 +28,13 @@ DRAIN_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60.0
 # Entries of `Ledger._room_waiters` past which ended waits are dropped.
 ROOM_WAITERS_PRUNE_AT = 1024
-# (rows, calls) of a worker that has not stated its own: the workers' defaults (--max-num-seqs
-# 256 and a queue of a quarter of that).
+# (rows, calls) of a worker that has not stated its own: the workers' defaults.
 ASSUMED_FIGURES = (256, 320)
 
 
 @dataclass(frozen=True)
 class PoolCapacity:
-    """What a pool's workers hold at once, summed: running batch rows (`--max-num-seqs`) and
-    calls served at once (the batch plus its bounded queue; past it RESOURCE_EXHAUSTED)."""
+    """A pool's summed running rows (`--max-num-seqs`) and calls served at once (rows + queue)."""
 
     rows: int
     calls: int
@@ -60,8 +45,7 @@ def pool_capacity(
     worker_ids: Sequence[str],
     assumed: tuple[int, int] | None = None,
 ) -> PoolCapacity | None:
-    """The pool's capacity from its workers' (rows, calls): one that has not said counts as the
-    mean of the others (one pool, one configuration), else as `assumed`; None when neither."""
+    """The pool's capacity; a silent worker counts as the others' mean, else as `assumed`."""
     known = [figures[worker_id] for worker_id in worker_ids if worker_id in figures]
     if not known:
         if assumed is None or not worker_ids:
@@ -85,8 +69,7 @@ def prompt_bound(max_tokens_per_worker: int, num_workers: int) -> int | None:
 
 
 def tokens_ahead(own: int, others: Iterable[int], share: int | None) -> int:
-    """The prompt tokens a client's new prompt waits behind: its client's own, and each other
-    client's up to `share` (what is beyond waits for that client's slots, behind this one)."""
+    """What a client's new prompt waits behind: its own client's tokens, others' up to `share`."""
     return own + sum(n if share is None else min(n, share) for n in others)
 
 
@@ -138,7 +121,7 @@ class Ledger:
         self.max_in_flight = max_in_flight
         self.max_tokens_per_worker = max_tokens_per_worker
         self.max_share = max_share
-        self.router = Router()  # per worker: calls and prompt tokens sent there
+        self.router = Router()
         self.capacity: PoolCapacity | None = None  # the decode pool's
         self.prompt_capacity: PoolCapacity | None = None  # the pool computing prompts
         self.num_open = 0
@@ -146,15 +129,14 @@ class Ledger:
         self.background_tokens = 0  # of those, background (batch) ones
         self.client_tokens: Counter[str] = Counter()  # interactive ones, per client
         self.groups: Counter[str] = Counter()  # group -> tickets before their first token
-        # Slots: decode (until close) and prompt (until the first token), per owner key, and
-        # owners holding or waiting ("active"); the pools' totals, interactive and background.
+        # Slots per owner key: decode (until close), prompt (until the first token); "active":
+        # owners holding or waiting.
         self.held: Counter[str] = Counter()
         self.prompting: Counter[str] = Counter()
         self.active: Counter[str] = Counter()
         self.num_held = self.num_background_held = 0
         self.num_prompting = self.num_background_prompting = 0
-        # Waiters in arrival order, one line per (group, client): a freed slot looks at the
-        # first of each line only.
+        # One line of waiters per (group, client): a freed slot looks at each line's head only.
         self._waiters: dict[tuple[str, str], deque[RequestTicket]] = {}
         self._arrivals = 0
         self._drained: deque[tuple[float, int]] = deque()  # (time, tokens) of recent prefills
@@ -166,8 +148,7 @@ class Ledger:
     def admit(
         self, request: GenerationRequest, num_prompt_workers: int, now: float
     ) -> RequestTicket:
-        """The request's ticket, or QueueFullError (429 with Retry-After): the gateway has
-        `max_in_flight` open, or its prompt would wait too long (see `refusal`)."""
+        """The request's ticket, or QueueFullError: `max_in_flight` open, or see `refusal`."""
         if self.num_open >= self.max_in_flight:
             raise QueueFullError(f"the gateway has {self.num_open} requests in flight (the limit)")
         ticket = RequestTicket(self, request)
@@ -187,9 +168,8 @@ class Ledger:
         return ticket
 
     def refusal(self, ticket: RequestTicket, num_workers: int) -> int:
-        """The prompt tokens past the bound if `ticket` were admitted now (0: admit). An
-        interactive prompt is measured against interactive prompts only (the workers compute it
-        before any batch prompt); a background one against everything queued."""
+        """The prompt tokens past the bound if `ticket` were admitted now (0: admit). Interactive
+        prompts count only interactive ones ahead (the workers compute them first)."""
         bound = prompt_bound(self.max_tokens_per_worker, num_workers)
         if bound is None or (ticket.group is not None and self.groups[ticket.group] > 0):
             return 0
@@ -212,11 +192,10 @@ class Ledger:
         return tokens / max(now - self._drained[0][0], 1.0)
 
     def room_freed(self, num_tokens: int) -> asyncio.Future[None]:
-        """A future done when queued tokens leave for a prompt of `num_tokens` just refused
-        (oldest first, as many as the freed tokens cover); the caller cancels it when done."""
+        """Done when freed queued tokens reach this refused prompt (oldest first)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if len(self._room_waiters) >= self._room_waiters_prune_at:
-            # Ended waits leave entries: drop them (amortized, as the live ones double).
+            # Amortized: prune ended waits when the live ones double.
             self._room_waiters = deque((n, f) for n, f in self._room_waiters if not f.done())
             self._room_waiters_prune_at = max(ROOM_WAITERS_PRUNE_AT, 2 * len(self._room_waiters))
         self._room_waiters.append((num_tokens, future))
@@ -270,9 +249,8 @@ class Ledger:
         )
 
     def may_start(self, ticket: RequestTicket) -> bool:
-        """Whether `ticket` may take a slot now. A single request is held to the decode pool
-        only (the prompt pool's worker refuses it when full, as one request of its client's);
-        the members of a batch to the prompt pool too, so that they wait here, not there."""
+        """Whether `ticket` may take a slot now. Only a group's members are held to the prompt
+        pool too, so that they wait here, not in the workers' queues."""
         pools = ((False, self.capacity), (True, self.prompt_capacity if ticket.waits else None))
         return all(
             pool is None or may_hold(self.slot_counts(ticket, prompt), pool.rows, self.max_share)
@@ -347,7 +325,6 @@ class Ledger:
             what = "calls" if not ticket.background else "running slots"
             message = f"the {name} is full: {counts.held} {kind} hold its {counts.calls} {what}"
         elif max(counts.group_held, counts.client_held) >= max(1, pool.rows):
-            # Alone, an owner may fill every running slot, and it has.
             message = (
                 f"the {name} is full: this client's requests hold all of its {pool.rows} "
                 "running slots"

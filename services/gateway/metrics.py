@@ -1,7 +1,5 @@
-"""Prometheus figures of one gateway app, in a registry of its own.
-
-A per-app `CollectorRegistry` (not prometheus_client's global default) lets one process hold
-several apps, as the tests do, without "duplicated timeseries" errors.
+"""Prometheus figures of one gateway app, in a registry of its own (so that one process, as in
+the tests, may hold several apps).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ ExtraMetrics = Callable[[], Awaitable[str]]
 
 class GatewayMetrics:
     def __init__(self, endpoints: frozenset[str]) -> None:
-        # Only known paths become label values; anything else is "other" so that a scanner
-        # probing random URLs cannot grow the label set without bound.
+        # Only known paths become labels: a scanner must not grow the label set without bound.
         self.endpoints = endpoints
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -70,7 +67,6 @@ class GatewayMetrics:
             try:
                 extra_text = await extra()
             except Exception:
-                # The gateway's own figures are still worth serving when the backend's are not.
                 logger.exception("extra_metrics hook failed")
             else:
                 if extra_text:
@@ -79,12 +75,8 @@ class GatewayMetrics:
 
 
 class RequestMetricsMiddleware:
-    """Counts requests by endpoint and status and tracks how many are in flight.
-
-    A plain ASGI middleware: it does not wrap `receive`, so request handlers can still see the
-    client's disconnect message, and for streaming responses the request stays "in flight" until
-    the last byte is sent.
-    """
+    """Counts requests by endpoint and status, and those in flight until their last byte (plain
+    ASGI: `receive` is not wrapped, so handlers still see the client's disconnect)."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -95,7 +87,7 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         endpoint = self.metrics.endpoint_label(scope.get("path", ""))
-        status = 500  # what the client gets if the app fails before starting a response
+        status = 500  # if the app fails before starting a response
 
         async def send_recording_status(message: Message) -> None:
             nonlocal status
@@ -113,8 +105,7 @@ class RequestMetricsMiddleware:
 
 
 def refused_worker_entries_text(counts: dict[str, int]) -> str:
-    """The worker registry entries the gateway refused (unsigned, forged or expired: see
-    `nori.state.registry`), each write counted once, in the Prometheus text format."""
+    """The refused worker registry entries by reason, in the Prometheus text format."""
     name = "nori_gateway_refused_worker_entries_total"
     lines = [
         f"# HELP {name} Worker registry entries refused by their signature check, by reason.",

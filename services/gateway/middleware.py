@@ -1,25 +1,12 @@
-"""What every HTTP request passes through before its endpoint (plain ASGI middleware, so a
-streamed response passes through untouched and handlers still see the client's disconnect).
+"""What every HTTP request passes through before its endpoint, as plain ASGI middleware (a
+streamed response passes untouched; handlers still see the client's disconnect):
 
-- **API keys** (`--api-key`, or NORI_API_KEY), as vLLM and OpenAI take them:
-  `Authorization: Bearer KEY`; anything else is a 401 in OpenAI's error shape. `/health` and
-  `/metrics` stay open for load balancers, orchestrators and Prometheus.
-- **A bound on request bodies**: a 413 in OpenAI's error shape before the body is parsed. A body
-  that states its length is refused from its header alone; one sent in chunks is buffered up to
-  the bound and refused as soon as it passes it, so no client can make the gateway hold more than
-  the bound per request. The bound is per endpoint: the prompt endpoints (completions, chat,
-  /tokenize, /detokenize) take at most what a prompt that fits the context could need
-  (`prompt_body_limit`), so a prompt of 10 M token ids or 20 MB of text is refused from its size,
-  before JSON parsing turns it into Python lists and strings several times its size and holds the
-  event loop for seconds.
-- **`x-request-id`**, as vLLM honours it: the client's id names the request (its response `id`
-  is `cmpl-<id>` or `chatcmpl-<id>`, and its workers' request ids start with that) and comes back
-  on the response, errors included.
-- **`x-trace-id`**: the server span comes from OpenTelemetry's FastAPI instrumentation (an
-  incoming W3C `traceparent` becomes its parent); its trace id goes back to the client, the id to
-  search for in Jaeger. The endpoints describe the request on that span
-  (`endpoints.describe_request`); the request flow adds child spans for routing and the decode
-  reservation and passes the context to the workers in gRPC metadata.
+- API keys: `Authorization: Bearer KEY`, else a 401 in OpenAI's error shape; `/health` and
+  `/metrics` stay open;
+- a body bound per endpoint: a 413 before parsing, from the stated length or as soon as a chunked
+  body passes it (the prompt endpoints' bound: `prompt_body_limit`);
+- `x-request-id`: the client's id names the request (`cmpl-<id>`, its workers' ids) and comes back
+  on every response, errors included; `x-trace-id`: the server span's trace id, sent back.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ class ApiKeyMiddleware:
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
             return False
-        # Constant time, and every key compared: no timing hint about which one is close.
+        # Every key compared in constant time: no timing hint about which one is close.
         matches = [hmac.compare_digest(token.strip(), key) for key in self._keys]
         return any(matches)
 
@@ -74,19 +61,16 @@ class ApiKeyMiddleware:
 
 # ---------------------------------------------------------------------- body size
 
-# What `--max-request-body-mib` defaults to: a 10 MB prompt still reaches the length check
-# (and its clear 400) instead of a blunt 413.
+# `--max-request-body-mib`'s default: a large prompt still gets the length check's clear 400.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
-# A prompt endpoint's bound per token of context: a token of JSON text is a few bytes (up to
-# 12 for escaped non-ASCII), a token id at most 11; the rest is room for batches and fields.
+# Per token of context: JSON text or a token id takes at most 12; the rest is room for fields.
 PROMPT_BODY_BYTES_PER_TOKEN = 64
 # ...and never under this, so short contexts still take a conversation with a long template.
 MIN_PROMPT_BODY_BYTES = 1024 * 1024
 
 
 def prompt_body_limit(max_model_len: int, max_bytes: int) -> int:
-    """The body bound of an endpoint that takes a prompt: what a context of `max_model_len`
-    tokens could need, within the server's overall bound."""
+    """A prompt endpoint's body bound: what `max_model_len` tokens could need, <= `max_bytes`."""
     return min(max_bytes, max(MIN_PROMPT_BODY_BYTES, PROMPT_BODY_BYTES_PER_TOKEN * max_model_len))
 
 
@@ -116,7 +100,7 @@ class BodyLimitMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        # No length stated (chunked): read it all, up to the bound, then replay it.
+        # Chunked: read it all, up to the bound, then replay it.
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -173,14 +157,13 @@ def response_id(prefix: str, client_id: str | None) -> str:
 
 
 def worker_request_id_base(response_id: str, client_id: str | None) -> str:
-    """The prefix of the request ids workers see. A client may send one id twice (a retry, two
-    clients alike); workers need each call's id unique, so a client's id gets a short suffix."""
+    """The prefix of the workers' request ids: a client's id gets a random suffix, since a
+    client may send one id twice and workers need each call's id unique."""
     return response_id if client_id is None else f"{response_id}-{uuid.uuid4().hex[:8]}"
 
 
 class EchoRequestIdMiddleware:
-    """Adds the client's `x-request-id` to the response (a plain ASGI middleware, so streamed
-    responses pass through untouched)."""
+    """Adds the client's `x-request-id` to the response."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

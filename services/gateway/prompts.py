@@ -1,12 +1,10 @@
 """From an OpenAI body to what the backend takes: the prompt as token ids and the engine's
 `SamplingParams`, with every check that needs them; bad input is a 400 (404 for an unknown model).
 
-Prompts: completions prompts as sent (text tokenized, token ids checked), chat messages through
-the template (the request's, else the model's). Sampling: `SamplingParams` already validates
-ranges with messages that name the field; a ValueError from it becomes a 400 carrying that
-message. Features the protocol has but Nori does not implement are refused here by name instead
-of being silently ignored, since ignoring `suffix` or `best_of` would hand the client an answer
-to a different question.
+Completions prompts go as sent (text tokenized, token ids checked), chat messages through the
+template (the request's, else the model's). A ValueError from `SamplingParams` becomes a 400 with
+its message. Features the protocol has and Nori lacks (`suffix`, `best_of`, tools) are refused by
+name, never ignored: ignoring them would answer a different question.
 """
 
 from __future__ import annotations
@@ -42,24 +40,19 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     metrics: GatewayMetrics
-    # Keeps the per-prompt producer tasks referenced until they end.
+    # The per-prompt producer tasks, referenced until they end.
     tasks: set[asyncio.Task[None]]
-    # token id -> its text, cached (see create_app).
     token_text: Callable[[int], str]
-    # The most UTF-8 bytes one token's text has: a text of B bytes has at least
-    # B / max_token_bytes tokens, so a hopeless prompt is refused without tokenizing it.
+    # The most UTF-8 bytes one token's text has (see refuse_hopeless_text).
     max_token_bytes: int = 64
-    # --stream-interval: a streamed request's outputs come this many tokens to a message.
     stream_interval: int = 1
-    # What one chat template render may do (steps, size, time), the request's or the server's.
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
 
 
 # ---------------------------------------------------------------------- prompts
 
-# The longest chat template a request may bring. Real ones are a few kB (Llama 3.1's about 5,
-# the largest tool-calling ones under 16); compiling costs time in proportion to the text
-# (about a second for 32 KiB of dense tags on a loaded CPU), before any step limit applies.
+# The longest chat template a request may bring (real ones are a few kB): compiling costs time
+# in proportion to the text, before any step limit applies.
 MAX_REQUEST_TEMPLATE_CHARS = 32 * 1024
 
 
@@ -86,10 +79,8 @@ def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> list
 
 
 def refuse_hopeless_text(ctx: ServingContext, text: str, param: str) -> None:
-    """Refuses a text that cannot fit the context, before tokenizing it (a 10 MB prompt would
-    take the tokenizer seconds): no token covers more than `ctx.max_token_bytes` bytes, so the
-    text has at least bytes / max_token_bytes tokens; halved, against normalizers that shorten
-    text."""
+    """Refuses, before tokenizing it, a text that cannot fit the context: it has at least
+    bytes / max_token_bytes tokens (halved, against normalizers that shorten text)."""
     if len(text) < ctx.max_model_len:
         return  # under the bound whatever its bytes (at most 4 a character)
     at_least = len(text.encode("utf-8")) // (2 * ctx.max_token_bytes)
@@ -131,8 +122,7 @@ def completion_prompts(ctx: ServingContext, prompt: object) -> list[list[int]]:
 
 
 def echoed_prompts(ctx: ServingContext, prompt: object) -> list[str]:
-    """The text `echo` returns for each prompt of the batch (a checked `prompt`): a string as
-    sent, token ids decoded."""
+    """The text `echo` returns for each prompt of a checked `prompt`: as sent, or decoded."""
     return [
         item if isinstance(item, str) else ctx.tokenizer.decode(item)
         for item in _prompt_items(prompt)
@@ -202,9 +192,8 @@ def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
             **extra,
         )
     except (ValueError, TypeError) as error:
-        # ChatTemplateError (no template, raise_exception, any failure of the template's code,
-        # a limit passed) is a ValueError; a TypeError comes from a chat_template_kwargs key
-        # the renderer takes itself.
+        # ChatTemplateError is a ValueError; a TypeError: a chat_template_kwargs key the
+        # renderer takes itself.
         param = "chat_template" if request.chat_template is not None else "messages"
         raise bad_request(str(error), param) from error
     refuse_hopeless_text(ctx, text, "messages")
@@ -215,8 +204,8 @@ def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
 # ---------------------------------------------------------------------- sampling parameters
 
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
-# repetition_penalty divides (or multiplies) logits: 1e-300 makes them infinite and the output
-# empty. vLLM takes any value > 0; this keeps to what changes sampling without breaking it.
+# repetition_penalty divides or multiplies logits: a tiny one makes them infinite (vLLM takes
+# any value > 0).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 # Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.
@@ -224,8 +213,7 @@ MAX_N = 64
 
 
 def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The parameters of a prompt's n independent choices (as `LLM.generate` samples them):
-    with a seed, choice i samples with seed + i; without one, each draws its own."""
+    """A prompt's n independent choices' parameters: with a seed, choice i's is seed + i."""
     return choice_params(params, n)
 
 
@@ -270,8 +258,6 @@ def check_chat(request: ChatCompletionRequest) -> None:
     if request.tools:
         raise bad_request("tool calling is not supported by this server", "tools")
     if request.tool_choice not in (None, "none", "auto"):
-        # "required" or a named tool asks for a tool call this server never makes; "auto"
-        # without tools is no tool call, as is "none".
         raise bad_request(
             "tool calling is not supported by this server: tool_choice may only be 'none' or "
             f"'auto' (without tools), got {request.tool_choice!r}",
@@ -315,9 +301,8 @@ def resolve_max_tokens(
 def completion_max_tokens(
     request: CompletionRequest, num_prompt_tokens: int, max_model_len: int
 ) -> int:
-    """The engine's output budget. An echo with max_tokens 0 (how vLLM scores a prompt) answers
-    with the prompt alone: as in vLLM, the engine computes it with one token, left out of the
-    response."""
+    """The engine's output budget. An echo with max_tokens 0 (how vLLM scores a prompt) is
+    computed with one token, left out of the response, as in vLLM."""
     requested = request.max_tokens
     if requested == 0:
         if not request.echo:

@@ -1,17 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (the subset Nori serves).
 
-Requests accept what the OpenAI API and vLLM accept, including vLLM's sampling extensions
-(`top_k`, `min_p`, `repetition_penalty`, ...). Unknown fields are ignored, as OpenAI does, so
-clients that send newer fields keep working; fields we know but cannot honour (`suffix`,
-`best_of`, tools, ...) are rejected in `prompts.py` with a clear message rather than
-ignored.
-
-Validation is strict: `"max_tokens": "16"` or `"temperature": true` is a client bug, and a 400
-naming the field helps more than a silent coercion. Every integer is bounded by the type it
-travels as to the workers (`Int32`: proto int32 fields; token ids are checked against the
-vocabulary in code, a tighter bound with a clearer message), so no value a client sends fails
-later in the proto conversion; floats must be finite (Python's JSON reads `Infinity` and
-`NaN`, and 1e999 as infinity).
+Requests take what OpenAI and vLLM take, vLLM's sampling extensions included; unknown fields are
+ignored, as OpenAI does, and known ones Nori cannot honour are refused in `prompts.py`.
+Validation is strict (`"max_tokens": "16"` is a 400 naming the field, not a coercion): every
+integer is bounded by the proto type it travels to the workers as (`Int32`), so nothing a client
+sends fails in the proto conversion, and floats must be finite.
 """
 
 from __future__ import annotations
@@ -26,16 +19,13 @@ _SEED_MAX = 2**63 - 1
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
-# An integer that travels to the workers as a proto int32 (SamplingParams in common.proto, or a
-# request's priority).
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _lone_surrogate_path(value: Any, path: str) -> str | None:
-    """Where a string in the body holds a lone surrogate ("\\ud800" is valid JSON, but no
-    UTF-8 text: the tokenizer could not encode it), or None."""
+    """Where a string in the body holds a lone surrogate (valid JSON, not UTF-8), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -56,7 +46,7 @@ def _lone_surrogate_path(value: Any, path: str) -> str | None:
 
 
 class _TextChecked(BaseModel):
-    """A request body whose strings must all be valid Unicode text (a 400 naming the field)."""
+    """A request body whose strings must all be valid Unicode text."""
 
     @model_validator(mode="before")
     @classmethod
@@ -78,7 +68,7 @@ class SamplingFields(_TextChecked):
 
     model_config = _REQUEST_CONFIG
 
-    # OpenAI requires `model`; vLLM defaults it to the served model, which is friendlier.
+    # OpenAI requires `model`; vLLM (and Nori) default it to the served model.
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -101,18 +91,15 @@ class SamplingFields(_TextChecked):
     n: Int32 = 1
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM extension: lower values are served first (admission, the workers' queues,
-    # preemption); 0 is interactive, batch lines carry nori.settings.BATCH_PRIORITY.
+    # vLLM extension: lower is served first; batch lines carry nori.settings.BATCH_PRIORITY.
     priority: Int32 = 0
 
 
 class CompletionRequest(SamplingFields):
-    # A string, a batch of strings, one tokenized prompt, or a batch of tokenized prompts.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
-    # The prompt before the completion (its token logprobs too, with `logprobs`); with
-    # max_tokens 0, the prompt alone: how evaluation harnesses score a text (vLLM's semantics).
+    # With max_tokens 0, the prompt alone: how evaluation harnesses score a text (as vLLM).
     echo: bool = False
     suffix: str | None = None
     best_of: Int32 | None = None
@@ -140,7 +127,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    # Tool calling is not served: a request naming tools is refused (prompts.py).
+    # Refused in prompts.py: tool calling is not served.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -265,8 +252,7 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="plain")
     def _present_fields_only(self) -> dict[str, str]:
-        # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...},
-        # and {} on the chunk that only reports finish_reason.
+        # OpenAI's deltas carry only what changed ({} on a chunk with only finish_reason).
         fields = {"role": self.role, "content": self.content}
         return {key: value for key, value in fields.items() if value is not None}
 

@@ -1,30 +1,13 @@
 """The path of one admitted request through the workers, retries and migration included.
 
-`RequestFlow.run` is the whole of it, top to bottom:
-
-1. **route**: pick a decode worker (fewest in flight, most free blocks: `worker_pool.Router`),
-   and on a disaggregated one, where the prompt is computed (`--disaggregation`: always on a
-   prefill worker, never, or auto: by what each path costs now, `disaggregation.choose_path`;
-   the choice and its reason go on the request's span);
-2. prompt on a prefill worker, `prefill_then_decode`:
-   - **reserve**: open the decode worker's Generate stream; its first message is a reservation
-     (block ids under a lease, and the address to send their KV to);
-   - **prefill**: call the prefill worker (the one with the longest cached prefix and the least
-     queued) with that destination and where to renew the lease while it holds the prompt; it
-     sends the KV blocks straight to the decode worker and answers with token one. Meanwhile
-     the decode stream is watched: it ends early when the lease runs out (the prefill worker
-     hung or died, or the prompt never left its queue);
-   - **stream**: token one, then the rest from the decode stream;
-3. on a colocated worker, a prompt the decode worker computes itself, or to continue a request
-   whose decode worker died (**migrate**), `compute_and_decode`: the worker computes the prompt
-   (and what was already streamed) itself and its stream carries every later token;
-4. on a failure, `worker_calls.RetryPolicy.after` decides, in one place, whether and how to try
-   again.
-
-Where the request is, is its `RequestTicket`'s to count (`prompt_on`, `decoding_on`, and off
-again per attempt; its `close()` in `ClusterBackend.generate` releases what an attempt left).
-Closing the iterator cancels the calls, and cancelling a call frees the request's blocks on that
-worker.
+`RequestFlow.run` is the whole of it: pick a decode worker (`worker_pool.Router`) and, on a
+disaggregated one, where the prompt is computed (`disaggregation.choose_path`); then either
+`prefill_then_decode` (reserve blocks on the decode worker, prefill on a prefill worker that
+sends the KV there and answers with token one, stream the rest from the decode worker) or
+`compute_and_decode` (one worker computes the prompt, on migration with what was streamed, and
+decodes). On a failure `worker_calls.RetryPolicy.after` decides whether and where to try again.
+The request's `RequestTicket` counts where it is; closing the iterator cancels the calls, which
+frees the request's blocks on those workers.
 """
 
 from __future__ import annotations
@@ -106,9 +89,7 @@ class RequestFlow:
     ) -> None:
         self._tracer = tracer or trace.NoOpTracer()
         self.disaggregation = policy or DisaggregationPolicy("always")
-        # Every worker call carries it (the cluster's token, if any) and its trace context.
         self._rpc_metadata = rpc_metadata
-        # The longest wait for a worker stream's next message (see worker_calls.read).
         self._stall_timeout_s = stall_timeout_s
         self._lookup_failures = RepeatedFailureLog(
             logger, "the block directory lookup (routing by load meanwhile)"
@@ -122,8 +103,8 @@ class RequestFlow:
     async def run(
         self, request: GenerationRequest, ticket: RequestTicket
     ) -> AsyncIterator[GenerationChunk]:
-        """The request on a decode worker; elsewhere when that one is full, when its prompt's
-        prefill worker fails before token one, or (migration) when the decode worker dies."""
+        """The request on a decode worker; on another when that one is full, when the prefill
+        worker fails before token one, or (migration) when the decode worker dies."""
         waits = request.admission_group is not None or request.priority > 0
         policy = RetryPolicy(
             self._limits,
@@ -154,11 +135,8 @@ class RequestFlow:
                     error, request.request_id, decode.worker_id, len(streamed.token_ids)
                 )
                 if fresh_id:
-                    # Each new attempt of a request refused or failed before its first token
-                    # gets a fresh id for the workers ("~1", "~2", ...): the earlier attempt may
-                    # still be open on a worker a moment longer (a decode reservation being
-                    # released, an engine process applying the abort), which would refuse the
-                    # same id as in use.
+                    # A fresh id per attempt ("~1", "~2", ...): the earlier one may still be
+                    # open on a worker a moment longer, which would refuse the id as in use.
                     renamed += 1
                     base_id = request.request_id.rsplit("~", 1)[0]
                     request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
@@ -172,10 +150,8 @@ class RequestFlow:
         ticket: RequestTicket,
         resumed: Resumed | None = None,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """One worker computes the prompt and decodes: a colocated worker, a decode worker the
-        prompt was routed to (conditional disaggregation), or (migration) the decode worker
-        that continues a request whose worker died, from `resumed` (what that one had
-        streamed), which it computes with the prompt before it goes on."""
+        """One worker computes the prompt (and `resumed`, what a lost worker had streamed) and
+        decodes: a colocated worker, a decode worker chosen for it, or a migration's."""
         trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
             worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
@@ -188,12 +164,11 @@ class RequestFlow:
                 ticket.first_token(time.monotonic())
                 yield chunk_from_delta(message.delta)
         except WorkerFullError as error:
-            # Refused at the call's start (its queue is full): nothing ran, another may take it.
             raise DecodeFullError(str(error), error.retry_after_s) from None
         except WorkerLostError as error:
             if answered or not error.cancelled_by_server:
                 raise
-            # Dropped from its gRPC backlog before it was served: nothing ran there.
+            # Dropped from its gRPC backlog unserved: nothing ran there.
             raise DecodeFullError(str(error), retry_after_s=1.0) from None
         finally:
             call.cancel()
@@ -201,9 +176,8 @@ class RequestFlow:
     async def serve_disaggregated(
         self, request: GenerationRequest, decode: WorkerInfo, ticket: RequestTicket
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """The request on a disaggregated decode worker, its prompt computed where the policy
-        chooses: the choice is made before the reservation is taken (the lease starts with the
-        reservation, so nothing slow, a Redis lookup, sits between it and the Prefill call)."""
+        """The request on a disaggregated decode worker, its prompt where the policy chooses.
+        The choice (a Redis lookup) comes before the reservation, whose lease starts at once."""
         num_tokens = len(request.prompt_token_ids)
         request_span = trace.get_current_span()
         with self._tracer.start_as_current_span("route") as span:
@@ -220,7 +194,6 @@ class RequestFlow:
             )
             attributes = choice.span_attributes()
             span.set_attributes(attributes)
-            # On the request's own span too: what a trace search filters by.
             request_span.set_attributes(attributes)
         if choice.path == "decode":
             ticket.prompt_on(decode.worker_id, whole_request=False)
@@ -234,7 +207,7 @@ class RequestFlow:
             async for chunk in chunks:
                 yield chunk
         finally:
-            ticket.prompt_off()  # counted from the pick: this attempt leaves it on no path
+            ticket.prompt_off()
             await chunks.aclose()
 
     async def prefill_then_decode(
@@ -244,14 +217,12 @@ class RequestFlow:
         prefill: WorkerInfo,
         ticket: RequestTicket,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """Reserve on the decode worker, prefill on `prefill`, stream from the decode worker.
-        Both workers' spans are children of the request's (the current) span."""
+        """Reserve on the decode worker, prefill on `prefill`, stream from the decode worker."""
         metadata = self._call_metadata()
         started = time.monotonic()
         decode_call = self._generate(decode, request, compute_prompt=False, metadata=metadata)
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None] | None = None
         try:
-            # 1. reserve
             with self._tracer.start_as_current_span("reserve") as span:
                 destination = await reservation(decode_call, decode, self._stall_timeout_s)
                 span.set_attribute("nori.kv.blocks", len(destination.block_ids))
@@ -262,7 +233,6 @@ class RequestFlow:
                 prefill_worker=prefill.worker_id,
                 decode_worker=decode.worker_id,
             )
-            # 2. prefill, watching the decode stream
             decode_next = asyncio.ensure_future(
                 read(decode_call, decode.worker_id, self._stall_timeout_s)
             )
@@ -274,7 +244,6 @@ class RequestFlow:
                 response.prefill_seconds,
                 response.transfer_seconds,
             )
-            # 3. stream
             first = chunk_from_delta(response.first)
             yield first
             if first.finished:
@@ -301,9 +270,8 @@ class RequestFlow:
         decode_next: asyncio.Future[decode_pb2.GenerateResponse | None],
         metadata: tuple[tuple[str, str], ...],
     ) -> prefill_pb2.PrefillResponse:
-        """Token one from the prefill worker. Either side may speak first: the decode stream may
-        end (an expired lease: its error is raised), or already carry token two before the
-        prefill answer with token one reaches us."""
+        """Token one from the prefill worker, while the decode stream may end first (an expired
+        lease: its error is raised) or already carry token two."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self._pool.channel(prefill.grpc_address))
         call = stub.Prefill(
             prefill_pb2.PrefillRequest(
@@ -321,9 +289,8 @@ class RequestFlow:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if decode_next.done() and not answer.done():
                 decode_next.result()  # raises the decode side's error (an expired lease)
-                # The KV arrived and decoding began, but token one has not: a prefill worker
-                # that hangs right after sending would otherwise hold this request until its
-                # channel closes.
+                # Decoding began without token one: bound the wait for a prefill worker that
+                # hung right after sending.
                 await asyncio.wait({answer}, timeout=destination.lease_seconds)
                 if not answer.done():
                     raise UpstreamTimeoutError(
@@ -333,7 +300,7 @@ class RequestFlow:
             try:
                 return await answer
             except (InvalidRequestError, WorkerFullError):
-                raise  # a bad request, or a full queue: nothing failed on the worker
+                raise  # nothing failed on the worker
             except BackendError as error:
                 unreachable = isinstance(error, WorkerUnreachableError | WorkerLostError)  # gone
                 raise PrefillFailedError(str(error), prefill.worker_id, unreachable) from None
@@ -344,9 +311,8 @@ class RequestFlow:
     async def _pick_prefill(
         self, request: GenerationRequest, span: trace.Span
     ) -> tuple[WorkerInfo | None, int]:
-        """The prefill worker that would finish this prompt first (its cached prefix there,
-        from the block directory, and what is queued on it), and the prompt tokens it has
-        cached; (None, 0) when none is available."""
+        """The prefill worker that would finish this prompt first (cached prefix, queue) and
+        its cached prompt tokens; (None, 0) when none is available."""
         candidates = self._pool.available("prefill")
         block_size = self._pool.block_size
         if not candidates or block_size is None:

@@ -36,8 +36,7 @@ logger = logging.getLogger(__name__)
 class GatewayOptions(RoleSettings):
     model: str
     served_model_name: str
-    # Whose tokenizer and chat template to use (a folder, a GGUF file, a built-in name); None:
-    # the model's own. The workers must be given the same (`--tokenizer`).
+    # Another model's tokenizer and chat template (the workers' must match); None: the model's.
     tokenizer: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
@@ -45,35 +44,25 @@ class GatewayOptions(RoleSettings):
     # None: the block size the workers state in the registry.
     block_size: int | None = None
     max_in_flight: int = 4096
-    # Admission bound per worker computing prompts; 0 = none (see nori.gateway.ledger).
+    # This and the cluster's settings below: see ClusterOptions.
     max_queued_prompt_tokens: int = 8192
-    # --stream-interval: a streamed request's tokens reach its client this many at a time.
     stream_interval: int = 1
-    # Where prompts are computed (ClusterOptions.disaggregation).
     disaggregation: DisaggregationMode = "always"
-    # The most decode-worker compute one prompt may take there (ClusterOptions).
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
-    # A file or a Jinja template replacing the tokenizer's own (`load_chat_template`).
     chat_template: str | None = None
     access_log: bool = True
-    # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
+    # Else the OTEL_EXPORTER_OTLP_* variables; none: tracing off.
     otlp_traces_endpoint: str | None = None
     max_request_body_mib: float = 32.0
-    # Moves of a request to another decode worker when the one streaming it dies.
     migration_limit: int = 3
-    # A worker stream silent this long counts as lost (ClusterOptions.stream_stall_timeout_s).
     stream_stall_timeout_s: float = 300.0
-    # A batch member's wait for room when every worker is full (ClusterOptions.group_wait_s).
     group_wait_s: float = 600.0
-    # One request's or client's share of the decode pool while others wait (nori.gateway.ledger).
     max_decode_share: float = 0.5
-    # Caps on n and on a request's choices, prompts x n (ClusterOptions.max_n and
-    # max_request_members).
     max_n: int = 64
     max_request_members: int = 4096
-    # Bearer keys the /v1 API requires (--api-key, else NORI_API_KEY); none: open.
+    # The Bearer key the /v1 API requires (else NORI_API_KEY); none: open.
     api_key: str | None = None
-    # OpenAI's Files and Batch API, its files and batches kept here; None: off.
+    # Where OpenAI's Files and Batch API keeps its files and batches; None: off.
     batch_dir: str | None = None
     max_batch_file_mib: float = 200.0
     # SIGTERM: requests in flight get this long to finish (nori.gateway.drain).
@@ -92,7 +81,7 @@ def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
         "nori_worker_kv_transfers_total": ("counter", "num_transfers"),
         "nori_worker_requests_total": ("counter", "num_requests"),
         "nori_worker_prompt_tokens_computed_total": ("counter", "num_prompt_tokens_computed"),
-        # Speculative decoding (zero without it): `nori bench serve` reads these.
+        # Zero without speculative decoding.
         "nori_worker_spec_decode_num_drafts_total": ("counter", "spec_decode_num_drafts"),
         "nori_worker_spec_decode_num_draft_tokens_total": (
             "counter",

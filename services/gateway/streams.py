@@ -1,14 +1,10 @@
 """Running backend streams for one HTTP request, and the SSE response that carries them.
 
-Each prompt's backend iterator is driven by a task of its own and its chunks are merged into one
-queue. Owning each iterator in a task has two purposes: prompts of a batch run concurrently, and
-closing is always possible. An async generator cannot be `aclose()`d while another task is
-inside its `__anext__`; cancelling the task that owns it instead ends the pending step and runs
-the backend's cleanup (which cancels the request) promptly, in a task that is not itself inside
-a cancelled anyio scope, so the backend may still await during cleanup.
-
-The client's disconnect is watched the same way: a task waits on ASGI `receive()` for
-`http.disconnect` and puts a marker into the same queue, so the consumer needs no polling.
+Each prompt's backend iterator is driven by a task of its own, its chunks merged into one queue:
+prompts of a batch run concurrently, and closing is always possible (an async generator cannot
+be `aclose()`d while another task is inside its `__anext__`; cancelling the owning task ends the
+step and runs the backend's cleanup, outside any cancelled anyio scope). A task watching ASGI
+`receive()` puts the client's disconnect into the same queue.
 """
 
 from __future__ import annotations
@@ -52,12 +48,8 @@ async def close_iterator(iterator: object) -> None:
 
 
 class GenerationRun:
-    """The backend streams of one HTTP request (one per prompt), merged in arrival order;
-    `start` starts them.
-
-    `tasks` is a set owned by the app that keeps the producer tasks referenced (asyncio only
-    keeps weak references to tasks) until they end, even after this object is dropped.
-    """
+    """The backend streams of one HTTP request (one per prompt), merged in arrival order.
+    `tasks`, the app's, keeps the producer tasks referenced until they end."""
 
     def __init__(
         self,
@@ -66,10 +58,8 @@ class GenerationRun:
         tasks: set[asyncio.Task[None]],
     ) -> None:
         self._queue: asyncio.Queue[_Event] = asyncio.Queue()
-        # An event taken from the queue while merging chunks, not yet handed out.
         self._held: _Event | None = None
-        # Prompts that have handed out their first chunk (never merged: it decides the HTTP
-        # status of a stream and marks the time to first token).
+        # Prompts that handed out their first chunk, which is never merged.
         self._started: set[int] = set()
         self._remaining = len(requests)
         self._backend = backend
@@ -79,7 +69,7 @@ class GenerationRun:
         self._watcher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Starts one producer task per request: from here on the backend serves them."""
+        """Starts one producer task per request."""
         assert not self._producers, "the run has started"
         self._producers = [
             self._spawn(self._produce(self._backend, i, r)) for i, r in enumerate(self._requests)
@@ -110,8 +100,7 @@ class GenerationRun:
             self._queue.put_nowait(error)
         finally:
             if iterator is not None:
-                # After `break` or an error the generator is suspended, not finished: closing
-                # it runs its cleanup now rather than whenever it is garbage-collected.
+                # Suspended, not finished: run its cleanup now, not at garbage collection.
                 try:
                     await close_iterator(iterator)
                 except Exception:
@@ -135,10 +124,8 @@ class GenerationRun:
             self._watcher = None
 
     async def next(self) -> tuple[int, GenerationChunk] | None:
-        """The next chunk of any prompt, or None once every prompt has finished.
-
-        Raises the first error of any prompt (cancelling the others), or ClientDisconnected.
-        """
+        """The next chunk of any prompt, None once all have finished; raises the first error of
+        any prompt (cancelling the others), or ClientDisconnected."""
         while self._remaining > 0:
             event = self._held if self._held is not None else await self._queue.get()
             self._held = None
@@ -157,9 +144,8 @@ class GenerationRun:
         return None
 
     def _merge_ready(self, index: int, chunk: GenerationChunk) -> GenerationChunk:
-        """`chunk` joined with the same prompt's chunks already queued behind it: when the
-        writer falls behind, one SSE event carries them all instead of one per token. A
-        prompt's first chunk goes out alone, and an abort is never folded into earlier text."""
+        """`chunk` joined with the same prompt's chunks queued behind it (a writer that fell
+        behind sends one event); never a first chunk, never an abort."""
         if index not in self._started:
             self._started.add(index)
             return chunk
@@ -177,32 +163,24 @@ class GenerationRun:
         return chunk
 
     def cancel(self) -> None:
-        """Stops every stream still running; their backend requests are cancelled.
-
-        Deliberately synchronous: it is called from `finally` blocks that may run inside a
-        cancelled anyio scope, where any await would be cancelled again.
-        """
+        """Stops every stream still running. Synchronous: it runs in `finally` blocks that may
+        be inside a cancelled anyio scope."""
         self.stop_watching()
         for task in self._producers:
             task.cancel()
 
 
 class EventStreamResponse(StreamingResponse):
-    """`text/event-stream` that always closes its body iterator, whatever ends the stream.
-
-    Starlette only cancels the body on disconnect for ASGI spec < 2.4 and, on a failed send,
-    leaves the generator for the garbage collector. Here the stream and a disconnect listener
-    run side by side on every spec version, and the body is `aclose()`d at the end, so the
-    backend request is cancelled as soon as the client goes away, even between tokens.
-    """
+    """`text/event-stream` that always closes its body iterator, whatever ends the stream: a
+    disconnect listener runs beside it on every ASGI spec version (Starlette's only below 2.4),
+    so the backend request is cancelled as soon as the client goes away."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None
     ) -> None:
-        """`on_close` runs once the response is over however it ended, even when the body
-        was never started (closing an unstarted generator skips its `finally`)."""
+        """`on_close` runs once the response is over, even if the body never started."""
         super().__init__(content, headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 

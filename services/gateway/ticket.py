@@ -1,11 +1,7 @@
 """`RequestTicket`: one request's holds in the gateway's `ledger.Ledger`, from admission to
-`close()`.
-
-Its states: `queued` (admitted, not on a worker) -> `prompt` (its prompt on a worker) ->
-`decoding` (token one came) -> `closed`. Retries and migration move it between workers, never
-out of the ledger; `close()`, called once in `ClusterBackend.generate`'s `finally`, releases
-whatever it still holds (its slot, its queued tokens, its calls on workers, its place among the
-requests in flight and in its group), and is a no-op after the first time.
+`close()`. Its states: `queued` -> `prompt` (on a worker) -> `decoding` (token one came) ->
+`closed`. Retries and migration move it between workers, never out of the ledger; `close()`,
+once in `ClusterBackend.generate`'s `finally`, releases whatever it still holds.
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ class RequestTicket:
         self.group = request.admission_group
         self.priority = request.priority
         self.background = request.priority > 0
-        # A member of a batch (or a batch line) waits for its slot; a single request does not.
         self.waits = request.admission_group is not None or self.background
-        # Batch lines are an owner of their own, apart from the same key's interactive work.
+        # Batch lines are an owner apart from the same key's interactive work.
         self.client = f"{request.client}#background" if self.background else request.client
         self.group_key = f"g:{self.group or request.request_id}"
         self.client_key = f"c:{self.client}"
@@ -93,9 +88,8 @@ class RequestTicket:
     # -------------------------------------------------------------- the workers
 
     def prompt_on(self, worker_id: str, whole_request: bool = True) -> None:
-        """Its prompt goes to `worker_id`, counted there until token one: on a prefill worker
-        as a request in flight too; on the decode worker computing it (`whole_request=False`)
-        as tokens only, the request being counted there already."""
+        """Its prompt goes to `worker_id`, counted there until token one (as tokens only when
+        the decode worker, where the request is counted already, computes it)."""
         self.prompt_off()
         self.prompt_worker = (worker_id, whole_request)
         if whole_request:
@@ -124,7 +118,7 @@ class RequestTicket:
             self.decode_worker = None
 
     def first_token(self, now: float) -> None:
-        """Token one came back: its prompt no longer waits (and counts for the drain rate)."""
+        """Token one came back: its prompt no longer waits."""
         if self.first_token_at is None and not self.closed:
             self.first_token_at = now
             self.prompt_off()

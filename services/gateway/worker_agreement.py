@@ -1,13 +1,10 @@
 """What every worker of a cluster must share with the others, and which workers do not (pure
 logic over registry entries; `WorkerPool` routes only to the members and logs the refused).
 
-A request moves between workers: its prompt's KV blocks go from a prefill worker to a decode
-worker as stored, so both must agree on the KV layout (block size, cache dtype). They must also
-run the same speculative decoding (--speculative-config): the decode side goes on from what the
-prefill side computed for the prompt (with a draft model, the draft's state of it too), and a
-cluster whose workers speculate alike answers alike whichever of them serves a request. The
-cluster's settings are those of its longest-running worker, so that a newcomer started with other
-flags cannot take over a running cluster; it is refused instead.
+KV blocks move between workers as stored, so all agree on the KV layout (block size, cache
+dtype), and they run the same speculative decoding (the decode side goes on from what the
+prefill side computed, a draft model's state included). The cluster's settings are its
+longest-running worker's, so that a newcomer with other flags is refused, not obeyed.
 """
 
 from __future__ import annotations
@@ -20,9 +17,7 @@ from nori.state.registry import WorkerInfo
 
 @dataclass(frozen=True)
 class KVLayoutAgreement:
-    """The KV layout the cluster runs with (block size, cache dtype), the workers that use it
-    and those that do not: KV blocks move between workers as stored, so every worker must
-    agree on both."""
+    """The cluster's KV layout (block size, cache dtype), the workers that use it and the rest."""
 
     block_size: int | None
     kv_cache_dtype: str | None
@@ -32,9 +27,8 @@ class KVLayoutAgreement:
 
 def agree_on_kv_layout(workers: Sequence[WorkerInfo], expected: int | None) -> KVLayoutAgreement:
     """The block size `expected` when given; else, as the KV cache dtype, what the
-    longest-running worker states (so a newcomer with another layout cannot take over a running
-    cluster). A worker that states neither (0 / "": an older version) is taken at its word that
-    it matches."""
+    longest-running worker states. A worker that states neither (0 / "": an older version)
+    is taken to match."""
     by_age = sorted(workers, key=lambda w: w.started_at)
     sizes = [w.block_size for w in by_age if w.block_size > 0]
     block_size = expected if expected is not None else (sizes[0] if sizes else None)
@@ -50,8 +44,8 @@ def agree_on_kv_layout(workers: Sequence[WorkerInfo], expected: int | None) -> K
 
 @dataclass(frozen=True)
 class SpeculationAgreement:
-    """The speculative decoding the cluster runs with (a worker's `speculative_config`: the
-    canonical JSON, "" for off; None while there is no worker), who runs it and who does not."""
+    """The cluster's `speculative_config` (canonical JSON, "" for off; None: no worker), who
+    runs it and who does not."""
 
     speculative_config: str | None
     members: list[WorkerInfo]
@@ -59,9 +53,8 @@ class SpeculationAgreement:
 
 
 def agree_on_speculation(workers: Sequence[WorkerInfo]) -> SpeculationAgreement:
-    """The longest-running worker's speculative settings, as the KV cache dtype's rule. Unlike
-    the dtype, "" is a setting, not silence: a worker without the field (a version before
-    speculative decoding) runs without it, and so differs from a cluster that speculates."""
+    """The longest-running worker's speculative settings. Unlike the dtype, "" is a setting,
+    not silence: a worker without the field runs without speculation."""
     if not workers:
         return SpeculationAgreement(None, [], [])
     cluster = min(workers, key=lambda w: w.started_at).speculative_config

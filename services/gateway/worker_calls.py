@@ -1,8 +1,6 @@
-"""gRPC calls to workers as the request flow sees them, and what the flow does when one fails.
-
-A failed call is a `BackendError` with the HTTP status it deserves (`error_from_rpc`), and a
-worker's token delta is a GenerationChunk. After a failed attempt, `RetryPolicy` decides whether
-the request tries again and how, or which error its client gets.
+"""gRPC calls to workers as the request flow sees them: a failed call is a `BackendError` with
+its HTTP status (`error_from_rpc`), a token delta a GenerationChunk; after a failed attempt,
+`RetryPolicy` decides whether and how the request tries again, or which error its client gets.
 """
 
 from __future__ import annotations
@@ -73,12 +71,8 @@ def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
 
 
 async def rpc(call: Awaitable[T], worker: str) -> T:
-    """Awaits a gRPC call; its failure becomes a BackendError.
-
-    A call cancelled under us (its channel closed) is a failure too, not a cancellation of the
-    request: only when this task itself is being cancelled (the client went away) does
-    CancelledError pass through.
-    """
+    """Awaits a gRPC call; its failure becomes a BackendError. A call cancelled under us (its
+    channel closed) is one too: CancelledError passes only when this task is being cancelled."""
     try:
         return await call
     except grpc.aio.AioRpcError as error:
@@ -98,12 +92,8 @@ async def await_call(call: grpc.aio.UnaryUnaryCall, worker: str) -> prefill_pb2.
 async def read(
     call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
 ) -> decode_pb2.GenerateResponse | None:
-    """The stream's next message, None at its end.
-
-    A worker that sends nothing for `stall_timeout_s` is taken as lost (WorkerLostError: the
-    request moves to another worker). gRPC keepalive already ends the calls of a peer that
-    stops answering pings; this bounds the wait when the peer answers pings but not the call.
-    """
+    """The stream's next message, None at its end. A worker silent for `stall_timeout_s` is
+    lost (WorkerLostError); keepalive only catches a peer that stops answering pings."""
     try:
         async with asyncio.timeout(stall_timeout_s):
             message = await rpc(call.read(), worker)
@@ -133,12 +123,11 @@ async def reservation(
     try:
         message = await read(decode_call, decode.worker_id, stall_timeout_s)
     except (WorkerFullError, WorkerUnreachableError) as error:
-        # Full or unavailable before any work: another decode worker may take it.
         raise DecodeFullError(str(error), error.retry_after_s) from None
     except WorkerLostError as error:
         if not error.cancelled_by_server:
             raise
-        # Dropped from its gRPC backlog before it was served: nothing ran there.
+        # Dropped from its gRPC backlog unserved: nothing ran there.
         raise DecodeFullError(str(error), retry_after_s=1.0) from None
     if message is None or not message.HasField("reservation"):
         raise BackendError(f"{decode.worker_id} did not answer with a reservation")
@@ -156,14 +145,9 @@ MAX_DELAY_S = 1.0
 
 
 class GroupWait:
-    """The wait of a batch member or a batch line that found every worker full
-    (`ClusterOptions.group_wait_s`): backoff, 50 ms doubling up to 1 s, until `limit_s` after
-    the first turn.
-
-    A single request that finds every worker full gets 429 at once (limit 0): its client is
-    the one to retry. A batch was admitted as a whole, and its own running members free the
-    room the rest need, so they wait for it instead of failing the batch.
-    """
+    """A batch member's (or batch line's) wait when every worker is full: doubling backoff
+    until `limit_s` after the first turn. A single request does not wait (limit 0: a 429 its
+    client retries); a batch's own running members free the room the rest need."""
 
     def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._limit_s = limit_s
@@ -172,8 +156,8 @@ class GroupWait:
         self._delay_s = FIRST_DELAY_S
 
     async def turn(self, woken: asyncio.Future[None] | None = None) -> bool:
-        """Waits before the next try, or until `woken` is done (room freed), whichever comes
-        first; False (without waiting) once the time is up. `woken` is cancelled either way."""
+        """Waits for the backoff or `woken` (room freed), then cancels `woken`; False, at once,
+        when the time is up."""
         try:
             if self._limit_s <= 0:
                 return False
@@ -196,22 +180,18 @@ class GroupWait:
 
 @dataclass(frozen=True)
 class RetryLimits:
-    # Decode workers to try when one answers that its pool is full.
     decode_attempts: int = 3
-    # Tries of a prompt whose prefill worker failed (died, hung up, sent bad KV), or whose
-    # prefill queue was full, each on a prefill worker that has not just failed.
+    # Each of a failed or full prefill, or a move to another decode worker (--migration-limit).
     prefill_attempts: int = 3
-    # Moves of a request whose decode worker died to another one (--migration-limit).
     migration_limit: int = 3
-    # How long a member of a batch (or a batch line) waits for room when every worker is full,
-    # instead of 429 (`GroupWait`); a single request does not wait.
     group_wait_s: float = 600.0
 
 
 @dataclass
 class RetryPolicy:
-    """What happens after each failed attempt of one request: another try (and whether under a
-    fresh id), or the error the client gets. Every counter of the request's tries is here.
+    """After each failed attempt of one request: another try (under a fresh id or not), or the
+    error the client gets; a batch member whose tries are used up waits (`GroupWait`) and tries
+    them all again while the client has seen nothing. Every counter of its tries is here.
 
     | failure                                  | next try, while the limit allows            |
     |------------------------------------------|---------------------------------------------|
@@ -219,16 +199,11 @@ class RetryPolicy:
     | WorkerFullError: the prefill queue full  | pick again (prefill_attempts)               |
     | PrefillFailedError, TransferFailedError  | start over (prefill_attempts, then 503)     |
     | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
-
-    A batch member (or batch line) whose tries are used up waits for room (`GroupWait`) and
-    tries them all again, as long as the client has seen nothing.
     """
 
     limits: RetryLimits
     wait: GroupWait
-    # The pool's `mark_failed`: route nothing to a worker whose calls just failed.
     mark_failed: Callable[[str], None]
-    # Decode workers tried since the last wait (not to be picked again).
     tried: list[str] = field(default_factory=list)
     full_prefills: int = 0
     failed_prefills: int = 0
@@ -237,7 +212,6 @@ class RetryPolicy:
     async def no_decode_worker(self, request_id: str, streamed: bool) -> None:
         """Returns when the request may look for a decode worker again; raises otherwise."""
         if self.migrations:
-            # Workers failed, not the request: a 503 the client may retry.
             raise SaturatedError(
                 f"the decode worker streaming request {request_id} failed and no other decode "
                 "worker is left to continue it; retry after the time in Retry-After"
@@ -255,13 +229,10 @@ class RetryPolicy:
     async def after(
         self, error: BackendError, request_id: str, decode_id: str, num_streamed: int
     ) -> bool:
-        """Returns when the request may try again: True when the next try needs a fresh id for
-        the workers (the failed attempt may still be open on a worker a moment longer). Raises
-        `error`, or the 503 it becomes, when the request must fail."""
+        """Returns when the request may try again (True: under a fresh id); raises `error`, or
+        the 503 it becomes, when it must fail."""
         if isinstance(error, DecodeFullError):
-            # Refused before any work (a full queue or pool): another worker may have room. A
-            # migrating request may try them too: the new worker continues from what the
-            # client has, so nothing is replayed.
+            # A migrating request may try others too: nothing is replayed.
             self.tried.append(decode_id)
             if len(self.tried) >= self.limits.decode_attempts + self.migrations:
                 if num_streamed or not await self.wait.turn():
@@ -269,8 +240,6 @@ class RetryPolicy:
                 self.tried.clear()
             return not num_streamed
         if isinstance(error, WorkerFullError):
-            # The prefill worker's queue was full (its decode reservation is released): pick
-            # again; routing by load favours another one.
             self.full_prefills += 1
             if self.full_prefills >= self.limits.prefill_attempts:
                 if not await self.wait.turn():
@@ -278,16 +247,15 @@ class RetryPolicy:
                 self.full_prefills = 0
             return True
         if isinstance(error, PrefillFailedError | TransferFailedError):
-            # The prompt's prefill worker died, hung up or sent bad KV: its decode reservation
-            # is already released (the decode call was cancelled); start over on another
-            # prefill worker, while the client has seen nothing.
+            # Its decode reservation is already released: start over while the client has
+            # seen nothing.
             if isinstance(error, PrefillFailedError) and error.unreachable:
                 self.mark_failed(error.worker_id)
             self.failed_prefills += 1
             if num_streamed:
                 raise error
             if self.failed_prefills >= self.limits.prefill_attempts:
-                # Workers failed, not the request: a 503 the client may retry, not a 500.
+                # Workers failed, not the request: a 503, not a 500.
                 raise SaturatedError(
                     f"the prompt's prefill failed {self.failed_prefills} times ({error}); retry "
                     "after the time in Retry-After",
@@ -296,13 +264,10 @@ class RetryPolicy:
             logger.warning("request %s: %s; computing it again", request_id, error)
             return True
         if isinstance(error, WorkerUnreachableError | WorkerLostError):
-            # The decode worker died or hung up: continue on another one from what the client
-            # has (migration), or start over if it has nothing yet.
             self.mark_failed(decode_id)
             self.tried.append(decode_id)
             self.migrations += 1
             if self.migrations > self.limits.migration_limit:
-                # Workers failed, not the request: a 503 the client (a batch runner) retries.
                 raise SaturatedError(
                     f"request {request_id}: {error}; it moved to another decode worker "
                     f"{self.limits.migration_limit} times (--migration-limit); retry after the "

@@ -1,22 +1,12 @@
-"""The workers the gateway can route to: read from the registry, with a gRPC channel each.
+"""The workers the gateway can route to, reread from the registry every `refresh_s`, with a gRPC
+channel each. While Redis is away the pool keeps the workers it last read, and when Redis returns
+empty it keeps them a little longer while they re-register. It settles the cluster's KV block
+size (the workers' stated one, or `--block-size`) and leaves out, with one log line each, a
+worker whose block size, KV dtype or speculative decoding differs (`worker_agreement`), and any
+registry entry its signature check refused (counted in `refused_entries`).
 
-Workers join and leave while the gateway runs; the pool rereads the registry every `refresh_s`.
-While Redis is away it keeps the workers it last read, and when Redis returns empty (restarted:
-the workers re-register at their next heartbeats) it keeps them a little longer.
-It also settles the cluster's KV block size, which the gateway needs to hash prompts for the
-block directory: the size the workers state in the registry (or `--block-size`, when given). A
-worker that states another size would be told prompts it cannot look up, and its transfers would
-be refused, so it is left out, with one log line saying why; so is a worker whose KV cache dtype
-or speculative decoding differs from the cluster's (`nori.gateway.worker_agreement`).
-In a cluster with a secret the registry lists only entries whose signature verifies and that have
-not expired (`nori.state.registry`); the pool logs each refused worker id once and counts every
-refused write in `refused_entries` (the gateway's /metrics:
-nori_gateway_refused_worker_entries_total).
-
-Which workers serve a request is `Router`'s choice, pure logic over the pool's workers and the
-gateway's own counts. Registry load figures are up to a heartbeat old, so a burst of requests
-would all see the same "least loaded" worker; the gateway's own in-flight counts (updated the
-moment it routes) break such ties and spread a burst across the pool.
+`Router` picks a request's workers from them and this gateway's own counts: registry load is up
+to a heartbeat old, so the in-flight counts, updated the moment it routes, spread a burst.
 """
 
 from __future__ import annotations
@@ -48,15 +38,12 @@ logger = logging.getLogger(__name__)
 
 # How long a channel to a worker that left the registry stays open for calls still on it.
 CHANNEL_LINGER_S = 120.0
-# A worker whose call just failed gets no new request for this long: about the registry's
-# heartbeat TTL, by when a dead worker has dropped out and a restarted one re-registered.
+# A worker whose call just failed gets no new request for this long (about the heartbeat TTL).
 FAILED_WORKER_PAUSE_S = 3.0
-# When the registry is readable again after an outage but lacks workers it had (Redis restarted
-# empty), those are still serving: they stay this long (about the heartbeat TTL, by when each has
-# re-registered), rather than requests being refused until their next heartbeats.
+# How long workers missing from a registry read again after an outage (Redis restarted empty)
+# stay routable, while they re-register.
 REGISTRY_LOSS_GRACE_S = 3.0
-# Refused worker ids remembered so that each is logged once; past this many (a flood of forged
-# entries), further ids are only counted, with a line per 10 s saying so.
+# Refused worker ids logged once each; past this many (forged entries) they are only counted.
 MAX_LOGGED_REFUSALS = 1024
 
 
@@ -73,20 +60,16 @@ class WorkerPool:
         self._refresh_s = refresh_s
         self._on_refresh = on_refresh
         self.workers: list[WorkerInfo] = []
-        # None until a worker states one (or --block-size gives it).
         self.block_size: int | None = block_size
         self._refused: set[tuple[str, int, str]] = set()
         self._refused_speculation: set[tuple[str, str]] = set()
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._failed_until: dict[str, float] = {}
-        # Whether the last read of the registry failed; the workers kept through its loss, and
-        # until when.
         self._unread = False
         self._kept: list[WorkerInfo] = []
         self._kept_until = 0.0
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
-        # Entries refused by their signature check, by reason, each write counted once.
         self.refused_entries: dict[str, int] = {}
         self._refused_versions: set[tuple[str, str]] = set()
         self._logged_refusals: set[str] = set()
@@ -105,15 +88,14 @@ class WorkerPool:
         await self._channels.close_all()
 
     def available(self, role: str) -> list[WorkerInfo]:
-        """The workers of `role` that take new requests (not draining), without those whose
-        calls just failed unless that would leave none (a failure mark is a hint, never a
-        reason to refuse a request)."""
+        """The non-draining workers of `role`, those whose calls just failed last (a failure
+        mark is a hint, never a reason to refuse a request)."""
         taking = [w for w in self.workers if w.role == role and not w.draining]
         return self._healthy_first(taking)
 
     def routable(self) -> list[WorkerInfo]:
-        """Every worker, without those whose calls just failed unless that leaves no decode
-        (or colocated) worker."""
+        """Every worker, without those whose calls just failed unless that leaves no decode or
+        colocated worker."""
         healthy = self._healthy_first(self.workers)
         if any(w.role in ("decode", "colocated") for w in healthy):
             return healthy
@@ -125,10 +107,8 @@ class WorkerPool:
         return healthy or list(workers)
 
     def mark_failed(self, worker_id: str, for_s: float = FAILED_WORKER_PAUSE_S) -> None:
-        """A call to the worker just failed (it died or hung up): route nothing to it for a
-        while, rather than until its registry entry expires."""
+        """A call to the worker just failed: route nothing to it for `for_s`."""
         self._failed_until[worker_id] = time.monotonic() + for_s
-        # Forget old marks: at most one per worker id ever seen, and few of those.
         now = time.monotonic()
         for known, until in list(self._failed_until.items()):
             if until < now:
@@ -138,7 +118,7 @@ class WorkerPool:
         return self._channels.get(address)
 
     async def refresh(self) -> None:
-        """Reads the registry: workers join and leave while the gateway runs."""
+        """Reads the registry again."""
         try:
             listing = await self._registry.list_entries()
         except Exception:
@@ -159,12 +139,11 @@ class WorkerPool:
 
     def _bridge_loss(self, listed: list[WorkerInfo]) -> list[WorkerInfo]:
         """`listed`, plus the workers known before the registry became unreadable that are not
-        back in it yet: a Redis that restarted empty learns of the workers, still serving, only
-        at their next heartbeats, one by one."""
+        back in it yet (a Redis restarted empty learns of them at their next heartbeats)."""
         now = time.monotonic()
         present = {w.worker_id for w in listed}
         if self._unread and now >= self._kept_until:
-            # Workers that leave on purpose say so (draining) first: only serving ones are kept.
+            # Workers that leave on purpose drain first: only serving ones are kept.
             self._kept = [w for w in self.workers if not w.draining and w.worker_id not in present]
             if self._kept:
                 self._kept_until = now + REGISTRY_LOSS_GRACE_S
@@ -183,8 +162,8 @@ class WorkerPool:
         return sorted([*listed, *missing], key=lambda w: w.worker_id)
 
     def _note_refused(self, refused: list[RefusedEntry]) -> None:
-        """Counts each refused write once and logs each refused worker id once: a forged
-        entry stays in Redis and is read twice a second, a line each time would flood the log."""
+        """Counts each refused write once and logs each refused worker id once (a forged entry
+        stays in Redis and is read on every refresh)."""
         versions = {(entry.worker_id, entry.version) for entry in refused}
         for entry in refused:
             if (entry.worker_id, entry.version) in self._refused_versions:
@@ -206,7 +185,6 @@ class WorkerPool:
                     "expired": "it has expired",
                 }[entry.reason],
             )
-        # Only the entries still there: one written again later counts again.
         self._refused_versions = versions
 
     def _log_refusals(self, agreement: KVLayoutAgreement) -> None:
@@ -244,8 +222,7 @@ class WorkerPool:
             if address in live:
                 self._absent_since.pop(address, None)
                 continue
-            # A worker that missed its heartbeats may still be finishing calls on this channel
-            # (or be hung, which the decode lease handles): close it only once long gone.
+            # A worker that missed its heartbeats may still be finishing calls on this channel.
             since = self._absent_since.setdefault(address, now)
             if now - since > CHANNEL_LINGER_S:
                 del self._absent_since[address]
@@ -257,7 +234,6 @@ class WorkerPool:
             try:
                 await self.refresh()
             except Exception as error:
-                # Two reads a second against a Redis that is away: one line per 10 s, not each.
                 self._read_failures.failed(error)
 
     def health(self) -> BackendHealth:
@@ -273,8 +249,7 @@ class WorkerPool:
     async def stats(
         self, timeout_s: float = 2.0, metadata: tuple[tuple[str, str], ...] = ()
     ) -> list[common_pb2.WorkerStats]:
-        """Live figures from every worker in the pool (for /metrics); `metadata`: the
-        cluster's token (`ClusterAuth.rpc_metadata()`)."""
+        """Live figures from every worker in the pool (for /metrics)."""
 
         async def one(worker: WorkerInfo) -> common_pb2.WorkerStats | None:
             channel = self.channel(worker.grpc_address)
@@ -302,10 +277,8 @@ class WorkerPool:
 class Router:
     """Picks a request's workers, and counts what this gateway has sent each."""
 
-    # Requests this gateway has routed to each worker and not yet seen finish.
     in_flight: Counter[str] = field(default_factory=Counter)
-    # Prompt tokens this gateway has sent to each worker to compute (a prefill worker, or a
-    # decode worker computing a prompt itself) and not yet seen computed.
+    # Prompt tokens sent to each worker to compute and not yet seen computed.
     pending_prompt_tokens: Counter[str] = field(default_factory=Counter)
     _decode_picks: int = 0
     _prefill_picks: int = 0
@@ -313,8 +286,8 @@ class Router:
     def pick_decode(
         self, workers: Iterable[WorkerInfo], exclude: Iterable[str] = ()
     ) -> WorkerInfo | None:
-        """The decode (or colocated) worker with the fewest in-flight requests, then the most
-        free KV blocks."""
+        """The decode or colocated worker with the fewest in-flight requests, then the most free
+        KV blocks."""
         excluded = set(exclude)
         candidates = [
             worker
@@ -325,8 +298,7 @@ class Router:
         ]
         if not candidates:
             return None
-        # Equal workers take turns (min keeps the first of equals; the start rotates), so
-        # requests that arrive one at a time still spread over an idle pool.
+        # Equal workers take turns (the start rotates), so one-at-a-time requests spread too.
         candidates.sort(key=lambda w: w.worker_id)
         start = self._decode_picks % len(candidates)
         self._decode_picks += 1
@@ -346,8 +318,7 @@ class Router:
         num_prompt_tokens: int,
     ) -> WorkerInfo | None:
         """The prefill worker that would compute the fewest tokens before this prompt is done:
-        the prompt minus its cached prefix there (`cached_tokens`, per worker), plus what is
-        already queued on it."""
+        the prompt minus its cached prefix there, plus what is queued on it."""
         candidates = [w for w in workers if w.role == "prefill" and not w.draining]
         if not candidates:
             return None
@@ -357,7 +328,6 @@ class Router:
             queued = self.pending_prompt_tokens[worker.worker_id]
             return (num_prompt_tokens - cached + queued, self.in_flight[worker.worker_id])
 
-        # As for decode: equal workers take turns.
         candidates.sort(key=lambda w: w.worker_id)
         start = self._prefill_picks % len(candidates)
         self._prefill_picks += 1
@@ -369,7 +339,7 @@ class Router:
 
     def ended(self, worker_id: str, prompt_tokens: int = 0) -> None:
         self.in_flight[worker_id] -= 1
-        # Drop zero entries: worker ids come and go, the counters must not grow with them.
+        # Worker ids come and go: the counters must not grow with them.
         if self.in_flight[worker_id] <= 0:
             del self.in_flight[worker_id]
         self.prompt_done(worker_id, prompt_tokens)
