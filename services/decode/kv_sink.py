@@ -119,7 +119,6 @@ class DecodeKVSink:
         assert lease.hand_off is not None
         return lease.hand_off
 
-
     def destinations(self, header: TransferHeader) -> list[torch.Tensor]:
         lease = self._leases.get(header.request_id)
         if lease is None:

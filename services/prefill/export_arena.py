@@ -103,7 +103,6 @@ class ByteRanges:
 
 
 class ExportArena:
-
     def __init__(self, capacity_bytes: int = DEFAULT_EXPORT_ARENA_BYTES) -> None:
         self._ranges = ByteRanges(capacity_bytes)
         self._lock = threading.Lock()  # copies run on threads; releases on the event loop

@@ -95,7 +95,6 @@ class EngineFacts:
 
 
 class EngineCore(Protocol):
-
     facts: EngineFacts
     # After the last step or operation; `taken_at` (time.monotonic) is the loop's last sign of life.
     load: EngineLoad
@@ -169,7 +168,6 @@ def load_of(engine: LLMEngine) -> EngineLoad:
 
 
 class EngineThread:
-
     def __init__(
         self,
         engine: LLMEngine,
@@ -218,7 +216,6 @@ class EngineThread:
         self._stopping.set()
         self._operations.put((_wake, (), {}, Future()))  # wake the thread
         await asyncio.to_thread(self._thread.join, 10.0)
-
 
     def _run(self) -> None:
         while not self._stopping.is_set():

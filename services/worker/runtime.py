@@ -137,7 +137,6 @@ class Worker(ABC):
         self._engine: EngineCore | None = None
         self._servicer: EngineServicer | None = None
 
-
     @abstractmethod
     async def start_role(self) -> None:
         """Loads the engine, starts transports; called before the gRPC server opens."""
@@ -213,7 +212,6 @@ class Worker(ABC):
             return ""
         dtype = self._engine.facts.kv_cache_tensors[0].dtype
         return str(dtype).removeprefix("torch.")
-
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -50,7 +50,6 @@ EXPERT_COUNTS_WAIT_S = 5.0
 
 
 class _EngineStateCollector(Collector):
-
     def __init__(self, load: Callable[[], EngineLoad], transfers_in_flight: Callable[[], int]):
         self._load = load
         self._transfers_in_flight = transfers_in_flight

@@ -57,7 +57,6 @@ class BlockManager:
         self._cached = {}
         self._events = []
 
-
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_queue)
@@ -125,7 +124,6 @@ class BlockManager:
                 if holders[block_id] == self.blocks[block_id].ref_count and block_id not in keep:
                     freed += 1
             yield freed
-
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached_prefix: Iterable[int] = ()
@@ -200,7 +198,6 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
-
     def check_invariants(self, requests: Iterable[Request]) -> None:
         """Raises AssertionError when the bookkeeping is inconsistent; `requests` must be every
         request that holds blocks."""
@@ -230,7 +227,6 @@ class BlockManager:
             )
         usage = self.usage()
         assert usage.total == self.num_blocks, f"{usage} does not add up to {self.num_blocks}"
-
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

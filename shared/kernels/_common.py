@@ -186,7 +186,6 @@ def check_seq_lens(seq_lens: object, batch: int, name: str = "seq_lens") -> torc
 
 
 class PagedAttentionArgs(NamedTuple):
-
     query: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor

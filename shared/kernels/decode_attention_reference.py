@@ -140,7 +140,7 @@ def _gather_blocks(
     cache: torch.Tensor, cache_scale: torch.Tensor | None, block_ids: torch.Tensor
 ) -> torch.Tensor:
     """The cache blocks `block_ids`, dequantized to float32 when the cache is 8-bit."""
-        # index_select copies whole blocks, far faster than advanced indexing.
+    # index_select copies whole blocks, far faster than advanced indexing.
     if cache_scale is None:
         return cache.index_select(0, block_ids)
         # Raw bytes: index_select has no float8 implementation on CPU.

@@ -60,7 +60,6 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-
     name: str  # prefill-0, decode-1, colocated-0, gateway
     role: Role
     cpus: frozenset[int]

@@ -125,7 +125,6 @@ class LocalCluster:
             options += ["--max-local-compute-s", str(self.spec.max_local_compute_s)]
         return options
 
-
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         self._log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="nori-up-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -305,7 +304,6 @@ class LocalCluster:
                 raise RuntimeError(
                     f"{role.name} exited with status {code}; its log ends with:\n{role.log_tail()}"
                 )
-
 
     def stop(self, timeout_s: float = 30.0) -> None:
         runners = [p for p in self.processes if p.role == "batch"]

@@ -78,7 +78,6 @@ def _strftime_now(format: str) -> str:
 
 
 class _Budget:
-
     def __init__(self, limits: TemplateLimits) -> None:
         self.limits = limits
         self.steps_left = limits.max_steps
@@ -153,7 +152,6 @@ class _BoundedNamespace(Namespace):
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, limits: TemplateLimits) -> None:

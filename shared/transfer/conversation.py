@@ -59,7 +59,6 @@ class HeaderPhaseError(TransferError):
 
 
 class Channel(Protocol):
-
     async def send_message(self, payload: bytes) -> None: ...
 
     async def recv_message(self, max_bytes: int) -> bytes:

@@ -68,7 +68,7 @@ def shared_segments(views: Sequence[torch.Tensor]) -> list[tuple[Segment, int]]:
         storages.setdefault(storage.data_ptr(), storage)
     segments: list[tuple[Segment, int]] = []
     for address, storage in storages.items():
-            # Only storages shared already: sharing one now would move its memory under its views.
+        # Only storages shared already: sharing one now would move its memory under its views.
         if not storage.is_shared() or storage.nbytes() == 0:
             return []
         try:

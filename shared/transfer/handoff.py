@@ -43,7 +43,6 @@ _MAGIC = b"NKV"
 
 @dataclass(frozen=True, eq=False)
 class TransferHeader:
-
     hand_off: HandOff
     buffer_nbytes: tuple[int, ...]
     # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
