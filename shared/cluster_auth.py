@@ -1,13 +1,9 @@
 """The cluster secret, and every credential the roles derive from it.
 
-One secret (`--cluster-secret`, else `NORI_CLUSTER_SECRET`; `nori up` generates one) is shared
-by every process of a cluster and never sent: each use gets its own key, an HMAC-SHA256 of the
-secret over the use's name, so a key leaked from one use neither reveals the secret nor serves
-another. `rpc_token()` is the token every internal gRPC call carries (`RPC_TOKEN_METADATA`;
-workers refuse calls without it, `nori.rpc.auth`); `sign()` / `verify()` sign messages such as a
-worker's registry entry, so the gateway routes only to workers that hold the secret. Without a
-secret the cluster is open (nothing signed, every call accepted): for a single trusted host only,
-see "Security" in docs/operations.md.
+One secret (`--cluster-secret`/`NORI_CLUSTER_SECRET`) is shared by a cluster's processes and
+never sent: each use gets its own key (HMAC-SHA256 of the secret over the use's name).
+`rpc_token()` authenticates internal gRPC calls (`nori.rpc.auth`); `sign()`/`verify()` sign
+registry entries. Without a secret the cluster is open: docs/operations.md, "Security".
 """
 
 from __future__ import annotations
@@ -18,14 +14,13 @@ import secrets
 from dataclasses import dataclass, field
 
 CLUSTER_SECRET_ENV = "NORI_CLUSTER_SECRET"
-# The gRPC metadata key of the cluster token (lower case, as gRPC requires).
 RPC_TOKEN_METADATA = "x-nori-cluster-token"
 # Shorter secrets are refused: an HMAC key should carry at least 128 bits.
 MIN_SECRET_CHARS = 16
 
 
 def generate_secret() -> str:
-    """A fresh random secret (256 bits, URL-safe text), as `nori up` makes for its cluster."""
+    """A fresh random secret (256 bits, URL-safe text)."""
     return secrets.token_urlsafe(32)
 
 
@@ -53,8 +48,8 @@ class ClusterAuth:
 
     @classmethod
     def from_text(cls, text: str | None) -> ClusterAuth:
-        """From --cluster-secret / NORI_CLUSTER_SECRET (surrounding whitespace dropped, so a
-        secret file's trailing newline does not matter); None or empty: an open cluster."""
+        """From --cluster-secret / NORI_CLUSTER_SECRET (whitespace stripped); None or empty: an
+        open cluster."""
         text = (text or "").strip()
         return cls(text.encode()) if text else cls.open()
 
@@ -63,7 +58,6 @@ class ClusterAuth:
         return self.secret is not None
 
     def key(self, purpose: str) -> bytes:
-        """The key of one use of the secret (HMAC-SHA256 of the secret over `purpose`)."""
         if self.secret is None:
             raise RuntimeError("an open cluster has no keys")
         return hmac.new(self.secret, b"nori/" + purpose.encode(), hashlib.sha256).digest()
@@ -73,7 +67,6 @@ class ClusterAuth:
         return self.key("rpc").hex() if self.enabled else ""
 
     def rpc_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The call metadata carrying the token (nothing in an open cluster)."""
         return ((RPC_TOKEN_METADATA, self.rpc_token()),) if self.enabled else ()
 
     def check_rpc_token(self, token: str | None) -> bool:

@@ -1,13 +1,8 @@
-"""What every role shares: the roles themselves, each default in one place, the settings base,
-and the environment.
-
-Environment variables Nori reads, all here (`Environment.read`): `REDIS_URL` (the default
-`--redis-url`); `NORI_ADVERTISE_HOST` (the host others reach a worker at; `auto`: this host's
-address); `NORI_CACHE_DIR` (built-in models, default ~/.cache/nori/models); `NORI_CPU_KERNELS=0`
-(the PyTorch references instead of the C++ CPU kernels); `NORI_API_KEY` (the gateway's Bearer
-key, `--api-key`); `NORI_CLUSTER_SECRET` (`--cluster-secret`, `nori.cluster_auth`); and
-`NORI_REDIS_PASSWORD` (used when the Redis URL carries none). Each secret may instead come from
-the file its `*_FILE` variable names (a Compose secret), read when the variable is unset.
+"""What every role shares: the roles, each default in one place, the settings base, and the
+environment (`Environment.read`): REDIS_URL, NORI_ADVERTISE_HOST (`auto`: this host's address),
+NORI_CACHE_DIR (built-in models), NORI_CPU_KERNELS=0 (PyTorch references instead of the C++
+kernels), NORI_API_KEY, NORI_CLUSTER_SECRET and NORI_REDIS_PASSWORD; each secret may instead
+come from the file its `*_FILE` variable names.
 """
 
 from __future__ import annotations
@@ -18,30 +13,24 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
 
-# The processes of a cluster. A worker computes prompts (prefill), generates tokens (decode) or
-# both (colocated): that is its role in the registry, which the gateway routes by. The gateway
-# serves the HTTP API; a batch runner works through the Batch API's batches.
+# A worker's role in the registry, which the gateway routes by.
 WorkerRole = Literal["prefill", "decode", "colocated"]
 Role = Literal["gateway", "prefill", "decode", "colocated", "batch"]
 WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
-# Where a disaggregated cluster computes a prompt (the gateway's --disaggregation): "always" on a
-# prefill worker (its KV then moves to the decode worker), "never" on the decode worker that
-# decodes it, "auto" per request, by what each path would cost (nori.gateway.disaggregation).
+# Where a disaggregated cluster computes a prompt (--disaggregation; nori.gateway.disaggregation).
 DisaggregationMode = Literal["auto", "always", "never"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
-# --max-local-compute-s: the most decode-worker compute one prompt may take there under
-# --disaggregation auto: short prompts fit, long ones do not.
+# --max-local-compute-s: the most decode-worker compute one prompt may take under auto.
 DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.
 DEFAULT_NAMESPACE = "nori"
-# Tokens per KV block; every worker of a cluster must use the same.
 DEFAULT_BLOCK_SIZE = 16
 # How long a decode worker holds blocks reserved for a prompt without word from its prefill
-# worker (renewals extend it while the prompt waits and is computed).
+# worker (renewals extend it).
 DEFAULT_KV_LEASE_S = 10.0
-# The priority batch lines carry (vLLM's field: lower values are served first; 0 is interactive).
+# Batch lines' priority (lower is served first; 0 is interactive).
 BATCH_PRIORITY = 1000
 
 
@@ -51,7 +40,6 @@ class RoleSettings:
 
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE
-    # The cluster secret (nori.cluster_auth); None: an open cluster. Never printed.
     cluster_secret: str | None = field(default=None, repr=False)
 
 
@@ -67,7 +55,6 @@ class Environment:
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
-        """The variables as set now (empty counts as unset)."""
         env = os.environ if environ is None else environ
         cache_dir = env.get("NORI_CACHE_DIR")
         return cls(
@@ -101,12 +88,9 @@ SettingsT = TypeVar("SettingsT")
 def settings_from(
     cls: type[SettingsT], source: object, *, exclude: Collection[str] = (), **overrides: Any
 ) -> SettingsT:
-    """A settings dataclass from the attributes of `source` named like its fields.
-
-    `source` is an argparse namespace (or other settings). Options and fields share their names,
-    so the mapping is written once here rather than field by field at every command; `overrides`
-    give the fields whose option is named or shaped differently, and fields that `source` lacks,
-    or that are in `exclude`, keep their defaults.
+    """A settings dataclass from the attributes of `source` (an argparse namespace or other
+    settings) named like its fields; `overrides` give the fields named or shaped differently,
+    and fields `source` lacks, or in `exclude`, keep their defaults.
     """
     values = {
         field.name: getattr(source, field.name)

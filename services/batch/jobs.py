@@ -1,13 +1,9 @@
 """A batch's work in Redis: the lines still to run, which runner holds which, the counts.
 
-Per batch, under `{namespace}:batch:{id}:`: `lines`, a stream with one entry per line still to
-run (field `i`: its index among the valid lines), read by the consumer group `runners`;
-`completed` and `failed`, sets of line numbers done; `seeded`, present once those were built from
-the directory; `lock:WHAT`, a short lock (seed, validate, finalize) so one runner does it.
-A claim (XREADGROUP) is a lease: an entry not renewed (XCLAIM) for `lease_ms` is taken over with
-XAUTOCLAIM, so a killed runner's lines run again elsewhere. A line is acknowledged (XACK, XDEL,
-SADD) only after its result is fsync'd in the directory. Every key expires a day past the batch.
-Nothing here is the truth: without `seeded`, `seed` rebuilds it all from the result logs on disk.
+Per batch, under `{namespace}:batch:{id}:`: `lines`, a stream (field `i`: index among valid
+lines) read by the group `runners`; `completed` and `failed` sets; `seeded`; `lock:WHAT`. A claim
+is a lease: an entry not renewed for `lease_ms` is taken over (XAUTOCLAIM). A line is
+acknowledged only after its result is fsync'd. Nothing here is the truth: `seed` rebuilds it.
 """
 
 from __future__ import annotations
@@ -26,12 +22,9 @@ from nori.batch.store import BatchStore, RequestCounts
 from nori.state.keys import Keys
 
 GROUP = "runners"
-# Keys live this long past the batch's expiry (then the directory is all that is left).
 KEY_GRACE_S = 24 * 3600
-# Tries of a line's acknowledgement (`done`), 0.1 s apart and doubling: about 3 s in all, well
-# inside a lease, so a connection that broke (Redis restarted since it was pooled) does not
-# leave a durable result unacknowledged until another runner takes the line over and runs it
-# again.
+# Tries of a line's acknowledgement, 0.1 s apart and doubling: well inside a lease, so a broken
+# pooled connection does not get a durable line run again elsewhere.
 ACK_ATTEMPTS = 6
 ACK_FIRST_DELAY_S = 0.1
 
@@ -72,8 +65,8 @@ class BatchJobs:
         return bool(await self.redis.exists(self._key(batch_id, "seeded")))
 
     async def seed(self, batch_id: str, store: BatchStore) -> bool:
-        """Rebuilds the batch's queue and counts from the directory; False when another runner
-        is doing it. Lines with a durable result are not queued again."""
+        """Rebuilds the queue and counts from the directory (lines with a durable result not
+        queued); False when another runner is doing it."""
         if not await self.lock(batch_id, "seed", 60_000):
             return False
         try:
@@ -105,8 +98,7 @@ class BatchJobs:
             await self.unlock(batch_id, "seed")
 
     async def claim(self, batch_id: str, consumer: str, count: int) -> list[Claim]:
-        """Up to `count` lines for `consumer`: first those whose runner stopped renewing them,
-        then new ones. [] when the batch is not seeded (Redis lost it)."""
+        """Up to `count` lines for `consumer`, reclaimed ones first; [] when not seeded."""
         stream = self._key(batch_id, "lines")
         claims: list[Claim] = []
         try:
@@ -127,7 +119,6 @@ class BatchJobs:
         return claims
 
     async def renew(self, batch_id: str, consumer: str, entry_ids: list[str]) -> None:
-        """Resets the idle time of the entries `consumer` holds: its lease goes on."""
         if entry_ids:
             try:
                 await self.redis.xclaim(
@@ -173,14 +164,12 @@ class BatchJobs:
         return RequestCounts(total, int(completed), int(failed))
 
     async def num_queued(self, batch_id: str) -> int:
-        """Lines not done yet: queued or held by a runner."""
         try:
             return int(await self.redis.xlen(self._key(batch_id, "lines")))
         except ResponseError:
             return 0
 
     async def forget(self, batch_id: str) -> None:
-        """A final batch needs nothing in Redis any more."""
         await self.redis.delete(
             *(self._key(batch_id, part) for part in ("lines", "completed", "failed", "seeded"))
         )

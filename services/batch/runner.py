@@ -1,13 +1,9 @@
 """The batch runner role (`nori serve batch`): runs the lines of every batch in the directory.
 
-Any number of runners share the work through `nori.batch.jobs`. Each turn of `BatchRunner.run`
-tends every batch not yet final, oldest first (validates a new one, seeds its queue where Redis
-lacks it, stops its lines when cancelled or expired, finalizes it when every line is done:
-`validate_finalize.py`, one runner each); claims lines up to `max_in_flight` and sends each
-through the gateway (`line_client.py`); and renews the leases of the lines it holds. A finished
-line's result is appended to this runner's log and fsync'd (`AppendLog`) before it is
-acknowledged in Redis: a killed runner loses no result, and finalizing keeps each line's first
-result, so the output holds every line exactly once. The flow: docs/architecture.md.
+Runners share the work through `nori.batch.jobs`. Each turn tends every unfinished batch, oldest
+first (`validate_finalize.py`), claims lines up to `max_in_flight`, sends each through the
+gateway (`line_client.py`) and renews its leases. A result is appended and fsync'd before it is
+acknowledged in Redis, so none is lost. The flow: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ from nori.state.keys import Keys
 
 logger = logging.getLogger(__name__)
 
-# How long a cancelled or expired batch waits for every runner to stop its lines before it is
-# finalized (each runner stops them at its next turn).
+# How long a cancelled or expired batch waits for every runner to stop its lines.
 STOP_GRACE_S = 3.0
 
 
@@ -48,17 +43,14 @@ STOP_GRACE_S = 3.0
 class RunnerOptions(RoleSettings):
     batch_dir: str = "nori-batches"
     gateway_url: str = "http://127.0.0.1:8000"
-    # Unique among the runners of a directory: its result logs are named after it.
+    # Unique among a directory's runners: its result logs are named after it.
     runner_id: str = ""
-    # Lines sent at once; the gateway queues what its pools cannot start yet.
     max_in_flight: int = 512
     # A held line not renewed for this long is taken over by another runner.
     lease_s: float = 10.0
     poll_s: float = 0.5
-    # The runner's Prometheus figures on this port; 0: none.
-    metrics_port: int = 0
+    metrics_port: int = 0  # 0: none
     metrics_host: str = "127.0.0.1"
-    # The gateway's API key, if it requires one ($NORI_API_KEY).
     api_key: str | None = field(default=None, repr=False)
 
 
@@ -67,8 +59,6 @@ def default_runner_id() -> str:
 
 
 class RunnerMetrics:
-    """The runner's Prometheus figures, in a registry of its own."""
-
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.lines = Counter(
@@ -98,17 +88,13 @@ class RunnerMetrics:
 
 @dataclass
 class _Batch:
-    """What a runner keeps of one active batch."""
-
     batch_id: str
     endpoint: str
     expires_at: float
     link: Link | None
-    # Lines in the input (invalid ones included), and the valid ones.
     total: int = 0
     lines: list[ValidLine] = field(default_factory=list)
     log: AppendLog | None = None
-    # The lines this runner holds: entry id -> its task.
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stopping: bool = False
 
@@ -174,8 +160,6 @@ class BatchRunner:
             for batch in self._batches.values():
                 await self.jobs.renew(batch.batch_id, self.runner_id, list(batch.tasks))
 
-    # ------------------------------------------------------------------ one batch's state
-
     async def _tend(self, batch_id: str) -> int:
         """Moves the batch along; the number of its lines not done yet."""
         store = self.store
@@ -227,8 +211,6 @@ class BatchRunner:
         )
         self._batches[batch_id] = batch
         return batch
-
-    # ------------------------------------------------------------------ lines
 
     async def _fill(self) -> None:
         room = self.options.max_in_flight - self.num_in_flight
@@ -312,8 +294,7 @@ class BatchRunner:
         self.metrics.output_tokens.inc(outcome.completion_tokens)
 
     async def _stop_lines(self, batch: _Batch) -> None:
-        """Cancels the lines this runner holds: their HTTP calls close, so the gateway aborts
-        them and their KV blocks are freed."""
+        """Cancels the lines this runner holds (the gateway aborts them, freeing their blocks)."""
         batch.stopping = True
         tasks = list(batch.tasks.values())
         for task in tasks:

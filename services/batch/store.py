@@ -1,13 +1,9 @@
 """The batch directory (`--batch-dir`): uploaded files, batches and their results, on disk.
 
-The directory is the source of truth; Redis (`nori.batch.jobs`) holds only what can be rebuilt
-from it. Every file is written whole and atomically (`nori.batch.durable_writes`), except the
-runners' result logs, appended to and fsync'd before a line counts as done. Layout:
-`files/<id>/content` and `meta.json` (written last); `batches/<id>/batch.json` (the request, its
-times and trace context), `validated.json` (valid lines' byte ranges and custom_ids, invalid
-ones), `cancel.json`, `results/<runner>.jsonl` (one record per finished line) and `final.json`
-(status, output and error files, counts). A line logged twice (a runner killed between its fsync
-and Redis) keeps its first record in `read_results`, so the output holds each line exactly once.
+The directory is the source of truth; Redis (`nori.batch.jobs`) holds only what can be rebuilt.
+Every file is written whole and atomically (`durable_writes`), except the runners' result logs
+(`batches/<id>/results/<runner>.jsonl`), fsync'd before a line counts as done. A line logged
+twice keeps its first record, so the output holds each line once. Layout: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -76,8 +72,6 @@ class RequestCounts:
 
 @dataclass(frozen=True)
 class ValidLine:
-    """One line of a batch's input that will run: where it is in the input file."""
-
     line: int  # 1-based, as editors and OpenAI's errors count
     offset: int
     length: int
@@ -86,8 +80,6 @@ class ValidLine:
 
 @dataclass(frozen=True)
 class LineResult:
-    """A finished line, as a runner logs it: the OpenAI output record and whether it succeeded."""
-
     line: int
     ok: bool
     record: dict[str, Any]
@@ -97,8 +89,8 @@ class LineResult:
 
 
 class BatchStore:
-    """Files and batches under one directory. Safe to share between processes and hosts on one
-    volume: every write is atomic, and each runner appends only to its own result log."""
+    """Files and batches under one directory, safe to share between processes and hosts on one
+    volume."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -106,8 +98,6 @@ class BatchStore:
         self.batches_dir = root / "batches"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.batches_dir.mkdir(parents=True, exist_ok=True)
-
-    # ------------------------------------------------------------------ files
 
     def file_dir(self, file_id: str) -> Path:
         if not _FILE_ID.match(file_id):
@@ -175,16 +165,13 @@ class BatchStore:
         os.replace(folder, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    # ------------------------------------------------------------------ batches
-
     def batch_dir(self, batch_id: str) -> Path:
         if not _BATCH_ID.match(batch_id):
             raise UnknownIdError(f"No such batch: {batch_id}")
         return self.batches_dir / batch_id
 
     def create_batch(self, request: dict[str, Any]) -> str:
-        """`request`: input_file_id, endpoint, completion_window, metadata, created_at,
-        expires_at and the batch's trace context."""
+        """`request`: input_file_id, endpoint, completion_window, metadata, times, trace context."""
         batch_id = new_batch_id()
         folder = self.batch_dir(batch_id)
         (folder / "results").mkdir(parents=True)
@@ -215,7 +202,7 @@ class BatchStore:
         return _read_json(self.batch_dir(batch_id) / "validated.json")
 
     def is_validated(self, batch_id: str) -> bool:
-        """Without reading validated.json (it lists every line: megabytes for a big batch)."""
+        """Without reading validated.json (megabytes for a big batch)."""
         return (self.batch_dir(batch_id) / "validated.json").exists()
 
     def valid_lines(self, batch_id: str) -> list[ValidLine]:
@@ -254,16 +241,14 @@ class BatchStore:
     def write_final(self, batch_id: str, final: dict[str, Any]) -> None:
         write_atomically(self.batch_dir(batch_id) / "final.json", json.dumps(final).encode())
 
-    # ------------------------------------------------------------------ results
-
     def result_log(self, batch_id: str, runner_id: str) -> Path:
         if not _RUNNER_ID.match(runner_id):
             raise ValueError(f"runner id {runner_id!r}: letters, digits, '_', '.', '-' only")
         return self.batch_dir(batch_id) / "results" / f"{runner_id}.jsonl"
 
     def read_results(self, batch_id: str) -> dict[int, LineResult]:
-        """Every line's first durable result. A log's last line may be torn (its runner was
-        killed mid-write, before the fsync that would have made it count): it is skipped."""
+        """Every line's first durable result; a torn last line (its runner killed before the
+        fsync) is skipped."""
         results: dict[int, LineResult] = {}
         folder = self.batch_dir(batch_id) / "results"
         with contextlib.suppress(FileNotFoundError):
@@ -286,8 +271,6 @@ class BatchStore:
         failed = len(validated["errors"]) + len(results) - completed
         return RequestCounts(int(validated["total"]), completed, failed)
 
-    # ------------------------------------------------------------------ the OpenAI object
-
     def status(self, batch_id: str, finalizing: bool = False) -> BatchStatus:
         final = self.final(batch_id)
         if final is not None:
@@ -302,8 +285,7 @@ class BatchStore:
     def batch_object(
         self, batch_id: str, counts: RequestCounts | None = None, finalizing: bool = False
     ) -> dict[str, Any]:
-        """The batch as OpenAI's API returns it. `counts`: the live counts (Redis), else they
-        are read from the result logs."""
+        """The batch as OpenAI's API returns it; `counts`: the live counts, else from the logs."""
         request = self.batch_request(batch_id)
         validated = self.validated(batch_id)
         final = self.final(batch_id) or {}

@@ -1,12 +1,7 @@
-"""The two steps a runner takes for a batch as a whole, each done by one runner under the
-batch's Redis lock and each written to the directory atomically: validating its input when it
-arrives (`validate_batch`), and finalizing it when it ends (`finalize_batch`).
-
-Finalizing reads every line's first durable result from the directory, writes the successes to
-the output file and the failures (invalid lines, failed lines, and on expiry the lines that
-never ran) to the error file, each in input order as OpenAI's batch output records, then
-final.json. The files' ids come from the batch's, so a runner killed halfway and the one that
-redoes it write the same files.
+"""A runner's two whole-batch steps, each by one runner under the batch's Redis lock and written
+atomically: validating its input (`validate_batch`) and finalizing it (`finalize_batch`: first
+durable results into output and error files in input order, then final.json). File ids derive
+from the batch's, so a redo writes the same files.
 """
 
 from __future__ import annotations
@@ -25,15 +20,14 @@ from nori.batch.store import BatchStore, RequestCounts, ValidLine
 
 logger = logging.getLogger(__name__)
 
-# How long a runner holds a batch's validate or finalize lock at most.
 _LOCK_MS = 300_000
 
 
 async def validate_batch(
     store: BatchStore, jobs: BatchJobs, batch_id: str, request: dict[str, Any]
 ) -> None:
-    """Checks a new batch's input file: its valid lines make it in_progress, a batch-wide error
-    fails it. Another runner holding the lock, or having done it: nothing to do."""
+    """Checks a new batch's input: valid lines make it in_progress, a batch-wide error fails it;
+    nothing to do if another runner holds the lock or did it."""
     if not await jobs.lock(batch_id, "validate", _LOCK_MS):
         return
     try:
@@ -67,9 +61,8 @@ async def validate_batch(
 async def finalize_batch(
     store: BatchStore, jobs: BatchJobs, batch_id: str, lines: list[ValidLine], status: str
 ) -> bool:
-    """Writes the output and error files and final.json, then forgets the batch in Redis;
-    whether this runner did it (False: another runner holds the lock, or has done it).
-    `lines`: the batch's valid lines; `status`: completed, cancelled or expired."""
+    """Writes the output and error files and final.json, then forgets the batch in Redis; False
+    when another runner holds the lock or did it. `status`: completed, cancelled or expired."""
     if not await jobs.lock(batch_id, "finalize", _LOCK_MS):
         return False
     try:

@@ -1,11 +1,9 @@
 """Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease.
 
-Runs on the worker's event loop (the transport and the gRPC servicer both call it there), so it
-needs no locks. A transfer is accepted only for a request whose lease is live right now, from a
-sender that carries the reservation's transfer token, into exactly its reserved block ids, with
-exactly the expected byte sizes: a late, duplicate, forged or malformed transfer is refused and
-can never write into blocks that belong to someone else, nor free them. When a lease runs out is
-`lease.py`'s business; this file keeps the leases and wakes their waiters.
+Runs on the worker's event loop only, so it needs no locks. A transfer is accepted only for a
+live lease, carrying its transfer token, into exactly its reserved block ids with the expected
+byte sizes: a late, duplicate, forged or malformed transfer can never write into or free
+another's blocks. Lease timing is `lease.py`'s.
 """
 
 from __future__ import annotations
@@ -37,15 +35,12 @@ class DecodeKVSink:
         queue_timeout_s: float = 60.0,
         staging: Sequence[BlockLayout] | None = None,
     ) -> None:
-        """`staging`: receive each request's blocks into fresh tensors of this layout instead of
-        the cache (`staged_blocks` hands them over), for a cache the bytes cannot land in: a
-        tensor-parallel engine's, split over processes."""
+        """`staging`: receive into fresh tensors of this layout instead of the cache (a
+        tensor-parallel engine's, split over processes); `staged_blocks` hands them over."""
         self._staging = None if staging is None else tuple(staging)
-        # KVCache.tensors of the worker's engine: the codes (or values) and any scales.
         if isinstance(cache, torch.Tensor):
             raise TypeError("DecodeKVSink takes the KV cache's tensors (KVCache.tensors)")
         self._cache = tuple(cache)
-        # Told the request id when a transfer is accepted (the "transferring" request state).
         self._on_receiving = on_receiving
         self._transfer_timeout_s = transfer_timeout_s
         self._queue_timeout_s = queue_timeout_s
@@ -55,12 +50,9 @@ class DecodeKVSink:
         self.checksum_failures = 0
 
     def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> Lease:
-        """Reserves `block_ids` for the request's KV under a lease; returns the lease, whose
-        epoch and transfer token the sender's header must carry (its KVDestination).
-
-        Both are random: an epoch (62 bits) names the reservation, so a late sender of an
-        earlier one never matches; the token (128 bits) is the reservation's secret, known only
-        to whom the destination is handed (the gateway, the prefill worker it picks)."""
+        """Reserves `block_ids` for the request's KV under a lease; the sender's header must
+        carry its epoch and transfer token. Both are random: a late sender of an earlier
+        reservation never matches, and only the destination's holders know the token."""
         policy = LeasePolicy(lease_s, self._queue_timeout_s, self._transfer_timeout_s)
         lease = Lease.reserve(
             request_id,
@@ -74,10 +66,8 @@ class DecodeKVSink:
         return lease
 
     def renew(self, request_id: str, started: bool) -> bool:
-        """The prefill worker holding the prompt is alive (and has `started` computing it).
-
-        False when this worker holds no live lease for the request: its holder stops renewing.
-        """
+        """The prefill worker holding the prompt is alive (and `started` computing it); False
+        when no live lease is held here (its holder stops renewing)."""
         lease = self._leases.get(request_id)
         return lease is not None and lease.renew(time.monotonic(), started)
 
@@ -86,11 +76,10 @@ class DecodeKVSink:
         return lease.state if lease is not None else None
 
     def lease(self, request_id: str) -> Lease | None:
-        """The request's lease (its times and sizes), while this worker holds it."""
         return self._leases.get(request_id)
 
     def num_receiving(self) -> int:
-        """Transfers under way now (read from the metrics thread: a copy, not a live view)."""
+        """Transfers under way now (a copy, read from the metrics thread)."""
         return sum(
             1 for lease in list(self._leases.values()) if lease.state is LeaseState.RECEIVING
         )
@@ -99,8 +88,8 @@ class DecodeKVSink:
         self._leases.pop(request_id, None)
 
     def staged_blocks(self, request_id: str) -> tuple[torch.Tensor, ...] | None:
-        """A staging sink's received blocks of an arrived request (once: they are handed over),
-        for `LLMEngine.finish_kv_transfer`; None for a sink that receives into the cache."""
+        """A staging sink's received blocks of an arrived request (handed over once); None for a
+        sink that receives into the cache."""
         lease = self._leases.get(request_id)
         if lease is None or lease.staged is None or lease.state is not LeaseState.ARRIVED:
             return None
@@ -108,12 +97,8 @@ class DecodeKVSink:
         return staged
 
     async def wait(self, request_id: str) -> HandOff:
-        """The transfer's hand-off once its blocks have all arrived.
-
-        Raises LeaseExpired when the lease ran out first (the lease is then gone, so a late sender
-        is refused), TimeoutError when a transfer under way took too long, TransferRejected when
-        the transfer broke off.
-        """
+        """The transfer's hand-off once its blocks have all arrived. Raises LeaseExpired (the
+        lease ran out first and is gone), TimeoutError, or TransferRejected (it broke off)."""
         lease = self._leases[request_id]
         while not lease.done.is_set():
             remaining = lease.deadline() - time.monotonic()
@@ -125,7 +110,6 @@ class DecodeKVSink:
                     )
                 self.forget(request_id)
                 raise lease.expiry()
-            # Renewals move the deadline on: sleep until the current one, then look again.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lease.done.wait(), remaining)
         if lease.state is LeaseState.FAILED:
@@ -135,8 +119,6 @@ class DecodeKVSink:
         assert lease.hand_off is not None
         return lease.hand_off
 
-    # ------------------------------------------------------------------ KVSink (transport)
-
     def destinations(self, header: TransferHeader) -> list[torch.Tensor]:
         lease = self._leases.get(header.request_id)
         if lease is None:
@@ -144,8 +126,7 @@ class DecodeKVSink:
                 f"request {header.request_id!r} has no reserved blocks here "
                 "(unknown, finished, or its lease expired)"
             )
-        # First, before any state changes or anything about the reservation is told: a sender
-        # without the reservation's token is refused, and the lease stays as it was.
+        # First, before any state changes: a sender without the token is refused.
         if not lease.admits(header.hand_off.destination.transfer_token):
             raise TransferRejected(
                 f"the transfer of request {header.request_id!r} does not carry its "
@@ -155,7 +136,6 @@ class DecodeKVSink:
             raise TransferRejected(f"request {header.request_id!r} is already {lease.state.value}")
         now = time.monotonic()
         if not lease.is_live(now):
-            # Its waiter has not woken yet, but the blocks are about to be freed.
             raise TransferRejected(f"the lease of request {header.request_id!r} has expired")
         if header.hand_off.destination.lease_epoch != lease.epoch:
             raise TransferRejected(
@@ -177,7 +157,6 @@ class DecodeKVSink:
                 f"{expected} (same model, dtype, --kv-cache-dtype and block size on both sides?)"
             )
         if not header.checksums_follow and len(header.buffer_checksums) != len(buffers):
-            # Fail closed: bytes nobody can check are never decoded on.
             raise TransferRejected(
                 f"the header carries {len(header.buffer_checksums)} checksums for "
                 f"{len(buffers)} buffers"
@@ -190,16 +169,13 @@ class DecodeKVSink:
         return buffers
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
-        """Every byte arrived: checked against the sender's checksums before the request may
-        decode on them. A mismatch fails the request (its blocks are freed) and raises
-        TransferRejected, so the sender's acknowledgement is a refusal: the prefill worker must
-        not answer token one for KV this worker threw away."""
+        """Every byte arrived: checked against the sender's checksums. A mismatch fails the
+        request (freeing its blocks) and raises TransferRejected, so the sender is refused."""
         self.bytes_received += nbytes
         lease = self._receiving(header)
         if lease is None:
             return  # expired or failed meanwhile: its blocks are gone or going
         expected = header.buffer_checksums if header.checksums_follow else lease.expected_checksums
-        # Against what the sender's header carried, or its checksum that followed the data.
         problem = (
             f"{nbytes} bytes arrived, {header.total_nbytes} expected"
             if nbytes != header.total_nbytes
@@ -227,8 +203,8 @@ class DecodeKVSink:
             lease.done.set()
 
     def _receiving(self, header: TransferHeader) -> Lease | None:
-        """The lease a transfer this sink accepted is landing in; None for any other header,
-        so that only the accepted sender's own transfer can complete or fail a reservation."""
+        """The lease a transfer this sink accepted is landing in; None for any other header, so
+        only the accepted sender can complete or fail a reservation."""
         lease = self._leases.get(header.request_id)
         if (
             lease is None

@@ -1,13 +1,10 @@
 """A reservation's lease: how long reserved blocks may wait for their KV, and who keeps them.
 
-The lease bounds how long a reservation may go *unattended*. The prefill worker holding the
-prompt renews it (`RenewLeases`, at least three times per lease) until its KV is sent, so a long
-queue or prompt never uses it up, while a hung or dead prefill worker frees the blocks one lease
-later; the reservation counts as the first renewal. Each phase adds a bound of its own: QUEUED
-ends at the last renewal + lease and at most `queue_timeout_s` after the reservation; COMPUTING
-(a renewal said `started`) at the last renewal + lease; RECEIVING `transfer_timeout_s` after the
-transfer's start, never freeing blocks under the transport before that; ARRIVED and FAILED are
-final. Pure logic on a monotonic clock the caller passes in, so tests drive it exactly.
+The prefill worker holding the prompt renews the lease (`RenewLeases`, at least three times per
+lease) until its KV is sent; a dead one frees the blocks one lease later. QUEUED ends at the
+last renewal + lease and at most `queue_timeout_s` after the reservation; COMPUTING at the last
+renewal + lease; RECEIVING `transfer_timeout_s` after the transfer's start; ARRIVED and FAILED
+are final. Pure logic on a monotonic clock the caller passes in.
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ _WAITING_FOR_KV = frozenset({LeaseState.QUEUED, LeaseState.COMPUTING})
 
 @dataclass(frozen=True)
 class LeasePolicy:
-    # Longest silence of the prefill worker holding the prompt (`--kv-lease-s`).
     lease_s: float = DEFAULT_KV_LEASE_S
-    # Longest wait from the reservation until a prefill engine starts the prompt
-    # (`--kv-queue-timeout-s`).
+    # Longest wait from the reservation until a prefill engine starts the prompt.
     queue_timeout_s: float = 60.0
     # Longest transfer, from the receiver's acceptance of its header to the last byte.
     transfer_timeout_s: float = 30.0
@@ -66,22 +61,17 @@ class Lease:
     num_renewals: int = 0
     state: LeaseState = LeaseState.QUEUED
     receiving_since: float = 0.0
-    # When the last byte arrived (time.monotonic()) and how many came.
     arrived_at: float = 0.0
     nbytes: int = 0
-    # How the bytes came: messages, or taken by this worker out of the sender's memory.
     bulk: KVBulk = "messages"
-    # Which reservation this is (random); the sender's header must name it.
-    epoch: int = 0
-    # The reservation's secret (`nori.cluster_auth.random_token()`), handed out only in its
-    # KVDestination: a transfer must carry it to be accepted.
+    epoch: int = 0  # random; the sender's header must name it
+    # The reservation's secret, handed out only in its KVDestination.
     transfer_token: str = field(default="", repr=False)
     # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
     buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
     expected_checksums: tuple[int, ...] = ()
     # A staging sink's tensors the blocks arrive in, until handed to the engine.
     staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    # What decoding continues from, once the KV arrived.
     hand_off: HandOff | None = None
     error: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -107,9 +97,8 @@ class Lease:
         )
 
     def admits(self, transfer_token: str) -> bool:
-        """Whether a transfer carrying `transfer_token` was sent by someone this reservation
-        was handed to (compared in constant time: no timing tells how much of a guess was
-        right)."""
+        """Whether a transfer carrying `transfer_token` came from whom this reservation was
+        handed to (constant-time comparison)."""
         return bool(self.transfer_token) and hmac.compare_digest(
             transfer_token.encode(), self.transfer_token.encode()
         )
@@ -133,11 +122,8 @@ class Lease:
         return now < self.deadline()
 
     def renew(self, now: float, started: bool) -> bool:
-        """A renewal from the prefill worker; False when the lease is already over (stop renewing).
-
-        A renewal that comes after the deadline does not revive the lease: the waiter may be about
-        to free the blocks, and a lease must never come back from the dead.
-        """
+        """A renewal from the prefill worker; False when the lease is over (stop renewing). A
+        renewal after the deadline never revives the lease."""
         if self.state in (LeaseState.ARRIVED, LeaseState.FAILED) or not self.is_live(now):
             return False
         if self.state in _WAITING_FOR_KV:

@@ -1,13 +1,9 @@
 """DecodeService: reserve blocks under a lease, take the KV in, stream tokens out.
 
-A Generate call takes one of two paths in: the prompt's K/V computed by a prefill worker
-(`_reserve_for_remote_kv`, whose reservation is the call's first message, then
-`_finish_remote_kv`), or the prompt computed here (`_compute_prompt_here`: colocated, or a
-migrated request); both then stream the engine's outputs. One call is one request's whole life
-on this worker, so cancelling the call (a client
-that went away, a gateway giving up) is what frees the request's blocks, wherever it was.
-RenewLeases is how the prefill worker holding a prompt keeps its reservation alive while the
-prompt waits in its queue and is computed (see `lease.py` for when a lease runs out).
+A Generate call's prompt K/V is either sent by a prefill worker (`_reserve_for_remote_kv`, the
+reservation being the call's first message, then `_finish_remote_kv`) or computed here
+(`_compute_prompt_here`). One call is one request's whole life here: cancelling it frees the
+request's blocks. RenewLeases keeps a reservation alive (`lease.py`).
 """
 
 from __future__ import annotations
@@ -87,9 +83,8 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             coalesce_s = request.coalesce_ms / 1000
             first = True
             while not finished:
-                # The first output at once (it ends the prompt's wait in the gateway's
-                # admission); the rest merged per coalesce_ms or per stream_interval tokens
-                # when the caller asked for that.
+                # The first output at once (it ends the gateway's admission wait); the rest
+                # merged as the caller asked.
                 if coalesce_s > 0 and not first:
                     output = await next_output_coalesced(queue, coalesce_s)
                 elif request.stream_interval > 1 and not first:
@@ -117,7 +112,6 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             if self._sink is not None:
                 self._sink.forget(request_id)
             if not finished:
-                # Cancelled, expired or failed: free the blocks now, whatever state they are in.
                 self._engine.submit(LLMEngine.abort_request, request_id)
 
     async def _compute_prompt_here(
@@ -127,8 +121,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         params: SamplingParams,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        """The prompt is computed on this worker (colocated, or a request migrated here with the
-        tokens it had already streamed)."""
+        """The prompt is computed here (colocated, or a migrated request with its tokens)."""
         await call_engine(
             self._engine,
             context,
@@ -148,8 +141,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         params: SamplingParams,
         context: grpc.aio.ServicerContext,
     ) -> decode_pb2.GenerateResponse:
-        """Blocks for the prompt's K/V, which a prefill worker sends: the reservation, the
-        call's first message, says where (RESOURCE_EXHAUSTED when the pool has no room)."""
+        """Reserves blocks for the prompt's K/V (RESOURCE_EXHAUSTED when the pool has no room)."""
         request_id = request.request_id
         try:
             block_ids = await call_engine(
@@ -182,7 +174,6 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
     async def _finish_remote_kv(
         self, request_id: str, context: grpc.aio.ServicerContext, record: CallRecord
     ) -> None:
-        """Waits for the reserved request's K/V, then has the engine decode it."""
         assert self._sink is not None
         hand_off = await self._receive(request_id, context, record)
         # A tensor-parallel engine takes the blocks from a staging copy (each rank its heads).
@@ -207,7 +198,6 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         try:
             hand_off = await sink.wait(request_id)
         except (LeaseExpired, TimeoutError) as error:
-            # Never arrived, or started and never finished: a timeout either way (504).
             record.lease_expired()
             message = str(error) or "the KV transfer timed out"
             self._record(request_id, "failed", error=message)

@@ -1,12 +1,9 @@
 """Shared memory a prefill worker copies each prefilled request's KV blocks into, to send them.
 
-The worker copies a request's blocks out of its cache, frees them at once, and sends the copy.
-Copied into this arena (one segment kept for the worker's life), a decode worker on the same
-host can take it out of its own mapping (`nori.transfer.cross_memory_receiver`); a private copy
-goes as messages. Pages are taken as first written and kept: the resident size is the most KV
-ever in flight, not the capacity. Allocation is first-fit over ALIGN-aligned free ranges; an
-export that does not fit gets a private copy. A range goes back when its transfer ends, however
-it ends, never while a receiver may still read it.
+The blocks are copied out of the cache and freed at once. A copy in this arena (one segment for
+the worker's life) can be read by a same-host decode worker out of its mapping; one that does
+not fit (first-fit over ALIGN-aligned ranges) is a private copy sent as messages. Pages are kept
+once written. A range goes back when its transfer ends, never while a receiver may read it.
 """
 
 from __future__ import annotations
@@ -27,11 +24,9 @@ from nori.kernels.copy_pieces import copy_share_of_chunks
 from nori.transfer.cross_memory_receiver import COPY_THREADS, copy_plan
 from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 
-# Every range starts on a page: tensors in it are aligned, and no two share a page.
+# Every range starts on a page: tensors are aligned and no two share a page.
 ALIGN = 4096
-# Room for this many bytes of KV in flight at once: virtual until written.
 DEFAULT_EXPORT_ARENA_BYTES = 1024 * 1024 * 1024
-# Where torch's shared memory lives (its file_descriptor strategy: shm_open).
 SHARED_MEMORY_FOLDER = "/dev/shm"
 
 logger = logging.getLogger(__name__)
@@ -42,10 +37,9 @@ class ExportCopy:
     """A copy of a request's blocks (`nori.engine.kv_cache.read_blocks`' layout)."""
 
     blocks: tuple[torch.Tensor, ...]
-    # Gives its range of the arena back (call once nothing reads the copy); None: not in it.
+    # Gives its range back (once nothing reads the copy); None: not in the arena.
     release: Callable[[], None] | None = None
-    # The transfer checksum of its bytes (`integrity.TransferHasher`), taken as it was copied;
-    # None: not taken.
+    # The transfer checksum of its bytes, taken as it was copied; None: not taken.
     checksum: int | None = None
 
 
@@ -54,8 +48,8 @@ def _aligned(nbytes: int) -> int:
 
 
 class ByteRanges:
-    """First-fit allocation of ALIGN-aligned byte ranges out of [0, capacity); a freed range
-    merges with its free neighbours. Pure bookkeeping (no memory)."""
+    """First-fit allocation of ALIGN-aligned ranges of [0, capacity); freed ranges merge with
+    free neighbours. Pure bookkeeping."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity - capacity % ALIGN
@@ -71,8 +65,7 @@ class ByteRanges:
         return list(self._free)
 
     def allocate(self, nbytes: int) -> int | None:
-        """The start of a range of at least `nbytes` (rounded up to ALIGN); None when no free
-        range is that large."""
+        """The start of a range of at least `nbytes` (rounded up to ALIGN); None if none fits."""
         size = _aligned(max(nbytes, 1))
         for index, (start, free) in enumerate(self._free):
             if free >= size:
@@ -84,8 +77,8 @@ class ByteRanges:
         return None
 
     def free(self, start: int, nbytes: int) -> None:
-        """Gives back what `allocate(nbytes)` returned as `start`; ValueError for a range that
-        is not wholly allocated (freed twice, or never handed out)."""
+        """Gives back what `allocate(nbytes)` returned as `start`; ValueError for a range not
+        wholly allocated."""
         size = _aligned(max(nbytes, 1))
         end = start + size
         index = bisect.bisect_left(self._free, (start, 0))
@@ -110,13 +103,10 @@ class ByteRanges:
 
 
 class ExportArena:
-    """The prefill worker's shared memory for KV copies in flight (see the module's text)."""
-
     def __init__(self, capacity_bytes: int = DEFAULT_EXPORT_ARENA_BYTES) -> None:
         self._ranges = ByteRanges(capacity_bytes)
         self._lock = threading.Lock()  # copies run on threads; releases on the event loop
         self._memory: torch.Tensor | None = None  # made on first use
-        # The end of the furthest range handed out: the pages below it exist (or may).
         self._touched = 0
         self._full_logged = False
         self._copiers = concurrent.futures.ThreadPoolExecutor(
@@ -124,8 +114,8 @@ class ExportArena:
         )
 
     def _room_for(self, end: int) -> bool:
-        """Whether the shared-memory filesystem has room for the arena's pages up to `end`:
-        past its size a write would be a SIGBUS (a container's /dev/shm is 64 MiB unless set)."""
+        """Whether /dev/shm has room for the arena's pages up to `end` (past it a write is a
+        SIGBUS)."""
         if end <= self._touched:
             return True
         try:
@@ -155,11 +145,9 @@ class ExportArena:
             return self._ranges.free_bytes
 
     def read_blocks(self, tensors: Sequence[torch.Tensor], block_ids: list[int]) -> ExportCopy:
-        """A copy of the blocks, as `nori.engine.kv_cache.read_blocks` makes it, in the arena
-        where it fits, with the function that gives its range back and the transfer checksum of
-        its bytes (of the copies one after another: the stream that
-        `nori.worker.kv_layout.source_buffers` cuts them into), taken as they are copied; a
-        private copy alone where it does not fit."""
+        """A copy of the blocks (`kv_cache.read_blocks`' layout) in the arena where it fits, with
+        its release and the transfer checksum of its stream, taken as copied; else a private
+        copy alone."""
         shapes = [(*tensor.shape[:2], len(block_ids), *tensor.shape[3:]) for tensor in tensors]
         sizes = [
             _aligned(torch.Size(shape).numel() * tensor.element_size())
@@ -207,9 +195,8 @@ class ExportArena:
     def _copy_and_hash(
         self, tensors: Sequence[torch.Tensor], block_ids: list[int], outs: list[torch.Tensor]
     ) -> int:
-        """Gathers the blocks into `outs` in 1 MiB chunks of the stream, on the copy threads in
-        turn, each chunk hashed as it is copied (`nori.kernels.copy_pieces`): the checksum costs
-        no pass of its own over the bytes, and the sender need not hash them again."""
+        """Gathers the blocks into `outs` in 1 MiB chunks on the copy threads, each chunk hashed
+        as it is copied (`nori.kernels.copy_pieces`)."""
         sources: list[tuple[int, int]] = []
         ids = np.asarray(block_ids, dtype=np.int64)
         for tensor in tensors:

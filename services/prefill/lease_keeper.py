@@ -1,13 +1,9 @@
 """Keeps the decode reservations of the prompts this worker holds alive.
 
-A decode worker reserves blocks for a prompt under a lease (`services/decode/lease.py`) that must
-outlast our queue and compute, yet run out when we hang or die. So this worker vouches for every
-prompt it holds, from the Prefill call's arrival until its KV is sent: on arrival, and then every
-third of the shortest lease it holds, one `RenewLeases` call per decode worker renews all of that
-worker's reservations, saying which prompts the engine has started. If this process stops or its
-engine wedges (`engine_responsive` turns False), the renewals stop and the blocks are freed one
-lease later. Failed renewals are retried next round; a request the decode worker no longer knows
-is not asked again.
+From a Prefill call's arrival until its KV is sent, this worker renews the decode worker's lease
+(`services/decode/lease.py`): one `RenewLeases` per decode worker, on arrival and every third of
+the shortest lease held, saying which prompts have started. If the process stops or its engine
+wedges, renewals stop and the blocks are freed one lease later.
 """
 
 from __future__ import annotations
@@ -20,12 +16,9 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-# (decode worker's gRPC address, [(request id, started)], timeout) -> request ids it does not know.
 RenewCall = Callable[[str, list[tuple[str, bool]], float], Awaitable[list[str]]]
 
-# Renewals per lease: one lost or late renewal still leaves two before the lease runs out.
 RENEWALS_PER_LEASE = 3
-# Fastest renewal round, so a very short lease cannot turn renewals into a busy loop.
 MIN_PERIOD_S = 0.05
 
 
@@ -45,7 +38,6 @@ class LeaseKeeper:
         self._engine_was_responsive = True
 
     def hold(self, request_id: str, address: str, lease_s: float) -> None:
-        """From now until `release`, this worker vouches for the request's reservation."""
         if not address or lease_s <= 0:
             return  # a gateway that sends no renewal address: the lease simply runs
         self._held[request_id] = _Held(address, lease_s)
@@ -72,7 +64,6 @@ class LeaseKeeper:
         return max(MIN_PERIOD_S, shortest / RENEWALS_PER_LEASE)
 
     def batches(self) -> dict[str, list[tuple[str, bool]]]:
-        """What one round sends: per decode worker, every request held for it."""
         batches: dict[str, list[tuple[str, bool]]] = {}
         for request_id, held in self._held.items():
             batches.setdefault(held.address, []).append((request_id, held.started))
@@ -104,7 +95,6 @@ class LeaseKeeper:
         try:
             unknown = await self._renew(address, batch, timeout_s)
         except Exception as error:
-            # The next round tries again; the lease leaves room for two misses.
             logger.warning("could not renew %d lease(s) on %s: %s", len(batch), address, error)
             return
         for request_id in unknown:
@@ -116,11 +106,9 @@ class LeaseKeeper:
         while True:
             if not self._held:
                 await self._wake.wait()
-            # Cleared before the round: a prompt arriving during it wakes the next one at once.
             self._wake.clear()
             await self.renew_once()
-            # A new prompt's first renewal goes out at once: until then only the reservation
-            # vouches for it, and that lease began before the prompt travelled to us. Prompts
-            # arriving together share a round.
+            # A new prompt's first renewal goes out at once (its lease began before it arrived);
+            # prompts arriving together share a round.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.period_s())

@@ -1,10 +1,8 @@
 """PrefillService: compute a prompt, ship its KV blocks to the decode worker, return token one.
 
-The engine batches prefills from many calls (continuous batching, chunked prefill, prefix cache);
-each call then exports its request's blocks (one copy on this side), frees them at once, and sends
-the copy while the engine goes on with other prompts. While a call holds its prompt (queued,
-computing, exporting, sending), the `LeaseKeeper` keeps the decode worker's reservation for it
-alive; the destination says where to renew it.
+The engine batches prefills from many calls; each call then copies its request's blocks out,
+frees them at once, and sends the copy. While a call holds its prompt, the `LeaseKeeper` renews
+the decode worker's reservation for it.
 """
 
 from __future__ import annotations
@@ -62,10 +60,8 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             worker_id, engine, streams, is_draining, telemetry, max_open_calls, max_background_calls
         )
         self._sender = sender
-        # HandOff.sender: this worker, as the receiver's span names it.
         self._sender_name = f"{worker_id}@{host}" if host else worker_id
-        # Where each request's KV copy waits for its transfer: shared memory, which a decode
-        # worker on this host copies out of its own mapping of it.
+        # Where each request's KV copy waits for its transfer (shared memory).
         self._arena = export_arena if export_arena is not None else ExportArena()
         self._leases = leases
         self.kv_bytes_sent = 0
@@ -98,7 +94,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             )
             output = await queue.get()
             record.output(output, computed_prompt=True)
-            # It may have run in a single step, unseen by the StartWatch: it is out of the queue.
+            # It may have run in a single step, unseen by the StartWatch.
             self._leases.started([request_id])
             first = delta_from_output(output)
             prefill_seconds = time.perf_counter() - started
@@ -124,19 +120,15 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             raise
         finally:
             record.finish(outcome, finish_reason, error)
-            # Sent, failed or cancelled: nothing left to vouch for.
             self._leases.release(request_id)
             self._close(request_id)
             if not done:
                 self._engine.submit(LLMEngine.abort_request, request_id)
 
     async def _export(self, request_id: str) -> tuple[KVExport, ExportCopy]:
-        """A copy of the prefilled request's state and blocks, which are then freed, and how
-        the copy was made (in the export arena: the function that gives its range back, and the
-        checksum taken while copying). The cache is read here, off the event loop, while the
-        request holds its blocks: an engine process's is in shared memory, so only the block ids
-        cross the pipe. Under tensor parallelism the ranks' heads are gathered by the engine
-        instead."""
+        """A copy of the prefilled request's state and blocks, which are then freed, with its
+        arena release and checksum. The cache is read here, off the event loop (an engine
+        process's is shared memory); under tensor parallelism the engine gathers the heads."""
         facts = self._engine.facts
         if facts.tensor_parallel_size > 1:
             export = await self._engine.call(export_and_release, request_id)
@@ -148,7 +140,6 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
         try:
             copy = await asyncio.shield(copying)
         except asyncio.CancelledError:
-            # The copy runs on; its range goes back once it is made.
             copying.add_done_callback(_release_copy)
             raise
         self._engine.submit(LLMEngine.finish_kv_transfer, request_id)
@@ -181,9 +172,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
                 generator_state=state.generator_state,
                 destination=destination,
                 trace_context=trace_context,
-                # The transport hashes each buffer as it sends it (in cache) and sends the sums
-                # right after the data (nori.transfer.integrity), unless the export copy took
-                # the checksum as it copied.
+                # Checksums follow the data, unless the export copy took one as it copied.
                 checksums_follow=True,
                 sender=self._sender_name,
             )
@@ -202,8 +191,8 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if release is None:
                 await transfer
             else:
-                # A receiver may read the arena's copy until the transfer ends: its range goes
-                # back then, not when this call does (its client may leave first).
+                # A receiver may read the arena's copy until the transfer ends, even after this
+                # call's client left.
                 transfer.add_done_callback(_release_after(release))
                 await asyncio.shield(transfer)
         except TransferRejected as error:
@@ -211,8 +200,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV refused: {error}")
         except TransferError as error:
             span.end()
-            # ABORTED, not UNAVAILABLE: this worker is fine, the path to the decode worker is
-            # not; the gateway starts the request over rather than avoid this worker.
+            # ABORTED, not UNAVAILABLE: the path failed, not this worker; the gateway starts over.
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {error}")
         except BaseException:
             span.end()
@@ -242,7 +230,6 @@ def _release_copy(copying: asyncio.Future[ExportCopy]) -> None:
 
 
 def _release_after(release: Callable[[], None]) -> Callable[[asyncio.Future[None]], None]:
-    """A transfer's completion callback: gives its copy's arena range back."""
 
     def done(transfer: asyncio.Future[None]) -> None:
         release()

@@ -1,14 +1,7 @@
-"""What the prefill engine did in a step that the event loop must hear of: which prompts it has
-begun computing, and which blocks it stored in or evicted from its prefix cache; with the
-engine operations that record and list those blocks.
-
-A prompt leaves the queue when the scheduler first puts it in the running batch. The engine has no
-callback for that, and its internals are not ours to change, so this looks from outside:
-`probe_step` runs in the engine loop after every step (the engine core's probe, in the engine's
-thread or process) and takes the running batch and the block events; `StartWatch`, on the event
-loop, compares the running batch with the previous step's and reports the newcomers. A prompt
-admitted and finished within one step is never seen running; its caller learns it started from
-its output instead.
+"""What the prefill engine did in a step that the event loop must hear of: prompts it began
+computing and prefix-cache block events. `probe_step` runs in the engine loop after each step;
+`StartWatch` reports prompts new to the running batch. A prompt admitted and finished in one step
+is never seen running (its output says it started).
 """
 
 from __future__ import annotations
@@ -27,8 +20,7 @@ class StepProbed:
 
 
 def probe_step(engine: LLMEngine) -> StepProbed:
-    """In the engine loop, after a step (a module-level function: it goes to an engine process
-    by name)."""
+    """In the engine loop, after a step (module-level: it goes to an engine process by name)."""
     running = engine.load().running_request_ids
     return StepProbed(running, tuple(engine.kv_cache.drain_block_events()))
 
@@ -49,7 +41,6 @@ class StartWatch:
         self._previous: frozenset[str] = frozenset()
 
     def on_running(self, running: frozenset[str]) -> None:
-        """On the event loop, with each step's running batch."""
         started = set(running - self._previous)
         self._previous = running
         if started:

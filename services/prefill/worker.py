@@ -1,9 +1,6 @@
 """The prefill worker process: batched prompt computation, KV blocks out over the transport.
-
-Its prefix cache is mirrored into the Redis block directory (stored and evicted block hashes), so
-the gateway can send a prompt to the worker that already holds most of it. It keeps the decode
-reservations of the prompts it holds alive (`lease_keeper.py`), and tells them when its engine
-starts a prompt (`start_watch.py`).
+Its prefix cache is mirrored into the Redis block directory; it keeps the decode reservations of
+its prompts alive (`lease_keeper.py`) and reports when its engine starts one (`start_watch.py`).
 """
 
 from __future__ import annotations
@@ -40,11 +37,9 @@ from nori.worker.runtime import Worker, WorkerOptions
 
 logger = logging.getLogger(__name__)
 
-# Block events waiting for Redis. The directory is a routing hint: when Redis lags this far
-# behind, the oldest events are dropped rather than kept without bound.
+# Block events waiting for Redis; beyond this the oldest are dropped (the directory is a hint).
 MAX_PENDING_BLOCK_EVENTS = 65536
-# An engine step taking this long is a wedged engine, not a long prompt (a step computes at most
-# max_num_batched_tokens): the worker stops renewing decode leases, so their blocks are freed.
+# A step this long is a wedged engine: the worker stops renewing decode leases.
 ENGINE_STALL_S = 120.0
 
 
@@ -79,7 +74,6 @@ class PrefillWorker(Worker):
             probe=probe_step,
             on_probe=self._on_probe,
         )
-        # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
         confine_ucx_to(self.options.host)
         self._sender = make_sender(self.transport)
         arena = ExportArena()
@@ -100,8 +94,6 @@ class PrefillWorker(Worker):
             telemetry=self.telemetry,
             max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
             # A batch may fill the running batch; the queue beyond it stays for interactive work.
-            # (A decode worker needs no such reserve: the gateway's decode shares hold one
-            # client, the batch runner too, to its share of the rows while another waits.)
             max_background_calls=self.engine_config.max_num_seqs,
             export_arena=arena,
         )
@@ -115,7 +107,6 @@ class PrefillWorker(Worker):
         return self._engine is not None and self._engine.responsive(ENGINE_STALL_S)
 
     def _on_probe(self, probed: StepProbed) -> None:
-        """On the event loop, after every step: what `probe_step` saw."""
         self._events.extend(probed.block_events)
         if self._start_watch is not None:
             self._start_watch.on_running(probed.running_request_ids)
@@ -126,8 +117,7 @@ class PrefillWorker(Worker):
         while True:
             await asyncio.sleep(0.1)
             if time.monotonic() - last_refresh > refresh_every:
-                # Blocks are announced once, when stored; re-announce what is still cached so
-                # long-lived prefixes do not fall out of the directory.
+                # Re-announce what is still cached so long-lived prefixes stay in the directory.
                 last_refresh = time.monotonic()
                 assert self._engine is not None
                 held = await self._engine.call(cached_block_hashes)

@@ -1,14 +1,10 @@
-"""`nori serve --cpus LIST --threads N`: pin this process and size its thread pools, from inside.
+"""`nori serve --cpus LIST --threads N`: pin this process and size its thread pools, from inside
+(so a container gets the same binding as `nori up`).
 
-Done in the process itself, so a container gets the same binding as `nori up`. CPU affinity is
-per thread and inherited, so `bind_process` runs first thing in the role's handler, before
-gRPC's pollers, asyncio's executor, the engine thread and the OpenMP pool start; the few threads
-already there (importing torch starts one) are pinned one by one. Without flags, a process whose
-CFS quota is below its affinity (a container given `cpus:`) runs one thread per whole CPU of its
-quota (`usable_cpu_count`). torch is already loaded by then, so the intra-op thread count is set
-with `torch.set_num_threads`; OpenMP and MKL read OMP_NUM_THREADS/MKL_NUM_THREADS only when they
-load, so `nori up` also puts them in the child's environment, and `bind_process` sets them for
-whatever this process starts later.
+Affinity is per thread and inherited, so `bind_process` runs first in the role's handler; threads
+already there are pinned one by one. Without flags, a process whose CFS quota is below its
+affinity runs one thread per whole CPU of its quota. torch's intra-op count is set directly;
+OMP/MKL variables are set for what starts later (`nori up` also puts them in the environment).
 """
 
 from __future__ import annotations
@@ -29,18 +25,15 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 @dataclass(frozen=True)
 class CpuBinding:
-    # None: not pinned (every CPU the process was started with).
-    cpus: frozenset[int] | None = None
-    # None: the libraries' own default.
-    threads: int | None = None
+    cpus: frozenset[int] | None = None  # None: not pinned
+    threads: int | None = None  # None: the libraries' default
 
     @classmethod
     def from_flags(
         cls, cpus: str | None, threads: int | None, default_threads: int | None = None
     ) -> CpuBinding:
-        """--cpus and --threads, checked. Without --threads, a pinned process runs
-        `default_threads` threads, or one per CPU when that is None; an unpinned one under a CPU
-        quota smaller than its affinity runs one per whole CPU of the quota."""
+        """--cpus and --threads, checked. Without --threads: `default_threads`, else one per CPU
+        (pinned), or one per whole CPU of a quota smaller than the affinity."""
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be at least 1, got {threads}")
         if cpus is None:
@@ -54,10 +47,9 @@ class CpuBinding:
 
 
 def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None) -> float | None:
-    """The CPUs this process's cgroup may use per period: cgroup v2 `cpu.max`, else v1
-    `cpu.cfs_quota_us` / `cpu.cfs_period_us`. Read in the process's own cgroup (`own`: the text
-    of /proc/self/cgroup), else at the hierarchy's root, which is where a container sees its own
-    cgroup. None: no quota."""
+    """The CPUs this process's cgroup may use per period (cgroup v2 `cpu.max`, else v1 cfs
+    files), read in its own cgroup (`own`: /proc/self/cgroup's text), else at the root. None: no
+    quota."""
     if own is None:
         try:
             own = Path("/proc/self/cgroup").read_text()
@@ -96,13 +88,11 @@ def usable_cpu_count(quota: float | None = None) -> int:
 
 
 def bind_process(binding: CpuBinding) -> None:
-    """Pins this process and sets the thread variables: first thing, so that the threads
-    started later inherit the CPUs."""
+    """Pins this process and sets the thread variables (first thing: later threads inherit)."""
     if binding.cpus is not None:
         # Pid 0 is the calling thread only; the others are pinned by their thread ids.
         os.sched_setaffinity(0, binding.cpus)
         for thread_id in _thread_ids():
-            # A thread may have ended since it was listed.
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(thread_id, binding.cpus)
     if binding.threads is not None:
@@ -111,7 +101,6 @@ def bind_process(binding: CpuBinding) -> None:
 
 
 def _thread_ids() -> list[int]:
-    """This process's threads (Linux: /proc/self/task); none where that is not there."""
     try:
         return [int(name) for name in os.listdir("/proc/self/task")]
     except OSError:
@@ -119,8 +108,7 @@ def _thread_ids() -> list[int]:
 
 
 def set_torch_threads(binding: CpuBinding) -> int:
-    """Sets torch's intra-op threads (when the binding says how many); returns the count torch
-    now uses."""
+    """Sets torch's intra-op threads if the binding says; returns torch's count."""
     import torch
 
     if binding.threads is not None:

@@ -1,13 +1,10 @@
 """The engine core a worker's gRPC side drives: an LLMEngine on its own thread (`EngineThread`)
 or in its own process (`nori.worker.engine_process`), chosen by `--engine-core`.
 
-The engine is not thread-safe, so one loop owns it and alternates between applying queued
-operations and stepping. The asyncio side never touches the engine: `call(function, *args)`
-queues a named, picklable function applied as `function(engine, *args)` between steps, and each
-step's outputs reach the event loop through `on_outputs`. A `probe` runs in the engine loop after
-each step; its result (when not None) goes to `on_probe`: how a role learns what only the engine
-sees. In a process, the KV cache lives in shared memory, so a decode worker's transfers still
-land straight in it.
+The engine is not thread-safe: one loop owns it, alternating queued operations and steps. The
+asyncio side never touches it; `call(function, *args)` queues a picklable function applied as
+`function(engine, *args)` between steps, outputs reach the event loop through `on_outputs`, and a
+`probe` run after each step reports to `on_probe`. In a process the KV cache is shared memory.
 """
 
 from __future__ import annotations
@@ -42,10 +39,8 @@ ENGINE_CORE_MODES: tuple[EngineCoreMode, ...] = ("auto", "process", "thread")
 def resolve_engine_core(
     mode: EngineCoreMode, config: EngineConfig, num_cpus: int
 ) -> Literal["process", "thread"]:
-    """`auto`: a process of its own on CPU, with one rank, for a worker given two CPUs or more
-    (`num_cpus`: its affinity); a thread otherwise (a worker on one CPU has no core to give the
-    I/O side; a GPU engine has not been run in an engine process). Why:
-    docs/benchmarks.md#engine-core-thread-or-process.
+    """`auto`: a process of its own on CPU with one rank and at least two CPUs (`num_cpus`: its
+    affinity), else a thread. Why: docs/benchmarks.md#engine-core-thread-or-process.
     """
     if mode != "auto":
         return mode
@@ -54,9 +49,7 @@ def resolve_engine_core(
     return "process" if on_cpu and alone and num_cpus >= 2 else "thread"
 
 
-# Run in the engine loop after each step; what it returns (unless None) goes to `on_probe`.
 StepProbe = Callable[[LLMEngine], object]
-# An operation for the engine loop: function(engine, *args, **kwargs), its answer to the future.
 Operation = tuple[Callable[..., object], tuple[Any, ...], dict[str, Any], Future[object]]
 
 
@@ -66,15 +59,14 @@ def _wake(engine: LLMEngine) -> None:
 
 @dataclass(frozen=True)
 class EngineFacts:
-    """What the I/O side needs to know of the engine it drives, fixed once it is built."""
+    """What the I/O side needs to know of the engine, fixed once it is built."""
 
     config: EngineConfig
-    # The paged KV cache's tensors (shared memory for an engine process): where a decode
-    # worker's transfers land. Under tensor parallelism, rank 0's heads only (see LLMEngine).
+    # Where a decode worker's transfers land (shared memory in a process; rank 0's heads).
     kv_cache_tensors: tuple[torch.Tensor, ...]
     # Each KV tensor's dtype and per-block shape with every head (a staging receiver's layout).
     kv_block_layouts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
-    # The last this many of the KV tensors are a draft model's (speculative decoding).
+    # The last this many KV tensors are a draft model's.
     num_draft_kv_tensors: int = 0
 
     @classmethod
@@ -90,7 +82,6 @@ class EngineFacts:
 
     @property
     def draft_kv_bytes_per_block(self) -> int:
-        """A block's bytes in the draft model's tensors: the draft K/V a hand-off carries."""
         count = self.num_draft_kv_tensors
         layouts = self.kv_block_layouts[len(self.kv_block_layouts) - count :] if count else ()
         return sum(
@@ -104,11 +95,8 @@ class EngineFacts:
 
 
 class EngineCore(Protocol):
-    """What a worker's gRPC side may do with its engine."""
-
     facts: EngineFacts
-    # The load after the last step or operation; `taken_at` is the engine loop's last sign of
-    # life (time.monotonic, one clock for every process of the machine).
+    # After the last step or operation; `taken_at` (time.monotonic) is the loop's last sign of life.
     load: EngineLoad
 
     @property
@@ -124,8 +112,8 @@ class EngineCore(Protocol):
 
 
 def responsive(core: EngineCore, stall_s: float) -> bool:
-    """Alive, and idle or done with a step within `stall_s`: a step that takes longer is a
-    wedged engine (a worker stops vouching for its requests then, e.g. lease renewals)."""
+    """Alive, and idle or done with a step within `stall_s` (else the worker stops vouching for
+    its requests)."""
     load = core.load
     return core.alive and (not load.busy or time.monotonic() - load.taken_at < stall_s)
 
@@ -140,8 +128,8 @@ async def start_engine_core(
     on_probe: Callable[[Any], None] | None = None,
     on_death: Callable[[str], None] | None = None,
 ) -> EngineCore:
-    """Builds the engine (`setup` runs on it once, where it lives) and starts its loop.
-    `on_death` hears why an engine process ended while serving (the worker then stops)."""
+    """Builds the engine (`setup` runs on it once, where it lives) and starts its loop;
+    `on_death` hears why an engine process ended while serving."""
     loop = asyncio.get_running_loop()
     num_cpus = usable_cpu_count()
     resolved = resolve_engine_core(mode, config, num_cpus)
@@ -165,8 +153,8 @@ async def start_engine_core(
 def result_of_step(
     engine: LLMEngine, probe: StepProbe | None
 ) -> tuple[list[StepOutput], object | None]:
-    """One step's outputs and its probe: a step that raises fails its batch (a bug, not bad
-    input, which is rejected when added) and the engine keeps serving."""
+    """One step's outputs and its probe; a step that raises fails its batch, and the engine
+    keeps serving."""
     try:
         outputs = engine.step()
     except Exception:
@@ -180,8 +168,6 @@ def load_of(engine: LLMEngine) -> EngineLoad:
 
 
 class EngineThread:
-    """The engine loop on a thread of the worker's own process."""
-
     def __init__(
         self,
         engine: LLMEngine,
@@ -197,7 +183,6 @@ class EngineThread:
         self._on_outputs = on_outputs
         self._probe = probe
         self._on_probe = on_probe
-        # (function, args, kwargs, future): `call`'s operations, applied as function(engine, ...).
         self._operations: queue.SimpleQueue[Operation] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nori-engine", daemon=True)
@@ -218,23 +203,19 @@ class EngineThread:
         return responsive(self, stall_s)
 
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Runs `function(engine, *args, **kwargs)` between steps and returns its result."""
         future: Future[object] = Future()
         self._operations.put((function, args, kwargs, future))
         result = await asyncio.wrap_future(future, loop=self._loop)
         return result  # type: ignore[return-value]
 
     def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        """Queues `function(engine, *args, **kwargs)` without waiting (cleanup from a cancelled
-        coroutine)."""
+        """Queues `function(engine, *args, **kwargs)` without waiting."""
         self._operations.put((function, args, kwargs, Future()))
 
     async def stop(self) -> None:
         self._stopping.set()
         self._operations.put((_wake, (), {}, Future()))  # wake the thread
         await asyncio.to_thread(self._thread.join, 10.0)
-
-    # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -251,8 +232,7 @@ class EngineThread:
 
     def _apply_operations(self, block: bool) -> None:
         try:
-            # Idle: sleep until an operation arrives (stop() sends one). Busy: only take what is
-            # already queued.
+            # Idle: sleep until an operation arrives (stop() sends one).
             item = self._operations.get() if block else self._operations.get_nowait()
         except queue.Empty:
             return

@@ -1,14 +1,11 @@
 """The engine core in a process of its own (`--engine-core process`), as vLLM's V1 engine core.
 
-The worker keeps gRPC, KV transfers, Redis and metrics; the engine process keeps the model, so
-neither waits on the other's GIL. Two pipes: to the engine `(call_id, function, args, kwargs)`,
-an operation to apply between steps (`call_id` None: nobody waits), or `None` to stop; to the
-worker `(answers, outputs, load, probed)`, one message per turn of the engine loop. The worker
-reads on its event loop and writes from a thread of its own, so a full pipe never stalls the
-loop. The process is spawned (fork would copy gRPC's and UCX's threads) before the gRPC server
-opens; its KV cache moves into shared memory and its tensors go to the worker, so transfers land
-in it directly. It dies with its worker (PR_SET_PDEATHSIG); if it dies first, pending operations
-fail and the worker is told (`on_death`) and exits: the cluster sees a dead worker.
+The worker keeps gRPC, transfers, Redis and metrics; the process keeps the model. Two pipes: to
+the engine `(call_id, function, args, kwargs)` (`call_id` None: nobody waits) or `None` to stop;
+to the worker `(answers, outputs, load, probed)` once per engine loop turn. The process is
+spawned before the gRPC server opens; its KV cache moves into shared memory so transfers land in
+it. It dies with its worker (PR_SET_PDEATHSIG); if it dies first, pending operations fail and
+the worker exits (`on_death`).
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# An operation's answer: (call_id, ok, the result or the exception).
 Answer = tuple[int, bool, object]
 
 
@@ -93,13 +89,11 @@ class EngineProcess:
             ),
             name="nori-engine",
         )
-        # Operations on their way to the pipe (None: the writer ends).
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="nori-engine-writer", daemon=True)
 
     async def start(self) -> None:
-        """Starts the process and waits until its engine is built (raising what building it
-        raised)."""
+        """Starts the process and waits until its engine is built (raising what building raised)."""
         self._process.start()
         self._operations_in.close()  # the engine's ends: theirs now
         self._turns_out.close()
@@ -130,9 +124,8 @@ class EngineProcess:
         return responsive(self, stall_s)
 
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Runs `function(engine, *args, **kwargs)` in the engine process between steps and
-        returns its result. `function` must pickle by reference: a module-level function or
-        an LLMEngine method, not a lambda."""
+        """Runs `function(engine, *args, **kwargs)` in the engine process between steps; it must
+        pickle by reference (a module-level function or an LLMEngine method)."""
         if self._dead_reason is not None:
             raise EngineProcessDied(self._dead_reason)
         call_id = next(self._call_ids)
@@ -145,8 +138,7 @@ class EngineProcess:
             self._pending.pop(call_id, None)
 
     def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        """Queues `function(engine, *args, **kwargs)` without waiting (cleanup from a cancelled
-        coroutine); a dead engine has nothing left to clean up."""
+        """Queues `function(engine, *args, **kwargs)` without waiting; a no-op once dead."""
         if self._dead_reason is None:
             self._outbox.put((None, function, args, kwargs))
 
@@ -156,8 +148,6 @@ class EngineProcess:
         await asyncio.to_thread(self._join, 10.0)
         self._forget_reader()
         self._turns_in.close()
-
-    # ------------------------------------------------------------------ the worker's side
 
     def _write(self) -> None:
         """The writer thread: operations to the pipe, in order, until None."""
@@ -188,7 +178,6 @@ class EngineProcess:
         return self._process.exitcode
 
     def _read(self) -> None:
-        """On the event loop, when the pipe has a message: every message waiting."""
         try:
             while self._turns_in.poll():
                 answers, outputs, load, probed = self._turns_in.recv()
@@ -226,9 +215,6 @@ class EngineProcess:
             self._loop.remove_reader(self._turns_in.fileno())
 
 
-# ---------------------------------------------------------------------- the engine's side
-
-
 def engine_main(
     operations: Connection,
     turns: Connection,
@@ -264,7 +250,6 @@ def _serve(
     engine: LLMEngine, operations: Connection, turns: Connection, probe: StepProbe | None
 ) -> None:
     while True:
-        # Idle: sleep until an operation arrives. Busy: take only what is already there.
         answers, stop = _apply_operations(
             engine, operations, block=not engine.has_unfinished_requests()
         )
@@ -309,14 +294,12 @@ def _send_turn(
     load: EngineLoad,
     probed: object | None,
 ) -> None:
-    # The worker's side never reads an output's prompt or whole text (it sends deltas): left
-    # out, they do not cross the pipe at every step for every row.
+    # The worker never reads an output's prompt or whole text: keep them off the pipe.
     outputs = [replace(output, prompt_token_ids=[], text="") for output in outputs]
     try:
         connection.send((answers, outputs, load, probed))
     except (pickle.PicklingError, TypeError, AttributeError) as error:
-        # An answer that does not pickle (a bug in an operation): fail those calls, not the
-        # engine.
+        # An answer that does not pickle fails its calls, not the engine.
         safe = [
             (call_id, False, RuntimeError(f"the engine's answer could not be sent: {error}"))
             for call_id, _, _ in answers

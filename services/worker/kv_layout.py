@@ -1,12 +1,9 @@
 """Which buffers carry a request's KV blocks, in the same order on both sides of a transfer.
 
-The cache is one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim], and for an
-8-bit cache a second one, its scales [layers, 2, num_blocks, block_size, kv_heads]
-(`KVCache.tensors`). For a fixed tensor, layer and K/V half, a run of consecutive block ids is
-one contiguous region, so the receiver can hand the transport views of its own cache (no staging
-copy) and a fresh pool, which hands out consecutive ids, needs only one buffer per tensor, layer
-and half. The sender slices its exported copies [layers, 2, n, ...] the same way. The codes and
-scales travel as they are stored: nothing is dequantized or requantized on the way.
+The cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim] (plus its scales for an
+8-bit cache: `KVCache.tensors`). A run of consecutive block ids in one tensor, layer and half is
+one contiguous region, so the receiver hands the transport views of its own cache; the sender
+slices its exported [layers, 2, n, ...] copies the same way. Codes and scales move as stored.
 """
 
 from __future__ import annotations
@@ -19,17 +16,14 @@ import torch
 
 @dataclass(frozen=True)
 class BlockRun:
-    # Position of the run's first block in the request's block list.
-    position: int
-    # The receiver's first block id of the run.
-    first_block_id: int
+    position: int  # of the run's first block in the request's block list
+    first_block_id: int  # the receiver's
     length: int
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """One KV tensor's layout with its block dimension left out ([layers, 2, block_size, heads,
-    ...]): what a staging copy of n blocks is made of."""
+    """One KV tensor's layout without its block dimension: what a staging copy is made of."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -41,9 +35,8 @@ class BlockLayout:
 def staging_buffers(
     layouts: Sequence[BlockLayout], block_ids: list[int]
 ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
-    """Fresh tensors for a request's blocks, in the request's order, and their views matching the
-    sender's `source_buffers` (a receiver that cannot take the bytes into its cache in place:
-    a tensor-parallel one, whose cache is split over processes)."""
+    """Fresh tensors for a request's blocks and their views matching the sender's
+    `source_buffers`, for a receiver whose cache is split over processes."""
     staged = tuple(layout.allocate(len(block_ids)) for layout in layouts)
     return staged, source_buffers(staged, block_ids)
 
@@ -74,8 +67,7 @@ def source_buffers(
 
 
 def destination_buffers(cache: Sequence[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
-    """Views of the receiver's own cache blocks (every tensor of `KVCache.tensors`); writing
-    into them fills the cache."""
+    """Views of the receiver's own cache blocks; writing into them fills the cache."""
     cache = _tensors(cache)
     num_blocks = cache[0].shape[2]
     if any(not 0 <= block_id < num_blocks for block_id in block_ids):
@@ -93,8 +85,7 @@ def _tensors(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
 
 
 def _run_views(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """tensor [layers, 2, blocks, ...]: each (start, length) span of blocks, layer by layer,
-    K before V, the order both ends of a transfer list their buffers in."""
+    """tensor [layers, 2, blocks, ...]: each span of blocks, layer by layer, K before V."""
     return [
         tensor[layer, half, start : start + length]
         for layer in range(tensor.shape[0])

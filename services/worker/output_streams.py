@@ -1,5 +1,4 @@
-"""Routes each engine step's outputs to the coroutine serving that request, and turns them into
-the wire's deltas."""
+"""Routes each engine step's outputs to the request's coroutine, and turns them into deltas."""
 
 from __future__ import annotations
 
@@ -12,11 +11,8 @@ from nori.v1 import common_pb2
 
 
 async def next_output(queue: asyncio.Queue[StepOutput]) -> StepOutput:
-    """The request's next output, merged with every further one already waiting.
-
-    When the consumer falls behind (a busy event loop, a slow client), the steps it missed go
-    out as one delta: one message and one send instead of one per token.
-    """
+    """The request's next output, merged with every further one already waiting (a slow
+    consumer gets one delta for the steps it missed)."""
     output = await queue.get()
     while not output.finished and not queue.empty():
         output = output.followed_by(queue.get_nowait())
@@ -24,8 +20,7 @@ async def next_output(queue: asyncio.Queue[StepOutput]) -> StepOutput:
 
 
 async def next_output_of(queue: asyncio.Queue[StepOutput], num_tokens: int) -> StepOutput:
-    """The request's next outputs merged until they hold at least `num_tokens` new tokens, or
-    the last one is in: one message per `num_tokens` tokens (--stream-interval)."""
+    """The next outputs merged until they hold `num_tokens` new tokens, or the last is in."""
     output = await next_output(queue)
     while not output.finished and len(output.new_token_ids) < num_tokens:
         output = output.followed_by(await next_output(queue))
@@ -33,20 +28,14 @@ async def next_output_of(queue: asyncio.Queue[StepOutput], num_tokens: int) -> S
 
 
 class OutputQueue(asyncio.Queue[StepOutput]):
-    """One request's outputs, and whether its last one is in (`finished`)."""
-
     def __init__(self) -> None:
         super().__init__()
         self.finished = asyncio.Event()
 
 
 async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> StepOutput:
-    """The request's next output merged with every further one for `interval_s`, or until it
-    finishes: one message per interval for a caller that needs only the whole completion.
-
-    Between its first output and the end of the interval the consumer sleeps: the steps' outputs
-    pile up in the queue without waking it (one wake-up per interval, not per step: with
-    hundreds of rows, per-step wake-ups take the event loop, and the GIL, from the engine)."""
+    """The next output merged with every further one for `interval_s`, or until it finishes;
+    the consumer sleeps meanwhile (one wake-up per interval, not per step)."""
     output = await next_output(queue)
     if not output.finished:
         with contextlib.suppress(TimeoutError):
@@ -58,10 +47,8 @@ async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> StepOu
 
 
 class OutputStreams:
-    """One queue per open request, filled on the event loop from EngineThread.on_outputs.
-
-    A queue holds at most the request's own tokens (max_tokens bounds it); outputs for a request
-    nobody waits for any more (its caller went away) are dropped.
+    """One queue per open request, filled on the event loop; outputs for a request nobody waits
+    for any more are dropped.
     """
 
     def __init__(self) -> None:
@@ -90,7 +77,6 @@ class OutputStreams:
 
 
 def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
-    """What one engine step added to a request, as a wire delta."""
     delta = common_pb2.TokenDelta(
         token_ids=output.new_token_ids,
         text=output.new_text,
@@ -106,7 +92,6 @@ def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
         new = output.logprobs[-len(output.new_token_ids) :]
         delta.logprobs.extend(logprobs_to_proto(entry) for entry in new)
     if output.prompt_logprobs is not None and len(output.new_token_ids) == len(output.token_ids):
-        # Once, with the first token(s): from then on the receiver has them.
         delta.prompt_logprobs.SetInParent()
         delta.prompt_logprobs.entries.extend(
             logprobs_to_proto(entry) for entry in output.prompt_logprobs[1:] if entry is not None

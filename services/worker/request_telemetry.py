@@ -1,10 +1,8 @@
 """One call's record on a worker: its metrics as it goes, and its spans when it ends.
 
-The servicer marks the moments of a call (its first output, each later one, the KV hand-off) and
-how it ended; this file turns them into the worker's Prometheus figures and into one server span
-with a child per phase. Phase spans are written with their real start and end times once known
-(the engine thread stamps when a request left its queue), so tracing adds no work to the engine's
-step and nothing at all when it is off.
+The servicer marks a call's moments and how it ended; this file turns them into Prometheus
+figures and one server span with a child per phase, written after the fact with real times, so
+tracing adds no work to the engine's step.
 """
 
 from __future__ import annotations
@@ -63,8 +61,7 @@ class CallRecord:
         self._tracer = telemetry.tracing.tracer
         self._worker_id = telemetry.worker_id
         self.arrived = time.time()
-        # From here the engine has the request: a colocated call's queue starts at arrival, a
-        # decode call's once its KV is in (`kv_received`).
+        # The engine's queue starts at arrival (colocated) or once the KV is in (`kv_received`).
         self._queued_at = self.arrived
         self._first_token_at: float | None = None
         self._last_token_at: float | None = None
@@ -84,8 +81,6 @@ class CallRecord:
             },
         )
         self._metrics.prompt_tokens.inc(num_prompt_tokens)
-
-    # ------------------------------------------------------------------ moments of the call
 
     def output(self, output: StepOutput, computed_prompt: bool) -> None:
         """An engine output for this call; `computed_prompt`: this worker computed the prompt."""
@@ -157,9 +152,8 @@ class CallRecord:
         transport: str = "",
         sender: str = "",
     ) -> None:
-        """The transfer as this decode worker saw it (times from time.monotonic()); its span is
-        a child of the sender's, whose context came in the hand-off header. `bulk`: how the
-        bytes came (copied out of the sender's shared memory, or as messages); `transport`: the receiver's (ucx or tcp); `sender`: HandOff.sender."""
+        """The transfer as this decode worker saw it (monotonic times), as a child span of the
+        sender's. `bulk`: how the bytes came; `transport`: ucx or tcp; `sender`: HandOff.sender."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
         self._metrics.observe_transfer(nbytes, end - start, draft_nbytes, bulk)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
@@ -185,8 +179,6 @@ class CallRecord:
 
     def lease_expired(self) -> None:
         self._metrics.lease_expiries.inc()
-
-    # ------------------------------------------------------------------ the end
 
     def finish(self, outcome: str, finish_reason: str | None = None, error: str = "") -> None:
         """Counts the call by `outcome` (see metrics.OUTCOMES) and ends its spans; once."""

@@ -1,9 +1,8 @@
 """The life of a worker process: serve gRPC, stay registered in Redis, drain on SIGTERM.
 
-Roles (prefill, decode, colocated) supply their servicers and load figures; this file owns what
-they share: the grpc.aio server with the standard health service, the Redis heartbeat that makes
-the worker routable (and its expiry what makes a dead one unroutable), and the shutdown order:
-announce draining, finish running requests, deregister, stop.
+Roles (prefill, decode, colocated) supply their servicers and load figures; this file owns the
+grpc.aio server with its health service, the heartbeat, and the shutdown order: announce
+draining, finish running requests, deregister, stop.
 """
 
 from __future__ import annotations
@@ -52,24 +51,18 @@ logger = logging.getLogger(__name__)
 class WorkerOptions(RoleSettings):
     host: str = "0.0.0.0"
     port: int = 0
-    # The host other processes reach this worker at (gRPC and KV transfers).
     advertise_host: str = "127.0.0.1"
     worker_id: str = ""
     served_model_name: str = ""
     heartbeat_ttl_s: float = 3.0
-    # SIGTERM: how long running requests may take to finish before the worker stops anyway.
     drain_timeout_s: float = 120.0
-    # Prometheus /metrics on this port (0: a free one, stated in the registry; -1: none).
+    # Prometheus /metrics port (0: a free one, stated in the registry; -1: none).
     metrics_port: int = 0
-    # OTLP/gRPC collector for traces (else the OTEL_EXPORTER_OTLP_* variables; none: off).
     otlp_traces_endpoint: str | None = None
-    # Requests a worker holds beyond its running batch (max_num_seqs): queued prompts, KV on its
-    # way, KV waiting for a row. Past it a new call is refused (RESOURCE_EXHAUSTED: the gateway
-    # tries another worker, then answers 429), so a queue, and the wait in it, stays bounded.
-    # None: a quarter of max_num_seqs (at least 8).
+    # Requests held beyond the running batch; past it a call gets RESOURCE_EXHAUSTED, so the
+    # queue stays bounded. None: a quarter of max_num_seqs (at least 8).
     max_queued_requests: int | None = None
-    # Where the engine loop runs: a process of its own, a thread of this one, or auto (a process
-    # on CPU with one rank, else a thread: engine_core.resolve_engine_core).
+    # "auto": a process on CPU with one rank, else a thread (engine_core.resolve_engine_core).
     engine_core: EngineCoreMode = "auto"
 
     def __post_init__(self) -> None:
@@ -91,17 +84,14 @@ class WorkerOptions(RoleSettings):
         return socket.gethostbyname(socket.gethostname())
 
 
-# gRPC core cancels calls that arrive while the server is too busy to take them (1,000 pending
-# by default, random drops up to 3,000): CANCELLED, before any handler runs, nothing logged. A
-# burst of thousands of members (60 prompts x n=64) met that. Allow far more, so that every call
-# reaches `_open` and gets the worker's own answer (RESOURCE_EXHAUSTED past its queue bound).
+# gRPC core silently cancels calls beyond its default pending limit, before any handler runs;
+# allow far more, so every call gets the worker's own answer (RESOURCE_EXHAUSTED past its queue).
 SERVER_BACKLOG_OPTIONS = [
     ("grpc.server.max_pending_requests", 16_384),
     ("grpc.server.max_pending_requests_hard_limit", 16_384),
 ]
 # How long a starting worker waits for Redis' first answer before loading its engine anyway.
 REDIS_CHECK_S = 0.5
-# How often a busy worker logs its load (vLLM logs its throughput line as often).
 LOAD_LOG_INTERVAL_S = 10.0
 
 
@@ -112,8 +102,8 @@ def load_line(
     prompt_tokens: float = 0.0,
     generated_tokens: float = 0.0,
 ) -> str:
-    """One worker's load in a line, as vLLM's periodic stats line: throughput over the interval
-    (`prompt_tokens` and `generated_tokens` taken in it), queue and KV use."""
+    """One worker's load in a line, as vLLM's periodic stats line: throughput over the interval,
+    queue and KV use."""
     used = load.num_total_blocks - load.num_free_blocks
     share = used / load.num_total_blocks if load.num_total_blocks else 0.0
     return (
@@ -144,11 +134,8 @@ class Worker(ABC):
         self._stop = asyncio.Event()
         self.redis: Redis | None = None
         self.keys = Keys(options.namespace)
-        # Set by start_role: the engine core and the role's gRPC servicer.
         self._engine: EngineCore | None = None
         self._servicer: EngineServicer | None = None
-
-    # ------------------------------------------------------------------ for the roles
 
     @abstractmethod
     async def start_role(self) -> None:
@@ -160,8 +147,7 @@ class Worker(ABC):
     async def start_engine(
         self, on_outputs: Callable[[list[StepOutput]], None], **hooks: Any
     ) -> EngineCore:
-        """The role's engine core (`--engine-core`), built from its config; `hooks` are
-        start_engine_core's setup, probe and on_probe."""
+        """The role's engine core (`--engine-core`); `hooks` are start_engine_core's."""
         from nori.worker.engine_core import start_engine_core
 
         self._engine = await start_engine_core(
@@ -174,10 +160,8 @@ class Worker(ABC):
         return self._engine
 
     def _engine_died(self, reason: str) -> None:
-        """The engine process is gone: this worker can finish nothing it holds, so it exits at
-        once (code 1), before any call is answered otherwise. Its streams break as a killed
-        worker's do, and the gateway moves them (migration), its leases run out, and its
-        registry entry expires; `nori up` (or the container's restart policy) starts it again."""
+        """The engine process is gone: the worker exits at once (code 1). Its streams break as a
+        killed worker's do, so the gateway migrates them; `nori up` restarts it."""
         logger.critical("%s; %s worker %s exits", reason, self.role, self.worker_id)
         for handler in logging.getLogger().handlers:
             handler.flush()
@@ -188,7 +172,6 @@ class Worker(ABC):
         """The role's KV transfer figures for its WorkerInfo (bytes sent or received)."""
 
     def transfers_in_flight(self) -> int:
-        """KV transfers this worker is sending or receiving now (a metrics gauge)."""
         return 0
 
     def num_active_requests(self) -> int:
@@ -196,7 +179,6 @@ class Worker(ABC):
         return self._servicer.num_active_requests if self._servicer is not None else 0
 
     def load_info(self) -> dict[str, Any]:
-        """WorkerInfo load fields: num_running, num_free_blocks, kv_bytes_received, ..."""
         if self._engine is None or self._servicer is None:
             return {}
         return {**self._engine.load.registry_fields(), **self.transfer_counts()}
@@ -221,8 +203,7 @@ class Worker(ABC):
         )
 
     def _speculative_config(self) -> str:
-        """What the gateway compares to pair workers (from the start: a config, not a fact the
-        loaded engine learns)."""
+        """What the gateway compares to pair workers (a config, known from the start)."""
         speculative = self.engine_config.speculative_config
         return speculative.as_json() if speculative is not None else ""
 
@@ -231,8 +212,6 @@ class Worker(ABC):
             return ""
         dtype = self._engine.facts.kv_cache_tensors[0].dtype
         return str(dtype).removeprefix("torch.")
-
-    # ------------------------------------------------------------------ the process
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -243,22 +222,19 @@ class Worker(ABC):
             loop.add_signal_handler(signum, self.request_stop)
 
         redis = self.redis = connect(self.options.redis_url)
-        # Redis away: wait for it (one log line, a try every 0.25 s) while the engine loads,
-        # rather than exit into a restart backoff; registered as soon as it answers. Refused
+        # Redis away: keep trying while the engine loads, registering when it answers; refused
         # credentials fail at once (within REDIS_CHECK_S), before any engine is loaded.
         redis_ready = asyncio.create_task(wait_for_redis(redis, self.options.redis_url))
         await asyncio.wait([redis_ready], timeout=REDIS_CHECK_S)
         if redis_ready.done() and redis_ready.exception() is not None:
             await redis.aclose()
             redis_ready.result()
-        # With a cluster secret, every entry this worker writes is signed (nori.state.registry).
         auth = ClusterAuth.from_text(self.options.cluster_secret)
         registry = WorkerRegistry(redis, self.keys, self.options.heartbeat_ttl_s, auth=auth)
         await self.start_role()
         metrics_server = self._serve_metrics()
 
-        # Calls without the cluster's token are refused (nori.rpc.auth); an open cluster
-        # installs no interceptor.
+        # Calls without the cluster's token are refused (nori.rpc.auth).
         server = grpc.aio.server(
             options=[*GRPC_OPTIONS, *SERVER_BACKLOG_OPTIONS], interceptors=server_interceptors(auth)
         )
@@ -300,7 +276,6 @@ class Worker(ABC):
         finally:
             load_logger.cancel()
             await heartbeat.stop(deregister=True)
-            # Requests are done (drained); what is still open is not a request.
             await server.stop(grace=0.5)
             await self.stop_role()
             await redis.aclose()
@@ -310,11 +285,9 @@ class Worker(ABC):
             logger.info("%s worker %s stopped", self.role, self.worker_id)
 
     def _serve_metrics(self) -> WSGIServer | None:
-        """/metrics of this worker (its engine's state read at each scrape), if asked for."""
         engine = self._engine
         assert engine is not None
         self.metrics.watch_engine(lambda: engine.load, self.transfers_in_flight)
-        # A mixture-of-experts model's tokens per expert: asked of the engine at each scrape.
         self.metrics.watch_experts(EngineExpertCounts(engine, asyncio.get_running_loop()))
         if self.options.metrics_port < 0:
             return None
@@ -323,7 +296,6 @@ class Worker(ABC):
         return server
 
     async def _log_load_forever(self) -> None:
-        """Every LOAD_LOG_INTERVAL_S while there is work: requests, queue and KV use."""
         served, tokens = 0, self.metrics.token_totals()
         while True:
             await asyncio.sleep(LOAD_LOG_INTERVAL_S)

@@ -17,8 +17,6 @@ from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 
 
 class _PromptRequest(Protocol):
-    """What GenerateRequest and PrefillRequest share."""
-
     request_id: str
     prompt_token_ids: Iterable[int]
     params: common_pb2.SamplingParams
@@ -26,8 +24,8 @@ class _PromptRequest(Protocol):
 
 
 class OpenedRequest(NamedTuple):
-    """A request's checked parameters, prompt and output queue, once its call is accepted, and
-    the record of its metrics and spans (the caller finishes it)."""
+    """A request's checked parameters, prompt, output queue and its metrics record (the caller
+    finishes it), once its call is accepted."""
 
     params: SamplingParams
     prompt: list[int]
@@ -48,10 +46,8 @@ class EngineServicer:
     ) -> None:
         self._worker_id = worker_id
         self._max_open_calls = max_open_calls
-        # Background calls (priority > 0: batch lines) may hold this many of the open calls, and
-        # no more than the open calls less the interactive ones; interactive calls count against
-        # each other only, so a batch that fills the worker never turns an interactive request
-        # away (it waits its turn in the queue, ahead of the batch). None: no reserve.
+        # Background calls (priority > 0) may hold this many open calls; interactive calls count
+        # only against each other, so a batch never turns one away. None: no reserve.
         self._max_background_calls = (
             max_open_calls if max_background_calls is None else max_background_calls
         )
@@ -64,7 +60,7 @@ class EngineServicer:
 
     @property
     def num_active_requests(self) -> int:
-        """Calls still being served: each holds one open output stream (what draining waits for)."""
+        """Calls still being served (what draining waits for)."""
         return len(self._streams)
 
     def stats(self, role: str, **transfer_counts: int) -> common_pb2.WorkerStats:
@@ -92,16 +88,12 @@ class EngineServicer:
     async def _open(
         self, request: _PromptRequest, context: grpc.aio.ServicerContext, span_name: str
     ) -> OpenedRequest:
-        """Checks the call's parameters and opens its output stream; the caller closes it.
-
-        Bad parameters or a request id already in use end the call with INVALID_ARGUMENT; a
-        worker whose queue is full ends it with RESOURCE_EXHAUSTED, before any work.
-        """
+        """Checks the call's parameters and opens its output stream (the caller closes it).
+        INVALID_ARGUMENT for bad parameters or a reused id; RESOURCE_EXHAUSTED when the queue
+        is full, before any work."""
         is_background = request.priority > 0
         num_background = len(self._background_request_ids)
-        # An interactive call is measured against the interactive calls only: the engine runs
-        # it before every background one, so batch work queued here neither delays it nor turns
-        # it away (the open calls stay bounded: max_open_calls + max_background_calls).
+        # An interactive call counts against interactive calls only (the engine runs it first).
         num_counted = len(self._streams) - (0 if is_background else num_background)
         if num_counted >= self._max_open_calls:
             await context.abort(

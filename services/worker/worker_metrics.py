@@ -1,10 +1,8 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
-Counters and histograms are updated as requests pass (`request_telemetry.py`). The state gauges
-and the engine's own counters are read from the engine's last load snapshot at scrape time, so
-the engine loop does no extra work for them; a mixture-of-experts model's tokens per expert cost
-one operation between steps per scrape (`watch_experts`). Each worker has a registry of its own
-(not prometheus_client's global one), so one process may hold several workers.
+Counters and histograms are updated as requests pass (`request_telemetry.py`); state gauges and
+engine counters are read from the engine's last load snapshot at scrape time. Each worker has
+its own registry (not prometheus_client's global one), so one process may hold several workers.
 """
 
 from __future__ import annotations
@@ -37,27 +35,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# From a cached one-token answer (milliseconds) to a long generation (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
-# Between two tokens of one stream: a step takes milliseconds; a stall shows in the high buckets.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 TRANSFER_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 400)
 
-# The `outcome` label: finished by the engine ("stop", "length"), handed on to a decode worker
-# ("transferred"), ended by its caller ("abort"), or failed here ("error").
+# The `outcome` label; "transferred": handed on to a decode worker.
 OUTCOMES = ("stop", "length", "transferred", "abort", "error")
 
-# nori_moe_expert_imbalance's window: the tokens routed since the latest scrape at least this
-# long before the current one.
+# nori_moe_expert_imbalance's window: tokens routed since the latest scrape at least this old.
 IMBALANCE_WINDOW_S = 60.0
 # How long a scrape waits for the engine loop's expert counts; past it, the last counts read.
 EXPERT_COUNTS_WAIT_S = 5.0
 
 
 class _EngineStateCollector(Collector):
-    """The gauges that describe the engine now, read at scrape time."""
-
     def __init__(self, load: Callable[[], EngineLoad], transfers_in_flight: Callable[[], int]):
         self._load = load
         self._transfers_in_flight = transfers_in_flight
@@ -99,10 +91,8 @@ class _EngineStateCollector(Collector):
 
 def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
     """vLLM's spec_decode counters under Nori's prefix, and two ratios over the worker's life.
-
-    The counters are always there (zero without speculation), so `rate()` works from the first
-    scrape. The ratios are omitted until the first draft: NaN or 0 would read as a figure, and
-    NaN poisons sums across workers. Over a window, divide the counters' increases instead.
+    The counters are always there (zero without speculation); the ratios are omitted until the
+    first draft, since NaN poisons sums across workers.
     """
     for name, documentation, value in (
         (
@@ -147,12 +137,9 @@ def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
 class _ExpertLoadCollector(Collector):
     """A mixture-of-experts model's load balance, read at scrape time; nothing for a dense model.
 
-    - `nori_moe_expert_tokens_total{layer, expert}`: tokens routed to each expert of each routed
-      layer since the engine loaded (a token counts in each of its top-k experts).
-    - `nori_moe_expert_imbalance{layer}`: the busiest expert's tokens over the mean per expert
-      (1.0 even, num_experts all on one), over the tokens routed since the latest scrape at least
-      IMBALANCE_WINDOW_S old (else the earliest): one window for every scraper, whatever its
-      interval. A layer that routed nothing in the window has no sample.
+    `nori_moe_expert_tokens_total{layer, expert}` counts tokens routed since the engine loaded;
+    `nori_moe_expert_imbalance{layer}` is max/mean tokens per expert over the tokens routed since
+    the latest scrape at least IMBALANCE_WINDOW_S old (no sample for a layer that routed none).
     """
 
     def __init__(
@@ -162,7 +149,6 @@ class _ExpertLoadCollector(Collector):
     ) -> None:
         self._counts = counts
         self._window_s = window_s
-        # (time.monotonic(), counts) of earlier scrapes, the oldest the window's start.
         self._history: deque[tuple[float, ExpertRoutingCounts]] = deque()
         self._lock = threading.Lock()  # scrapes may overlap (one thread per HTTP request)
 
@@ -202,11 +188,9 @@ class _ExpertLoadCollector(Collector):
         yield imbalance
 
     def _window(self, counts: ExpertRoutingCounts) -> ExpertRoutingCounts:
-        """The tokens routed since the window's start; records this scrape."""
         now = time.monotonic()
         with self._lock:
             history = self._history
-            # Keep one scrape at least window_s old (the start), drop those before it.
             while len(history) >= 2 and now - history[1][0] >= self._window_s:
                 history.popleft()
             start = history[0][1] if history else None
@@ -219,10 +203,8 @@ class _ExpertLoadCollector(Collector):
 
 
 class EngineExpertCounts:
-    """`LLMEngine.expert_routing_counts` of a worker's engine core, for a scrape on another
-    thread: one operation between two steps (the engine thread or process owns the model),
-    waited for up to `wait_s`; past it, or on the event loop's own thread (which must never
-    wait on the engine), the last counts read. A dense model is asked once."""
+    """`LLMEngine.expert_routing_counts` of a worker's engine core for a scrape on another thread,
+    waited for up to `wait_s`; past it, or on the event loop's thread, the last counts read."""
 
     def __init__(
         self,
@@ -360,22 +342,20 @@ class WorkerMetrics:
         counts: Callable[[], ExpertRoutingCounts | None],
         window_s: float = IMBALANCE_WINDOW_S,
     ) -> None:
-        """The load-balance figures of a mixture-of-experts model (`counts`: its engine's
-        `expert_routing_counts`, e.g. an EngineExpertCounts), read at scrape time; a dense
-        model's None leaves them out."""
+        """Registers the load-balance figures of a MoE model (`counts`, e.g. EngineExpertCounts);
+        a dense model's None leaves them out."""
         self.registry.register(_ExpertLoadCollector(counts, window_s))
 
     def token_totals(self) -> tuple[float, float]:
-        """Prompt tokens taken and tokens generated since the start (for the load line): read
-        from the two counters, not the registry, which would also ask the engine for its
-        expert counts."""
+        """Prompt tokens taken and generated since the start, read from the two counters (the
+        registry would also ask the engine for its expert counts)."""
         return _counter_total(self.prompt_tokens), _counter_total(self.generation_tokens)
 
     def observe_transfer(
         self, nbytes: int, seconds: float, draft_nbytes: int = 0, bulk: KVBulk | None = None
     ) -> None:
-        """A hand-off's bytes (`draft_nbytes` of them a draft model's K/V) and time; on the
-        receiving side also how they came (`bulk`)."""
+        """A hand-off's bytes (`draft_nbytes` of them a draft model's) and time; `bulk`: how
+        they came (receiving side)."""
         self.kv_transfer_bytes.inc(nbytes)
         if bulk is not None:
             self.kv_received_bytes.labels(bulk=bulk).inc(nbytes)

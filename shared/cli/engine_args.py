@@ -33,29 +33,24 @@ def prefill_budget(text: str) -> PrefillBudget:
     return tokens or None
 
 
-# Prompt tokens a serving step may carry beside running decodes (--prefill-budget-with-decodes):
-# no cap beyond --max-num-batched-tokens, as vLLM's chunked prefill, so waiting prompts join the
-# running batch at once and keep it full. "auto" (prompt chunks of about one decode step's cost)
-# is for those whose streams' inter-token latency matters more than throughput.
+# --prefill-budget-with-decodes of a serving worker: no cap beyond --max-num-batched-tokens, as
+# vLLM's chunked prefill; "auto" favours inter-token latency over throughput.
 SERVING_PREFILL_BUDGET: str | None = None
 
-# --prefill-budget-with-decodes not given to `nori serve decode` (an int, not a string: argparse
-# would parse a string default as if given): decided by the role, `role_prefill_budget`.
+# --prefill-budget-with-decodes not given to `nori serve decode`: decided by `role_prefill_budget`
+# (an int: argparse would parse a string default as if given).
 ROLE_PREFILL_BUDGET = -1
 
 
 def role_prefill_budget(given: object, colocated: bool) -> object:
-    """--prefill-budget-with-decodes as given, else by role. A decode worker computes prompts
-    only beside running streams (the gateway's --disaggregation auto or never, or a migrated
-    request): in chunks of about one decode step's cost ("auto"), so that none stalls them. A
-    colocated worker takes the serving default (throughput first)."""
+    """--prefill-budget-with-decodes as given, else by role: "auto" for a decode worker (its
+    prompts run beside streams), the serving default for a colocated one."""
     if given != ROLE_PREFILL_BUDGET:
         return given
     return SERVING_PREFILL_BUDGET if colocated else "auto"
 
 
-# A batch's prompt tokens per step on a serving worker (--background-prefill-budget): the step an
-# interactive prompt arriving beside a batch waits for.
+# --background-prefill-budget of a serving worker.
 SERVING_BACKGROUND_PREFILL_BUDGET = 256
 
 
@@ -74,7 +69,6 @@ def _whole_number(text: str, minimum: int, unit: str = "") -> int:
 
 
 def positive_int(text: str) -> int:
-    """A flag that takes a whole number of at least 1."""
     return _whole_number(text, 1)
 
 
@@ -90,8 +84,7 @@ def add_engine_args(
     with_model: bool = True,
 ) -> list[argparse.Action]:
     """`prefill_budget_with_decodes` and `background_prefill_budget` are the command's defaults
-    for those flags: no cap for offline commands, "auto" and SERVING_BACKGROUND_PREFILL_BUDGET
-    for serving workers. Returns the options added."""
+    for those flags. Returns the options added."""
     group = parser.add_argument_group("engine")
     if with_model:
         group.add_argument(
@@ -232,9 +225,8 @@ def add_engine_args(
 
 
 def prefill_budget_by_role(parser: argparse.ArgumentParser) -> None:
-    """--prefill-budget-with-decodes left to each worker's role when not given (`nori serve
-    decode`, `nori up`): a given value, 0 included, is then a change `changed_engine_flags`
-    passes on to the workers."""
+    """--prefill-budget-with-decodes left to each worker's role when not given; a given value,
+    0 included, is then passed on by `changed_engine_flags`."""
     parser.set_defaults(prefill_budget_with_decodes=ROLE_PREFILL_BUDGET)
     for action in parser._actions:
         if action.dest == "prefill_budget_with_decodes":
@@ -245,10 +237,8 @@ def prefill_budget_by_role(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:
-    """--speculative-config's JSON as the engine takes it; None when not given.
-
-    Kept as text on the command line (a launcher passes it on to its workers as given) and
-    parsed here, so a bad value is one `nori: error:` line (exit 2), not argparse's usage."""
+    """--speculative-config's JSON as the engine takes it (None when not given), parsed here so
+    a bad value is one `nori: error:` line."""
     if text is None:
         return None
     try:
@@ -258,10 +248,8 @@ def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:
 
 
 def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
-    """The engine options given on a launcher's command line, as flags for its workers.
-
-    Only what differs from the default is passed on: the workers' defaults are the same.
-    """
+    """The engine options given on a launcher's command line that differ from the default, as
+    flags for its workers."""
     flags: list[str] = []
     for action in actions:
         value = getattr(args, action.dest)
@@ -271,7 +259,6 @@ def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action
         if action.nargs == 0:  # a switch such as --no-prefix-caching
             flags.append(flag)
         else:
-            # Only --prefill-budget-with-decodes turns a value (0: no cap) into None.
             flags += [flag, "0" if value is None else str(value)]
     return flags
 
@@ -309,7 +296,6 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
 
 
 def add_engine_core_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--engine-core: a worker's, and so allowed in --worker-args."""
     parser.add_argument(
         "--engine-core",
         default="auto",
@@ -329,8 +315,8 @@ def speculative_config_of(worker_flags: tuple[str, ...]) -> SpeculativeConfig | 
 
 
 def worker_args(text: str, flag: str = "--worker-args") -> tuple[str, ...]:
-    """--worker-args (`nori up`, `nori bench compare`; `flag` names another such option in
-    messages): checked against the engine options (and --engine-core)."""
+    """--worker-args (`flag` names another such option in messages), checked against the engine
+    options and --engine-core."""
     import shlex
 
     tokens = tuple(shlex.split(text))

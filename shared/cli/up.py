@@ -43,7 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_up_args(parser: argparse.ArgumentParser) -> None:
-    """The cluster's flags (`nori up`'s, and `nori run-batch`'s for the cluster it starts)."""
     parser.add_argument(
         "model_tag",
         nargs="?",
@@ -106,7 +105,6 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
             "(e.g. --prefill-args '--tensor-parallel-size 2': each pool its own TP size)",
         )
     _add_cpu_args(parser)
-    # The engine options of `nori serve`, passed to every worker (before --worker-args).
     engine_actions = add_engine_args(
         parser,
         SERVING_PREFILL_BUDGET,
@@ -118,7 +116,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """What `nori up` and both sides of `nori bench compare` share: model, workers, admission."""
+    """What `nori up` and both sides of `nori bench compare` share."""
     group.add_argument(
         "--model", default="demo", help="model folder, or a built-in model: demo, small"
     )
@@ -200,9 +198,8 @@ def cpu_plan_from_args(args: argparse.Namespace) -> CpuPlan | None:
 
 
 def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer | None]:
-    """The cluster `nori up`'s flags describe, and its private Redis (started; None when
-    REDIS_URL names one). Checks the flags first, and builds what every worker would otherwise
-    build at once (the demo checkpoint, the C++ CPU kernels). Shared with `nori run-batch`."""
+    """The cluster `nori up`'s flags describe and its private Redis (None when REDIS_URL names
+    one); checks the flags and builds what every worker would (demo checkpoint, C++ kernels)."""
     from pathlib import Path
 
     from nori.cli.engine_args import changed_engine_flags, speculative_config_from_flag, worker_args
@@ -220,9 +217,7 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
         raise ValueError("--prefill and --decode must be at least 1")
     if args.batch_runners < 0:
         raise ValueError(f"--batch-runners must be at least 0, got {args.batch_runners}")
-    # Checked here, before anything starts, and named as given (not as one of --worker-args).
     speculative_config_from_flag(args.speculative_config)
-    # Before anything starts: a busy port would otherwise show only once the workers are up.
     check_port_free(args.port, args.host)
     cpu_plan = cpu_plan_from_args(args)
     engine_flags = changed_engine_flags(args, args.engine_actions)
@@ -230,12 +225,10 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     prefill_args = worker_args(args.prefill_args, "--prefill-args")
     decode_args = worker_args(args.decode_args, "--decode-args")
     _check_pools_speculate_alike(args, extra_worker_args, prefill_args, decode_args)
-    # Create the demo checkpoint (or convert a GGUF file) once here, not in every process.
     resolve_model(args.model)
     if args.tokenizer is not None:
         resolve_model(args.tokenizer)
     _build_cpu_kernels()
-    # A private Redis has a password and a user per role (each role's URL names its own).
     redis_url, redis_server = redis_for_cluster(args.namespace)
     role_redis_urls = redis_server.role_urls() if redis_server is not None else {}
     spec = settings_from(
@@ -252,7 +245,6 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
         prefill_args=prefill_args,
         decode_args=decode_args,
         api_key=args.api_key or Environment.read().api_key,
-        # The cluster's own secret: $NORI_CLUSTER_SECRET, else a fresh one for this run.
         cluster_secret=Environment.read().cluster_secret or generate_secret(),
         batch_dir=default_batch_dir(args.batch_dir) if args.batch_runners else None,
         num_batch_runners=args.batch_runners,
@@ -266,8 +258,7 @@ def _check_pools_speculate_alike(
     prefill: tuple[str, ...],
     decode: tuple[str, ...],
 ) -> None:
-    """The gateway pairs only workers with the same --speculative-config: pools given different
-    ones (by --prefill-args, --decode-args) would never serve, so say so before starting."""
+    """Refuses pools given different --speculative-config (the gateway pairs only equal ones)."""
     from nori.cli.engine_args import speculative_config_of
 
     if args.colocated:
@@ -314,7 +305,6 @@ def run(args: argparse.Namespace) -> int:
             f"\n  logs: {cluster.processes[0].log_path.parent}; Ctrl-C stops everything",
             flush=True,
         )
-        # Supervised: a role that dies is restarted; only Ctrl-C or SIGTERM stops the cluster.
         redis_supervisor = RedisSupervisor(redis_server) if redis_server is not None else None
         while not stop.wait(0.5):
             events = redis_supervisor.check() if redis_supervisor is not None else []
@@ -343,10 +333,8 @@ def default_batch_dir(flag: str | None) -> Path:
 
 
 def _build_cpu_kernels() -> None:
-    """Compiles the C++ CPU kernels here, on every CPU this process may use, before any worker
-    starts. On a fresh machine (an empty torch extensions folder) each worker would otherwise
-    build them on first use on its one pinned CPU, the others waiting on its lock: minutes,
-    past the startup timeout. Already built, this only loads them."""
+    """Builds the C++ CPU kernels once here, on every CPU, before the pinned workers start
+    (each would build them on one CPU, past the startup timeout)."""
     from nori.kernels.cpu_build import cpu_kernels
 
     if Environment.read().cpu_kernels:
@@ -355,13 +343,9 @@ def _build_cpu_kernels() -> None:
 
 
 class RedisSupervisor:
-    """Starts `nori up`'s private Redis again when it dies: the same port, password and users,
-    empty (it persists nothing).
-
-    Every role rides out the gap: the gateway keeps the workers it knew, the workers retry their
-    heartbeats every 0.25 s and re-register as soon as it answers, and the gateway relearns them
-    from those registrations. A restart that fails (its port taken meanwhile) is tried again at
-    every check, and said once.
+    """Starts `nori up`'s private Redis again when it dies (same port and credentials, empty).
+    Every role rides out the gap: the workers re-register once it answers. A failed restart is
+    tried again at every check, and said once.
     """
 
     def __init__(self, server: RedisServer) -> None:

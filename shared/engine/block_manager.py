@@ -1,11 +1,9 @@
-"""Bookkeeping for the paged KV cache: which block holds what, and who uses it.
+"""Bookkeeping for the paged KV cache: which block holds what, and who uses it (pure Python).
 
-Pure Python (no torch, no Redis): the KV tensors live in the model runner, this hands out block
-ids. Every block of the pool is in use (ref_count > 0, held by one or more requests sharing a
-prefix), cached (ref_count == 0, a full block with a known content hash, reusable until evicted)
-or free (ref_count == 0, no hash). Free and cached blocks wait together in one queue, least
-recently used first; allocation takes from its front, evicting the hash of a cached block it
-takes. Block hashes and the block directory's events are nori.prefix_cache's.
+Every block is in use (ref_count > 0, maybe shared by requests with a common prefix), cached
+(ref_count 0, full, with a content hash, reusable until evicted) or free (ref_count 0, no hash).
+Free and cached blocks wait in one LRU queue; allocation takes from its front, evicting the hash
+of a cached block it takes. Hashes and directory events are nori.prefix_cache's.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    # The block's tokens, compared on every cache hit so that a hash collision is never a hit.
+    # Compared on every cache hit, so that a hash collision is never a hit.
     token_ids: tuple[int, ...] | None = None
 
 
@@ -59,16 +57,13 @@ class BlockManager:
         self._cached = {}
         self._events = []
 
-    # ----------------------------------------------------------------------------- queries
-
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take now (free and evictable cached ones)."""
         return len(self._free_queue)
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks in the prefix cache: in use or evictable, findable by their content hash."""
+        """Blocks in the prefix cache: in use or evictable."""
         return len(self._cached)
 
     def usage(self) -> BlockUsage:
@@ -77,7 +72,6 @@ class BlockManager:
         return BlockUsage(free=free, cached=cached, in_use=self.num_blocks - len(self._free_queue))
 
     def cached_block_hashes(self) -> list[bytes]:
-        """Hashes of every block the prefix cache can serve now (for a directory to refresh)."""
         return list(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -86,9 +80,8 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request, in order.
 
-        Stops one token short of the request's end: the last token is always computed, since its
-        logits are what the next token is sampled from. Nothing for a request that wants its
-        prompt logprobs: every prompt position must be computed for them (as vLLM does).
+        Stops one token short of the request's end (its logits give the next token); nothing for a
+        request that wants prompt logprobs.
         """
         if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
@@ -109,8 +102,7 @@ class BlockManager:
     def num_missing_blocks(
         self, request: Request, num_new_tokens: int, cached_prefix: Sequence[int] = ()
     ) -> int:
-        """How many more blocks the pool would have to free for `allocate` with the same
-        arguments to succeed (0: it would)."""
+        """How many more blocks the pool must free for `allocate` with these arguments to succeed."""
         num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens)
         num_new_blocks = needed - len(request.block_ids) - len(cached_prefix)
@@ -121,9 +113,9 @@ class BlockManager:
     def blocks_freed_by(
         self, requests: Iterable[Request], keep: Collection[int] = ()
     ) -> Iterator[int]:
-        """After each of `requests` in turn: how many blocks would join the free queue if it
-        and those before it gave theirs back (a shared block only once every holder is among
-        them). Blocks in `keep` are not counted: a cached prefix about to be taken again."""
+        """After each of `requests` in turn: blocks that would join the free queue if it and those
+        before it gave theirs back (a shared block once all holders are among them), not counting
+        `keep`."""
         holders: Counter[int] = Counter()
         freed = 0
         for request in requests:
@@ -133,16 +125,13 @@ class BlockManager:
                     freed += 1
             yield freed
 
-    # ---------------------------------------------------------------------------- changes
-
     def allocate(
         self, request: Request, num_new_tokens: int, cached_prefix: Iterable[int] = ()
     ) -> bool:
         """Makes the request's block table cover `num_new_tokens` more tokens.
 
-        `cached_prefix` (only for a request that holds no blocks yet) are prefix-cache hits that
-        become the start of its table, advancing num_computed_tokens. Returns False and changes
-        nothing when the pool cannot supply the blocks.
+        `cached_prefix` (only for a request holding no blocks) starts its table, advancing
+        num_computed_tokens. Returns False and changes nothing when the pool cannot supply it.
         """
         prefix = list(cached_prefix)
         if prefix and request.block_ids:
@@ -174,7 +163,6 @@ class BlockManager:
                 continue
             block_hash = hashes[index]
             if block_hash in self._cached:
-                # Another request computed the same block concurrently; keep the first copy.
                 continue
             start = index * self.block_size
             block.block_hash = block_hash
@@ -184,9 +172,8 @@ class BlockManager:
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        """Gives back the tail blocks past the first `num_tokens` tokens' (speculative decoding:
-        blocks that only rejected draft tokens used). Never a published block: those hold
-        computed tokens, and the caller keeps every computed token."""
+        """Gives back the tail blocks past the first `num_tokens` tokens' (rejected drafts); never
+        a published block."""
         keep = self.blocks_needed(num_tokens)
         assert keep >= request.num_published_blocks, "trimming a block in the prefix cache"
         for block_id in reversed(request.block_ids[keep:]):
@@ -197,11 +184,8 @@ class BlockManager:
         del request.block_ids[keep:]
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks; ones that reach ref_count 0 join the queue's back.
-
-        Tail blocks are queued first so that they are evicted before the prefix blocks that
-        more requests are likely to share.
-        """
+        """Releases the request's blocks; ones reaching ref_count 0 join the queue's back, tail
+        first, so shared prefix blocks are evicted last."""
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -214,13 +198,9 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
-    # ---------------------------------------------------------------------------- checks
-
     def check_invariants(self, requests: Iterable[Request]) -> None:
-        """Raises AssertionError when the bookkeeping is inconsistent.
-
-        `requests` must be every request that currently holds blocks.
-        """
+        """Raises AssertionError when the bookkeeping is inconsistent; `requests` must be every
+        request that holds blocks."""
         expected_refs = [0] * self.num_blocks
         for request in requests:
             assert len(set(request.block_ids)) == len(request.block_ids), (
@@ -247,8 +227,6 @@ class BlockManager:
             )
         usage = self.usage()
         assert usage.total == self.num_blocks, f"{usage} does not add up to {self.num_blocks}"
-
-    # -------------------------------------------------------------------------- internals
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -1,9 +1,6 @@
-"""What `LLM.generate` and `LLM.chat` return, in vLLM's shapes.
-
-One `RequestOutput` per prompt, whose `outputs` hold its `n` completions (`CompletionOutput`),
-so that code written against vLLM's offline API (`outputs[0].outputs[0].text`) runs unchanged.
-The engine's own per-step report (`nori.engine.outputs.StepOutput`, what workers stream) is
-a different type: one engine request, one completion, with the deltas of each step.
+"""What `LLM.generate` and `LLM.chat` return, in vLLM's shapes: one `RequestOutput` per prompt,
+whose `outputs` hold its `n` completions, so vLLM offline code runs unchanged. (Workers stream
+`nori.engine.outputs.StepOutput` instead.)
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from nori.sampling.logprobs import TokenLogprobs
 
 @dataclass
 class Logprob:
-    """A token's log-probability, its rank in the model's distribution (1 = most likely) and
-    its text decoded alone (vLLM's `Logprob`)."""
+    """vLLM's `Logprob`: log-probability, rank (1 = most likely) and the token decoded alone."""
 
     logprob: float
     rank: int | None = None
@@ -33,17 +29,14 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class CompletionOutput:
-    """One completion of a prompt (vLLM's `CompletionOutput`)."""
-
     index: int
     text: str
     token_ids: list[int]
     # The sum of the sampled tokens' log-probabilities; None unless logprobs were asked for.
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    # "stop", "length" or "abort".
     finish_reason: str | None = None
-    # The stop string or stop token id that ended it, if one did (None for EOS).
+    # The stop string or stop token id that ended it (None for EOS).
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -52,8 +45,6 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One prompt's result (vLLM's `RequestOutput`)."""
-
     request_id: str
     # The prompt's text; None for a prompt given as token ids.
     prompt: str | None
@@ -68,7 +59,6 @@ class RequestOutput:
 def completion_output(
     index: int, output: engine.StepOutput, token_text: Callable[[int], str]
 ) -> CompletionOutput:
-    """Completion `index` of a prompt from its engine request's final output."""
     logprobs = (
         None
         if output.logprobs is None
@@ -93,7 +83,7 @@ def request_output(
     choices: Sequence[engine.StepOutput],
     token_text: Callable[[int], str],
 ) -> RequestOutput:
-    """A prompt's result from the final outputs of its choices' engine requests, in order."""
+    """A prompt's result from its choices' final outputs, in order."""
     first = choices[0]
     return RequestOutput(
         request_id=request_id,
@@ -114,8 +104,8 @@ def request_output(
 
 
 def sample_logprobs(entry: TokenLogprobs, token_text: Callable[[int], str]) -> dict[int, Logprob]:
-    """vLLM's layout of one generated token: the sampled token, then the top alternatives
-    (ranked 1, 2, ... in the model's order); the sampled token appears once."""
+    """vLLM's layout of one generated token: the sampled token (once), then the ranked top
+    alternatives."""
     result = {entry.token_id: Logprob(entry.logprob, entry.rank, token_text(entry.token_id))}
     for rank, (token_id, logprob) in enumerate(entry.top, start=1):
         if token_id not in result:

@@ -14,16 +14,12 @@ from nori.settings import DEFAULT_BLOCK_SIZE
 
 # "auto": float32 on CPU, the checkpoint's half type (else bfloat16) on GPU.
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-# Weight-only 8-bit quantization of the decoder's linear layers.
 Quantization = Literal["int8", "fp8"]
-# The 8-bit names are nori.kernels.kv_quant.KV_CACHE_DTYPES' keys (not imported: the config
-# stays free of torch).
+# The 8-bit names are nori.kernels.kv_quant.KV_CACHE_DTYPES' keys (not imported: no torch here).
 KVCacheDtype = Literal["auto", "int8", "fp8"]
-# "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
+# "dummy": random weights on the device instead of reading safetensors (benchmarks).
 LoadFormat = Literal["auto", "dummy"]
 AttentionBackend = Literal["auto", "triton", "cpu", "reference"]
-# Speculative decoding's proposer (vLLM's --speculative-config "method"): prompt lookup over the
-# request's own tokens, or a smaller model with the same tokenizer.
 SpeculativeMethod = Literal["ngram", "draft_model"]
 # A number of prompt tokens, "auto" (learnt from the steps' timings) or None (no cap).
 PrefillBudget = int | Literal["auto"] | None
@@ -38,15 +34,13 @@ class SpeculativeConfig:
     """
 
     method: SpeculativeMethod
-    # Tokens proposed per request and step.
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # per request and step
     # draft_model: a checkpoint folder (or "demo"-style name) sharing the target's tokenizer.
     model: str | None = None
     # ngram: the longest and shortest suffix n-gram looked up in the request's own tokens.
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    # No speculation in a step whose running batch holds at least this many requests (a large
-    # batch is compute-bound: verifying drafts there costs more than it saves). None: always.
+    # No speculation in a step whose running batch holds at least this many requests; None: always.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -84,8 +78,7 @@ class SpeculativeConfig:
 
     @property
     def lookup_range(self) -> tuple[int, int]:
-        """ngram's (min, max) suffix length, with vLLM's defaults: both 5 when neither is set,
-        else the one set for both."""
+        """ngram's (min, max) suffix length: both 5 when neither is set, else the one set for both."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             return 5, 5
@@ -119,67 +112,46 @@ class SpeculativeConfig:
         return cls(**value)
 
     def as_json(self) -> str:
-        """The settings as canonical JSON: what a worker states in the registry, and what two
-        workers must share to hand a request from one to the other."""
+        """Canonical JSON: what a worker states in the registry; two workers must share it."""
         values = {field.name: getattr(self, field.name) for field in fields(self)}
         return json.dumps({k: v for k, v in values.items() if v is not None}, sort_keys=True)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # "demo" (a small random-weight model created on first use) or a local checkpoint folder.
-    model: str = "demo"
-    # Whose tokenizer (and chat template) to use, as `model` names a model; None: the model's.
-    tokenizer: str | None = None
+    """What `LLM` and the workers are built from; the CLI's flags map onto these fields.
+
+    `device`: "auto", "cpu", "cuda" or "cuda:N". `num_kv_blocks` wins over the memory budgets
+    (`cpu_kv_cache_gib`, `gpu_memory_utilization`). `prefill_budget_with_decodes` and
+    `background_prefill_budget`: see SchedulerConfig ("auto": learnt in step_cost.py).
+    `attention_backend` "auto": Triton on GPU, on CPU the C++ kernel where it builds, else the
+    PyTorch references. docs/serving.md describes the flags.
+    """
+
+    model: str = "demo"  # "demo" (random weights, made on first use) or a checkpoint folder
+    tokenizer: str | None = None  # None: the model's
     dtype: Dtype = "auto"
-    # "auto", "cpu", "cuda" or "cuda:N" (an open set: a plain str).
     device: str = "auto"
-    # Weight-only quantization of the decoder's linear layers: None, "int8" or "fp8".
-    quantization: Quantization | None = None
-    # With `quantization`, the LM head too (its logits then carry the 8-bit rounding).
+    quantization: Quantization | None = None  # weight-only, the decoder's linear layers
     quantize_lm_head: bool = False
-    # "auto": the KV cache in the model's dtype; "int8" or "fp8": 8-bit codes with a float16
-    # scale per token and kv head (nori.kernels.kv_quant), about half of bf16's bytes.
+    # "int8"/"fp8": 8-bit codes with a float16 scale per token and kv head (nori.kernels.kv_quant).
     kv_cache_dtype: KVCacheDtype = "auto"
-    # Ranks (processes) one model is split across, Megatron-style (nori.parallel): 1 = none.
     tensor_parallel_size: int = 1
-    # vLLM's --enable-expert-parallel: a mixture-of-experts model's experts go whole to the
-    # ranks (E / tensor_parallel_size each) instead of each expert being sliced across them.
-    # Attention, dense layers and a shared expert stay tensor-parallel; the KV layout is the
-    # same either way. A no-op at tensor_parallel_size 1 and for a dense model.
+    # Experts go whole to the ranks instead of sliced; a no-op at one rank or for a dense model.
     enable_expert_parallel: bool = False
-    # "dummy" makes random weights on the device instead of reading safetensors (benchmarks).
     load_format: LoadFormat = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
-    # KV pool size: an explicit block count wins; else a memory budget.
     num_kv_blocks: int | None = None
-    # Bytes of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE plays this role).
     cpu_kv_cache_gib: float = 1.0
-    # Share of the GPU's memory the engine may use, weights and KV cache together.
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = 0.9  # weights and KV cache together
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # Prompt tokens a step may carry while decodes run in it (see SchedulerConfig): a number,
-    # "auto" (as many as cost about one decode step, learnt from the steps' timings: see
-    # step_cost.py; what serving workers use), or None: no cap beyond max_num_batched_tokens,
-    # the offline throughput setting.
     prefill_budget_with_decodes: PrefillBudget = None
-    # Prompt tokens of background requests (a priority above 0: batch lines) a step may carry;
-    # None: no cap beyond the step's. Serving workers cap them (SERVING_BACKGROUND_PREFILL_BUDGET)
-    # so that an interactive prompt arriving beside a batch waits for a short step, not one of
-    # max_num_batched_tokens batch prompt tokens, and shares its own step with few of them.
     background_prefill_budget: int | None = None
-    # Longest prompt + output; None means the model's max_position_embeddings.
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    # Seeds weight init for dummy weights and the sampler of unseeded requests.
-    seed: int = 0
-    # "auto": Triton kernels on GPU; on CPU the C++ decode kernel where it builds, else the
-    # PyTorch references. "triton" forces the Triton kernels (on CPU only under
-    # TRITON_INTERPRET=1, for tests), "cpu" the C++ kernel, "reference" the PyTorch attention
-    # references (NORI_CPU_KERNELS=0 also turns off the C++ norm, rotary and MLP kernels).
+    seed: int = 0  # dummy weights and the sampler of unseeded requests
     attention_backend: AttentionBackend = "auto"
-    # Speculative decoding (vLLM's --speculative-config); None: off.
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -220,26 +192,20 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits (docs/architecture.md, the path of one request through the engine).
+
+    `admission_watermark`: share of the KV pool a new request must leave free while others run.
+    `prefill_budget_with_decodes`: prompt tokens a step may carry while decodes run in it.
+    `background_prefill_budget`: the same for background requests (priority above 0) while
+    interactive work is about, which lasts `background_cap_linger_steps` past the last one seen.
+    None: no cap beyond max_num_batched_tokens.
+    """
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # Share of the KV pool a new request must leave free when others are running. Requests grow
-    # a block every block_size tokens; admitting into the last free blocks only forces a
-    # preemption (and a recompute) a few steps later.
     admission_watermark: float = 0.03
-    # Prompt tokens (new prompts and chunks of unfinished ones) a step may carry while decodes
-    # run in it; None: only max_num_batched_tokens bounds them (offline throughput). Serving
-    # sets a small value so a long prompt never stalls the running streams for long.
     prefill_budget_with_decodes: int | None = None
-    # Prompt tokens of background requests (a priority above 0) a step may carry while
-    # interactive work is about (see `background_cap_linger_steps`); None: no cap of their own.
-    # A step's length is its prompt tokens, and an interactive prompt that arrives waits for the
-    # step in progress and then shares its own step with background prompts: a small cap keeps
-    # both short while a batch runs. With no interactive request about, a batch alone fills
-    # whole steps, as offline.
     background_prefill_budget: int | None = None
-    # How many steps the background cap outlasts the last interactive request the scheduler
-    # knew (waiting, running, or held): the next one of a steady interactive load then arrives
-    # during short steps too. The first after a quiet spell waits for one uncapped step.
     background_cap_linger_steps: int = 64
 
     def __post_init__(self) -> None:
@@ -260,7 +226,6 @@ class SchedulerConfig:
             )
 
 
-# The fields that take one of a few names, with the type that names them.
 _MODES: dict[str, object] = {
     "dtype": Dtype,
     "quantization": Quantization | None,

@@ -1,13 +1,10 @@
 """Speculative decoding's draft model: a smaller model with the target's tokenizer that drafts
 tokens autoregressively, with its own paged K/V indexed by the target's block ids.
 
-One block table for both models: a request's block b holds the target's K/V of its tokens and
-the draft's K/V of the same tokens, so whatever moves or frees a request's blocks (preemption,
-the prefix cache, a hand-off, an abort) moves or frees the draft's K/V too; the draft's tensors
-are more of the cache's tensors (`ModelRunner.kv_tensors`). Invariant: every step the target
-computes, the draft computes on the same tokens at the same slots (`mirror`), so both hold valid
-K/V for the same positions. `propose` runs k single-token steps from the last token, writing K/V
-at the slots the scheduler reserved for verification, which the verification's mirror rewrites.
+One block table for both: whatever moves or frees a request's blocks moves or frees the draft's
+K/V too (`ModelRunner.kv_tensors`). Invariant: the draft computes every step the target computes,
+on the same tokens and slots (`mirror`). `propose` writes K/V at the verification's slots, which
+the verification's mirror rewrites.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ class DraftModel:
         attention_backend: str,
         eos_token_ids: frozenset[int],
     ) -> None:
-        """Loads the weights; the K/V cache comes with `allocate_kv_cache`, once the pool's
-        size (which the weights' memory bounds on a GPU) is known."""
+        """Loads the weights; the cache comes with `allocate_kv_cache` once the pool size is known."""
         speculative = config.speculative_config
         assert speculative is not None and speculative.model is not None
         model_dir = resolve_model(speculative.model)
@@ -66,7 +62,6 @@ class DraftModel:
         self.eos_token_ids = eos_token_ids
 
     def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
-        """What the draft's K/V adds to each block of the pool."""
         return bytes_per_block(self.model_config, self.block_size, kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> KVCache:
@@ -87,9 +82,8 @@ class DraftModel:
         drafting: Sequence[tuple[Request, int]],
         generator: torch.Generator | None,
     ) -> None:
-        """Sets each request's `spec_token_ids` (`count` drafts) and, for a sampled request, the
-        draft distribution each was drawn from (`spec_draft_probs`); a greedy request's drafts
-        are the draft model's argmax (one-hot)."""
+        """Sets each request's `spec_token_ids` (`count` drafts) and, for a sampled request,
+        `spec_draft_probs`; greedy drafts are the draft model's argmax."""
         drafts: dict[int, list[int]] = {id(request): [] for request, _ in drafting}
         probs: dict[int, list[torch.Tensor]] = {id(request): [] for request, _ in drafting}
         for step in range(max(count for _, count in drafting)):

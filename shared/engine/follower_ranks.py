@@ -1,12 +1,9 @@
 """The follower ranks of a tensor-parallel engine: started by rank 0, told every step.
 
-Rank 0 is the engine's own process: it schedules, samples and answers. Ranks 1..N-1 are spawned
-processes holding their shard of the weights and of the paged KV cache. Each step rank 0
-broadcasts what the step computes (a `StepCommand`: the flat inputs and attention metadata, no
-requests), every rank runs its shard's forward pass, the row-parallel layers sum their partial
-outputs over the ranks, and the vocabulary-parallel head gathers the logits, which rank 0 samples
-from. KV blocks leave and enter a request (the prefill/decode hand-off) the same way: one
-command, each rank's heads gathered on rank 0 or scattered from it.
+Rank 0 schedules, samples and answers; ranks 1..N-1 are spawned processes holding their shard of
+the weights and KV cache. Each step rank 0 broadcasts a `StepCommand` (flat inputs and attention
+metadata), every rank runs its shard, and rank 0 samples from the gathered logits. KV hand-offs
+are one command too, heads gathered on or scattered from rank 0.
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Rendezvous and collectives give up after this long: a rank that died is an error, not a hang.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
@@ -45,8 +41,7 @@ class StepCommand:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
-    # The hidden rows whose logits the step computes, batch by batch, in the order rank 0 asks
-    # for them (every rank takes part in each batch's gather).
+    # The hidden rows whose logits the step computes, batch by batch, in rank 0's order.
     logits_rows: tuple[torch.Tensor, ...]
 
 
@@ -71,8 +66,7 @@ Command = StepCommand | ReadBlocks | WriteBlocks | Stop
 
 
 def rank_group(config: EngineConfig, rank: int) -> TensorParallelGroup:
-    """Rank `rank`'s view of `config`'s group: its size, and whether a mixture-of-experts model's
-    experts go whole to the ranks (--enable-expert-parallel) or are sliced across them."""
+    """Rank `rank`'s view of `config`'s group (size, and whether experts go whole or sliced)."""
     return TensorParallelGroup(
         rank, config.tensor_parallel_size, expert_parallel=config.enable_expert_parallel
     )
@@ -83,13 +77,10 @@ def backend_for(device_type: str) -> str:
 
 
 class FollowerRanks:
-    """Rank 0's handle on ranks 1..N-1."""
-
     def __init__(self, group: TensorParallelGroup, processes: Sequence[BaseProcess]):
         self.group = group
         self._processes = processes
         self._stopped = False
-        # Ends the followers if the engine is dropped without close() (tests, a failed start).
         self._finalizer = weakref.finalize(self, _stop_processes, processes)
 
     @classmethod
@@ -101,11 +92,8 @@ class FollowerRanks:
                 "a tensor-parallel engine is already running in this process (torch.distributed "
                 "has one group per process): close() it before starting another"
             )
-        # The rendezvous store listens on a port bound here (0: the kernel's choice) before any
-        # rank starts, so no other process can take it in between (picking a free port first
-        # raced others), and on loopback only: TCPStore itself binds every interface, and the
-        # ranks all run on this host. Gloo's own sockets stay on loopback too (the followers
-        # inherit the environment); an operator's GLOO_SOCKET_IFNAME wins.
+        # The rendezvous port is bound here before any rank starts (no race for a free port)
+        # and on loopback only, as Gloo's sockets (an operator's GLOO_SOCKET_IFNAME wins).
         listener = socket.create_server(("127.0.0.1", 0))
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.TCPStore(
@@ -182,7 +170,6 @@ def follower_main(
     from nori.engine.model_runner import ModelRunner
     from nori.parent_death import exit_with_parent
 
-    # Nothing to drain here: go with the engine, even when it is killed.
     exit_with_parent(parent_pid, signal.SIGKILL)
     world_size = config.tensor_parallel_size
     torch.set_num_threads(threads)

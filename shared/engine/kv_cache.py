@@ -34,11 +34,9 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 @dataclass(frozen=True)
 class KVCache:
-    # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]: one tensor,
-    # so a request's blocks for every layer are one index_select away (export, transfer).
+    # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]: one tensor.
     data: torch.Tensor
-    # An 8-bit cache's scales, [num_layers, 2, num_blocks, block_size, num_kv_heads] float16
-    # (one per token and kv head, see nori.kernels.kv_quant); None for a float cache.
+    # An 8-bit cache's float16 scales [num_layers, 2, num_blocks, block_size, num_kv_heads].
     scales: torch.Tensor | None = None
 
     @classmethod
@@ -76,8 +74,8 @@ class KVCache:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor a request's blocks live in, each [layers, 2, num_blocks, ...]: what
-        export, import and the KV transfer move, in this order."""
+        """Every tensor a request's blocks live in, [layers, 2, num_blocks, ...], in the order
+        transfers move them."""
         return (self.data,) if self.scales is None else (self.data, self.scales)
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,15 +109,13 @@ class KVCache:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """An 8-bit tensor as uint8 (same memory); others as they are."""
     return tensor.view(torch.uint8) if is_quantized(tensor.dtype) else tensor
 
 
 def read_blocks(
     tensors: tuple[torch.Tensor, ...], block_ids: list[int]
 ) -> tuple[torch.Tensor, ...]:
-    """A copy of the given blocks of a cache's `tensors`, each [layers, 2, n, ...] (also from
-    another process's cache in shared memory)."""
+    """A copy of the given blocks of a cache's `tensors`, each [layers, 2, n, ...]."""
     index = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
     # Through bytes: index_select has no float8 implementation on CPU.
     return tuple(_bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in tensors)

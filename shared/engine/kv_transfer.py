@@ -12,24 +12,21 @@ from nori.sampling.params import SamplingParams
 
 @dataclass(frozen=True)
 class KVFromRemote:
-    """Decode side: the prompt's K/V is computed by a remote prefill and lands in blocks that
-    `add_request` reserves (and returns) now; the request waits (WAITING_FOR_KV) until
-    `finish_kv_transfer` brings its first token and starts it decoding."""
+    """Decode side: the prompt's K/V lands in blocks `add_request` reserves (and returns) now;
+    the request waits (WAITING_FOR_KV) until `finish_kv_transfer` starts it decoding."""
 
 
 @dataclass(frozen=True)
 class KVToRemote:
     """Prefill side: compute the prompt, sample the first token, then hold the blocks (PREFILLED)
-    for their K/V to be sent, until `finish_kv_transfer` frees them."""
+    until `finish_kv_transfer` frees them."""
 
 
-# `add_request(remote_kv=...)`; None: the request is computed here from its prompt.
 RemoteKV = KVFromRemote | KVToRemote
 
 
 class NoFreeBlocks(RuntimeError):
-    """A KVFromRemote request found no room in the KV pool, not even after preempting running
-    requests less important than it."""
+    """A KVFromRemote request found no room, even after preempting less important requests."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +38,8 @@ class TransferState:
     # Tokens whose K/V the blocks hold (the prompt); the last output token is not computed yet.
     num_computed_tokens: int
     block_size: int
-    # The seeded sampler's RNG state, so a seeded request samples the same tokens after moving.
+    # A seeded sampler's RNG state: it samples the same tokens after moving.
     generator_state: bytes | None = None
-    # Request.priority: the receiving engine serves and preempts by it as the sender did.
     priority: int = 0
 
     @property
@@ -54,9 +50,7 @@ class TransferState:
 @dataclass(frozen=True)
 class KVExport:
     state: TransferState
-    # One copy per KVCache.tensors, in the request's block order: the codes or values
-    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], then an 8-bit cache's
-    # scales [num_layers, 2, num_blocks, block_size, num_kv_heads].
+    # One copy per KVCache.tensors, in the request's block order ([layers, 2, n, ...]).
     blocks: tuple[torch.Tensor, ...]
 
 

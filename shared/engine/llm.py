@@ -18,7 +18,6 @@ from nori.sampling.params import SamplingParams, choice_params
 # A prompt as vLLM takes one: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
 Prompt = str | list[int] | Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
-# A progress bar or not, or the tqdm class to draw it with.
 UseTqdm = bool | Callable[..., Any]
 
 
@@ -29,11 +28,9 @@ class _Prompt:
 
 
 class LLM:
-    """Generates completions for a batch of prompts with continuous batching.
-
-    Keyword arguments are EngineConfig fields (block_size, max_num_seqs, num_kv_blocks, ...).
-    `speculative_config` takes what vLLM's LLM does: a dict or its JSON text (or a
-    SpeculativeConfig); a bad one raises ValueError before any model is loaded.
+    """Generates completions for a batch of prompts with continuous batching. Keyword arguments
+    are EngineConfig fields; `speculative_config` also takes a dict or JSON text (ValueError
+    before any model loads).
     """
 
     def __init__(
@@ -68,9 +65,8 @@ class LLM:
         use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion: one output per prompt, in the prompts' order, with
-        `sampling_params.n` completions each. `use_tqdm` draws a progress bar on stderr.
-        `priority`: one per prompt, as vLLM's (lower values first; all 0 when None)."""
+        """Runs every prompt to completion: one output per prompt, in order, with
+        `sampling_params.n` completions each. `priority`: one per prompt (lower first)."""
         batch = [self._prompt(prompt) for prompt in _as_prompt_list(prompts)]
         params = _as_params_list(sampling_params, len(batch))
         if priority is None:
@@ -87,8 +83,8 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the chat template (the model's unless `chat_template`
-        is given), then generates; each output's `prompt` is the rendered text."""
+        """Renders each conversation with the chat template, then generates; each output's
+        `prompt` is the rendered text."""
         batch: list[Conversation]
         if messages and isinstance(messages[0], Mapping):
             batch = [list(messages)]  # type: ignore[arg-type]
@@ -131,8 +127,7 @@ class LLM:
         use_tqdm: UseTqdm,
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
-        # Each prompt's id, and the engine requests of its completions: one keeps the prompt's
-        # id, n of them are "{i}_{id}" (as vLLM names them).
+        # A prompt's completions: one keeps its id, n of them are "{i}_{id}" (as vLLM).
         plan: list[tuple[str, list[str]]] = []
         added: list[str] = []
         priorities = priorities or [0] * len(prompts)

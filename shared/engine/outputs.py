@@ -1,5 +1,4 @@
-"""What the engine reports: each request's progress after a step (StepOutput), its load
-(EngineLoad), and the model it serves (ServedModel)."""
+"""What the engine reports: per-request StepOutput, EngineLoad, and the ServedModel."""
 
 from __future__ import annotations
 
@@ -18,32 +17,25 @@ if TYPE_CHECKING:
 class StepOutput:
     request_id: str
     prompt_token_ids: list[int]
-    # Everything generated so far (the whole output, not a delta).
-    token_ids: list[int]
+    token_ids: list[int]  # the whole output so far, not a delta
     text: str
-    # What this step added, for streaming.
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    # "stop", "length" or "abort" once finished, else None.
     finish_reason: str | None = None
-    # The stop string or stop token id that ended the request, if one did.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
-    # SamplingParams.prompt_logprobs: entry i for prompt token i, the first None (as vLLM's);
-    # complete from the first output on, on the engine that computed the prompt.
+    # Entry i for prompt token i, the first None; complete from the first output on.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     # A KVToRemote request whose K/V now waits to be sent (PREFILLED).
     prefilled: bool = False
-    # time.time() when it left the engine's queue (its first step): the queue wait's end.
+    # time.time() when it left the engine's queue (its first step).
     scheduled_at: float | None = None
 
     def followed_by(self, later: StepOutput) -> StepOutput:
-        """One output for two consecutive steps of the same request: `later`, whose cumulative
-        fields already cover both, with both steps' deltas. Streams send outputs that are ready
-        together as one message instead of one per token."""
+        """One output for two consecutive steps of the same request: `later`'s cumulative fields
+        with both steps' deltas."""
         if later.request_id != self.request_id:
             raise ValueError(f"cannot merge outputs of {self.request_id} and {later.request_id}")
         return replace(
@@ -55,15 +47,11 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class SpecDecodeCounts:
-    """Speculative decoding since the engine started (cumulative counters, as vLLM's
-    spec_decode metrics). Each verification of a request's drafts keeps its accepted drafts and
-    one more token sampled from the model (the bonus token)."""
+    """Speculative decoding since the engine started (cumulative, as vLLM's spec_decode metrics).
+    A verification keeps its accepted drafts plus one bonus token from the model."""
 
-    # Verifications: requests x steps that carried drafts (each yields one bonus token).
-    num_drafts: int = 0
-    # Draft tokens proposed and verified.
+    num_drafts: int = 0  # verifications: requests x steps that carried drafts
     num_draft_tokens: int = 0
-    # Of those, the ones the model accepted.
     num_accepted_tokens: int = 0
 
     @property
@@ -72,7 +60,6 @@ class SpecDecodeCounts:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens; None before any draft."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
@@ -83,21 +70,16 @@ class SpecDecodeCounts:
 
 @dataclass(frozen=True)
 class ExpertRoutingCounts:
-    """Tokens a mixture-of-experts model routed to each expert of each routed layer, cumulative
-    since the model loaded (`LLMEngine.expert_routing_counts`). Every forwarded position counts
-    once in each of its top-k experts: prompt positions computed, every decode and verification
-    row (a benchmark's padding rows too); not prompt positions found in the prefix cache or
-    received with their K/V."""
+    """Tokens routed to each expert of each routed layer since the model loaded: every forwarded
+    position counts once in each of its top-k experts (not prefix-cache hits or received K/V)."""
 
-    # Experts each token is routed to.
     top_k: int
-    # (decoder layer index, tokens per expert), the routed layers in order (a dense layer,
-    # Qwen2-MoE's `mlp_only_layers`, has none).
+    # (decoder layer index, tokens per expert), the routed layers in order.
     layers: tuple[tuple[int, tuple[int, ...]], ...]
 
     @property
     def total(self) -> int:
-        """Token slots routed over every expert and routed layer: tokens x top_k x layers."""
+        """Token slots routed over every expert and routed layer."""
         return sum(sum(counts) for _, counts in self.layers)
 
     def since(self, earlier: ExpertRoutingCounts) -> ExpertRoutingCounts:
@@ -114,10 +96,8 @@ class ExpertRoutingCounts:
 
 
 def expert_imbalance(counts: tuple[int, ...]) -> float | None:
-    """The busiest expert's tokens over the mean per expert: 1.0 is perfectly even, E (the
-    number of experts) is every token on one expert; None when no token was routed. With
-    expert parallelism the busiest expert's rank sets the step's pace, so max/mean is the
-    slowdown over an even spread (the figure vLLM's EPLB balances)."""
+    """The busiest expert's tokens over the mean per expert (1.0: even; E: all on one); None when
+    no token was routed."""
     total = sum(counts)
     return max(counts) * len(counts) / total if total else None
 
@@ -131,21 +111,14 @@ class EngineLoad:
     num_held: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
-    # Blocks whose content is in the prefix cache (held by requests or evictable).
     num_cached_blocks: int = 0
-    # Requests preempted (their blocks taken back, to be recomputed) since the start.
     num_preemptions: int = 0
-    # The requests in the running batch (computing their prompt or decoding).
     running_request_ids: frozenset[str] = frozenset()
-    # Prompt positions this engine computed since the start (chunks, recomputes; not those
-    # found in the prefix cache or received from another worker): a decode worker's own prompt
-    # work, zero for requests handed to it with their K/V.
+    # Prompt positions this engine computed (not prefix-cache hits or received with K/V).
     num_prompt_tokens_computed: int = 0
-    # Speculative decoding's counters (all zero without it).
     spec_decode: SpecDecodeCounts = SpecDecodeCounts()
-    # What this engine's steps cost (step_cost.py), as last fitted; None before any step.
-    step_cost_fit: StepCostFit | None = None
-    # time.monotonic() when it was taken (by the engine thread): its last sign of life.
+    step_cost_fit: StepCostFit | None = None  # None before any step
+    # time.monotonic() when taken by the engine thread: its last sign of life.
     taken_at: float = 0.0
 
     @property
@@ -157,8 +130,7 @@ class EngineLoad:
         return self.num_running + self.num_held
 
     def registry_fields(self) -> dict[str, int | float]:
-        """The load figures a worker publishes in the registry for routing (a step cost not
-        yet fitted is 0.0)."""
+        """The load figures a worker publishes in the registry (an unfitted step cost is 0.0)."""
         fit = self.step_cost_fit
         return {
             "num_running": self.num_running,
@@ -173,8 +145,7 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the engine serves: the model's config, its tokenizer, and the longest prompt +
-    output it takes (the config's max_model_len, capped by the model and the KV pool)."""
+    """The model's config, its tokenizer, and the longest prompt + output it takes."""
 
     config: ModelConfig
     tokenizer: Tokenizer

@@ -1,12 +1,10 @@
 """The engine's `Attention`: write new K/V into the paged cache, then attend over it.
 
-One instance serves one step. A step's rows are decodes (one row a sequence), then speculative
-verifications (a few causal rows a sequence), then prompt chunks; decodes and verifications take
-the decode kernels, prompt chunks the prefill kernels. What the kernels derive from the step's
-metadata alone is computed at the first layer and reused by the others, and the engine's own
-inputs skip the reference path's argument checks. With an 8-bit cache (--kv-cache-dtype
-int8|fp8) every attention reads K/V as stored, new prompt tokens included, so a token's result is
-the same whether its prefix came from the cache, an earlier chunk or another worker.
+One instance serves one step, whose rows are decodes, then speculative verifications, then
+prompt chunks (the first two take the decode kernels, chunks the prefill kernels); metadata-only
+work is done at the first layer and reused. With an 8-bit cache every attention reads K/V as
+stored, new prompt tokens included, so a token's result does not depend on where its prefix
+came from.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ class PagedAttention:
         self._decode_plan: ReferenceDecodePlan | None = None
         self._prefill_plan: CpuPrefillPlan | None = None
         self._verify: _VerifyRows | None = None
-        # The current layer's K and V scales (an 8-bit cache), else None and None.
         self._scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def __call__(
@@ -71,11 +68,9 @@ class PagedAttention:
         if num_decodes == 0 and meta.num_verifies == 0:
             return self._prefill(query, key, value, k_cache, v_cache, 0, 0, scale)
         if num_decodes == 0 and meta.num_verifies == num_sequences:
-            # A speculative step's usual shape: every sequence verifies its drafts.
             verify = self._verify_rows(query.shape[0])
             return self._multi_query_decode(query, k_cache, v_cache, verify, scale)
-        # Mixed step: decodes and verifications go through the split-context kernel, prefill
-        # chunks through the tiled one; each is the faster path for its shape.
+        # Mixed step: decodes and verifications take the split-context kernel, chunks the tiled one.
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, scale)
@@ -162,15 +157,13 @@ class PagedAttention:
         )
 
     def _verify_rows(self, num_rows: int) -> _VerifyRows:
-        """The verification rows' sequences and context lengths, built at the first layer (the
-        step has num_rows query rows in all)."""
+        """The verification rows' sequences and context lengths, built at the first layer."""
         if self._verify is not None:
             return self._verify
         meta = self.metadata
         first, end = meta.num_decodes, meta.num_decodes + meta.num_verifies
-        # Decodes have one row each, so the verifications' rows start at row `first`. They end
-        # with the step unless prompt chunks follow; then the end is read from the device, once
-        # a step (a synchronisation on a GPU).
+        # Verifications start after the decodes' rows; their end is read from the device (once a
+        # step) only when prompt chunks follow.
         if end == meta.seq_lens.shape[0]:
             end_row = num_rows
         elif meta.num_verify_end_row:
@@ -245,7 +238,6 @@ class PagedAttention:
             if self._prefill_plan is None:
                 self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, None)
             if k_scale is not None and v_scale is not None:
-                # The fresh prompts attend to their own rows as the cache holds them.
                 slots = meta.slot_mapping[first_row:]
                 key = _stored_rows(k_cache, k_scale, slots)
                 value = _stored_rows(v_cache, v_scale, slots)
@@ -270,27 +262,20 @@ class PagedAttention:
 
 @dataclass(frozen=True)
 class _VerifyRows:
-    """One step's verification rows as the decode kernels take them."""
-
-    # The row after the last verification row (the first prompt chunk's).
-    end_row: int
-    # [V + 1]: the verifications' rows, counted from their first.
-    query_start_loc: torch.Tensor
+    end_row: int  # the row after the last verification row
+    query_start_loc: torch.Tensor  # [V + 1], counted from the first verification row
     rows: MultiQueryRows
-    # Triton: the verifications' own block tables [V, M] (rows.sequences indexes them); the CPU
-    # kernel and the reference: one per row [R, M].
+    # Triton: the verifications' own block tables [V, M]; the CPU kernel and the reference: one
+    # per row [R, M].
     block_tables: torch.Tensor
-    # The reference's gather plan of the rows; None on the other backends.
-    reference_plan: ReferenceDecodePlan | None = None
+    reference_plan: ReferenceDecodePlan | None = None  # the reference's gather plan
 
 
 def _stored_rows(
     cache: torch.Tensor, cache_scale: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """The rows an 8-bit cache holds at `slots` [T], dequantized: [T, Hkv, D] float32 (the
-    attention's own precision, so a bfloat16 model's rows are not rounded once more)."""
+    """The rows an 8-bit cache holds at `slots` [T], dequantized to [T, Hkv, D] float32."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    # Through bytes: index_select has no float8 implementation on CPU.
     codes = cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_select(0, slots)
     scales = cache_scale.view(-1, num_kv_heads).index_select(0, slots)
     return dequantize_kv_reference(codes.view(cache.dtype), scales)

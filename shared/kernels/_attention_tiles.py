@@ -7,14 +7,13 @@ import contextlib
 
 from nori.kernels._common import device_function
 
-# The CPU engine runs without Triton and only needs the references.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
 
 @device_function
 def online_softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The running row maxima, sums and weighted V sums before the first tile: (m, l, acc)."""
+    """(m, l, acc) before the first tile."""
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -31,14 +30,11 @@ def kv_tile(
     BLOCK_SIZE: tl.constexpr,
     TOKEN_STRIDE: tl.constexpr,
 ):
-    """Where a sequence's tokens `pos` (those before `end`) lie in the paged cache.
-
-    table_row_ptr: the sequence's block table row; head_columns [1, BLOCK_D]: the kv head's
-    element offsets within a token. Returns element offsets and mask, both [tokens, BLOCK_D].
-    """
+    """Element offsets and mask [tokens, BLOCK_D] of a sequence's tokens `pos` (those before
+    `end`) in the paged cache; table_row_ptr: its block table row; head_columns [1, BLOCK_D]:
+    the kv head's element offsets within a token."""
     tok_mask = pos < end
-    # Looking the block up per token handles block sizes both smaller and larger than the
-    # tile; repeated entries hit in L1.
+    # Per-token block lookup handles any block size against the tile; repeats hit in L1.
     block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
     slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
     return slots[:, None] * TOKEN_STRIDE + head_columns, tok_mask[:, None] & dim_mask[None, :]
@@ -66,11 +62,9 @@ def online_softmax_step(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
-    """Folds one tile into the running row maxima m_i, sums l_i and acc = sum(p * V).
-
-    scores [rows, tokens] are in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D] point
-    at the tile's V rows. MAY_BE_EMPTY: a row may have
-    seen only hidden tokens so far (left padding). Returns the new (m_i, l_i, acc).
+    """Folds one tile into the running row maxima m_i, sums l_i and acc = sum(p * V); returns
+    them. scores [rows, tokens] in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D].
+    MAY_BE_EMPTY: a row may have seen only hidden tokens so far (left padding).
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = m_new

@@ -1,8 +1,5 @@
 """Helpers shared by the kernel wrappers: argument checks, lazy Triton compilation, dispatch.
-
-Triton is an optional dependency (the CPU engine runs the PyTorch references only), so nothing
-here imports it at module import time.
-"""
+Nothing here imports Triton at module import time (it is optional)."""
 
 from __future__ import annotations
 
@@ -34,12 +31,8 @@ def should_use_triton(use_triton: bool | None, tensors: Sequence[torch.Tensor]) 
 
 
 def jit(fn: Callable[..., Any]) -> Any:
-    """Wraps `fn` with triton.jit on first use rather than at import.
-
-    triton.jit reads TRITON_INTERPRET when it decorates, so deferring it (and keying the cache on
-    the variable) lets tests switch the interpreter on after nori.kernels was imported, and keeps
-    the import free of Triton.
-    """
+    """Wraps `fn` with triton.jit on first use, keyed on TRITON_INTERPRET, so tests can switch
+    the interpreter on after import and the import needs no Triton."""
     return _jit_for_mode(fn, os.environ.get("TRITON_INTERPRET", ""))
 
 
@@ -51,19 +44,14 @@ def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @functools.cache
 def _jit_for_mode(fn: Callable[..., Any], interpret: str) -> Any:
-    # `interpret` is only part of the cache key: triton.jit reads the variable itself.
     import triton
 
     return triton.jit(_with_jitted_helpers(fn, interpret))
 
 
 def _with_jitted_helpers(fn: Callable[..., Any], interpret: str) -> Callable[..., Any]:
-    """`fn`, seeing its device functions as Triton functions of the same mode.
-
-    A kernel may only call Triton functions (compiled, or interpreted under TRITON_INTERPRET),
-    and which of the two is decided when triton.jit runs; so each kernel gets its own globals in
-    which the helpers it names are jitted for the mode it is being jitted for.
-    """
+    """`fn`, seeing its device functions as Triton functions jitted for the same mode (a kernel
+    may only call Triton functions, and the mode is fixed when triton.jit runs)."""
     helpers = {
         name: _jit_for_mode(value, interpret)
         for name in fn.__code__.co_names
@@ -93,8 +81,7 @@ def multiprocessor_count(device_index: int | None) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    # The interpreter has no SMs; a figure the size of a big GPU keeps CPU tests on the same
-    # split heuristics the GPU uses.
+    # The interpreter has no SMs; a big GPU's count keeps CPU tests on the GPU's heuristics.
     if device.type != "cuda":
         return 132
     return multiprocessor_count(device.index)
@@ -105,17 +92,13 @@ def interpreting() -> bool:
 
 
 def upcast_dot_operands(dtype: torch.dtype) -> bool:
-    """Whether tl.dot operands must be cast to float32 first.
-
-    Triton's CPU interpreter multiplies bfloat16 operands as their raw bits (seen with
-    triton 3.9), so under the interpreter bfloat16 operands are widened after the same
-    rounding the GPU path does; compiled kernels never need this.
-    """
+    """Whether tl.dot operands must be cast to float32 first: the CPU interpreter multiplies
+    bfloat16 operands as raw bits; compiled kernels never need this."""
     return interpreting() and dtype == torch.bfloat16
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    # TF32 would cost float32 callers about three decimal digits; they asked for float32.
+    # TF32 would cost float32 callers about three decimal digits.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -203,8 +186,6 @@ def check_seq_lens(seq_lens: object, batch: int, name: str = "seq_lens") -> torc
 
 
 class PagedAttentionArgs(NamedTuple):
-    """The checked arguments of a paged attention call (decode or prefill)."""
-
     query: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -229,12 +210,9 @@ def check_paged_attention_args(
     v_scale: object | None = None,
 ) -> PagedAttentionArgs:
     """Checks what decode and prefill attention share; raises ValueError naming the argument.
-
-    Decode passes one query row per sequence (query [B, Hq, D]); prefill passes query_start_loc
-    (int32 [B + 1]) that splits query [T, Hq, D] into sequences. An 8-bit cache comes with its
-    k_scale/v_scale (see kv_quant.py), and the query keeps its own float dtype.
+    Decode passes query [B, Hq, D]; prefill passes query [T, Hq, D] split by query_start_loc
+    (int32 [B + 1]). An 8-bit cache comes with its k_scale/v_scale (kv_quant.py).
     """
-    # kv_quant builds on this module: imported here, not at the top.
     from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, check_quantized_kv_caches
 
     quantized = k_scale is not None or v_scale is not None
@@ -283,15 +261,13 @@ def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: i
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
-# Outputs in one panel of a CPU GEMV's packed weight (bf16_gemv, int8_gemv): one 512-bit
-# register of 32-bit sums.
+# Outputs in one panel of a CPU GEMV's packed weight: one 512-bit register of 32-bit sums.
 PANEL_OUTPUTS = 16
 
 
 def pack_weight_panels(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), ceil(K/group), 16, group] of the same dtype: element (n, k) at
-    [n // 16, k // group, n % 16, k % group], zero-padded past N and K. One 64-byte line is then
-    `group` K positions of 16 outputs (bf16: group 2, int8: group 4)."""
+    """[N, K] -> [ceil(N/16), ceil(K/group), 16, group]: element (n, k) at [n // 16, k // group,
+    n % 16, k % group], zero-padded; a 64-byte line is `group` K positions of 16 outputs."""
     outputs, width = weight.shape
     padded = weight.new_zeros(
         -(-outputs // PANEL_OUTPUTS) * PANEL_OUTPUTS, -(-width // group) * group

@@ -1,12 +1,9 @@
 """Copies of raw memory pieces, (destination address, source address, byte count) each, with
-C++ kernels on CPU (copy_pieces_cpu.cpp) beside references of one ctypes memmove per piece.
+C++ kernels on CPU (copy_pieces_cpu.cpp) beside ctypes memmove references.
 
-A KV transfer's receiver copies out of its mapping of the sender's shared memory in chunks of
-1 MiB (`nori.transfer.cross_memory_receiver`), on two threads: a kernel copies a whole chunk in one call
-with the GIL released, where memmove calls from Python take the GIL back between pieces (two
-threads then ran no faster than one at 32 KiB pieces). `copy_and_hash_pieces` also returns the
-chunk's digest for the transfer checksum, each stretch hashed right after it is copied, while it
-is still in the core's cache.
+A kernel copies a whole chunk in one call with the GIL released, so the receiver's copy threads
+run in parallel (`nori.transfer.cross_memory_receiver`). `copy_and_hash_pieces` also returns the
+chunk's digest, hashing each stretch right after it is copied, while it is in cache.
 """
 
 from __future__ import annotations
@@ -39,15 +36,13 @@ def copy_and_hash_pieces_reference(pieces: np.ndarray) -> int:
 
 
 def _kernels_for(pieces: np.ndarray) -> Any | None:
-    """The C++ kernels, where they are built and take this table."""
     if pieces.dtype != np.int64 or not pieces.flags.c_contiguous:
         return None
     return cpu_kernels()
 
 
 def copy_pieces(pieces: np.ndarray) -> None:
-    """Copies each row's bytes, (destination address, source address, byte count) of an int64
-    [n, 3] array; the caller vouches for every address."""
+    """Copies each row of an int64 [n, 3] array; the caller vouches for every address."""
     kernels = _kernels_for(pieces)
     if kernels is None:
         copy_pieces_reference(pieces)
@@ -56,8 +51,7 @@ def copy_pieces(pieces: np.ndarray) -> None:
 
 
 def copy_and_hash_pieces(pieces: np.ndarray) -> int:
-    """`copy_pieces`, returning xxh3-64 of the copied bytes in order (a transfer checksum's
-    chunk digest, `nori.transfer.integrity.TransferHasher`)."""
+    """`copy_pieces`, returning xxh3-64 of the copied bytes in order (a chunk digest)."""
     kernels = _kernels_for(pieces)
     if kernels is None:
         return copy_and_hash_pieces_reference(pieces)
@@ -71,9 +65,8 @@ def copy_share_of_chunks(
     digests: list[int] | None = None,
     stop: threading.Event | None = None,
 ) -> None:
-    """One copy thread's share of a chunked copy: chunks first, first + num_threads, ... (each
-    an [n, 3] piece table). Given `digests`, puts each chunk's digest at its index, hashed as it
-    is copied; given `stop`, returns at the next chunk once it is set."""
+    """One copy thread's share: chunks first, first + num_threads, ...; each chunk's digest goes
+    to `digests[index]`, and a set `stop` ends it at the next chunk."""
     for index in range(first, len(chunks), num_threads):
         if stop is not None and stop.is_set():
             return

@@ -1,10 +1,8 @@
 """Builds the C++ CPU kernels on first use (torch.utils.cpp_extension), once per machine.
 
-The kernel files compile as two translation units (`_UNITS`), which include them, so torch's
-headers are parsed twice, not once per file; both units build in parallel. Files in one unit
-must not define the same internal names. The build needs a C++ compiler and ninja, and is cached
-by torch (under $TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default). Where it cannot be
-built the engine falls back to the PyTorch references, with one warning.
+The kernel files compile as two translation units (`_UNITS`) built in parallel, so files in one
+unit must not define the same internal names. Needs a C++ compiler and ninja; cached by torch
+($TORCH_EXTENSIONS_DIR). Where it cannot be built, the PyTorch references run (one warning).
 """
 
 from __future__ import annotations
@@ -40,12 +38,10 @@ _UNITS = (
     ("int8_gemv_cpu.cpp", "store_kv_quant_cpu.cpp"),
 )
 _SOURCES = tuple(source for unit in _UNITS for source in unit)
-# -march=native: the build runs on the machine that uses it. -ffast-math lets the compiler
-# vectorise the dot products' float sums and call glibc's vector exp (the kernels promise float32
-# rounding, not bit-exactness, like any reordered reduction; they never produce infinities).
+# -march=native: built where it runs. -ffast-math vectorises the float sums (the kernels promise
+# float32 rounding, not bit-exactness; they never produce infinities).
 _CFLAGS = [
     "-O3",
-    # at::parallel_for is a header template: without OpenMP it would run serially.
     "-fopenmp",
     "-march=native",
     "-ffast-math",
@@ -53,10 +49,8 @@ _CFLAGS = [
 
 
 def _build_tag(folder: Path) -> str:
-    """Tells builds apart in a shared cache: the machine (-march=native code may not run
-    elsewhere), the flags, the sources and their folder. Two checkouts with other sources then
-    never load each other's module, and two checkouts of the same sources do not take turns
-    rebuilding one folder (torch's build file names the sources by path)."""
+    """Tells builds apart in a shared cache: the machine, the flags, the sources and their
+    folder, so checkouts never load each other's module nor take turns rebuilding one."""
     try:
         flags = next(
             line
@@ -74,8 +68,8 @@ def _build_tag(folder: Path) -> str:
 
 
 def write_units(folder: Path, build_dir: Path) -> list[Path]:
-    """The translation units, `unit_N.cpp` in `build_dir`, each including its kernel files from
-    `folder` by absolute path (rewritten only when it changed, so ninja does not rebuild)."""
+    """The translation units `unit_N.cpp` in `build_dir`, each including its kernel files by
+    absolute path (rewritten only when changed, so ninja does not rebuild)."""
     units = []
     for number, sources in enumerate(_UNITS):
         unit = build_dir / f"unit_{number}.cpp"
@@ -87,21 +81,20 @@ def write_units(folder: Path, build_dir: Path) -> list[Path]:
 
 
 def build_root(default_root: str) -> Path:
-    """Where builds go: $TORCH_EXTENSIONS_DIR as torch's own builds honour it (its
-    `get_default_build_root` does not read it), else torch's default."""
+    """$TORCH_EXTENSIONS_DIR (torch's `get_default_build_root` does not read it), else torch's
+    default."""
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root)
 
 
-# torch's build lock: a build killed part-way (Ctrl-C, kill -9, a timeout) leaves it behind, and
-# every later start would wait on it for ever, silently. A build takes under a minute on 2 CPUs.
+# A lock this old was left by a killed build (torch would wait on it for ever).
 STALE_BUILD_LOCK_S = 5 * 60
 
 
 def clear_stale_build_lock(
     build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S, now: float | None = None
 ) -> bool:
-    """Removes `build_dir/lock` when it is older than `max_age_s` (no build runs that long);
-    returns whether it did. A younger lock is a build in progress: waiting on it is right."""
+    """Removes `build_dir/lock` when older than `max_age_s`; returns whether it did (a younger
+    one is a build in progress)."""
     lock = build_dir / "lock"
     try:
         age_s = (time.time() if now is None else now) - lock.stat().st_mtime
@@ -119,15 +112,13 @@ def clear_stale_build_lock(
     return True
 
 
-# The dtypes the per-layer C++ kernels serve (float32 arithmetic inside, one rounding on the
-# way out); others take the PyTorch references.
+# The dtypes the per-layer C++ kernels serve; others take the PyTorch references.
 CPU_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
 def cpu_kernels() -> Any | None:
-    """The compiled module, or None where it cannot be built (logged once) or where
-    NORI_CPU_KERNELS=0 turns the C++ kernels off (the PyTorch references then run)."""
+    """The compiled module; None where it cannot be built (logged once) or NORI_CPU_KERNELS=0."""
     if not Environment.read().cpu_kernels:
         return None
     try:
@@ -138,8 +129,7 @@ def cpu_kernels() -> Any | None:
         build_dir = build_root(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_build_lock(build_dir)
-        # Link the OpenMP runtime torch ships and has already loaded: one thread pool, the
-        # one torch.set_num_threads sizes.
+        # Link the OpenMP runtime torch has loaded: one thread pool, sized by set_num_threads.
         torch_lib = Path(torch.__file__).resolve().parent / "lib"
         return load(
             name=name,

@@ -1,8 +1,7 @@
-"""Paged attention for decode steps: one query token per sequence over its whole cached context.
+"""Paged attention for decode steps: one query token per sequence over its cached context.
 
-The Triton path is flash-decoding: the context is cut into splits, one program per
-(sequence, kv head, split) writes an unnormalised partial result, and a small second kernel
-merges the splits. Splitting keeps the GPU busy when the batch is small and contexts are long.
+The Triton path is flash-decoding: one program per (sequence, kv head, split) writes an
+unnormalised partial result, and a second kernel merges the splits.
 """
 
 from __future__ import annotations
@@ -30,18 +29,15 @@ from nori.kernels._common import (
 )
 from nori.kernels.decode_attention_reference import paged_decode_attention_reference
 
-# The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 # Below this many tokens a split's fixed cost (query load, partial write) outweighs its work.
 MIN_TOKENS_PER_SPLIT = 256
-# The merge kernel holds every split's partial row at once.
 MAX_SPLITS = 128
-# Aim for a couple of programs per SM so that uneven sequence lengths still even out.
 PROGRAMS_PER_SM = 2
-# tl.dot needs every dimension to be at least 16; smaller head groups and head dims are padded.
+# tl.dot needs every dimension to be at least 16; smaller ones are padded.
 MIN_DOT_DIM = 16
 
 
@@ -59,9 +55,8 @@ def token_scale_offsets(
 def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: tl.constexpr):
     """q @ K^T for a tile of 8-bit K codes whose per-token scales are k_scale [tokens].
 
-    A token's scale is common to its whole row, so it factors out of the dot product and
-    scales the score column instead. The codes are exact in every float dtype the query may
-    have (int8 needs 7 mantissa bits, e4m3 needs 3), so the dot sees exactly the cache.
+    A token's scale factors out of the dot product and scales the score column instead; the
+    codes are exact in every float dtype the query may have.
     """
     # Masked codes must be zeros: a stray fp8 byte 0x7F is NaN, and NaN * 0 is NaN.
     k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
@@ -76,8 +71,7 @@ def quantized_softmax_step(
     """`online_softmax_step` for a tile of 8-bit V codes v [tokens, BLOCK_D] (already in the
     dot dtype) with per-token scales v_scale [tokens].
 
-    The V scale weighs a whole row of V, so it folds into the probabilities: p * scale @ codes
-    is p @ (codes * scale). The row sums l_i take the unscaled probabilities.
+    The V scale folds into the probabilities (p * scale @ codes); l_i takes the unscaled ones.
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = m_new
@@ -124,9 +118,8 @@ def _decode_split_kernel(
     QUANTIZED: tl.constexpr,
     ROW_SEQUENCES: tl.constexpr,
 ) -> None:
-    # A query row, and the sequence whose block table and context start it reads: the same
-    # index, unless ROW_SEQUENCES (a multi-query decode) maps rows to sequences. seq_lens is per
-    # row either way.
+    # A query row; it reads sequence `row`'s table and context start unless ROW_SEQUENCES maps
+    # rows to sequences (multi-query decode). seq_lens is per row.
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,8 +133,7 @@ def _decode_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
-    # All query heads sharing this kv head are handled together, so each K/V tile is read once
-    # per group rather than once per query head.
+    # All query heads sharing this kv head are handled together: each K/V tile is read once.
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     head_mask = heads < GROUP
@@ -178,7 +170,6 @@ def _decode_split_kernel(
             # Left padding is read and computed (as a dense padded batch would) but not seen.
             visible = visible & (pos >= context_start)
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        # Without padding every tile holds a real token, so m is finite from the first on.
         v_ptrs = v_cache_ptr + offsets
         if QUANTIZED:
             v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < end, other=0.0)
@@ -191,8 +182,7 @@ def _decode_split_kernel(
                 scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
             )
 
-    # An empty split (past the end of a short sequence, or all left padding) stores m = -inf,
-    # l = 0, acc = 0, which the merge weighs by zero.
+    # An empty split stores m = -inf, l = 0, acc = 0, which the merge weighs by zero.
     partial = (row * NUM_KV_HEADS * GROUP + q_heads) * NUM_SPLITS + split
     tl.store(m_ptr + partial, m_i, mask=head_mask)
     tl.store(l_ptr + partial, l_i, mask=head_mask)
@@ -230,8 +220,7 @@ def _decode_merge_kernel(
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    # The split holding the last token is never empty, so m_max is finite and empty splits get
-    # weight 0.
+    # The split holding the last token is never empty, so m_max is finite.
     m_max = tl.max(m, axis=0)
     weights = tl.exp2(m - m_max)
     denominator = tl.sum(weights * l, axis=0)
@@ -271,12 +260,10 @@ def paged_decode_attention(
     """query [B, Hq, D] attends to seq_lens[b] (>= 1) cached tokens of its sequence -> [B, Hq, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32; seq_lens [B]
-    int32. num_splits=None picks a split count from the batch and context size. max_seq_len, if
-    the caller knows it, sizes the splits; otherwise the block table's width bounds the context,
-    which needs no device synchronisation but may leave splits empty when tables are wide.
-    context_starts [B] int32 (< seq_lens[b]), if given, hides positions before it: left padding.
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
-    nori.kernels.kv_quant); the query and output then keep their own float dtype.
+    int32. num_splits=None picks one. max_seq_len, if known, sizes the splits (else the table's
+    width does, without a device sync). context_starts [B] int32 hides positions before it
+    (left padding). k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit
+    cache (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
         query,
@@ -317,9 +304,8 @@ def launch_decode(
     v_scale: torch.Tensor | None,
     row_sequences: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernels on checked arguments. query [R, Hq, D] and seq_lens [R] are per row;
-    row r reads the block table and context start of sequence row_sequences[r] (int32 [R]), or
-    of sequence r when row_sequences is None (a plain decode)."""
+    """The Triton kernels on checked arguments; row r reads sequence row_sequences[r] (int32
+    [R]), or sequence r when it is None."""
     batch, num_heads, head_dim = query.shape
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if batch == 0:
@@ -330,7 +316,6 @@ def launch_decode(
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device, block_n)
-    # A whole number of tiles per split keeps every tile but a sequence's last one full.
     tokens_per_split = cdiv(cdiv(max_context, num_splits), block_n) * block_n
     block_d = max(next_power_of_2(head_dim), MIN_DOT_DIM)
 

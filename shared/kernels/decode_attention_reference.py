@@ -1,9 +1,6 @@
-"""Decode attention without Triton: the PyTorch reference (the ground truth the Triton kernel and
-the C++ CPU kernel are tested against, and the CPU engine's fallback) and the C++ CPU entry point.
-
-The reference groups sequences by context length (`plan_reference_decode`) so a step runs one
-batched matmul per group instead of one per sequence; the plan is built once per step and reused
-by every layer.
+"""Decode attention without Triton: the PyTorch reference (ground truth for the Triton and C++
+kernels, and the CPU engine's fallback) and the C++ CPU entry point. The reference batches
+sequences of similar context length, planned once per step (`plan_reference_decode`).
 """
 
 from __future__ import annotations
@@ -18,36 +15,25 @@ from nori.kernels._common import (
 from nori.kernels.cpu_build import cpu_kernels
 from nori.kernels.kv_quant import dequantize_kv_reference
 
-# The CPU reference pads the contexts of a group of rows to the group's longest and gathers them
-# with one index_select per layer. Rows join a group while that padding stays small: a row
-# whose context is at least this share of the group's padded length, or that misses fewer
-# than _REFERENCE_SLACK_TOKENS of it. A separate group costs a few extra ops per layer
-# (gather, attention, scatter: tens of microseconds on a CPU), about what copying and attending
-# over a few hundred padded tokens costs.
+# Rows join a group while its padding stays small: a context at least this share of the group's
+# padded length, or missing fewer than _REFERENCE_SLACK_TOKENS of it.
 _REFERENCE_FILL = 0.75
 _REFERENCE_SLACK_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class ReferenceDecodeGroup:
-    # Rows of the batch in this group; None when the group is the whole batch, in order.
     rows: torch.Tensor | None
-    # Each row's first num_blocks block ids, flattened: [len(rows) * num_blocks].
     block_ids: torch.Tensor
     num_rows: int
     num_blocks: int
-    # [rows, 1, 1, num_blocks * block_size], True where a row may attend; None when every row
-    # fills the padded length and nothing is left-padded.
+    # [rows, 1, 1, num_blocks * block_size], True where a row may attend; None: no padding.
     mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class ReferenceDecodePlan:
-    """How the CPU reference gathers one decode step's contexts.
-
-    It depends only on the block tables and lengths, which every layer of a step shares, so the
-    engine builds it once per step instead of once per layer.
-    """
+    """How the CPU reference gathers one decode step's contexts; shared by every layer."""
 
     groups: tuple[ReferenceDecodeGroup, ...]
     num_rows: int
@@ -119,8 +105,7 @@ def run_reference_decode(
 ) -> torch.Tensor:
     """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D].
 
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16, given for an 8-bit cache
-    (nori.kernels.kv_quant), dequantize the gathered blocks.
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache.
     """
     batch, num_heads, head_dim = query.shape
     if batch == 0:
@@ -134,9 +119,7 @@ def run_reference_decode(
         keys = _gather_blocks(k_cache, k_scale, part.block_ids).view(shape).transpose(1, 2)
         values = _gather_blocks(v_cache, v_scale, part.block_ids).view(shape).transpose(1, 2)
         q = query if part.rows is None else query.index_select(0, part.rows)
-        # PyTorch's fused attention is the reference: faster on CPU than spelled-out softmax,
-        # and independent of the Triton kernel it checks. The query heads sharing a kv head go
-        # in as that head's "query positions" (one mask for all), so K/V are never expanded.
+        # The query heads sharing a kv head go in as its "query positions": K/V never expanded.
         attended = torch.nn.functional.scaled_dot_product_attention(
             q.float().reshape(rows, num_kv_heads, group, head_dim),
             keys.float(),
@@ -157,10 +140,10 @@ def _gather_blocks(
     cache: torch.Tensor, cache_scale: torch.Tensor | None, block_ids: torch.Tensor
 ) -> torch.Tensor:
     """The cache blocks `block_ids`, dequantized to float32 when the cache is 8-bit."""
-    # index_select copies whole blocks, far faster than advanced indexing (cache[tables]).
+    # index_select copies whole blocks, far faster than advanced indexing.
     if cache_scale is None:
         return cache.index_select(0, block_ids)
-    # Gathered as raw bytes: index_select has no float8 implementation on CPU.
+        # Raw bytes: index_select has no float8 implementation on CPU.
     codes = cache.view(torch.uint8).index_select(0, block_ids).view(cache.dtype)
     return dequantize_kv_reference(codes, cache_scale.index_select(0, block_ids))
 
@@ -178,9 +161,8 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding.
 
-    Sequences are processed in groups of similar length, so padding stays small. k_scale and
-    v_scale go with an 8-bit cache (see nori.kernels.kv_quant): the gathered blocks are
-    dequantized to float32 before attention.
+    Sequences are processed in groups of similar length; an 8-bit cache's blocks are
+    dequantized to float32 first.
     """
     plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1], context_starts)
     return run_reference_decode(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
@@ -199,9 +181,8 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:
     """The C++ CPU kernel (decode_attention_cpu.cpp): reads each context in place, no copy.
 
-    Same arguments and result as `paged_decode_attention_reference`, for CPU tensors; an 8-bit
-    cache's codes are read in place too, scaled by k_scale/v_scale. The kernel checks shapes,
-    dtypes and block ids itself. Raises RuntimeError where it cannot be built.
+    `paged_decode_attention_reference`'s contract for CPU tensors; the kernel checks shapes,
+    dtypes and block ids. Raises RuntimeError where it cannot be built.
     """
     module = cpu_kernels()
     if module is None:

@@ -1,14 +1,12 @@
-"""A mixture-of-experts layer's experts: each token's hidden row through its top-k experts' gated
-MLPs, weighted by its routing weights and summed.
+"""A mixture-of-experts layer's experts: each token through its top-k experts' gated MLPs,
+weighted by its routing weights and summed.
 
     out[t] = sum_j weight[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
 
-`w13` [E, 2I, H] stacks each expert's gate rows then its up rows, `w2` [E, H, I] its down
-projection, any strides; with `w13_scale` [E, 2I] and `w2_scale` [E, H] the weights are int8, one
-float32 scale per output row. An id outside [0, E) is skipped: under expert parallelism a rank
-passes ids shifted by its first expert, and a token gets only this rank's share. Three paths,
-one contract: `fused_experts_reference` (transformers' loop over experts), the C++ CPU kernel
-(`fused_moe_cpu.cpp`) and the Triton kernel (`fused_moe_triton.py`).
+`w13` [E, 2I, H] stacks gate then up rows, `w2` [E, H, I] is down, any strides; `w13_scale`
+[E, 2I] / `w2_scale` [E, H] go with int8 weights. An id outside [0, E) is skipped (expert
+parallelism passes shifted ids). Three paths, one contract: `fused_experts_reference`, the C++
+CPU kernel (`fused_moe_cpu.cpp`) and the Triton kernel (`fused_moe_triton.py`).
 """
 
 from __future__ import annotations
@@ -28,11 +26,8 @@ def fused_experts_reference(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden [T, H] -> [T, H] in hidden's dtype; see the module docstring for the rest.
-
-    As transformers computes it: per expert that any token chose, its tokens' rows through the
-    expert in the hidden dtype, times the routing weight (float32 when the weights are), added
-    into the output in the hidden dtype.
+    """hidden [T, H] -> [T, H] in hidden's dtype, as transformers computes it: per chosen expert,
+    its tokens through it in the hidden dtype, times the routing weight, added into the output.
     """
     num_experts = w13.shape[0]
     out = torch.zeros_like(hidden)
@@ -66,15 +61,10 @@ def fused_experts_cpu(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU kernel (`fused_moe_cpu.cpp`); raises RuntimeError where the C++ kernels are
-    not built. `hidden` float32 or bfloat16, the weights in its dtype or int8 with scales.
-
-    The weights' memory order picks the route. Stored [in, out] (each expert's output dimension
-    contiguous) or packed in panels of 16 outputs (`pack_expert_panels`, what the CPU model
-    stores) they take the streamed kernel, which reads each weight line once per 6 rows and
-    widens bfloat16/int8 in registers; any other strides take one library GEMM per expert group
-    (at::mm, int8 widened to the rows' dtype first: torch's int8 GEMM crashed for bfloat16 rows
-    on AVX-512). Costs: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
+    """The C++ CPU kernel; RuntimeError where it is not built. `hidden` float32 or bfloat16, the
+    weights in its dtype or int8 with scales. Weights stored [in, out] or in panels
+    (`pack_expert_panels`) take the streamed kernel; other strides one GEMM per expert group.
+    Costs: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
     """
     kernels = cpu_kernels()
     if kernels is None:
@@ -92,9 +82,8 @@ PANEL_WIDTH = 16
 
 
 def pack_expert_panels(weights: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] -> [E, ceil(N/16), K, 16], contiguous: each expert's outputs in panels of 16,
-    each panel's K lines of 16 outputs one after another (the last panel zero-padded). The C++
-    kernel's fastest layout: a tile of 16 outputs reads one contiguous block."""
+    """[E, N, K] -> [E, ceil(N/16), K, 16], contiguous, the last panel zero-padded: the C++
+    kernel's fastest layout (a tile of 16 outputs reads one contiguous block)."""
     experts, outputs, depth = weights.shape
     num_panels = -(-outputs // PANEL_WIDTH)
     padded = torch.zeros(
@@ -120,10 +109,8 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fastest path for the data's device: Triton on a GPU, C++ on CPU where it is built
-    (float32/bfloat16 activations, weights in that dtype or int8), else the reference. On CPU
-    the weights may be packed in panels (`pack_expert_panels`: both 4-D), which only the C++
-    kernel reads as they are; the reference unpacks them first."""
+    """The fastest path for the data's device: Triton on a GPU, C++ on CPU where built, else the
+    reference. Weights packed in panels (both 4-D) are read as they are only by the C++ kernel."""
     if hidden.device.type == "cuda":
         from nori.kernels.fused_moe_triton import fused_experts_triton
 

@@ -1,14 +1,9 @@
 """The fused mixture-of-experts layer in Triton: a grouped GEMM over expert-sorted tokens.
 
 Same contract as `fused_experts_reference` (fused_moe.py); the design is vLLM's and SGLang's.
-`align_pairs_by_expert` sorts the T*k (token, slot) pairs (`pair = t * k + j`) by expert and pads
-each group to a multiple of BLOCK_M, so one M-block belongs to one expert; no host sync: buffers
-are sized by a bound from the shapes, and blocks past the padded total are marked idle (-1).
-`_grouped_gemm_kernel` runs twice; each program gathers its rows through the sorted pair ids,
-multiplies by its expert's weight (any strides, 8-bit widened in registers, scaled per output
-column), weights each row by its routing weight (second GEMM) and writes it to the pair's row of
-a [T*k, N] output. silu(gate) * up runs between the GEMMs and the sum over the k slots at the end;
-skipped pairs are never written. Triton is optional: only the launch needs it.
+The T*k (token, slot) pairs are sorted by expert and padded to a multiple of BLOCK_M, so an
+M-block belongs to one expert, with no host sync. `_grouped_gemm_kernel` runs twice (gate/up,
+then down, routing-weighted); silu(gate) * up runs between and the sum over slots at the end.
 """
 
 from __future__ import annotations
@@ -34,19 +29,15 @@ from nori.kernels.silu_and_mul import silu_and_mul_reference
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
-# Quantized expert weights: one byte per element, one float32 scale per output row.
 QUANTIZED_WEIGHT_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.float8_e4m3fn)
-# tl.dot needs every dimension to be at least 16.
 MIN_DOT_DIM = 16
-# From this many (token, slot) pairs per expert on average, taller M-blocks reuse each weight
-# tile over more rows; below it most groups would be mostly padding.
+# From this many pairs per expert on average, taller M-blocks reuse each weight tile more.
 TALL_BLOCK_PAIRS_PER_EXPERT = 64
 
 
 @dataclass(frozen=True)
 class MoeTiles:
-    """Tile sizes of the grouped GEMM: BLOCK_M rows of one expert by BLOCK_N output columns,
-    stepping BLOCK_K along the reduction."""
+    """Tile sizes: BLOCK_M rows of one expert by BLOCK_N output columns, stepping BLOCK_K."""
 
     block_m: int = 16
     block_n: int = 64
@@ -89,9 +80,8 @@ def align_pairs_by_expert(
     """Sorts the pairs of topk_ids [T, k] by expert and pads each group to block_m; pairs whose
     id is outside [0, num_experts) are dropped.
 
-    No host synchronisation: the buffer holds the largest padded total the shapes allow
-    (each of at most min(E, T*k) non-empty groups adds under block_m padding rows), and the
-    blocks past the actual total are marked -1.
+    No host synchronisation: the buffer holds the largest padded total the shapes allow, and
+    the blocks past the actual total are marked -1.
     """
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
@@ -117,14 +107,12 @@ def align_pairs_by_expert(
     rank_in_group = torch.arange(num_pairs, device=device) - group_starts[sorted_buckets]
     kept_sorted = sorted_buckets < num_experts
     group_padded_starts = padded_starts[sorted_buckets.clamp(max=num_experts - 1)]
-    # Dropped pairs all land in one spare slot past the end, cut off below.
     destinations = torch.where(kept_sorted, group_padded_starts + rank_in_group, capacity)
     sorted_pair_ids = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_pair_ids.scatter_(0, destinations, order.to(torch.int32))
 
     block_starts = torch.arange(num_blocks, device=device) * block_m
-    # The expert whose padded range holds the block's first row: the number of groups that end
-    # at or before it (empty groups end where they start, so they are passed over).
+    # The number of groups ending at or before the block's first row (empty ones are passed).
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_expert_ids = torch.where(block_experts < num_experts, block_experts, -1)
     return ExpertAlignment(
@@ -170,12 +158,11 @@ def _grouped_gemm_kernel(
     """c[pair, cols] = a[pair // divisor, :] @ b[expert, cols, :]^T (* scale[expert, cols])
     (* routing_weight[pair]) for the BLOCK_M pairs of this M-block, all of one expert.
 
-    One program per (M-block, N-block). The weight is read as [BLOCK_K, BLOCK_N] tiles through
-    its strides, so [out, in] and [in, out] memory orders both work.
+    One program per (M-block, N-block); the weight is read through its strides, so [out, in]
+    and [in, out] memory orders both work.
     """
     block = tl.program_id(0)
     expert = tl.load(block_expert_ids_ptr + block)
-    # Blocks past the padded total (the buffer is sized for the worst case) do nothing.
     if expert < 0:
         return
     pair_ids = tl.load(sorted_pair_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -184,8 +171,7 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
-    # int64: row * stride passes 2**31 for long prompts times k, and expert * stride for big
-    # expert stacks.
+    # int64: row * stride passes 2**31 for long prompts times k, and for big expert stacks.
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak
     b_ptrs = (
         b_ptr
@@ -208,7 +194,6 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if HAS_SCALE:
-        # Per output column, so it factors out of the K sum and is applied once.
         scale = tl.load(
             scale_ptr + expert.to(tl.int64) * stride_se + cols * stride_sn,
             mask=col_mask,
@@ -237,7 +222,6 @@ def _grouped_gemm(
     num_pairs, out_features = out.shape
     in_features = weights.shape[2]
     grid = (alignment.block_expert_ids.shape[0], cdiv(out_features, tiles.block_n))
-    # Unused pointers get a real tensor: the kernel never reads them (constexpr branches).
     jit(_grouped_gemm_kernel)[grid](
         a,
         weights,
@@ -283,13 +267,11 @@ def fused_experts_triton(
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: `fused_experts_reference`'s contract, as two
-    grouped GEMMs over expert-sorted pairs. Always Triton (compiled on a GPU, interpreted under
-    TRITON_INTERPRET); the caller picks the path.
+    grouped GEMMs over expert-sorted pairs (always Triton; the caller picks the path).
 
     w13 [E, 2I, H] and w2 [E, H, I] in any strides; float, or int8/float8_e4m3fn with
-    w13_scale [E, 2I] / w2_scale [E, H] (float32). Accumulation is float32; the intermediate
-    and the per-slot outputs are stored in hidden's dtype, the k slots summed in float32.
-    `tiles` overrides the tile sizes (tests use it to cover other block heights).
+    w13_scale [E, 2I] / w2_scale [E, H] (float32). Accumulates in float32. `tiles` overrides
+    the tile sizes.
     """
     _check_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
@@ -301,7 +283,6 @@ def fused_experts_triton(
     tiles = tiles or default_tiles(num_pairs, num_experts)
     alignment = align_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
 
-    # Rows of dropped pairs stay unwritten here; nothing reads them.
     gate_up = torch.empty(
         num_pairs, 2 * intermediate_size, dtype=hidden.dtype, device=hidden.device
     )

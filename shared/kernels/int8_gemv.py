@@ -1,13 +1,9 @@
 """int8 weights times a few token rows quantized to int8 per row: the CPU decode step's GEMV.
 
-torch's x86 int8 GEMM has a fixed cost per call built for many rows
-(docs/benchmarks.md#cpu-kernels-and-weight-layouts); this C++ kernel (`int8_gemv_cpu.cpp`) does a decode step's few rows in
-one pass over a weight packed once by `pack_int8_gemv_weight` (panels of 16 outputs, each
-64-byte line four K positions of those outputs: AVX-512 VNNI's operand). Each row is quantized
-symmetrically with its own scale (the largest magnitude to 127), the products are summed
-exactly in int32 and scaled back. `CpuInt8Linear` calls the compiled `int8_gemv` with the
-weight's row sums, kept per layer; the reference below computes the same in PyTorch over the
-plain weight.
+The C++ kernel (`int8_gemv_cpu.cpp`) makes one pass over a weight packed by
+`pack_int8_gemv_weight` (AVX-512 VNNI operands); rows are quantized symmetrically, products
+summed exactly in int32 and scaled back. The reference computes the same over the plain weight.
+Why: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ def int8_gemv_reference(
 
 
 def weight_row_sums(qweight: torch.Tensor) -> torch.Tensor:
-    """Each int8 weight row's sum, int32 [N]: the kernel takes it once per layer (its VNNI path
-    offsets the activation codes by 128 and subtracts 128 times this)."""
+    """Each int8 weight row's sum, int32 [N] (the VNNI path's offset correction)."""
     return qweight.sum(1, dtype=torch.int32).contiguous()
 
 

@@ -1,13 +1,9 @@
 """A paged KV cache stored in 8 bits: int8 or fp8 (e4m3) codes with one float16 scale per
 (token slot, kv head).
 
-k_cache [num_blocks, block_size, Hkv, D] int8/float8_e4m3fn goes with k_scale
-[num_blocks, block_size, Hkv] float16 (the same for V); a cached row dequantizes to
-code.float() * scale.float(). The scale is symmetric, amax(|row|) / limit rounded to float16.
-Float16 rather than float32 scales: at head_dim 64 a token-head then costs 64 + 2 bytes
-(bfloat16: 128), not 64 + 4.
-
-The store kernel quantizes as it writes, so the cache never holds the full-precision rows.
+k_cache [num_blocks, block_size, Hkv, D] goes with k_scale [num_blocks, block_size, Hkv]
+float16 (the same for V); a row dequantizes to code.float() * scale.float(), the scale being
+amax(|row|) / limit rounded to float16. The store kernel quantizes as it writes.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from nori.kernels._common import (
 )
 from nori.kernels.cpu_build import cpu_kernels
 
-# The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
@@ -37,10 +32,9 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.floa
 QUANTIZED_KV_DTYPES: tuple[torch.dtype, ...] = tuple(KV_CACHE_DTYPES.values())
 KV_SCALE_DTYPE = torch.float16
 
-# The largest magnitude each format stores: int8 is kept symmetric (-128 is never used), and
-# 448 is the largest finite float8_e4m3fn.
+# int8 is kept symmetric (-128 unused); 448 is the largest finite float8_e4m3fn.
 _CODE_LIMIT: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-# The largest finite float16: a larger scale would round to inf and turn every code into 0.
+# The largest finite float16: a larger scale would round to inf.
 _MAX_SCALE = 65504.0
 
 
@@ -53,12 +47,10 @@ def code_limit(dtype: torch.dtype) -> float:
 def quantize_kv_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [.., H, D] float -> (codes [.., H, D] in `dtype`, scale [.., H] float16).
 
-    scale = float16(amax(|x[.., h, :]|) / limit), 1 where that is 0 (a zero row, or one too
-    small for float16); codes = x / scale, rounded to nearest (ties to even) and clamped to
-    the format's range.
+    scale = float16(amax(|x[.., h, :]|) / limit), 1 where that is 0; codes = x / scale, rounded
+    to nearest (ties to even) and clamped to the format's range.
     """
     limit = code_limit(dtype)
-    # float32 whatever the input, so that bfloat16 rows are not rounded twice.
     x32 = x.float()
     amax = x32.abs().amax(dim=-1)
     scale = (amax / limit).clamp(max=_MAX_SCALE).to(KV_SCALE_DTYPE)
@@ -92,7 +84,7 @@ def store_quantized_kv_cache_reference(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for rows, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         codes, row_scales = quantize_kv_reference(rows[valid], cache.dtype)
-        # Copied as raw bytes: index_copy_ has no float8 implementation on CPU.
+        # Raw bytes: index_copy_ has no float8 implementation on CPU.
         cache_bytes = cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)
         cache_bytes.index_copy_(0, slots, codes.view(torch.uint8))
         scales.view(-1, num_kv_heads).index_copy_(0, slots, row_scales)
@@ -107,12 +99,8 @@ def store_quantized_kv_cache_cpu(
     v_scale: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The C++ CPU kernel (store_kv_quant_cpu.cpp): quantizes and writes in one pass.
-
-    Same arguments and result as `store_quantized_kv_cache_reference` for float32 or bfloat16
-    key/value and int64 slots; the kernel checks shapes, dtypes and slots itself. Raises
-    RuntimeError where the kernel cannot be built.
-    """
+    """The C++ CPU kernel (store_kv_quant_cpu.cpp): `store_quantized_kv_cache_reference`'s
+    contract for float32/bfloat16 key/value; RuntimeError where the kernel cannot be built."""
     module = cpu_kernels()
     if module is None:
         raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
@@ -123,30 +111,24 @@ def store_quantized_kv_cache_cpu(
 def round_to_e4m3(x):
     """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even.
 
-    Casting float32 to fp8 rounds by itself on a GPU, but Triton's interpreter (3.9) drops
-    the carry when rounding up crosses a power of two (124.1 becomes 64, not 128). Rounding
-    here first leaves the cast nothing to round, so both paths give the same bits.
+    Triton's interpreter drops the carry when rounding up crosses a power of two; rounding
+    here first leaves the cast nothing to round, so GPU and interpreter give the same bits.
     """
     bits = x.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     # e4m3 keeps 3 mantissa bits; below its smallest normal (2**-6) the step stays 2**-9.
     step = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-    # Adding 1.5 * 2**23 steps pushes the fraction below one step out of float32's mantissa,
-    # rounding to a multiple of the step (ties to even); subtracting it again is exact.
+    # Adding 1.5 * 2**23 steps rounds to a multiple of the step (ties to even); subtracting is exact.
     magic = step * 12582912.0
     rounded = (tl.abs(x) + magic) - magic
-    # The sign bit is copied back from x, so that negatives rounding to zero give -0, as torch.
-    # Not `-rounded`: compiled Triton negates as 0 - x, so -(+0) would come out +0, not -0.
+    # The sign is copied back so negatives rounding to zero give -0 (compiled `-x` is 0 - x).
     sign = (bits >> 31) << 31
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @device_function
 def round_to_integer(x):
-    """x (float32, |x| < 2**22) rounded to the nearest integer, ties to even, as torch.round.
-
-    Adding 1.5 * 2**23 leaves float32 no bits below the units place; subtracting it is exact.
-    """
+    """x (float32, |x| < 2**22) rounded to the nearest integer, ties to even, as torch.round."""
     return (x + 12582912.0) - 12582912.0
 
 
@@ -154,8 +136,7 @@ def round_to_integer(x):
 def quantize_rows(x, LIMIT: tl.constexpr, IS_INT8: tl.constexpr):
     """x [rows, BLOCK_D] float32 (zeros past the head dim) -> (codes in float32, scale fp16)."""
     amax = tl.max(tl.abs(x), axis=1)
-    # div_rn, not `/`: compiled Triton divides float32 approximately, which would move a
-    # scale or code off the reference's IEEE-rounded quotient.
+    # div_rn: compiled Triton's `/` is approximate and would drift from the reference.
     scale = tl.minimum(tl.math.div_rn(amax, LIMIT), 65504.0).to(tl.float16)
     scale = tl.where(scale > 0, scale, 1.0).to(tl.float16)
     scaled = tl.math.div_rn(x, scale.to(tl.float32)[:, None])
@@ -185,16 +166,13 @@ def _store_quantized_kv_kernel(
 ) -> None:
     """One program per token: every kv head's row quantized, codes and scales stored."""
     token = tl.program_id(0)
-    # int64: slot * row size overflows int32 once a cache passes 2**31 elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    # Padding tokens (slot -1) are masked rather than returned early from (see store_kv.py);
-    # the slot test is broadcast to a tensor before the `&` for the interpreter's sake.
+    # Slot -1 is masked, not returned from (see store_kv.py); broadcast for the interpreter.
     head_mask = (heads < NUM_KV_HEADS) & ((heads * 0 + slot) >= 0)
     mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
     token64 = token.to(tl.int64)
-    # Masked elements load as 0, which leaves each row's amax alone.
     k = tl.load(
         key_ptr + token64 * stride_key_t + heads[:, None] * stride_key_h + dims[None, :],
         mask=mask,
@@ -298,8 +276,7 @@ def store_quantized_kv_cache(
     """Quantizes key/value [T, Hkv, D] (any float dtype) into the 8-bit caches at
     slot_mapping [T], writing each token-head's float16 scale beside it; slot -1 is skipped.
 
-    Slots must be distinct (apart from -1) and in range; neither is checked, as that would
-    need a device synchronisation.
+    Slots must be distinct (apart from -1) and in range; unchecked (it would need a sync).
     """
     _check_store_args(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     if not should_use_triton(use_triton, [key]):

@@ -1,12 +1,10 @@
 """Multi-query decode: a few query rows per sequence over its paged context, causal among
 themselves (speculative verification: the last sampled token and its k drafts).
 
-Row i of a sequence with q_len new rows and seq_len context tokens (new rows included) attends
-to positions [0, seq_len - (q_len - 1 - i)): exactly a decode row whose context is that long. So
-every path is decode attention with a context length per row: Triton's decode kernel in its
-ROW_SEQUENCES mode (each row names its sequence, block tables read in place); C++ and the PyTorch
-reference make each row a decode row of its own, its block table row repeated. The prefill
-kernels compute the same rows but are built for long query tiles.
+Row i of q_len new rows over seq_len context tokens (new rows included) sees positions
+[0, seq_len - (q_len - 1 - i)): a decode row with that context. So every path is decode
+attention with a length per row: Triton's decode kernel in ROW_SEQUENCES mode, or for C++ and
+the reference one decode row per query row, its block table row repeated.
 """
 
 from __future__ import annotations
@@ -25,24 +23,20 @@ from nori.kernels.decode_attention_reference import (
 
 @dataclass(frozen=True)
 class MultiQueryRows:
-    """Each query row's sequence and visible context length: what turns the rows into decode
-    rows. It depends only on the step's metadata, so the engine builds it once per step."""
+    """Each query row's sequence and visible context length, built once per step."""
 
-    # [T] int32: the sequence (index into block_tables, seq_lens, context_starts) of each row.
-    sequences: torch.Tensor
-    # [T] int32: how many context positions each row sees (its own included).
-    seq_lens: torch.Tensor
+    sequences: torch.Tensor  # [T] int32, index into block_tables, seq_lens, context_starts
+    seq_lens: torch.Tensor  # [T] int32, the positions each row sees (its own included)
 
     def expand(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        """A per-sequence tensor [B, ...] as one entry per row [T, ...]."""
         return per_sequence.index_select(0, self.sequences)
 
 
 def multi_query_rows(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int
 ) -> MultiQueryRows:
-    """query_start_loc [B + 1] int32 (from 0 to num_rows) and seq_lens [B] int32 as the kernels
-    take them. Computed on their device without a host synchronisation."""
+    """From query_start_loc [B + 1] int32 and seq_lens [B] int32, on their device without a
+    host sync."""
     device = seq_lens.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     sequences = torch.repeat_interleave(
@@ -69,8 +63,7 @@ def paged_multi_query_decode_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The PyTorch reference: `paged_decode_attention_reference` on one decode row per query
-    row. Arguments as `paged_multi_query_decode_attention`'s."""
+    """The PyTorch reference: `paged_decode_attention_reference`, one decode row per query row."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
     starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
@@ -91,9 +84,8 @@ def paged_multi_query_decode_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU decode kernel on one decode row per query row (it reads each row's context
-    in place; rows of a sequence share its blocks in the CPU caches). Same arguments and result
-    as the reference, for CPU tensors. Raises RuntimeError where the kernel cannot be built."""
+    """The C++ CPU decode kernel, one decode row per query row; the reference's contract for CPU
+    tensors. Raises RuntimeError where the kernel cannot be built."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
     starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
@@ -120,16 +112,11 @@ def paged_multi_query_decode_attention(
     rows: MultiQueryRows | None = None,
 ) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D]: sequence b owns rows query_start_loc[b] ..
-    query_start_loc[b + 1] (int32 [B + 1], from 0 to T) and has seq_lens[b] (int32 [B]) cached
-    tokens, its new rows' included; its row i (of q_len) sees positions
-    [0, seq_lens[b] - (q_len - 1 - i)), so q_len must not exceed seq_lens[b].
+    query_start_loc[b + 1] (int32 [B + 1]) and has seq_lens[b] (int32 [B]) cached tokens, its
+    new rows included (q_len <= seq_lens[b]); row i sees [0, seq_lens[b] - (q_len - 1 - i)).
 
-    k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32. num_splits and
-    max_seq_len (the longest seq_lens entry) as `paged_decode_attention` takes them.
-    context_starts [B] int32, if given, hides positions before it (left padding) from every row
-    of the sequence. k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or
-    fp8 cache (nori.kernels.kv_quant). rows: `multi_query_rows` of these arguments, when the
-    caller keeps it across calls (the engine's layers).
+    Other arguments as `paged_decode_attention`'s. rows: `multi_query_rows` of these arguments,
+    when the caller keeps it across calls.
     """
     args = check_paged_attention_args(
         query,

@@ -1,8 +1,7 @@
 """Causal paged attention for the new tokens of a batch: prefill, chunked prefill, mixed decode.
 
-Each sequence's new tokens sit at the end of its context, whose K/V (the new tokens' included)
-are already in the paged cache. The Triton path is flash attention: one program per
-(query tile, kv head) streams the context's K/V tiles through an online softmax.
+Each sequence's new tokens sit at the end of its context, whose K/V (theirs included) are
+already cached. The Triton path is flash attention: one program per (query tile, kv head).
 """
 
 from __future__ import annotations
@@ -34,12 +33,10 @@ from nori.kernels.decode_attention import (
 )
 from nori.kernels.kv_quant import dequantize_kv_reference
 
-# The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
 LOG2_E = 1.4426950408889634
-# tl.dot needs every dimension to be at least 16; small head dims are zero-padded.
 MIN_DOT_DIM = 16
 
 
@@ -76,9 +73,8 @@ def _prefill_kernel(
 ) -> None:
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # Binary search for the sequence owning this tile: the last b with
-    # query_start_loc[b] // BLOCK_Q + b <= tile. Numbering sequence b's tiles from there leaves
-    # room for one partial tile per sequence, so the grid is sized without reading query lengths.
+    # Binary search for the sequence owning this tile (the last b with query_start_loc[b] //
+    # BLOCK_Q + b <= tile): room for one partial tile per sequence, without reading lengths.
     left: tl.int32 = 0
     right = num_seqs
     while left < right:
@@ -100,14 +96,12 @@ def _prefill_kernel(
     if MASK_LEFT:
         context_start = tl.load(context_starts_ptr + seq)
 
-    # Rows are (query token, head of this kv group) pairs, so the group's heads share every
-    # K/V tile load.
+    # Rows are (query token, head of this kv group) pairs: the group shares every K/V tile load.
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)
     q_in_seq = q_tile * BLOCK_Q + rows // BLOCK_G
     group_head = rows % BLOCK_G
     row_valid = (q_in_seq < q_len) & (group_head < GROUP)
-    # Padding rows borrow the last real token's position so that they, too, always see key 0
-    # and never produce an all -inf row (whose softmax is NaN); they are not stored.
+    # Padding rows borrow the last real token's position so no row is all -inf (NaN softmax).
     q_pos = prefix + tl.minimum(q_in_seq, q_len - 1)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
@@ -124,7 +118,6 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq * stride_bt_b
     head_columns = kv_head * HEAD_DIM + dims[None, :]
     TOKEN_STRIDE: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
-    # Causality: nothing past this tile's last query position is needed.
     kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -132,7 +125,6 @@ def _prefill_kernel(
             table_row, pos, kv_end, head_columns, dim_mask, BLOCK_SIZE, TOKEN_STRIDE
         )
         if QUANTIZED:
-            # 8-bit codes: the K scale multiplies the score columns (see quantized_scores).
             token_scales = token_scale_offsets(
                 table_row, pos, kv_end, kv_head, BLOCK_SIZE, NUM_KV_HEADS
             )
@@ -144,14 +136,11 @@ def _prefill_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos[None, :] <= q_pos[:, None]
         if MASK_LEFT:
-            # Real tokens do not see the left padding (which is still read and computed, as in
-            # a dense padded batch); pad tokens see what precedes them, so no row is empty.
+            # Real tokens do not see the left padding; pad tokens see what precedes them.
             visible = visible & ((pos[None, :] >= context_start) | (q_pos[:, None] < context_start))
         scores = tl.where(visible, scores, float("-inf"))
-        # With left padding, a tile of padding only leaves a real row's m at -inf.
         v_ptrs = v_cache_ptr + offsets
         if QUANTIZED:
-            # The V scale folds into the probabilities; the row sums stay unscaled.
             v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < kv_end, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
             m_i, l_i, acc = quantized_softmax_step(
@@ -184,9 +173,7 @@ def paged_prefill_attention_reference(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask.
-
-    k_scale/v_scale go with an 8-bit cache (see nori.kernels.kv_quant): the context read is
-    dequantized to float32 first.
+    k_scale/v_scale go with an 8-bit cache: the context read is dequantized to float32 first.
     """
     num_heads = query.shape[1]
     group = num_heads // k_cache.shape[2]
@@ -221,10 +208,9 @@ def paged_prefill_attention_reference(
 def _gather_context(
     cache: torch.Tensor, cache_scale: torch.Tensor | None, table_row: torch.Tensor, length: int
 ) -> torch.Tensor:
-    """`gather_context`, dequantized to float32 when the cache is 8-bit."""
     if cache_scale is None:
         return gather_context(cache, table_row, length)
-    # Gathered as raw bytes: index_select has no float8 implementation on CPU.
+        # Raw bytes: index_select has no float8 implementation on CPU.
     codes = gather_context(cache.view(torch.uint8), table_row, length).view(cache.dtype)
     blocks = table_row[: cdiv(length, cache.shape[1])]
     scales = cache_scale.index_select(0, blocks).reshape(-1, cache.shape[2])[:length]
@@ -247,13 +233,11 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of the T new tokens query [T, Hq, D] -> [T, Hq, D].
 
-    Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1],
-    starting at 0 and ending at T); seq_lens[b] (int32 [B]) counts its whole context, new tokens
-    included, whose K/V must already be in the cache. New token i of b sits at position
-    seq_lens[b] - q_len_b + i and attends to positions 0 .. that one. context_starts [B] int32,
-    if given, marks positions before it as left padding: tokens at or after it do not see them.
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache (see
-    nori.kernels.kv_quant); the query and output then keep their own float dtype.
+    Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1], 0 to
+    T); seq_lens[b] (int32 [B]) counts its whole context, new tokens included, whose K/V must be
+    cached. New token i of b sits at position seq_lens[b] - q_len_b + i, attending causally.
+    context_starts [B] int32 marks left padding, unseen by real tokens. k_scale/v_scale [num_blocks,
+    block_size, Hkv] float16 go with an 8-bit cache (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
         query,
@@ -291,7 +275,7 @@ def paged_prefill_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = max(next_power_of_2(head_dim), MIN_DOT_DIM)
-    # Rows per program: 128 fills an H100-class SM for head_dim <= 128; larger heads would spill.
+    # Rows per program: 128 fills an SM for head_dim <= 128; larger heads would spill.
     block_m = 128 if block_d <= 128 else 64
     block_n = 64 if block_d <= 128 else 32
     block_g = next_power_of_2(group)

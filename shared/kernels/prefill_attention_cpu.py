@@ -1,12 +1,10 @@
 """Prefill attention on CPU: whole new prompts batched, chunks and padded prompts one by one.
 
-A prompt whose every token is new in this step attends only to the keys and values the layer
-just computed: prompts of equal length share one causal scaled_dot_product_attention call with
-grouped-query heads (`enable_gqa`), no gather from the paged cache. Chunks that continue a prefix,
-and padded rows, gather their context from the paged cache and take one call each, in the cache's
-dtype with an explicit mask (docs/benchmarks.md#cpu-prefill-attention). An 8-bit cache takes the
-reference (`paged_prefill_attention_reference`), which dequantizes what it reads. The plan
-depends only on the step's metadata, so the engine builds it once per step.
+Prompts whose every token is new attend to the layer's fresh keys and values: equal lengths
+share one causal scaled_dot_product_attention call (`enable_gqa`). Chunks continuing a prefix and
+padded rows gather their context from the cache, one call each
+(docs/benchmarks.md#cpu-prefill-attention). An 8-bit cache takes the reference. Planned once
+per step.
 """
 
 from __future__ import annotations
@@ -21,12 +19,10 @@ from nori.kernels.prefill_attention import paged_prefill_attention_reference
 
 @dataclass(frozen=True)
 class FreshPromptGroup:
-    # Query rows of the group's prompts, prompt after prompt: [num_prompts * length].
-    rows: torch.Tensor
+    rows: torch.Tensor  # the group's query rows, prompt after prompt
     num_prompts: int
     length: int
-    # When the rows are one contiguous run (the usual case: a step of whole prompts), slices
-    # replace the gather and the scatter (index_copy_ of 2048 rows took milliseconds).
+    # When the rows are one contiguous run, slices replace the gather and the scatter.
     contiguous: slice | None
 
 
@@ -40,7 +36,7 @@ class CpuPrefillPlan:
 def plan_cpu_prefill(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_starts: torch.Tensor | None
 ) -> CpuPrefillPlan:
-    """query_start_loc [B + 1] and seq_lens [B] as the kernels take them (rows start at 0)."""
+    """From query_start_loc [B + 1] and seq_lens [B] (rows start at 0)."""
     starts: list[int] = query_start_loc.tolist()
     lengths: list[int] = seq_lens.tolist()
     pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
@@ -77,9 +73,8 @@ def _prompt_major(
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """bfloat16 where query, key and value all are: torch's CPU flash attention then runs its
-    products in bf16 with float32 sums, faster than the float32 call and as far from the
-    float64 result (the bf16 output's rounding dominates both). Otherwise float32."""
+    """bfloat16 where query, key and value all are (bf16 products, float32 sums: faster, and no
+    less accurate for a bf16 output); otherwise float32."""
     if all(tensor.dtype == torch.bfloat16 for tensor in tensors):
         return torch.bfloat16
     return torch.float32
@@ -101,12 +96,9 @@ def run_cpu_prefill(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same result as `paged_prefill_attention_reference`, given the new tokens' own key/value
-    [T, Hkv, D] beside the query [T, Hq, D] (already stored in the caches as well).
-
-    With an 8-bit cache (k_scale/v_scale, see nori.kernels.kv_quant) key/value must be the rows
-    as the cache holds them, dequantized, for the fresh prompts to match the reference.
-    """
+    """`paged_prefill_attention_reference`'s result, given the new tokens' own key/value
+    [T, Hkv, D] (also stored in the caches); with an 8-bit cache they must be the stored rows,
+    dequantized."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -158,9 +150,8 @@ def run_cpu_prefill(
 def _continued_chunk(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: int, scale: float
 ) -> torch.Tensor:
-    """One sequence's new tokens query [q, Hq, D] over its whole context keys/values [L, Hkv, D]
-    (the new tokens last), as `paged_prefill_attention_reference` masks them: causal, and with
-    left padding before `pad` that real tokens skip and pad tokens see."""
+    """One sequence's query [q, Hq, D] over its whole context [L, Hkv, D] (new tokens last),
+    masked as the reference: causal, left padding before `pad` skipped by real tokens."""
     q_len, seq_len = query.shape[0], keys.shape[0]
     dtype = _compute_dtype(query, keys, values)
     k_positions = torch.arange(seq_len, device=query.device)
@@ -168,7 +159,7 @@ def _continued_chunk(
     mask = k_positions[None, :] <= q_positions[:, None]
     if pad:
         mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
-    # [1, heads, tokens, D]: with no batch dimension torch takes its math path, not the flash one.
+        # [1, heads, tokens, D]: without a batch dimension torch takes the math path, not flash.
     attended = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0).to(dtype),
         keys.transpose(0, 1).unsqueeze(0).to(dtype),

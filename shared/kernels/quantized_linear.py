@@ -1,10 +1,8 @@
 """Weight-only quantized linear layers: int8 or fp8 (e4m3) weights, one float32 scale per output
 channel, activations and output in the model's float dtype.
 
-Decode steps multiply a few token rows by the whole weight matrix, so they are bound by reading
-the weights; storing them in one byte instead of two halves that traffic. The Triton kernel
-reads the quantized bytes and widens them in registers; the PyTorch reference dequantizes in
-float32 and serves the CPU engine.
+The Triton kernel reads the quantized bytes and widens them in registers; the PyTorch reference
+dequantizes in float32 and serves the CPU engine.
 """
 
 from __future__ import annotations
@@ -28,30 +26,26 @@ from nori.kernels._common import (
     upcast_dot_operands,
 )
 
-# The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
 QUANT_METHODS: tuple[str, ...] = ("int8", "fp8")
 QWEIGHT_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.float8_e4m3fn)
 
-# The largest magnitude each format stores: int8 is kept symmetric (-128 is never used), and
-# 448 is the largest finite float8_e4m3fn.
+# int8 is kept symmetric (-128 unused); 448 is the largest finite float8_e4m3fn.
 _QUANT_MAX: dict[str, float] = {"int8": 127.0, "fp8": 448.0}
 _QUANT_DTYPE: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
-# tl.dot needs every dimension to be at least 16; fewer token rows are padded up to it.
 MIN_DOT_DIM = 16
-# Up to this many token rows (decode batches) one row tile covers them all, so each weight
-# tile is read once; beyond it (prefill) the tiles are square-ish to reuse both operands.
+# Up to this many token rows one row tile covers them all (each weight tile read once).
 MAX_DECODE_ROWS = 64
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (qweight [out, in], scale [out] float32), symmetric per output row.
 
-    qweight * scale[:, None] approximates weight. int8 rounds to the nearest of -127..127;
-    fp8 casts to float8_e4m3fn (its own rounding). All-zero rows get scale 1.
+    qweight * scale[:, None] approximates weight; int8 rounds to nearest, fp8 casts. All-zero
+    rows get scale 1.
     """
     _check_method(method)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -59,15 +53,12 @@ def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, to
         raise ValueError(f"weight must be a 2-D [out, in] tensor, got {shape}")
     if not weight.is_floating_point():
         raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
-    # float32 whatever the input, so that bfloat16 weights do not round the scaled values twice.
     weight32 = weight.float()
     amax = weight32.abs().amax(dim=1)
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("weight holds inf or NaN, which has no quantized value")
     limit = _QUANT_MAX[method]
-    # A zero row would divide by zero; any scale reproduces it, 1 is as good as another.
     scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
-    # Clamping guards the row maximum against landing a rounding error past the limit.
     scaled = (weight32 / scale[:, None]).clamp(-limit, limit)
     if method == "int8":
         scaled = scaled.round()
@@ -116,15 +107,13 @@ def _weight_only_linear_kernel(
 ) -> None:
     """out[rows, cols] = (x[rows, :] @ w[cols, :]^T) * scale[cols] + bias[cols].
 
-    One program per [BLOCK_M, BLOCK_N] output tile. The weight is read in its stored
-    [N, K] layout as [BLOCK_K, BLOCK_N] tiles, one byte per element.
+    One program per output tile; the weight is read in its stored [N, K] layout.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
-    # int64: rows * stride and cols * stride pass 2**31 for long prompts or a big vocabulary.
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
 
@@ -134,16 +123,13 @@ def _weight_only_linear_kernel(
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST_DOT:
             x = x.to(tl.float32)
-        # Masked weights must be zeros too: a stray fp8 byte 0x7F is NaN, and NaN * 0 is NaN.
-        # A float `other` converts to fp8 as a float-to-float cast, which every fp8 target has.
+        # Masked weights must be zeros: a stray fp8 byte 0x7F is NaN, and NaN * 0 is NaN.
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        # Both formats convert exactly to float16, bfloat16 and float32 (int8 needs 7 bits of
-        # mantissa, e4m3 needs 3), so the tensor cores see exactly the stored weights.
+        # Both formats convert exactly to every float dtype: the dot sees the stored weights.
         acc = tl.dot(x, w.to(x.dtype), acc=acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    # The scale is per output column, so it factors out of the K sum and is applied once.
     acc = acc * tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -168,13 +154,10 @@ def _launch_config(num_tokens: int, out_features: int, device: torch.device) -> 
     if num_tokens > MAX_DECODE_ROWS:
         return _LaunchConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     block_m = max(MIN_DOT_DIM, next_power_of_2(num_tokens))
-    # Every SM should be streaming weight bytes: narrower column tiles make more programs when
-    # the layer is too small to give each SM a 64-column tile. Below 32 columns a step would
-    # fetch too few bytes to keep the memory system busy.
+    # Narrower column tiles give every SM work on small layers (not below 32 columns).
     block_n = 64
     if cdiv(out_features, block_n) < sm_count(device):
         block_n = 32
-    # 128 bytes of each weight row per step: one cache line per row for int8 and fp8.
     return _LaunchConfig(block_m, block_n, block_k=128, num_warps=4, num_stages=4)
 
 
@@ -187,8 +170,8 @@ def weight_only_linear(
 ) -> torch.Tensor:
     """x [T, in] @ (qweight [out, in] * scale [out])^T + bias [out] -> [T, out] in x.dtype.
 
-    qweight is int8 or float8_e4m3fn, as `quantize_weight` makes it; accumulation is float32.
-    use_triton: None picks Triton for CUDA tensors and the PyTorch reference otherwise.
+    qweight as `quantize_weight` makes it; accumulates in float32. use_triton None: Triton
+    for CUDA tensors.
     """
     _check_linear_args(x, qweight, scale, bias)
     if not should_use_triton(use_triton, [x]):

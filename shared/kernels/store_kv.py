@@ -19,7 +19,6 @@ from nori.kernels._common import (
 )
 from nori.kernels.cpu_build import cpu_kernels
 
-# The CPU engine runs without Triton and only needs the reference.
 with contextlib.suppress(ImportError):
     import triton.language as tl
 
@@ -40,14 +39,11 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
 ) -> None:
     token = tl.program_id(0)
-    # int64: slot * row size overflows int32 once a cache passes 2**31 elements.
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    # Padding tokens (slot -1) are masked rather than returned early from, which older Triton
-    # versions do not allow.
-    # The slot test is broadcast to a tensor before the `&`: the interpreter turns a
-    # tensor-and-scalar `&` of booleans into int32, which tl.load then rejects as a mask.
+    # Slot -1 is masked, not returned from (older Triton forbids it); the slot test is broadcast
+    # first, as the interpreter's tensor-and-scalar `&` gives int32, rejected as a mask.
     in_bounds = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     mask = in_bounds & ((heads[:, None] * 0 + slot) >= 0)
     token64 = token.to(tl.int64)
@@ -85,11 +81,8 @@ def store_kv_cache_cpu(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The C++ CPU kernel (store_kv_cpu.cpp): both caches in one call, rows copied whole.
-
-    Same arguments as `store_kv_cache_reference` (int64 slots); the kernel checks shapes and
-    slots itself. Raises RuntimeError where the kernel cannot be built.
-    """
+    """The C++ CPU kernel (store_kv_cpu.cpp): `store_kv_cache_reference`'s contract (int64
+    slots); RuntimeError where it cannot be built."""
     module = cpu_kernels()
     if module is None:
         raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
@@ -107,8 +100,8 @@ def store_kv_cache(
 ) -> None:
     """Writes key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
 
-    Slots are block_id * block_size + offset. Slots must be distinct (apart from -1) and in
-    range; neither is checked, as that would need a device synchronisation.
+    Slots are block_id * block_size + offset, distinct (apart from -1) and in range; unchecked
+    (it would need a device sync).
     """
     key = check_tensor("key", key, 3, FLOAT_DTYPES)
     value = check_tensor("value", value, 3, FLOAT_DTYPES)

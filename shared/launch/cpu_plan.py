@@ -1,14 +1,10 @@
 """Which CPUs, and how many intra-op threads, each process of a local cluster gets.
 
-A CPU op's OpenMP team waits at a barrier for its slowest member, so processes sharing cores
-slow each other far more than their share of CPU time; on cores of their own they do not. From
-the usable CPUs (lowest first): the prefill and decode pools split them in proportion to their
-workers (at least one each; a remainder to decode; one CPU: all share it); within a pool each
-worker gets a consecutive slice, sharing only when CPUs are fewer than workers; a colocated
-worker gets both pools; the gateway shares the prefill pool (on decode cores its per-step
-streaming would stall each step's team). A worker runs one intra-op thread per CPU, the gateway
-one. `--cpus-prefill` / `--cpus-decode` / `--cpus-gateway` and the thread options override that.
-Pure: no torch, no system calls; the caller passes the usable CPUs.
+Processes sharing cores stall each other's OpenMP barriers (docs/architecture.md, processes).
+From the usable CPUs (lowest first): prefill and decode pools split in proportion to their
+workers (at least one each, a remainder to decode); each worker a consecutive slice of its pool;
+a colocated worker both pools; the gateway shares the prefill pool. One intra-op thread per CPU,
+the gateway one; `--cpus-*` and `--threads-*` override. Pure: the caller passes the usable CPUs.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from dataclasses import dataclass
 
 from nori.settings import Role
 
-# The roles with CPUs and threads of their own (--threads-ROLE); a batch runner, an HTTP client,
-# sits beside the gateway.
+# The roles with CPUs and threads of their own; a batch runner sits beside the gateway.
 PINNED_ROLES: tuple[Role, ...] = ("prefill", "decode", "colocated", "gateway")
 
 
@@ -65,10 +60,7 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one process runs."""
-
-    # The process's name in the cluster: prefill-0, decode-1, colocated-0, gateway.
-    name: str
+    name: str  # prefill-0, decode-1, colocated-0, gateway
     role: Role
     cpus: frozenset[int]
     threads: int
@@ -78,11 +70,10 @@ class Placement:
         return format_cpu_list(self.cpus)
 
     def serve_args(self) -> tuple[str, ...]:
-        """The `nori serve` flags that apply this placement inside the process."""
         return ("--cpus", self.cpu_list, "--threads", str(self.threads))
 
     def env(self) -> dict[str, str]:
-        """For the child's environment: OpenMP and MKL read these once, when they start."""
+        """OpenMP and MKL read these once, when they start."""
         return {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
 
     def describe(self) -> str:
@@ -92,14 +83,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    # The CPUs the plan was made from.
     usable: frozenset[int]
     placements: tuple[Placement, ...]
 
     def placement(self, name: str, role: Role, ordinal: int = 0) -> Placement:
-        """The named process's placement. A worker the plan did not foresee (one added to a
-        running cluster) takes the slice of the `ordinal`-th worker of its role, in turn; a role
-        the plan has none of runs on all the plan's CPUs."""
+        """The named process's placement; an unforeseen worker takes the `ordinal`-th slice of
+        its role, and a role the plan has none of runs on all the plan's CPUs."""
         for placement in self.placements:
             if placement.name == name:
                 return placement
@@ -110,7 +99,6 @@ class CpuPlan:
         return Placement(name, role, self.usable, len(self.usable))
 
     def describe(self) -> list[str]:
-        """One line per process: name, CPUs, threads."""
         return [placement.describe() for placement in self.placements]
 
     def to_dict(self) -> list[dict[str, object]]:
@@ -147,7 +135,6 @@ class CpuRequest:
 
 
 def plan_cpus(usable: Iterable[int], request: CpuRequest) -> CpuPlan:
-    """Per process, its CPUs and intra-op threads (see the module's docstring)."""
     cpus = frozenset(usable)
     if not cpus:
         raise ValueError("no usable CPUs")
@@ -207,9 +194,8 @@ def parse_usable_cpus(text: str | None, flag: str, usable: frozenset[int]) -> fr
 def split(
     cpus: list[int], num_prefill: int, num_decode: int
 ) -> tuple[frozenset[int], frozenset[int]]:
-    """The prefill and decode pools: disjoint, in proportion to the workers, at least one CPU
-    each, and one per worker when there are enough; both are the one CPU when there is only
-    one."""
+    """Disjoint prefill and decode pools, in proportion to the workers, at least one CPU each;
+    both the one CPU when there is only one."""
     total = len(cpus)
     if total == 1:
         return frozenset(cpus), frozenset(cpus)
@@ -224,9 +210,8 @@ def split(
 
 
 def spread(pool: list[int], count: int) -> list[frozenset[int]]:
-    """`count` workers over a pool: consecutive disjoint slices as even as possible (the first
-    ones one CPU larger), or one CPU each, dealt in turn, when there are fewer CPUs than
-    workers."""
+    """`count` workers over a pool: consecutive slices as even as possible, or one CPU each,
+    dealt in turn, when CPUs are fewer than workers."""
     if len(pool) < count:
         return [frozenset({pool[index % len(pool)]}) for index in range(count)]
     base, extra = divmod(len(pool), count)

@@ -1,12 +1,9 @@
 """A whole cluster on one machine, each role its own OS process (`nori up`, end-to-end tests).
 
-The processes are exactly what containers run (`nori serve ROLE ...`); this passes the same Redis
-and namespace to all of them (workers bind ports of their own choosing and state them in the
-registry), waits until the gateway reports every role healthy, restarts a role that exits
-unexpectedly (`supervise`, what `nori up` runs; nori.launch.role_process), and stops them in
-order: the batch runners, the gateway (no new requests), then the workers, each of which drains
-on SIGTERM. With a CPU plan (`nori.launch.cpu_plan`), each process gets its CPUs
-and thread count as `--cpus/--threads` (applied inside it) and OMP_NUM_THREADS/MKL_NUM_THREADS.
+The processes are what containers run (`nori serve ROLE ...`), sharing one Redis and namespace.
+This waits until the gateway reports every role healthy, restarts a role that exits (`supervise`)
+and stops them in order: batch runners, gateway, then workers (each drains on SIGTERM). A CPU
+plan (`nori.launch.cpu_plan`) gives each process `--cpus/--threads` and OMP/MKL thread counts.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ def free_port() -> int:
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
-    """Raises ValueError when `host:port` cannot be bound (another server has it)."""
     with socket.socket() as probe:
-        # As the gateway's server binds: a port whose last connections linger in TIME_WAIT
-        # (a cluster stopped a moment ago) is free to listen on again.
+        # As the gateway binds: a port in TIME_WAIT is free to listen on again.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
@@ -63,52 +58,37 @@ class ClusterSpec(RoleSettings):
     num_decode: int = 1
     colocated: bool = False
     port: int = 8000
-    # Where the gateway listens (0.0.0.0: on every interface); workers stay on 127.0.0.1.
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the gateway's; workers stay on 127.0.0.1
     served_model_name: str | None = None
-    # "ucx" or "tcp"; None: each worker's default (ucx where ucxx imports).
-    transport: str | None = None
+    transport: str | None = None  # "ucx" or "tcp"; None: each worker's default
     kv_lease_s: float = DEFAULT_KV_LEASE_S
     kv_queue_timeout_s: float = 60.0
     kv_transfer_timeout_s: float = 30.0
     # Gateway admission, per worker computing prompts; 0 = no bound.
     max_queued_prompt_tokens: int = 8192
-    # The gateway's --stream-interval: streamed tokens per event.
     stream_interval: int = 1
-    # The gateway's --disaggregation: where prompts are computed (disaggregated clusters).
     disaggregation: DisaggregationMode = "always"
-    # The gateway's --max-local-compute-s (with auto).
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
-    # The workers' --max-model-len, which the gateway must check requests against too.
+    # The workers' --max-model-len, which the gateway checks requests against too.
     max_model_len: int | None = None
-    # Every process logs at INFO (`nori up -v`).
     verbose: bool = False
-    # The gateway's --chat-template (a file or a Jinja template), if any.
     chat_template: str | None = None
-    # The gateway's --tokenizer, if any (`nori up` passes the workers theirs in worker_args).
     tokenizer: str | None = None
-    # The key the gateway's API requires (passed in its environment, not on its command line,
-    # where `ps` would show it); None: open.
+    # Passed in the gateway's environment, never on a command line; None: open.
     api_key: str | None = None
-    # Every process sends its spans here (OTLP/gRPC); None: the OTEL_* variables decide.
     otlp_traces_endpoint: str | None = None
-    # Extra flags for every worker (engine options such as --num-kv-blocks).
+    # Extra flags for every worker.
     worker_args: tuple[str, ...] = ()
-    # Extra flags for the prefill (or the decode and colocated) workers only, after
-    # worker_args: each pool its own engine options, e.g. --tensor-parallel-size.
+    # Extra flags for the prefill (or decode and colocated) workers only, after worker_args.
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     log_dir: Path | None = None
-    # Each process's CPUs and threads; None: unpinned, the libraries' default thread counts.
-    cpu_plan: CpuPlan | None = None
-    # A role's own Redis URL (its ACL user, `RedisServer.role_urls`), by role (gateway, prefill,
-    # decode, colocated); a role not named here uses redis_url. Secrets: never printed.
+    cpu_plan: CpuPlan | None = None  # None: unpinned
+    # A role's own Redis URL (its ACL user); a role not named uses redis_url. Never printed.
     role_redis_urls: tuple[tuple[Role, str], ...] = field(default=(), repr=False)
-    # The Batch API's directory (the gateway's --batch-dir) and the batch runners working it;
-    # None: no Batch API, no runner.
+    # The Batch API's directory and its runners; None: no Batch API.
     batch_dir: Path | None = None
     num_batch_runners: int = 1
-    # Extra flags for every batch runner (`nori serve batch --help`).
     batch_runner_args: tuple[str, ...] = ()
 
     def redis_url_of(self, role: Role) -> str:
@@ -144,8 +124,6 @@ class LocalCluster:
         if self.spec.max_local_compute_s != DEFAULT_MAX_LOCAL_COMPUTE_S:
             options += ["--max-local-compute-s", str(self.spec.max_local_compute_s)]
         return options
-
-    # ------------------------------------------------------------------ start
 
     def start(self, timeout_s: float = 120.0) -> LocalCluster:
         self._log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="nori-up-"))
@@ -189,15 +167,14 @@ class LocalCluster:
     def add_worker(
         self, role: WorkerRole, worker_id: str, extra_args: Sequence[str] = ()
     ) -> RoleProcess:
-        """Starts one more worker; it joins the running cluster through the registry.
-        `extra_args` come last, so they override the cluster's worker flags."""
+        """Starts one more worker, joining through the registry; `extra_args` override the
+        cluster's worker flags."""
         serve_role = "decode" if role == "colocated" else role
         args = [
             "serve",
             serve_role,
             "--host",
             "127.0.0.1",
-            # Port 0: the worker binds a free port itself and states it in the registry.
             "--port",
             "0",
             "--worker-id",
@@ -218,7 +195,6 @@ class LocalCluster:
         return self._spawn(worker_id, role, [*args, *extra_args])
 
     def add_batch_runner(self, name: str, extra_args: Sequence[str] = ()) -> RoleProcess:
-        """Starts one more batch runner on the cluster's batch directory."""
         assert self.spec.batch_dir is not None
         args = [
             "serve",
@@ -227,7 +203,6 @@ class LocalCluster:
             str(self.spec.batch_dir),
             "--gateway-url",
             self.url,
-            # Its log names it; its result logs are named after it (one per incarnation).
             "--runner-id",
             f"{name}-{len(self.processes)}",
             *self._common_args(),
@@ -236,7 +211,7 @@ class LocalCluster:
         return self._spawn(name, "batch", [*args, *extra_args])
 
     def worker(self, name: str) -> RoleProcess:
-        """A worker process, with its gRPC address as it states it in the registry."""
+        """A worker process, with its gRPC address as stated in the registry."""
         found = next(p for p in self.processes if p.name == name)
         if found.role != "gateway":
             found.grpc_address = self._registered_address(name) or found.grpc_address
@@ -255,8 +230,7 @@ class LocalCluster:
         return value.decode() if isinstance(value, bytes) else ""
 
     def _common_args(self) -> list[str]:
-        # The Redis URL travels in REDIS_URL (`_spawn`): it may hold a password, which `ps`
-        # would show on a command line.
+        # The Redis URL (it may hold a password) travels in REDIS_URL, never on the command line.
         args = ["--namespace", self.spec.namespace]
         if self.spec.served_model_name:
             args += ["--served-model-name", self.spec.served_model_name]
@@ -272,7 +246,6 @@ class LocalCluster:
         if role in ("gateway", "batch") and self.spec.api_key:
             env["NORI_API_KEY"] = self.spec.api_key
         if self.spec.cluster_secret:
-            # In the environment, not on the command line, where `ps` would show it.
             env["NORI_CLUSTER_SECRET"] = self.spec.cluster_secret
         plan = self.spec.cpu_plan
         if plan is not None:
@@ -304,7 +277,6 @@ class LocalCluster:
             return None
 
     def wait_healthy(self, expected: dict[WorkerRole, int], timeout_s: float = 120.0) -> None:
-        """Until the gateway sees at least `expected` live workers per role."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
@@ -321,8 +293,7 @@ class LocalCluster:
         )
 
     def supervise(self) -> list[str]:
-        """Restarts roles that exited unexpectedly, with backoff (`RoleProcess.supervise`); what
-        happened, one line each."""
+        """Restarts roles that exited unexpectedly, with backoff; what happened, one line each."""
         now = time.monotonic()
         return [event for role in self.processes if (event := role.supervise(now)) is not None]
 
@@ -333,8 +304,6 @@ class LocalCluster:
                 raise RuntimeError(
                     f"{role.name} exited with status {code}; its log ends with:\n{role.log_tail()}"
                 )
-
-    # ------------------------------------------------------------------ stop
 
     def stop(self, timeout_s: float = 30.0) -> None:
         runners = [p for p in self.processes if p.role == "batch"]

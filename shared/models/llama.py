@@ -1,12 +1,9 @@
-"""One decoder for Llama 2/3, Mistral, Qwen2 and Qwen3, and for their mixture-of-experts
-relatives Mixtral, Qwen2-MoE and Qwen3-MoE (whose routed layers' MLP is `nori.models.moe`'s);
-config flags select the differences.
+"""One decoder for Llama 2/3, Mistral, Qwen2, Qwen3 and the MoE relatives Mixtral, Qwen2-MoE and
+Qwen3-MoE (routed MLPs from `nori.models.moe`); config flags select the differences.
 
-Tokens of all sequences in a batch are flattened into one axis T. Everything here is per token
-except the `attention` callable, which alone knows which tokens belong together.
-
-q/k/v and gate/up projections are fused into one matmul each (fewer kernel launches per decode
-step); `hf_weight_targets` maps Hugging Face's separate tensors onto row slices of them.
+Tokens of all sequences are flattened into one axis T; only the `attention` callable knows which
+belong together. q/k/v and gate/up are fused into one matmul each; `hf_weight_targets` maps
+Hugging Face's separate tensors onto their row slices.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from nori.models.rope import RotaryEmbedding, RotaryTables
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows [start, stop) of `parameter` (all rows if None),
-    or of its `expert`-th matrix for the experts' stacked weights."""
+    """Rows [start, stop) of `parameter` (all if None), or of its `expert`-th stacked matrix."""
 
     parameter: torch.Tensor
     start: int | None = None
@@ -79,7 +75,6 @@ class SelfAttention(nn.Module):
             q = rotary.apply(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))[0])
             k = rotary.apply(self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))[0])
         else:
-            # q and k heads side by side in the fused output: one rotation for both.
             heads = self.num_heads + self.num_kv_heads
             qk = rotary.apply(qkv[:, : self.q_size + self.kv_size].view(tokens, heads, -1))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -89,7 +84,7 @@ class SelfAttention(nn.Module):
 
 class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, make: _Factory, intermediate_size: int = 0) -> None:
-        """`intermediate_size` 0 means the config's (a shared expert has its own)."""
+        """`intermediate_size` 0: the config's."""
         super().__init__()
         self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = make.linear(
@@ -119,10 +114,8 @@ class DecoderLayer(nn.Module):
         attention: Attention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for layer 0, with no residual).
-
-        Returns this layer's MLP output and the residual stream before it is added: each add
-        is fused into the norm that follows it (the next layer's, or the final one).
-        """
+        Returns this layer's MLP output and the residual before it is added (each add is fused
+        into the following norm)."""
         hidden, residual = self.input_layernorm(x, residual)
         hidden, residual = self.post_attention_layernorm(
             self.self_attn(hidden, rotary, attention), residual
@@ -174,22 +167,19 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(config, make)
         self.rotary = RotaryEmbedding(config, device)
         # Tied models read the embedding matrix directly: a second Parameter sharing storage
-        # would come apart when the module is built on "meta" and materialized with to_empty.
+        # would come apart when built on "meta" and materialized with to_empty.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else make.linear(config.hidden_size, config.vocab_size, False)
         )
-        # A tied model's head weight in [in, out] order (see store_weights_transposed).
         self.tied_head_weight: torch.Tensor | None = None
-        # The head as a module of its own, used instead of a weight when set: 8-bit weights
-        # (`--quantize-lm-head`) or bf16 weights prepacked for the CPU (see quantization.py).
+        # Used instead of a weight when set: 8-bit or CPU-prepacked head (quantization.py).
         self.head_module: nn.Module | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         rotary = self.rotary(positions, x.dtype)
         residual: torch.Tensor | None = None
@@ -198,7 +188,6 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def head_weight(self) -> torch.Tensor:
-        """The head's [vocab, hidden] weight: lm_head's, or the embedding table when tied."""
         return self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -215,12 +204,9 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def store_weights_transposed(self) -> None:
-        """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]).
-
-        CPU GEMM libraries multiply a small batch by a weight stored [in, out] faster than by one
-        stored [out, in], with bit-identical results (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
-        F.linear(x, W) computes x @ W.t(), which is then a plain row-major product. The CPU
-        engine calls this once after loading.
+        """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]):
+        CPU GEMMs of small batches run faster, bit-identical
+        (docs/benchmarks.md#cpu-kernels-and-weight-layouts). Called once after loading on CPU.
         """
         with torch.no_grad():
             for module in self.modules():
@@ -230,8 +216,7 @@ class CausalLM(nn.Module):
                 elif isinstance(module, ExpertWeights):
                     module.pack_for_cpu()
             if self.lm_head is None and self.head_module is None:
-                # Tied: the embedding lookup wants rows contiguous and the head the transpose,
-                # so the head gets its own copy (vocab x hidden more memory).
+                # Tied: the head gets its own transposed copy (the lookup wants rows contiguous).
                 embedding = self.model.embed_tokens.weight
                 self.tied_head_weight = embedding.t().contiguous().t()
 
@@ -242,7 +227,6 @@ class CausalLM(nn.Module):
             block.reset_buffers()
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
-        """Decoder layer index -> its mixture-of-experts block, for the routed layers."""
         blocks: dict[int, SparseMoeBlock] = {}
         for index, layer in enumerate(self.model.layers):
             assert isinstance(layer, DecoderLayer)
@@ -251,7 +235,6 @@ class CausalLM(nn.Module):
         return blocks
 
     def hf_weight_targets(self) -> dict[str, WeightTarget]:
-        """Hugging Face checkpoint tensor name -> where its values go in this module."""
         config = self.config
         targets: dict[str, WeightTarget] = {
             "model.embed_tokens.weight": WeightTarget(self.model.embed_tokens.weight),

@@ -39,15 +39,11 @@ def load_model(
     quantize_lm_head: bool = False,
     tensor_parallel: TensorParallelGroup | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Returns the model in eval mode without gradients, on `device` in `dtype`.
+    """The model in eval mode without gradients, on `device` in `dtype`.
 
-    With `tensor_parallel`, the whole checkpoint is read and then cut to that rank's shard
-    (nori.models.shard) before any 8-bit quantization or prepacking.
-
-    `load_format="dummy"` skips the safetensors and fills weights with seeded random values
-    generated on the device itself, so big shapes can be benchmarked without big files.
-    `quantization` ("int8", "fp8") replaces the decoder's linear layers by 8-bit ones once the
-    weights are in (see quantization.py).
+    `tensor_parallel`: cut to that rank's shard (nori.models.shard) before quantizing.
+    `load_format="dummy"`: seeded random weights made on the device (benchmarks).
+    `quantization` ("int8", "fp8"): 8-bit decoder linears once the weights are in.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -67,8 +63,7 @@ def load_model(
     if stored is not None and load_format == "dummy":
         raise ModelLoadError(f"{folder} is quantized: --load-format dummy cannot fill it")
     device = torch.device(device)
-    # Built on "meta" then materialized: no time spent on default initialization that the
-    # checkpoint overwrites anyway, and no float32 copy of a bf16 model.
+    # Built on "meta" then materialized: no wasted init, no float32 copy of a bf16 model.
     model = CausalLM(config, dtype=dtype, device="meta").to_empty(device=device)
     model.reset_buffers()
     with torch.no_grad():
@@ -80,7 +75,6 @@ def load_model(
     if tensor_parallel is not None:
         shard_model(model, tensor_parallel)
     if quantization is not None:
-        # Before the transposition below, which then only touches what stayed nn.Linear.
         quantize_model(model, quantization, include_lm_head=quantize_lm_head)
     if device.type == "cpu":
         if dtype is torch.bfloat16:
@@ -114,11 +108,9 @@ def _load_safetensors(
     targets = model.hf_weight_targets()
     loaded: set[str] = set()
     unexpected: list[str] = []
-    # A quantized checkpoint's fp8 layers are held aside and swapped in at the end.
     fp8 = Fp8Weights(targets) if quantized else None
     for path in safetensors_files(folder):
-        # safe_open reads one tensor at a time straight onto the device; copy_ then converts
-        # the dtype there, so host memory never holds more than one tensor.
+        # One tensor at a time straight onto the device: host memory holds at most one.
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 tensor = handle.get_tensor(name)
@@ -144,7 +136,6 @@ def _load_safetensors(
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:
-    # A tied model may still ship lm_head.weight (a copy of the embedding); it is redundant.
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return True
     return name.endswith(_IGNORED_SUFFIXES)

@@ -1,13 +1,10 @@
 """The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's
-top-k experts, the fused expert kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds
-a shared expert scaled by a sigmoid gate.
+top-k experts, the fused kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds a
+shared expert behind a sigmoid gate.
 
-Routing follows transformers exactly: softmax over all experts in float32, top-k, then (Mixtral
-always, Qwen when `norm_topk_prob`) rescaled to sum to 1; Mixtral keeps the weights in float32,
-Qwen casts them to the activations' dtype. Under tensor parallelism every rank holds a slice of
-every expert, under expert parallelism whole experts (`nori.models.shard`); either way one
-all-reduce adds the ranks' partial sums, shared expert included. Each block counts the tokens
-routed to each expert since load (`routed_tokens`), for the load-balance metrics.
+Routing follows transformers exactly (float32 softmax, top-k, renormalised for Mixtral or with
+`norm_topk_prob`). Ranks hold expert slices (tensor parallel) or whole experts (expert parallel,
+`nori.models.shard`); one all-reduce adds their partial sums. `routed_tokens` counts per expert.
 """
 
 from __future__ import annotations
@@ -33,10 +30,9 @@ def route_tokens(
 
 
 class ExpertWeights(nn.Module):
-    """Every expert's gated MLP, stacked: w13 [E, 2I, H] (gate rows, then up rows) and
-    w2 [E, H, I]; after `quantize_` 8-bit with one float32 scale per output row; on CPU, after
-    `pack_for_cpu`, packed in panels of 16 outputs (4-D; `gate_up_weights()` and
-    `down_weights()` give the [E, N, K] matrices whatever the storage)."""
+    """Every expert's gated MLP, stacked: w13 [E, 2I, H] (gate, then up rows) and w2 [E, H, I];
+    8-bit after `quantize_`, packed in panels after `pack_for_cpu` (`gate_up_weights()` and
+    `down_weights()` give [E, N, K] either way)."""
 
     w13_scale: torch.Tensor | None
     w2_scale: torch.Tensor | None
@@ -73,8 +69,8 @@ class ExpertWeights(nn.Module):
         )
 
     def keep_slices(self, experts: slice, intermediate_rows: torch.Tensor | None = None) -> None:
-        """Keeps only experts `experts` and, of each, the intermediate features
-        `intermediate_rows` (tensor parallelism); in place, before any quantization."""
+        """Keeps only `experts` and, of each, the `intermediate_rows` (tensor parallelism); in
+        place, before any quantization."""
         w13, w2 = self.w13.data[experts], self.w2.data[experts]
         if intermediate_rows is not None:
             inter = self.intermediate_size
@@ -87,8 +83,7 @@ class ExpertWeights(nn.Module):
         self.num_experts = w13.shape[0]
 
     def quantize_(self, method: str) -> None:
-        """8-bit weights (int8 or fp8) with one scale per output row, as the dense layers'
-        (`quantize_weight` per expert)."""
+        """8-bit weights (int8 or fp8) with one scale per output row (`quantize_weight`)."""
         for name in ("w13", "w2"):
             weights = getattr(self, name)
             codes, scales = zip(
@@ -99,8 +94,7 @@ class ExpertWeights(nn.Module):
             setattr(self, f"{name}_scale", torch.stack(scales))
 
     def pack_for_cpu(self) -> None:
-        """Packs both matrices in panels of 16 outputs (`pack_expert_panels`), float or 8-bit:
-        the C++ kernel streams each tile's weights as one contiguous block, its fastest route
+        """Packs both matrices in panels of 16 outputs, the C++ kernel's fastest route
         (docs/benchmarks.md#cpu-kernels-and-weight-layouts)."""
         for name in ("w13", "w2"):
             packed = pack_expert_panels(getattr(self, name).data)
@@ -120,10 +114,8 @@ class ExpertWeights(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The MLP of a routed decoder layer. Attribute names follow the Qwen MoE checkpoints
-    (`gate` is the router); `hf_weight_targets` maps Mixtral's names onto the same. The decoder
-    builds the parts: the router `gate` [E, H], the experts, and Qwen2-MoE's shared expert (a
-    gated MLP) with its one-output `shared_expert_gate`."""
+    """The MLP of a routed decoder layer, named as the Qwen MoE checkpoints (`gate` is the
+    router [E, H]); Qwen2-MoE adds a shared expert and its one-output `shared_expert_gate`."""
 
     routed_tokens: torch.Tensor
 
@@ -170,5 +162,4 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def reset_buffers(self) -> None:
-        """Zeroes the counters after `to_empty` (which leaves buffers uninitialized)."""
         self.routed_tokens.zero_()

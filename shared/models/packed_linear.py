@@ -12,20 +12,15 @@ from nori.kernels.cpu_build import cpu_kernels
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
-# Up to this many rows take the C++ GEMV (bf16_gemv_cpu.cpp) rather than oneDNN's packed GEMM,
-# whose call has a fixed cost at any size; with AMX oneDNN's GEMM wins from 2 rows, but one row
-# is memory-bound either way (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
+# Up to this many rows take the C++ GEMV rather than oneDNN's GEMM (with AMX: one row only)
+# (docs/benchmarks.md#cpu-kernels-and-weight-layouts).
 GEMV_MAX_ROWS = 8
 
 
 class PackedBf16Linear(nn.Module):
-    """A bfloat16 layer on CPU with its weight prepacked for oneDNN's bf16 GEMM.
-
-    The AVX-512 BF16 kernels want the weight in their own blocked layout; F.linear re-lays it
-    out on every call, which at decode batch sizes costs more than the product.
-    torch.compile's CPU backend packs frozen weights the same way; the results are identical.
-    A decode step's few rows take the C++ GEMV instead, over its own packed copy of the
-    weight (two more bytes a weight), on hosts without AMX; with AMX only a single row does.
+    """A bfloat16 layer on CPU with its weight prepacked for oneDNN's bf16 GEMM (F.linear would
+    re-lay it out on every call); results are identical. A decode step's few rows take the C++
+    GEMV over its own packed copy instead (without AMX; with AMX only a single row does).
     """
 
     packed_weight: torch.Tensor
@@ -34,7 +29,6 @@ class PackedBf16Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # The batch-size hint only tunes the layout; any batch size runs on it.
         self.register_buffer(
             "packed_weight",
             torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().contiguous(), 16),
@@ -66,9 +60,8 @@ def _has_amx() -> bool:
 
 
 def bf16_packing_supported() -> bool:
-    """Whether oneDNN's bf16 GEMM runs on this CPU: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT. On an AVX2-only host its weight reorder
-    raises; bfloat16 layers stay plain nn.Linear there (torch's own, slower, bf16 path)."""
+    """Whether oneDNN's bf16 GEMM runs on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); else
+    bfloat16 layers stay plain nn.Linear."""
     return torch.backends.mkldnn.is_available() and bool(
         torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
@@ -76,16 +69,14 @@ def bf16_packing_supported() -> bool:
 
 def pack_bf16_linears(model: CausalLM) -> int:
     """Prepacks every nn.Linear left in a bfloat16 CPU model, the head included (as
-    `model.head_module`); returns how many. A no-op (0) where oneDNN is not built in or its
-    bf16 GEMM does not run on this CPU (`bf16_packing_supported`)."""
+    `model.head_module`); returns how many (0 where unsupported)."""
     if not bf16_packing_supported():
         return 0
     with torch.no_grad():
         packed = replace_linears(
             model,
             lambda linear: PackedBf16Linear(linear.weight, linear.bias),
-            # The head is packed below, as head_module; a shared expert's one-output gate
-            # gains nothing from packing.
+            # The head is packed below, as head_module; a one-output gate gains nothing.
             skip=lambda name: name in ("lm_head", "shared_expert_gate"),
         )
         if model.head_module is None:

@@ -1,12 +1,9 @@
-"""One rank's shard of a model: its shapes (`local_model_config`, what its KV cache holds) and
-the cut itself, in place (`shard_model`, Megatron-style).
+"""One rank's shard of a model, Megatron-style: its shapes (`local_model_config`) and the cut
+itself, in place (`shard_model`).
 
-Attention keeps the rank's query heads and the kv heads they read in the fused qkv projection
-(column-parallel), o_proj the matching input columns (row-parallel); the MLP its share of gate
-and up, down_proj the matching columns; a mixture-of-experts MLP the whole router and every
-expert's share of its features, or whole experts (E / world_size per rank) under expert
-parallelism, all-reduced once (`nori.models.moe`); the embedding and LM head its share of the
-vocabulary. Norms and rotary tables stay whole. Runs after the checkpoint is read and before
+Attention keeps the rank's heads (qkv column-, o_proj row-parallel); the MLP its share of gate/up
+and down's matching columns; a MoE MLP every expert's share, or whole experts under expert
+parallelism; embedding and head their vocabulary share. Norms and rotary stay whole. Runs before
 8-bit quantization or prepacking, which then see plain nn.Linear shards.
 """
 
@@ -25,8 +22,8 @@ from nori.parallel.layers import RowParallelLinear, VocabParallelEmbedding, Voca
 
 
 def local_model_config(config: ModelConfig, group: TensorParallelGroup) -> ModelConfig:
-    """The shapes `group`'s rank's shard has: its query and kv heads (what its KV cache holds).
-    ValueError when the model does not split into world_size shards."""
+    """The shapes of `group`'s rank's shard (its query and kv heads); ValueError when the model
+    does not split into world_size shards."""
     if not config.is_moe or any(
         not config.is_moe_layer(index) for index in range(config.num_hidden_layers)
     ):
@@ -49,7 +46,6 @@ def local_model_config(config: ModelConfig, group: TensorParallelGroup) -> Model
 
 def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
     config = model.config
-    # Checked up front, so a bad size fails before anything is cut.
     local_model_config(config, group)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -67,7 +63,6 @@ def shard_model(model: CausalLM, group: TensorParallelGroup) -> None:
 
 
 def _shard_attention(attn: SelfAttention, group: TensorParallelGroup) -> None:
-    # Heads split evenly (checked), so the rank's share of q (and of k, v) is whole heads.
     q_start, q_stop = group.part(attn.q_size, "attention heads")
     kv_start, kv_stop = group.part(attn.kv_size, "key-value heads")
     q_size, kv_size = attn.q_size, attn.kv_size
@@ -106,8 +101,7 @@ def _shard_moe(block: SparseMoeBlock, group: TensorParallelGroup) -> None:
         experts.keep_slices(slice(None), torch.arange(start, stop))
     shared = block.shared_expert
     if isinstance(shared, GatedMLP):
-        # Column-parallel gate/up and the matching columns of down, without down's own
-        # all-reduce: the block all-reduces routed and shared partial sums together.
+        # No all-reduce of down's own: the block all-reduces routed and shared sums together.
         start, stop = group.part(shared.intermediate_size, "shared expert intermediate size")
         inter = shared.intermediate_size
         device = shared.gate_up_proj.weight.device

@@ -1,8 +1,5 @@
 """One rank's view of the tensor-parallel group, and the collectives the sharded model uses.
-
-torch.distributed keeps its default process group per process, so one process holds at most one
-group: an engine with --tensor-parallel-size N makes it at start and ends it at shutdown.
-"""
+torch.distributed's default group is per process, so a process holds at most one group."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int
     world_size: int
-    # `--enable-expert-parallel`: a mixture-of-experts model's experts are split whole across
-    # the ranks instead of each expert being cut into slices (attention is sharded either way).
+    # Experts split whole across the ranks instead of sliced (attention is sharded either way).
     expert_parallel: bool = False
 
     @property
@@ -25,8 +21,8 @@ class TensorParallelGroup:
         return self.rank == 0
 
     def part(self, size: int, what: str) -> tuple[int, int]:
-        """This rank's [start, stop) of `size` items split evenly; ValueError when they do not
-        split (the message names `what`)."""
+        """This rank's [start, stop) of `size` items split evenly; ValueError (naming `what`)
+        when they do not split."""
         if size % self.world_size:
             raise ValueError(
                 f"--tensor-parallel-size {self.world_size} must divide the model's {what} ({size})"
@@ -41,11 +37,9 @@ class TensorParallelGroup:
         start = min(self.rank * share, size)
         return start, min(start + share, size), share
 
-    # ---------------------------------------------------------------- collectives
-
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums `tensor` over the ranks, in place (float32 on the wire where gloo lacks the
-        dtype: it has no bfloat16 sum); returns it."""
+        """Sums `tensor` over the ranks in place and returns it (via float32 where gloo lacks
+        the dtype)."""
         if tensor.dtype in (torch.float32, torch.float64) or tensor.is_cuda:
             dist.all_reduce(tensor)
             return tensor
@@ -64,8 +58,7 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=dim) if self.is_leader else None
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        # As bytes: gloo moves any dtype that way (it has no float8 nor bfloat16 collectives),
-        # and only the last dimension's size changes, so the parts view back whole.
+        # As bytes: gloo has no float8 nor bfloat16 collectives; the parts view back whole.
         payload = tensor.contiguous().view(torch.uint8)
         parts = [torch.empty_like(payload) for _ in range(self.world_size)]
         dist.all_gather(parts, payload)

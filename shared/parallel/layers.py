@@ -1,9 +1,5 @@
-"""The modules a sharded model swaps in (Megatron-style): what each rank holds and where the
-ranks' partial results meet.
-
-Column-parallel projections need no module of their own: a rank keeps its rows of the weight
-(its heads of q/k/v, its share of gate/up) in a plain nn.Linear, and its outputs stay local.
-"""
+"""The modules a sharded model swaps in (Megatron-style). Column-parallel projections need none:
+a rank keeps its weight rows in a plain nn.Linear."""
 
 from __future__ import annotations
 
@@ -15,14 +11,13 @@ from nori.parallel.group import TensorParallelGroup
 
 
 class RowParallelLinear(nn.Module):
-    """A projection whose input features are split across the ranks (o_proj, down_proj): each
-    rank multiplies its slice, the partial sums are added over the ranks, then the bias, once."""
+    """Input features split across the ranks (o_proj, down_proj): partial sums added over the
+    ranks, then the bias once."""
 
     def __init__(
         self, inner: nn.Module, bias: torch.Tensor | None, group: TensorParallelGroup
     ) -> None:
         super().__init__()
-        # An nn.Linear without bias, which 8-bit or prepacked modules may replace later.
         self.inner = inner
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
@@ -33,8 +28,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds the table rows of its share of the vocabulary; a token outside it looks
-    up zeros, so the sum over the ranks is the full lookup."""
+    """Each rank holds its vocabulary share's rows; other tokens look up zeros, so the sum over
+    ranks is the full lookup."""
 
     def __init__(self, full: nn.Embedding, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -52,12 +47,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The LM head split by vocabulary: each rank's logits for its share, gathered side by side
-    on every rank (the leader samples from them; the others take part in the gather).
-
-    Shares are equal (the gather needs that): a vocabulary that does not split evenly gets zero
-    rows at the end of the last share, whose logits are cut off after the gather.
-    """
+    """The LM head split by vocabulary into equal shares (the last zero-padded, cut off after
+    the gather), gathered side by side on every rank."""
 
     def __init__(self, full_weight: torch.Tensor, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -66,7 +57,6 @@ class VocabParallelHead(nn.Module):
         weight_rows = torch.zeros(share, hidden, dtype=full_weight.dtype, device=full_weight.device)
         weight_rows[: stop - start] = full_weight[start:stop]
         vocab = share
-        # A plain nn.Linear, so prepacking or 8-bit quantization can replace it like any other.
         self.inner = nn.Linear(
             hidden, vocab, bias=False, dtype=weight_rows.dtype, device=weight_rows.device
         )

@@ -1,11 +1,8 @@
 """Workers accept internal gRPC calls only from holders of the cluster secret.
 
-Every internal call (Generate, Prefill, GetStats, RenewLeases) carries `ClusterAuth.rpc_token()`
-under `RPC_TOKEN_METADATA` in the metadata its caller already sends, so no client interceptor
-touches streamed messages. `ClusterTokenInterceptor` checks it once per call and answers a
-missing or wrong token UNAUTHENTICATED before any handler runs. The standard health service
-stays open (it says SERVING or not, nothing else); an open cluster (no secret) installs no
-interceptor at all.
+Every internal call carries `ClusterAuth.rpc_token()` in its metadata; `ClusterTokenInterceptor`
+answers a missing or wrong one UNAUTHENTICATED before any handler runs. The health service stays
+open; an open cluster installs no interceptor.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import grpc
 
 from nori.cluster_auth import RPC_TOKEN_METADATA, ClusterAuth
 
-# Methods open to callers without the token: the standard health service only.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 DENIED_MESSAGE = (
@@ -27,7 +23,6 @@ DENIED_MESSAGE = (
 
 
 def call_token(metadata: tuple[Any, ...] | None) -> str | None:
-    """The cluster token in a call's invocation metadata, if any."""
     for key, value in metadata or ():
         if key == RPC_TOKEN_METADATA:
             return value if isinstance(value, str) else None
@@ -39,9 +34,8 @@ async def _deny(request_or_iterator: object, context: grpc.aio.ServicerContext) 
 
 
 def denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind (unary or streaming either way) that only aborts with
-    UNAUTHENTICATED: gRPC must be given a handler of the method's own kind, or a streaming
-    caller would wait on a call the server answers wrongly."""
+    """A handler of `handler`'s kind that only aborts with UNAUTHENTICATED (gRPC needs the
+    method's own kind)."""
     options: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
@@ -78,5 +72,4 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def server_interceptors(auth: ClusterAuth) -> tuple[grpc.aio.ServerInterceptor, ...]:
-    """What a worker's gRPC server installs: the token check, or nothing in an open cluster."""
     return (ClusterTokenInterceptor(auth),) if auth.enabled else ()

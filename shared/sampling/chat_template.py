@@ -1,12 +1,9 @@
 """Renders Hugging Face chat templates the way transformers does, byte for byte.
 
-The environment mirrors `transformers.utils.chat_template_utils._compile_jinja_template`: an
-immutable sandbox (templates are untrusted code), `trim_blocks`/`lstrip_blocks`, `loopcontrols`,
-a `tojson` that keeps non-ASCII text, and the `raise_exception` and `strftime_now` globals. A
-request may bring its own template, so rendering is also bounded (`TemplateLimits`): every loop
-iteration and call is charged to a per-render step budget with a deadline, and `range`, every
-string or list a template builds and the rendered text are capped in size, refused before they
-are allocated. A template over its limits raises `TemplateLimitError` (a 400 at the gateway).
+The environment mirrors transformers' `_compile_jinja_template` (an immutable sandbox,
+`trim_blocks`/`lstrip_blocks`, `loopcontrols`, a non-ASCII `tojson`, `raise_exception`,
+`strftime_now`). Requests may bring templates, so rendering is bounded (`TemplateLimits`): steps,
+deadline and built sizes, refused before allocation; past them, `TemplateLimitError`.
 """
 
 from __future__ import annotations
@@ -39,14 +36,11 @@ class TemplateLimitError(ChatTemplateError):
 
 @dataclass(frozen=True)
 class TemplateLimits:
-    """What one render may do. Real chat templates take a few steps per message (a loop
-    iteration, a call or two) and render in milliseconds, far inside these."""
+    """What one render may do; real chat templates stay far inside these."""
 
-    # Loop iterations and calls (macros, methods, filters' callers) of one render, together.
-    max_steps: int = 100_000
+    max_steps: int = 100_000  # loop iterations and calls, together
     # The longest string or list a template may build, the rendered text included.
     max_output_chars: int = 16 * 1024 * 1024
-    # Wall-clock time of one render, checked as it takes steps and writes output.
     timeout_s: float = 0.5
 
 
@@ -59,7 +53,6 @@ _JOIN_NAME = "_nori_join"
 _HUGE_FORMAT_WIDTH = re.compile(r"\d{7,}")
 # Big integers cost quadratic time to multiply and print; no template needs one this large.
 _MAX_INT_BITS = 64 * 1024
-# Steps between deadline checks (a clock read costs more than a step).
 _CLOCK_EVERY_STEPS = 256
 
 
@@ -74,8 +67,7 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    # Jinja's own tojson escapes HTML characters and sorts keys; transformers replaces it with
-    # plain json.dumps, and prompts must match what the model was trained on.
+    # Jinja's own tojson escapes HTML and sorts keys; transformers uses plain json.dumps.
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -86,8 +78,6 @@ def _strftime_now(format: str) -> str:
 
 
 class _Budget:
-    """One render's steps and deadline."""
-
     def __init__(self, limits: TemplateLimits) -> None:
         self.limits = limits
         self.steps_left = limits.max_steps
@@ -111,7 +101,6 @@ class _Budget:
             )
 
     def counted(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """A loop's iterable, one step per iteration."""
         for item in iterable:
             self.charge()
             yield item
@@ -125,7 +114,6 @@ class _Budget:
         return numbers
 
     def join(self, parts: Iterable[Any]) -> str:
-        """`a ~ b ~ ...`, capped like any other string."""
         return _bounded_join(parts, self.limits.max_output_chars, self)
 
 
@@ -148,8 +136,8 @@ def _size(value: Any) -> int:
 
 
 class _BoundedNamespace(Namespace):
-    """`namespace()`, whose attributes may not grow past the cap: the one way a template keeps
-    a value across loop iterations, so the one way to double a string in a loop."""
+    """`namespace()` with capped attributes: the one way a template keeps (and could double) a
+    value across loop iterations."""
 
     max_chars = TemplateLimits.max_output_chars
 
@@ -164,8 +152,6 @@ class _BoundedNamespace(Namespace):
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with each render's work bounded (see the module's docstring)."""
-
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def __init__(self, limits: TemplateLimits) -> None:
@@ -181,15 +167,13 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         )
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        # A template may not reach into its own budget (to refill it, say).
         return not isinstance(obj, _Budget) and super().is_safe_attribute(obj, attr, value)
 
     def concat(self, parts: Iterable[Any]) -> str:
-        # How Jinja joins the output of the template, a macro, or a {% set %} block.
         return _bounded_join(parts, self.limits.max_output_chars)
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        """The template's syntax tree, with every loop's iterable counted and every `~` capped."""
+        """The syntax tree, with every loop's iterable counted and every `~` capped."""
         tree = super()._parse(source, name, filename)
         defined = [
             *((n.name, n.lineno) for n in tree.find_all(nodes.Name) if n.ctx != "load"),
@@ -217,9 +201,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             )
 
     def _check_arguments(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        """Refuses a call whose result would be huge: widths and counts over the cap (`center`,
-        `indent`, `ljust`...), format strings that pad to such widths, and `replace` or `join`
-        results past the cap."""
+        """Refuses a call whose result would be huge: widths and counts over the cap, padding
+        format strings, and `replace` or `join` results past the cap."""
         name = getattr(func, "__name__", "a call").removeprefix("sync_").removeprefix("do_")
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and abs(value) > self.limits.max_output_chars:
@@ -336,9 +319,8 @@ def render_chat_template(
     extra: Mapping[str, Any] | None = None,
     limits: TemplateLimits | None = None,
 ) -> str:
-    """Renders `messages` with the variables transformers passes (special tokens, flags),
-    within `limits`. Any failure of the template (a syntax error, `raise_exception`, a limit,
-    or an exception its code raised: `{{ 1/0 }}`, an undefined attribute called) is a
+    """Renders `messages` with the variables transformers passes, within `limits`. Any template
+    failure (syntax, `raise_exception`, a limit, an exception its code raised) is a
     ChatTemplateError carrying the template's message."""
     variables: dict[str, Any] = dict(special_tokens)
     variables.update(extra or {})
@@ -366,18 +348,15 @@ def render_chat_template(
     except MemoryError as error:
         raise TemplateLimitError("chat template ran out of memory while rendering") from error
     except Exception as error:
-        # The template's own code failed ({{ 1/0 }}, "a" - 1, a method raising...): whatever it
-        # raised is the template's fault, not the server's.
+        # The template's own code failed: its fault, not the server's.
         raise ChatTemplateError(
             f"chat template failed to render: {type(error).__name__}: {error}"
         ) from error
 
 
 def load_chat_template(value: str) -> str:
-    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM).
-
-    A value that names no file and has no template syntax is taken for a mistyped path.
-    """
+    """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM); a
+    value naming no file and without template syntax is taken for a mistyped path."""
     try:
         is_file = Path(value).expanduser().is_file()
     except OSError:  # a template is no file name (too long, say)

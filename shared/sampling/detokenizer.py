@@ -1,11 +1,8 @@
 """Streaming detokenization of one request's output, with stop strings.
 
-vLLM's two-offset scheme, with two rules so that everything emitted, concatenated, always equals
-`Tokenizer.decode` of the same ids: text is held back while the newest token is a byte-fallback
-piece (the run may still grow), and while the decoded window ends in U+FFFD (a byte-level BPE
-character split across tokens). `flush()` releases what is still held when the request ends.
-(`tokenizers.decoders.DecodeStream` raises whenever a later token changes text it returned,
-which byte-fallback tokenizers do routinely, and cannot flush held-back bytes.)
+vLLM's two-offset scheme, so everything emitted, concatenated, equals `Tokenizer.decode` of the
+same ids: text is held back while the newest token is a byte-fallback piece, and while the
+decoded window ends in U+FFFD. `flush()` releases what is held when the request ends.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ from nori.sampling.stop_strings import find_stop
 from nori.sampling.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens decoded in front of the output, as vLLM does, so that the first output token
-# keeps a leading space that decoders strip at the start of a sequence.
+# Prompt tokens decoded in front of the output (as vLLM) so the first token keeps its space.
 _CONTEXT_TOKENS = 6
 _MAX_CONTEXT_TOKENS = 24
 
@@ -37,10 +33,9 @@ class DetokenizeResult:
 class IncrementalDetokenizer:
     """Turns one request's sampled tokens into streamed text and detects stop strings.
 
-    `text` is the whole output so far (cut at the stop string once one is found); `new_text`
-    of each result is the part that became safe to show. Characters that could still turn out
-    to be the start of a stop string (at most len(longest stop) - 1) are withheld, like vLLM,
-    unless `include_stop_str_in_output` makes every character final anyway.
+    `text` is the whole output so far (cut at a found stop string); a result's `new_text` is the
+    part now safe to show. A possible stop string prefix is withheld (as vLLM) unless
+    `include_stop_str_in_output`.
     """
 
     def __init__(
@@ -58,7 +53,6 @@ class IncrementalDetokenizer:
             max(len(s) for s in self._stops) - 1 if self._stops and not self._include_stop else 0
         )
         self._byte_ids = tokenizer.byte_fallback_ids
-        # Skipped special tokens vanish before the decoder runs, so they do not end a byte run.
         self._invisible_ids = tokenizer.special_token_ids if self._skip_special else frozenset()
         self._in_byte_run = False
 
@@ -73,8 +67,7 @@ class IncrementalDetokenizer:
         self._stop_string: str | None = None
 
     def _choose_context(self, prompt: Sequence[int]) -> list[int]:
-        # The context must start on a clean boundary: not inside a byte run, and decoding to
-        # text without U+FFFD, else the prefix text itself would be unstable.
+        # The context must start on a clean boundary (no byte run, no U+FFFD).
         if not prompt:
             return []
         for size in range(
@@ -113,13 +106,12 @@ class IncrementalDetokenizer:
         return self._after_new_text(new_chars, final=False)
 
     def flush(self) -> DetokenizeResult:
-        """Call once when the request ends for any other reason; returns all withheld text."""
+        """Call once when the request ends otherwise; returns all withheld text."""
         if self._stop_string is not None:
             return DetokenizeResult("", self._stop_string)
         return self._after_new_text(self._advance(final=True), final=True)
 
     def _advance(self, final: bool) -> str:
-        """Decodes the window and returns the text the unread tokens add, or "" to wait."""
         window = self._ids[self._prefix_offset :]
         full = self._decode(window)
         if not final and full.endswith(REPLACEMENT_CHAR):
@@ -141,7 +133,7 @@ class IncrementalDetokenizer:
                 match = find_stop(self._text, len(new_chars), self._stops, self._stop_floor)
                 if match is not None:
                     end = match.index + (len(match.stop) if self._include_stop else 0)
-                    # Never cut below what was streamed already (cannot be taken back).
+                    # Never cut below what was streamed already.
                     self._text = self._text[: max(end, self._emitted)]
                     self._stop_string = match.stop
                     return DetokenizeResult(self._take(len(self._text)), match.stop)

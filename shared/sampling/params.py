@@ -1,9 +1,5 @@
-"""Per-request sampling parameters, validated once at construction.
-
-The fields and their ranges follow vLLM's `SamplingParams`, so a request written for vLLM means the
-same thing here. Validation happens in `__post_init__` so an invalid object can never exist and the
-hot path never has to re-check anything.
-"""
+"""Per-request sampling parameters with vLLM's `SamplingParams` fields and ranges, validated
+once in `__post_init__`, so an invalid object never exists."""
 
 from __future__ import annotations
 
@@ -13,8 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-# Below this a temperature is treated as greedy, as vLLM does: dividing logits by a tiny
-# temperature only overflows to the same argmax.
+# Below this a temperature is treated as greedy, as vLLM does.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -60,11 +55,9 @@ def _normalise_token_ids(token_ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request and when to stop it (vLLM semantics).
-
-    `stop` and `stop_token_ids` also accept a list (or, for `stop`, a single string); they are
-    normalised to tuples so the object stays hashable and immutable. `n` is the number of
-    independent completions of a prompt (`choice_params`); each is one engine request.
+    """How to pick tokens for one request and when to stop it (vLLM semantics). `stop` and
+    `stop_token_ids` are normalised to tuples; `n` independent completions (`choice_params`)
+    are one engine request each.
     """
 
     n: int = 1
@@ -84,13 +77,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Log-probabilities of the prompt's own tokens (each given the tokens before it) and this
-    # many alternatives per position, as vLLM's `prompt_logprobs`; the first token has none. A
-    # request asking for them is computed in full: it reads nothing from the prefix cache.
+    # vLLM's `prompt_logprobs`: the prompt tokens' log-probabilities and this many alternatives
+    # (the first token has none). Such a request is computed in full, no prefix cache.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Normalise containers first; frozen dataclasses need object.__setattr__ for that.
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
         if not _is_int(self.n) or self.n < 1:
@@ -129,7 +120,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
-        """Builds params from a request body, rejecting unknown keys instead of ignoring them."""
+        """Builds params from a request body, rejecting unknown keys."""
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -141,8 +132,7 @@ class SamplingParams:
 
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
-        """Greedy with nothing that changes the logits or asks for more than the token: such
-        rows (once past min_tokens) need only an argmax, no sampling batch."""
+        """Greedy, no penalties, no logprobs: only an argmax (once past min_tokens)."""
         return self.is_greedy and not self.has_penalties and self.logprobs is None
 
     @property
@@ -159,14 +149,13 @@ class SamplingParams:
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The parameters of a prompt's n independent choices, each an engine request of its own
-    (n=1). With a seed, choice i samples with seed + i: reproducible, and the choices differ;
-    without one, each draws its own."""
+    """The parameters of a prompt's n choices, each an engine request (n=1); with a seed,
+    choice i samples with seed + i."""
     single = params if params.n == 1 else dataclasses.replace(params, n=1)
     if single.seed is None or n == 1:
         return [single] * n
     return [
-        # Wrapped into the int64 range that seeds have on the wire.
+        # Wrapped into the int64 range seeds have on the wire.
         dataclasses.replace(single, seed=(single.seed + i + 2**63) % 2**64 - 2**63)
         for i in range(n)
     ]

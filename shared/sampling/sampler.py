@@ -1,12 +1,10 @@
 """The batched sampler: logits [B, V] -> one token per row, and the per-row stages it is built of.
 
-Stage order follows vLLM: min_tokens bans, repetition/frequency/presence penalties, then greedy
-rows take the argmax; sampled rows get temperature, top-k, top-p, min-p and a random draw. Stages
-no row uses are skipped (SamplingBatch), so an all-greedy batch is one argmax. The stages are
-module functions too, so speculative decoding verifies drafts against exactly the sampler's
-distribution. Draws use the exponential race: argmax(p_i / E_i), E_i = -log U ~ Exp(1), picks
-token i with probability p_i / sum(p). Each seeded row fills its E row from its own generator,
-so its tokens depend only on its seed and logits, never on its batch mates.
+Stage order follows vLLM: min_tokens bans, penalties, then argmax for greedy rows; temperature,
+top-k, top-p, min-p and a draw for sampled ones. Unused stages are skipped. The stages are module
+functions so speculative decoding verifies against the same distribution. Draws use the
+exponential race (argmax(p_i / E_i), E_i ~ Exp(1)); a seeded row fills its E row from its own
+generator, so its tokens never depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.penalties import apply_penalties, ban_stop_tokens
 from nori.sampling.truncation import apply_min_p, apply_top_k_top_p
 
-# Guards p / E against E == 0 (U rounds to 1), which would turn a masked token's 0 / 0 into
-# NaN, and argmax would then pick it. U == 0 gives E = inf and p / E = 0: harmless.
+# Guards p / E against E == 0 (U rounds to 1), which would make a masked token's 0 / 0 a NaN.
 _MIN_EXPONENTIAL = 1e-10
 
 
@@ -34,9 +31,8 @@ def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def sampled_probs(penalised: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 [B, V]: what a sampled row draws from: temperature, top-k/top-p, min-p, softmax
-    of `penalised_logits`. Greedy rows get the softmax of their penalised logits (temperature 1,
-    nothing truncated), which the sampler never uses."""
+    """float32 [B, V]: what a sampled row draws from (temperature, top-k/top-p, min-p, softmax).
+    Greedy rows get an unused softmax of their penalised logits."""
     logits = penalised
     if batch.temperature is not None:
         logits = logits / batch.temperature[:, None]
@@ -46,11 +42,8 @@ def sampled_probs(penalised: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 [B, V]: each row's processed distribution, the `p` of speculative sampling.
-
-    Sampled rows: `sampled_probs`. Greedy rows: a one-hot of the argmax of the penalised logits,
-    the token the sampler picks for them, as a distribution that always yields that token.
-    """
+    """float32 [B, V]: each row's processed distribution, speculative sampling's `p`: sampled
+    rows' `sampled_probs`, greedy rows' one-hot argmax."""
     penalised = penalised_logits(logits, batch)
     if not batch.any_greedy:
         return sampled_probs(penalised, batch)
@@ -66,17 +59,14 @@ def exponential_race(
     seeded_rows: Sequence[int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """long [B]: one token per row, drawn with probability weights[row] / sum(weights[row])
-    (weights need not be normalised; a zero weight is never drawn).
+    """long [B]: one token per row, with probability weights[row] / sum(weights[row]).
 
-    Draw order: unless every row is seeded, one uniform_ over the whole [B, V] tensor from
-    `generator`; then each row in `seeded_rows`, in that order, refills its own V values from
-    `generators[row]`. So a seeded row uses V values from its own generator and nothing else.
+    Unless every row is seeded, one uniform_ over [B, V] from `generator`; then each row in
+    `seeded_rows`, in order, refills its V values from `generators[row]` alone.
     """
     uniform = torch.empty_like(weights, dtype=torch.float32)
     if len(seeded_rows) < weights.shape[0]:
-        # One draw for the whole batch; seeded rows are overwritten below. Cheaper than
-        # gathering the unseeded rows when (as usual) most rows are unseeded.
+        # One draw for the whole batch; seeded rows are overwritten below.
         uniform.uniform_(generator=generator)
     for row in seeded_rows:
         uniform[row].uniform_(generator=generators[row])

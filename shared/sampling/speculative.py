@@ -1,14 +1,12 @@
-"""Speculative decoding's verification: which draft tokens a request keeps after the target model
-has scored them.
+"""Speculative decoding's verification: which draft tokens a request keeps after the target
+model scored them.
 
-The target scores a request's last token plus k drafts as k + 1 rows, row i seeing output +
-drafts[:i], so row i's processed distribution p_i is what a plain decode step would sample from.
-A request keeps its accepted drafts and one more token (1 to k + 1 a step). Greedy requests keep
-drafts while each equals its row's argmax, then that argmax: exactly a plain greedy run. Sampled
-requests follow speculative sampling (Leviathan et al., Chen et al. 2023), exact for any draft
-distribution q: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
-draw from normalise(max(0, p_i - q_i)); with all accepted, a bonus token from p_k. A draft without
-probabilities has a one-hot q; q_i(d_i) == 0 rejects; a residual with no mass falls back to p_i.
+The target scores the last token plus k drafts as k + 1 rows (row i sees drafts[:i]); a request
+keeps its accepted drafts and one more token. Greedy: drafts while each equals its row's argmax,
+then that argmax (exactly a plain greedy run). Sampled: speculative sampling (Leviathan et al.,
+Chen et al. 2023): accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), else draw from
+normalise(max(0, p_i - q_i)); all accepted, a bonus token from p_k. No draft probabilities
+means a one-hot q; a residual with no mass falls back to p_i.
 """
 
 from __future__ import annotations
@@ -25,11 +23,8 @@ from nori.sampling.sampler import exponential_race, penalised_logits, sampled_pr
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """One request's drafts for a step."""
-
     token_ids: list[int]  # k >= 1 draft tokens
-    # [k, V]: the draft model's processed distribution q at each draft; None: one-hot q (n-gram
-    # proposals, or a greedy draft model).
+    # [k, V]: the draft model's processed distribution q at each draft; None: one-hot q.
     probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -48,9 +43,8 @@ def draw_tokens(
     generators: Sequence[torch.Generator | None],
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """One token per row of probs [N, V] (weights; need not be normalised), e.g. a draft model's
-    drafts from q. A row with a generator draws V uniforms from it alone; the others share one
-    uniform_ over [N, V] from `generator` (sampler.exponential_race)."""
+    """One token per row of probs [N, V] (unnormalised weights). A row with a generator draws
+    from it alone; the others share one uniform_ over [N, V] from `generator`."""
     if probs.dim() != 2 or len(generators) != probs.shape[0]:
         raise ValueError(
             f"probs must be [{len(generators)} generators, vocab], got {tuple(probs.shape)}"
@@ -66,10 +60,9 @@ def verify_drafts(
     proposals: Sequence[DraftProposal],
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """logits [R, V] with R = sum(k + 1) rows, each request's k + 1 rows consecutive and in the
-    order of `proposals`; `batch` has one row per logits row. Returns per proposal the accepted
-    drafts followed by one more token (1 to k + 1 tokens). A request is greedy, and seeded, as
-    its rows say (all its rows must agree on greedy; the first row's generator is used)."""
+    """logits [R, V], each request's k + 1 rows consecutive in `proposals`' order; `batch` has
+    one row per logits row. Returns per proposal the accepted drafts plus one more token. A
+    request is greedy and seeded as its rows say (its first row's generator is used)."""
     starts = _request_starts(logits, batch, proposals)
     greedy = _greedy_requests(batch, starts, proposals)
     penalised = penalised_logits(logits, batch)
@@ -140,8 +133,8 @@ def _greedy_requests(
 
 
 def _acceptance_threshold(p_drafts: torch.Tensor, q_drafts: torch.Tensor) -> torch.Tensor:
-    """u < p / q, u uniform in [0, 1), accepts with probability min(1, p / q); q == 0 gives 0:
-    a rejection. (A module function so that tests can swap in wrong rules and see them fail.)"""
+    """u < p / q accepts with probability min(1, p / q); q == 0 rejects. (A module function so
+    tests can swap in wrong rules.)"""
     return torch.where(q_drafts > 0, p_drafts / q_drafts, torch.zeros_like(p_drafts))
 
 
@@ -157,13 +150,10 @@ def _speculative_sample(
     generators: list[torch.Generator | None],
     generator: torch.Generator | None,
 ) -> list[list[int]]:
-    """The sampled requests' rule, over all of them at once: the draft tests as a [J, max k]
-    table (padded past each k), then one [J, V] residual-or-bonus distribution and one race.
-
-    Draws, in this order: a seeded request draws only from its own generator, k uniforms for its
-    acceptance tests, then V for the race, whatever was accepted, so its tokens depend only on
-    its seed, logits and drafts. Unseeded ones share `generator`: one uniform_ over [J, max k],
-    then one over [J, V] (each skipped when every sampled request is seeded)."""
+    """The sampled requests' rule, batched: draft tests as a [J, max k] table, then one [J, V]
+    residual-or-bonus distribution and one race. A seeded request draws k uniforms then V from
+    its own generator, whatever was accepted; unseeded ones share `generator` ([J, max k], then
+    [J, V])."""
     device = probs.device
     lengths = [len(p.token_ids) for p in proposals]
     width = max(lengths)
@@ -182,7 +172,6 @@ def _speculative_sample(
     valid = torch.arange(width, device=device)[None, :] < k_col[:, None]
     p_drafts = probs[rows, drafts]  # [J, width]: p_i(d_i)
 
-    # q_i(d_i): the draft model's probabilities, gathered from all dense proposals stacked.
     dense = [p.probs is not None for p in proposals]
     dense_col = torch.tensor(dense, device=device)
     dense_q = None

@@ -1,14 +1,8 @@
 """A model folder's tokenizer: encode, decode, special ids and the chat template.
 
-Wraps `tokenizers.Tokenizer` (the Rust fast tokenizer) and reads the Hugging Face side files the
-way transformers does, so prompts tokenize to the same ids as
-`AutoTokenizer.from_pretrained(path)(text)["input_ids"]`.
-
-Special tokens on encode: transformers 5.x (checked with 5.24) applies tokenizer.json's
-post-processor as stored and does not rebuild it from tokenizer_config's `add_bos_token` /
-`add_eos_token`. A Llama-style tokenizer.json whose TemplateProcessing adds `<s>` gets BOS; one
-without a post-processor gets no BOS even when `add_bos_token` is true. We do the same, so
-`add_bos_token` is only reported (`add_bos_token` attribute), never acted on.
+Wraps `tokenizers.Tokenizer` and reads the Hugging Face side files as transformers does, so
+prompts get `AutoTokenizer.from_pretrained(path)`'s ids. As transformers 5.x, tokenizer.json's
+post-processor is applied as stored: `add_bos_token` is only reported, never acted on.
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from nori.sampling.chat_template import (
     select_template,
 )
 
-# sentencepiece-style byte-fallback pieces, one per byte value.
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # Texts longer than this are encoded without holding the GIL (see Tokenizer.encode).
@@ -54,7 +47,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _token_content(value: object) -> str | None:
-    # tokenizer_config stores special tokens either as plain strings or as AddedToken dicts.
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -69,8 +61,9 @@ def _as_id_list(value: object) -> list[int]:
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
 
+    # eq=False: comparing two Rust tokenizers field by field means nothing.
 
-# eq=False: identity comparison; comparing two Rust tokenizers field by field means nothing.
+
 @dataclass(frozen=True, eq=False)
 class Tokenizer:
     """Immutable view of one model's tokenizer; build it with `Tokenizer.from_dir`."""
@@ -113,8 +106,7 @@ class Tokenizer:
             candidates = _as_id_list(model_config.get("bos_token_id"))
             bos_id = candidates[0] if candidates else None
 
-        # Any of these may name the end of a turn (chat models list several in
-        # generation_config); stopping on one of them is what users expect, so take the union.
+        # Any of these may name the end of a turn: stop on their union.
         eos_ids: set[int] = set()
         if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
             eos_ids.add(eos_id)
@@ -123,7 +115,6 @@ class Tokenizer:
 
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():
-            # Newer checkpoints keep the template in its own file; transformers prefers it.
             template: str | None = template_file.read_text(encoding="utf-8")
         else:
             try:
@@ -144,14 +135,12 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the tokenizer can produce, added tokens included."""
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
-        """Ids of `<0xNN>` pieces. The ByteFallback decoder turns a run of them into text only
-        as a whole (an invalid run becomes one U+FFFD per byte, retroactively), so streaming
-        must not emit text while such a run may still grow."""
+        """Ids of `<0xNN>` pieces: ByteFallback decodes a run of them only as a whole, so
+        streaming must not emit text while such a run may still grow."""
         vocab = self.backend.get_vocab(with_added_tokens=False)
         return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
@@ -163,15 +152,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > LONG_TEXT_CHARS:
-            # The same ids; encode_batch lets go of the GIL while it works (encode does not),
-            # so a thread tokenizing a long text leaves the event loop running.
+            # encode_batch releases the GIL (encode does not); same ids.
             (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(encoding.ids)
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        # No clean_up_tokenization_spaces: vLLM's streamed text never applies it, and the
-        # incremental detokenizer must agree with this method.
+        # No clean_up_tokenization_spaces: the incremental detokenizer must agree (as vLLM).
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_to_id(self, token: str) -> int | None:
@@ -190,9 +177,8 @@ class Tokenizer:
         template_limits: TemplateLimits | None = None,
         **extra: Any,
     ) -> str:
-        """Renders a conversation to prompt text (tokenize it with `add_special_tokens=False`,
-        since templates normally write the BOS token themselves). `chat_template`, if given,
-        replaces the tokenizer's own (a request's, or the server's --chat-template)."""
+        """Renders a conversation to prompt text (to tokenize with `add_special_tokens=False`);
+        `chat_template`, if given, replaces the tokenizer's own."""
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ChatTemplateError(

@@ -1,9 +1,5 @@
-"""Top-k, top-p and min-p: masking unlikely tokens to -inf before sampling.
-
-Order is top-k, then top-p on the renormalised top-k set, then min-p (HF's warper order, and
-vLLM's before its V1 engine). min-p compares each token with the most likely one, which neither
-top-k nor top-p ever removes, so it is simply the union of its own mask with theirs.
-"""
+"""Top-k, top-p and min-p: masking unlikely tokens to -inf before sampling, in HF's warper order
+(top-p on the top-k set; min-p never removes the top token, so its mask is simply unioned)."""
 
 from __future__ import annotations
 
@@ -13,11 +9,7 @@ NEG_INF = float("-inf")
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Top-k alone: one `topk(max_top_k)` instead of sorting the whole vocabulary.
-
-    Tokens tied with the k-th logit survive too (as in vLLM), so a row may keep more than k
-    tokens only when logits are exactly equal.
-    """
+    """Top-k alone, with one `topk(max_top_k)`; tokens tied with the k-th logit survive too."""
     vocab = logits.shape[1]
     k = min(max_top_k, vocab)
     kth = logits.topk(k, dim=-1).values.gather(1, (top_k.clamp(1, k) - 1)[:, None])
@@ -35,14 +27,12 @@ def apply_top_k_top_p(
     vocab = logits.shape[1]
     ordered, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        # Same tie rule as apply_top_k: keep everything equal to the k-th logit.
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         kth = ordered.gather(1, (k - 1)[:, None])
         ordered = ordered.masked_fill(ordered < kth, NEG_INF)
     probs = ordered.softmax(dim=-1)
-    # Mass strictly before each token: it survives while that is still below p, so the most
-    # likely token always survives. Rows with p = 1 are left alone, since rounding in the
-    # cumulative sum could otherwise reach 1 early and drop tail tokens.
+    # Mass strictly before each token: the top token always survives. p = 1 rows are left alone
+    # (cumsum rounding could reach 1 early).
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     ordered = ordered.masked_fill(drop, NEG_INF)
@@ -50,11 +40,8 @@ def apply_top_k_top_p(
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Masks tokens with probability below min_p times the top token's probability.
-
-    p_i < min_p * p_max is the same as logit_i - logit_max < log(min_p), which needs no
-    softmax; log(0) = -inf leaves rows with min_p = 0 untouched.
-    """
+    """Masks tokens below min_p times the top token's probability, as logit_i - logit_max <
+    log(min_p) (no softmax)."""
     if min_p is None:
         return logits
     top = logits.max(dim=-1, keepdim=True).values

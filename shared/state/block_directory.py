@@ -1,9 +1,8 @@
 """The prefix-block directory: for each cached KV block (by content hash), which workers hold it.
 
-Workers publish the STORED/REMOVED events their BlockManager records; the gateway hashes a
-prompt the same way and asks which worker already holds the longest prefix of it. Entries are
-hints, not truth: a worker that dies leaves its entries until they expire (callers pass the live
-workers to ignore them), and an entry whose TTL lapsed only costs a missed cache hit.
+Workers publish their BlockManager's STORED/REMOVED events; the gateway asks which worker holds
+the longest prefix of a prompt. Entries are hints: a dead worker's expire (callers pass the live
+workers), and a lapsed entry only costs a missed cache hit.
 """
 
 from __future__ import annotations
@@ -16,12 +15,8 @@ from nori.state.store import RedisStore
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks, exactly as a worker's BlockManager makes them.
-
-    Note that a worker never reuses the block holding the prompt's last token (it must compute
-    that token's logits), so when len(token_ids) is a multiple of block_size the last hash here
-    can be held by a worker and still not save any work.
-    """
+    """Chained hashes of the prompt's full blocks, exactly as a worker's BlockManager makes them
+    (a worker never reuses the block holding the prompt's last token)."""
     if block_size < 1:
         raise ValueError("block_size must be at least 1")
     return extend_block_hashes([], token_ids, block_size)
@@ -31,12 +26,8 @@ class BlockDirectory(RedisStore):
     default_ttl_s = 600.0
 
     async def publish(self, worker_id: str, events: Iterable[BlockEvent]) -> int:
-        """Mirrors a worker's block events; returns how many were sent.
-
-        Events are applied in order (a block can be stored, evicted and stored again within one
-        batch). A STORED refreshes the block's TTL for every holder; a REMOVED that empties the
-        set deletes the key (Redis drops empty sets), so nothing outlives its last holder.
-        """
+        """Mirrors a worker's block events in order; returns how many were sent. A STORED
+        refreshes the block's TTL; a REMOVED emptying the set deletes the key."""
         batch = list(events)
         if not batch:
             return 0
@@ -53,11 +44,8 @@ class BlockDirectory(RedisStore):
         return len(batch)
 
     async def touch(self, worker_id: str, block_hashes: Iterable[bytes]) -> int:
-        """Re-announces blocks a worker still holds so that their entries do not expire.
-
-        A BlockManager reports a block once, when it is stored; a block that stays cached (and
-        keeps getting hits) for longer than the TTL needs this to stay visible.
-        """
+        """Re-announces blocks a worker still holds so that their entries do not expire (a
+        block is reported once, when stored)."""
         return await self.publish(
             worker_id, (BlockEvent(BlockEventKind.STORED, h) for h in block_hashes)
         )
@@ -71,13 +59,9 @@ class BlockDirectory(RedisStore):
     async def longest_prefixes(
         self, block_hashes: Sequence[bytes], worker_ids: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """For each worker, how many leading blocks of the prompt it holds.
-
-        A worker stops counting at its first missing block: blocks after a gap are useless to it,
-        because a cached block is only valid behind its whole prefix. With `worker_ids` (the live
-        workers) only those are counted and every one of them appears in the result, 0 when it
-        holds nothing; without, every worker holding at least the first block appears.
-        One round trip whatever the prompt length.
+        """For each worker, how many leading blocks of the prompt it holds (it stops counting at
+        its first gap), in one round trip. With `worker_ids` only those count, each present (0
+        when it holds nothing); without, every worker holding the first block appears.
         """
         counts: dict[str, int] = {w: 0 for w in worker_ids} if worker_ids is not None else {}
         if not block_hashes or (worker_ids is not None and not counts):

@@ -1,11 +1,8 @@
 """The Redis client of a long-running role: a bounded pool that waits instead of failing.
 
-redis-py's default pool raises MaxConnectionsError at 100 commands in flight, which a busy
-gateway reaches; this blocking pool makes extra commands wait for a connection, at most
-`timeout_s`, and every command has a socket timeout, so no caller waits on Redis forever. The URL
-carries everything about the connection, so it is a secret: messages show it `redacted`; one
-without a password takes NORI_REDIS_PASSWORD(_FILE). A worker that starts while Redis is away
-waits for it (`wait_for_redis`) instead of exiting into a supervisor's restart backoff.
+Extra commands wait for a connection (at most `timeout_s`) rather than raise, and every command
+has a socket timeout. The URL is a secret (messages show it `redacted`); one without a password
+takes NORI_REDIS_PASSWORD(_FILE). A starting worker waits for Redis (`wait_for_redis`).
 """
 
 from __future__ import annotations
@@ -21,22 +18,16 @@ from nori.settings import Environment
 
 logger = logging.getLogger(__name__)
 
-# Connections per process: Redis serves each on one thread anyway, so more buy nothing but
-# file descriptors; the writes queue in the pool instead.
+# Connections per process: Redis serves each on one thread, so more buy only descriptors.
 MAX_CONNECTIONS = 64
-# How long a command may wait for a free connection, and for Redis to answer.
 POOL_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 5.0
-# How often a role waiting for Redis tries again: it rejoins well within a second of Redis' return.
 RETRY_S = 0.25
 
 
 def connect(url: str, password: str | None = None) -> Redis:
-    """A client for `url` (redis://, rediss:// for TLS, with a password in the URL if any).
-
-    Without a password in the URL, `password`, else NORI_REDIS_PASSWORD(_FILE), if set.
-    A ValueError for a URL redis-py cannot use; it names the URL with its password hidden.
-    """
+    """A client for `url` (redis://, rediss:// for TLS); without a password in it, `password`,
+    else NORI_REDIS_PASSWORD(_FILE). ValueError (password hidden) for an unusable URL."""
     extra = {}
     if not _has_password(url):
         password = password or Environment.read().redis_password
@@ -51,9 +42,7 @@ def connect(url: str, password: str | None = None) -> Redis:
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=SOCKET_TIMEOUT_S,
         )
-        # redis-py passes unknown query arguments on to the connection, which would raise a
-        # TypeError at the first command (`ssl_ca_certs` on redis:// for one): make one now,
-        # which does no I/O, so a bad URL is a one-line error at startup.
+        # Build one connection now (no I/O), so a bad query argument fails at startup.
         pool.connection_class(**pool.connection_kwargs)
     except (TypeError, ValueError) as error:
         hint = "; TLS arguments (ssl_*) need rediss://" if "'ssl_" in str(error) else ""
@@ -69,11 +58,8 @@ def _has_password(url: str) -> bool:
 
 
 async def wait_for_redis(redis: Redis, url: str, retry_s: float = RETRY_S) -> None:
-    """Returns once Redis answers PING; while it cannot be reached, retries every `retry_s`.
-
-    One log line when it is away and one when it answers, not one per try. Refused
-    credentials (or any answer other than a connection failure) raise `unreachable`'s one-line
-    error at once: waiting would not fix a wrong password.
+    """Returns once Redis answers PING, retrying every `retry_s` (one log line when away, one
+    when back). Refused credentials, or any other answer, raise `unreachable`'s error at once.
     """
     waiting_since: float | None = None
     loop = asyncio.get_running_loop()

@@ -1,6 +1,5 @@
-"""Signed registry entries: in a cluster with a secret (nori.cluster_auth), a worker signs every
-field of the entry it writes, and a reader routes only to entries whose signature verifies, whose
-id is their key's and whose expiry has not passed (see nori.state.registry)."""
+"""Signed registry entries: with a cluster secret a worker signs every field it writes, and a
+reader routes only to entries that verify, under their own id's key, not expired."""
 
 from __future__ import annotations
 
@@ -13,19 +12,15 @@ from nori.cluster_auth import ClusterAuth
 # The HMAC purpose of registry entries, and the hash field their signature is stored in.
 ENTRY_PURPOSE = "worker-entry"
 SIGNATURE_FIELD = "signature"
-# How far the gateway's clock may run ahead of a worker's before the worker's fresh entries look
-# expired (hosts kept by NTP differ by milliseconds); it lengthens a replay's window as much.
+# How far the gateway's clock may run ahead of a worker's (it lengthens a replay's window too).
 CLOCK_SKEW_S = 2.0
 
 RefusalReason = Literal["unsigned", "forged", "expired"]
 
 
 def entry_message(mapping: Mapping[str, str]) -> bytes:
-    """What an entry's signature covers: every field but the signature, as canonical JSON.
-
-    All the fields, not just those this version knows, so a field a newer writer adds is
-    covered as well; JSON, so no choice of field values can make two entries read the same.
-    """
+    """What an entry's signature covers: every field but the signature (known or not), as
+    canonical JSON."""
     covered = {name: value for name, value in mapping.items() if name != SIGNATURE_FIELD}
     return json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()
 
@@ -40,18 +35,13 @@ def sign_entry(auth: ClusterAuth, mapping: Mapping[str, str]) -> dict[str, str]:
 def check_entry(
     auth: ClusterAuth, worker_id: str, mapping: Mapping[str, str], now: float
 ) -> RefusalReason | None:
-    """Why the entry stored under `worker_id`'s key must not be routed to; None: it may.
-
-    It must carry a signature, the signature must verify, the id it names must be its key's
-    (a genuine entry copied under another id is forged), and it must not have expired.
-    Always None in an open cluster.
-    """
+    """Why the entry under `worker_id`'s key must not be routed to (unsigned, bad signature,
+    another id's entry, expired); None: it may, always in an open cluster."""
     if not auth.enabled:
         return None
     signature = mapping.get(SIGNATURE_FIELD)
     if not signature:
         return "unsigned"
-    # compare_digest takes only ASCII text; no genuine signature is anything else.
     if not signature.isascii() or not auth.verify(ENTRY_PURPOSE, entry_message(mapping), signature):
         return "forged"
     if mapping.get("worker_id") != worker_id:

@@ -1,12 +1,9 @@
-"""The worker registry: who is in the cluster now, what it serves, and how loaded it is.
+"""The worker registry: who is in the cluster, what it serves, and how loaded it is.
 
-Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a worker that
-dies (or loses Redis) drops out by itself; workers join and leave by starting and stopping their
-Heartbeat. With a cluster secret every entry is signed (`nori.state.entry_signing`): an HMAC over
-all of its fields, `expires_at` and the load figures included. The gateway routes only to
-entries that verify and have not expired (`list_entries`), so a writer to Redis without the
-secret can neither add a worker nor steer load, and a replayed entry dies at its expiry. Without
-a secret nothing is signed or checked (an open cluster).
+Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a dead worker
+drops out by itself. With a cluster secret every entry is signed over all of its fields
+(`nori.state.entry_signing`) and the gateway routes only to entries that verify and have not
+expired; without one nothing is signed or checked.
 """
 
 from __future__ import annotations
@@ -50,24 +47,20 @@ class WorkerInfo:
     num_total_blocks: int = 0
     kv_bytes_received: int = 0
     kv_bytes_sent: int = 0
-    # What one engine step costs, as the worker fits it (nori.engine.step_cost): seconds fixed,
-    # per decode row and per prompt token; 0.0 while not yet fitted. The gateway's conditional
-    # disaggregation weighs where to compute a prompt by them.
+    # One engine step's cost as the worker fits it (nori.engine.step_cost); 0.0 until fitted.
     step_fixed_s: float = 0.0
     step_per_row_s: float = 0.0
     step_per_token_s: float = 0.0
     draining: bool = False  # finishing its requests before leaving: route nothing new to it
-    # KV block size in tokens: the gateway hashes prompts in blocks of it. 0: not stated.
+    # KV block size in tokens (the gateway hashes prompts in blocks of it); 0: not stated.
     block_size: int = 0
-    # The KV cache's element type ("float32", "bfloat16", "int8", "float8_e4m3fn"): blocks move
-    # between workers as stored, so every worker must agree on it. "": not stated.
+    # The KV cache's element type; blocks move as stored, so all workers must agree. "": unknown.
     kv_cache_dtype: str = ""
-    # Speculative decoding as the worker runs it: SpeculativeConfig.as_json() (canonical JSON),
-    # "" when off. An entry without the field (a version before speculation) is off too.
+    # SpeculativeConfig.as_json(); "" (or absent, an older writer) when off.
     speculative_config: str = ""
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
-    # Past it the entry is stale (signed: refused); updated_at + the TTL, stamped with it.
+    # Past it the entry is stale (signed: refused); updated_at + the TTL.
     expires_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -93,12 +86,9 @@ class WorkerInfo:
 
     @classmethod
     def from_mapping(cls, mapping: RawMapping) -> WorkerInfo:
-        """Parses a hash written by `to_mapping`, possibly by another version of Nori.
-
-        Fields this version does not know are ignored and fields it lacks take their defaults, so
-        workers and gateways can be upgraded one at a time. Only worker_id and role are required;
-        a malformed value raises ValueError rather than being guessed at.
-        """
+        """Parses a hash written by `to_mapping`, possibly by another version of Nori: unknown
+        fields are ignored, missing ones take defaults; worker_id and role are required, and a
+        malformed value raises ValueError."""
         raw = as_str_mapping(mapping)
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
@@ -134,8 +124,7 @@ class RefusedEntry:
 
     worker_id: str
     reason: RefusalReason
-    # Tells one write of the entry from the next (its signature, else its updated_at), so a
-    # refused entry is counted once per write, not once per read of the registry.
+    # Tells one write of the entry from the next, so a refusal is counted once per write.
     version: str = ""
 
 
@@ -148,13 +137,12 @@ class WorkerListing:
 
 
 def _fields(mapping: dict[str, str]) -> dict[EncodableT, EncodableT]:
-    # redis-py types hset's mapping with an invariant key type; widen it explicitly.
     return dict(mapping.items())
 
 
 class WorkerRegistry(RedisStore):
-    """The registry; with a secret in `auth`, a worker signs what it writes and a reader lists
-    only entries that verify."""
+    """The registry; with a secret in `auth`, writes are signed and reads list only entries that
+    verify."""
 
     default_ttl_s = 5.0
 
@@ -181,10 +169,9 @@ class WorkerRegistry(RedisStore):
         stamped = replace(info, updated_at=now, expires_at=now + self.ttl_s)
         key = self._keys.worker(info.worker_id)
         mapping = sign_entry(self.auth, stamped.to_mapping())
-        # MULTI/EXEC: the hash never exists, even for an instant, without its expiry.
+        # MULTI/EXEC: the hash never exists without its expiry.
         async with self._redis.pipeline(transaction=True) as pipe:
-            # A signed entry is rewritten whole: a field left over from another writer would
-            # be covered by no signature, and make the entry fail its check.
+            # A signed entry is rewritten whole: a leftover field would fail its check.
             if fresh or self.auth.enabled:
                 pipe.delete(key)
             pipe.hset(key, mapping=_fields(mapping))
@@ -209,10 +196,8 @@ class WorkerRegistry(RedisStore):
     async def list_entries(self) -> WorkerListing:
         """Live workers, sorted by worker_id, and the entries refused by their check.
 
-        SCAN rather than a members set: a set would need its own cleanup of dead workers, while
-        expired hashes simply vanish. A record that does not parse (a much newer or corrupt
-        writer) is logged and skipped so that one bad worker cannot hide the others; one that
-        fails its signature check (`check_entry`) is returned among the refused.
+        SCAN, not a members set: expired hashes simply vanish. A record that does not parse is
+        logged and skipped, so one bad worker cannot hide the others.
         """
         keys: set[str] = set()  # SCAN may return a key more than once
         async for key in self._redis.scan_iter(
@@ -259,16 +244,14 @@ class WorkerRegistry(RedisStore):
         return WorkerListing(workers, refused)
 
 
-# How often a failing heartbeat tries again (at most its interval).
 FAILING_RETRY_S = 0.25
 
 
 class Heartbeat:
     """Keeps one worker registered by re-writing its record every `interval_s`.
 
-    `info` is called on every beat so that the record carries current load figures. Any failure
-    (Redis down or slow, `info` raising) is logged and retried on the next beat: losing Redis for
-    a while must never stop a worker from re-joining when Redis comes back.
+    `info` is called on every beat. Any failure is logged and retried, so a worker re-joins
+    whenever Redis comes back.
     """
 
     def __init__(
@@ -279,12 +262,10 @@ class Heartbeat:
     ) -> None:
         self._registry = registry
         self._info = info
-        # Three beats per TTL: one lost beat (or two) does not make the worker vanish.
         self.interval_s = interval_s if interval_s is not None else registry.ttl_s / 3
         if self.interval_s <= 0:
             raise ValueError("interval_s must be positive")
-        # While beats fail (Redis away), tries come this often: a Redis that returns (empty,
-        # after a restart) has the worker back within a fraction of a second.
+        # While beats fail, retry often: a restarted Redis has the worker back at once.
         self.retry_s = min(self.interval_s, FAILING_RETRY_S)
         self._task: asyncio.Task[None] | None = None
         self._last_worker_id: str | None = None
@@ -302,11 +283,8 @@ class Heartbeat:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="nori-heartbeat")
 
     async def stop(self, deregister: bool = True) -> None:
-        """Stops beating and, by default, removes the record so routing stops at once.
-
-        The task is cancelled and awaited before the delete, so no late beat can bring the
-        record back. A failed delete is only logged: the record expires within the TTL anyway.
-        """
+        """Stops beating and, by default, deletes the record; the task is awaited first so no
+        late beat brings it back. A failed delete is only logged (the record expires anyway)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -334,8 +312,7 @@ class Heartbeat:
             try:
                 info = self._info()
                 self._last_worker_id = info.worker_id
-                # A hung Redis must not hold the loop forever; a write slower than the TTL is
-                # worthless anyway (the record would expire first), so give up and retry then.
+                # A write slower than the TTL is worthless: give up and retry.
                 async with asyncio.timeout(self._registry.ttl_s):
                     if first:
                         await self._registry.register(info)
@@ -348,7 +325,6 @@ class Heartbeat:
                     failing = False
             except Exception:
                 self.failures += 1
-                # One traceback per outage, not one per beat.
                 if not failing:
                     logger.warning(
                         "heartbeat for worker %s failed; retrying every %.2fs",

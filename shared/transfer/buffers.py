@@ -14,14 +14,10 @@ from nori.transfer.handoff import TransferHeader
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a uint8 tensor sharing its memory (any dtype, bfloat16 too).
-
-    The shape is not flattened (that would cost another view per block, and blocks come by the
-    thousand); `numel()` is the byte count. The caller has checked contiguity.
-    """
+    """The tensor's bytes as a uint8 tensor sharing its memory; not flattened (`numel()` is the
+    byte count). The caller has checked contiguity."""
     if tensor.dtype is torch.uint8:
         return tensor
-    # view(dtype) reinterprets the bytes in place; it needs at least one dimension.
     return (tensor.view(1) if tensor.dim() == 0 else tensor).view(torch.uint8)
 
 
@@ -33,7 +29,6 @@ def check_sources(header: TransferHeader, buffers: list[torch.Tensor]) -> list[t
         )
     for index, (buffer, nbytes) in enumerate(zip(buffers, header.buffer_nbytes, strict=True)):
         if not buffer.is_contiguous():
-            # A copy would be sent instead of the cache itself; make the caller decide.
             raise ValueError(f"buffer {index} is not contiguous")
         if buffer.nbytes != nbytes:
             raise ValueError(
@@ -52,7 +47,6 @@ def check_destinations(
             f"the header lists {len(header.buffer_nbytes)}"
         )
     for index, (tensor, nbytes) in enumerate(zip(destinations, header.buffer_nbytes, strict=True)):
-        # Not contiguous would mean receiving into a temporary copy: not in place.
         if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
             raise TransferRejected(f"destination {index} is not a contiguous tensor")
         if tensor.nbytes != nbytes:
@@ -63,17 +57,13 @@ def check_destinations(
     return [byte_view(tensor) for tensor in destinations]
 
 
-# ---------------------------------------------------------------------- runs of adjacent buffers
-#
-# A KV block of one layer's K or V is one buffer, and a message per buffer costs its per-message
-# overhead thousands of times a transfer. Blocks with consecutive ids are adjacent in the cache,
-# on both sides, so each side states its runs of adjacent buffers (the sender in the header, the
-# receiver in its acceptance), and both move each run that both find adjacent as one message.
+# Runs of adjacent buffers: each side states its runs (sender in the header, receiver in its
+# acceptance), and both move each run adjacent on both sides as one message.
 
 
 def adjacent_runs(views: list[torch.Tensor]) -> tuple[int, ...]:
-    """How many views each run of views adjacent in memory (one storage, each starting where
-    the one before ends) holds, in order."""
+    """The lengths, in order, of the runs of views adjacent in memory (one storage, each
+    starting where the one before ends)."""
     runs: list[int] = []
     end = -1
     storage = -1
@@ -89,9 +79,7 @@ def adjacent_runs(views: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(runs)
 
 
-# The most bytes one run's message carries (a run of more buffers is cut): large enough that
-# per-message costs vanish, small enough that a message just received (or about to be sent) is
-# still in a core's L2 cache when its checksum is computed (nori.transfer.integrity).
+# The most bytes one run's message carries: small enough to be in L2 when its checksum is taken.
 MAX_RUN_BYTES = 1024 * 1024
 
 
@@ -101,9 +89,8 @@ def joint_runs(
     buffer_nbytes: tuple[int, ...],
     max_run_bytes: int = MAX_RUN_BYTES,
 ) -> tuple[int, ...]:
-    """The runs adjacent on both sides (a run ends wherever either side's does), cut so that no
-    run of several buffers holds more than `max_run_bytes`. Both sides know every input (the
-    header's buffer sizes), so both cut the same messages."""
+    """The runs adjacent on both sides, cut so no run of several buffers holds more than
+    `max_run_bytes`. Both sides know every input, so both cut the same messages."""
     ends = set(_run_ends(first)) | set(_run_ends(second))
     runs: list[int] = []
     run_bytes = 0
@@ -129,8 +116,8 @@ def _run_ends(runs: tuple[int, ...]) -> list[int]:
 
 
 def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.Tensor]:
-    """One flat byte view per run, spanning its views' memory (no copy); `runs` must be runs of
-    adjacent views (`joint_runs` of both sides' `adjacent_runs`)."""
+    """One flat byte view per run, spanning its views' memory (no copy); `runs` must be runs
+    of adjacent views."""
     if sum(runs) != len(views):
         raise ValueError(f"runs over {sum(runs)} buffers for {len(views)}")
     merged: list[torch.Tensor] = []
@@ -146,15 +133,8 @@ def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.T
     return merged
 
 
-# ------------------------------------------------------------------ runs through a staging buffer
-#
-# A receiver whose destinations are not adjacent (a fragmented cache, or the one-block runs of a
-# short prompt, one per layer and K/V) would take one message per small run, and a UCX message
-# costs its per-message overhead however small it is. So the receiver states its
-# consecutive small runs as one run (up to MAX_RUN_BYTES): the sender, whose sources are adjacent,
-# moves it as one message, and the receiver takes that message into a staging buffer of its own
-# and copies each piece to its place (a `ScatteredRun`). Runs this large or larger land in place:
-# their per-message cost is small next to the copy staging would add.
+# A host receiver states consecutive runs below this size as one run, which it takes through a
+# staging buffer and copies to its places (a `ScatteredRun`); larger runs land in place.
 STAGE_BELOW_BYTES = 256 * 1024
 
 
@@ -169,8 +149,7 @@ class ScatteredRun:
         return sum(view.numel() for view in self.views)
 
 
-# What a receiving channel is handed per message: a flat view it receives into in place, or a
-# run it receives through a staging buffer.
+# Per message, a flat view received into in place, or a run received through a staging buffer.
 ReceivePiece = torch.Tensor | ScatteredRun
 
 
@@ -179,9 +158,8 @@ def receive_runs(
     stage_below: int = STAGE_BELOW_BYTES,
     max_run_bytes: int = MAX_RUN_BYTES,
 ) -> tuple[int, ...]:
-    """The runs a receiver states for its destinations: its `adjacent_runs`, with consecutive
-    runs of fewer than `stage_below` bytes grouped into one run of at most `max_run_bytes` (on
-    the host only: a CUDA receiver takes every run in place)."""
+    """The runs a receiver states: its `adjacent_runs`, consecutive runs under `stage_below`
+    bytes grouped up to `max_run_bytes` (host only: a CUDA receiver takes every run in place)."""
     runs = adjacent_runs(views)
     if any(view.is_cuda for view in views):
         return runs
@@ -206,9 +184,8 @@ def receive_runs(
 
 
 def receive_pieces(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[ReceivePiece]:
-    """One piece per run of `views` (the joint runs of the sender's sources and the receiver's
-    `receive_runs`): the run's views merged into one flat view where they are adjacent, else a
-    `ScatteredRun` of them."""
+    """One piece per run: its views merged into one flat view where adjacent, else a
+    `ScatteredRun`."""
     if sum(runs) != len(views):
         raise ValueError(f"runs over {sum(runs)} buffers for {len(views)}")
     pieces: list[ReceivePiece] = []
@@ -224,7 +201,6 @@ def receive_pieces(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[Rec
 
 
 def piece_views(pieces: list[ReceivePiece]) -> list[torch.Tensor]:
-    """Every destination view of `pieces`, in order."""
     views: list[torch.Tensor] = []
     for piece in pieces:
         if isinstance(piece, ScatteredRun):

@@ -1,12 +1,9 @@
-"""The per-transfer conversation, the same over UCX and TCP: a transport provides a `Channel`
-(framed messages both ways on one connection, one transfer at a time); this module holds the
-logic, so the two transports cannot drift apart.
+"""The per-transfer conversation, the same over UCX and TCP; a transport only provides a
+`Channel` (framed messages both ways, one transfer at a time).
 
-Contract: the sender's header (with its runs of adjacent buffers, and on one host an offer of
-its shared memory) is answered by accept or reject; the bytes then move as messages, one per
-joint run of adjacent buffers (`buffers.joint_runs`), or are copied by the receiver out of the
-sender's shared memory (`cross_memory_receiver`); a `checksums_follow` checksum (or after a copy,
-the sender's trailer) follows; the receiver acknowledges with `done` only after the sink took
+The sender's header is answered by accept or reject; the bytes then move as messages, one per
+joint run of adjacent buffers, or are copied out of the sender's shared memory on one host; a
+checksum (or trailer) follows; the receiver acknowledges with `done` only after the sink took
 the bytes. The message sequence: docs/architecture.md.
 """
 
@@ -44,9 +41,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Replies are tiny; a longer one means the peer does not speak this protocol.
 MAX_REPLY_BYTES = 64 * 1024
-# Rejection messages are cut to this many characters so a reply always fits.
 MAX_ERROR_CHARS = 4000
 
 
@@ -64,32 +59,25 @@ class HeaderPhaseError(TransferError):
 
 
 class Channel(Protocol):
-    """One connection as the protocol sees it."""
-
     async def send_message(self, payload: bytes) -> None: ...
 
     async def recv_message(self, max_bytes: int) -> bytes:
-        """One whole message. Raises ConnectionClosed when the peer closed before it started,
-        MessageTooLarge above max_bytes, TransferError on other failures."""
+        """One whole message. Raises ConnectionClosed (peer closed before it), MessageTooLarge,
+        or TransferError."""
         ...
 
     async def send_buffers(
         self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
-        """Sends flat uint8 views, all in flight at once (no round trip per buffer). Given a
-        `hasher` (`integrity.transfer_hasher`), feeds it every byte, in order; where it can
-        (UCX) it hashes each run of views right before posting it, so its copy finds it in
-        cache."""
+        """Sends flat uint8 views, all in flight at once, feeding `hasher` (if given) every byte
+        in order."""
         ...
 
     async def recv_buffers(
         self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
     ) -> None:
-        """Receives one message per piece: into a flat uint8 view in place, or for a
-        `ScatteredRun` through a staging buffer into its views (a byte stream may simply read
-        into each view in turn). Given a `hasher`, feeds it every byte received, in order; where
-        it can (UCX) it hashes each piece as soon as it has landed, while it is still in
-        cache."""
+        """Receives one message per piece: into a flat uint8 view, or for a `ScatteredRun`
+        through a staging buffer into its views; feeds `hasher` every byte in order."""
         ...
 
     async def close(self) -> None:
@@ -115,7 +103,6 @@ class ReceiverStats:
     def __init__(self) -> None:
         self._counters = TransferCounters()
         self._address = ""
-        # Set by a receiver that maps senders' shared memory (`serve_connection`'s reader).
         self._reader: PullReader | None = None
 
     @property
@@ -134,7 +121,6 @@ class ReceiverStats:
 
     @property
     def bytes_mapped(self) -> int:
-        """Bytes copied out of mappings of senders' shared memory, not received as messages."""
         return self._reader.bytes_mapped if self._reader is not None else 0
 
 
@@ -155,7 +141,7 @@ def _expect(reply: KVTransferReply, kind: str) -> KVTransferReply:
 
 
 async def _within(operation: Awaitable[T], timeout_s: float, what: str) -> T:
-    """Awaits an operation, turning timeouts and socket errors into TransferError."""
+    """Awaits `operation`, turning timeouts and socket errors into TransferError."""
     try:
         return await asyncio.wait_for(operation, timeout_s)
     except TimeoutError:
@@ -172,8 +158,7 @@ async def send_transfer(
     pull_source: PullSource | None = None,
 ) -> None:
     """The sender's side of one transfer; returns when the receiver acknowledged every byte.
-    With a `pull_source` the header offers the receiver to copy the bytes out of the sender's
-    shared memory (`nori.transfer.cross_memory_sender`)."""
+    A `pull_source` offers the receiver the sender's shared memory."""
     source_runs = adjacent_runs(views)
     offer = (
         pull_source.offer(views, source_runs, header.buffer_nbytes)
@@ -189,8 +174,6 @@ async def send_transfer(
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
     accepted = _expect(_decode_reply(reply), "accepted")
-    # A checksum taken where the bytes were written is sent as it is; else the bytes are hashed
-    # on their way (or while the receiver takes them).
     known = header.sender_checksum if header.checksums_follow else None
     hasher = transfer_hasher() if header.checksums_follow and known is None else None
     if accepted.pull:
@@ -236,9 +219,8 @@ async def _await_pull(
     hasher: TransferHasher | None,
     known: int | None = None,
 ) -> None:
-    """While the receiver copies the bytes: hashes them (unless their checksum is `known`), then
-    waits for its `pulled` and answers with the trailer (the checksum, zeros when unchecked).
-    Until the trailer is sent the buffers are the receiver's to copy; after it, never again."""
+    """While the receiver copies the bytes: hashes them (unless `known`), waits for its `pulled`
+    and answers with the trailer. After the trailer the buffers are never read again."""
     if hasher is not None:
         await hash_while_pulled(views, hasher)
     _expect(_decode_reply(await channel.recv_message(MAX_REPLY_BYTES)), "pulled")
@@ -274,12 +256,8 @@ async def serve_connection(
     config: TransferConfig,
     reader: PullReader | None = None,
 ) -> None:
-    """Serves transfers on one connection until the peer leaves; never raises but cancellation.
-    With a `reader`, offers of a sender's shared memory on this host are taken up.
-
-    Every failure a peer can cause (bad header, refused request, broken connection) ends in a
-    rejection or a dropped connection, never in an exception escaping into the process.
-    """
+    """Serves transfers on one connection until the peer leaves; raises only cancellation.
+    Every failure a peer can cause ends in a rejection or a dropped connection."""
     try:
         while await _serve_one(channel, sink, counters, config, reader):
             pass
@@ -324,14 +302,12 @@ async def _serve_one(
     try:
         views = check_destinations(header, destinations)
     except TransferRejected as error:
-        # The sink handed out (maybe leased) blocks that do not fit: let it take them back.
         _notify_failed(sink, header, str(error))
         return await _reject(channel, str(error))
 
     offer = header.pull_offer
     pull = reader is not None and offer is not None and reader.can_pull(offer, views)
-    # A sender that stated its runs gets ours, and both move the joint runs as messages; ours
-    # group consecutive small runs, which land through a staging buffer (`receive_runs`).
+    # Both sides move the joint runs as messages; small runs land through a staging buffer.
     destination_runs = receive_runs(views) if header.source_runs and not pull else ()
     accept = KVTransferReply(accepted=True, destination_runs=destination_runs, pull=pull)
     if not await _reply(channel, accept):
@@ -342,8 +318,7 @@ async def _serve_one(
         pieces = receive_pieces(
             views, joint_runs(header.source_runs, destination_runs, header.buffer_nbytes)
         )
-    # A sender's checksum that follows the data is checked over the bytes as they land (see
-    # Channel.recv_buffers); checksums in the header are the sink's to check.
+    # Checksums that follow the data are checked as it lands; header ones are the sink's.
     hasher = transfer_hasher() if header.checksums_follow else None
     try:
         if pull:
@@ -369,14 +344,12 @@ async def _serve_one(
 
     header = dataclasses.replace(header, bulk="mapped" if pull else "messages")
     if hasher is not None or pull:
-        # The checksum; after a pull also the sender's word that its buffers were still its
-        # own while they were copied.
+        # The checksum; after a pull also the sender's word its buffers stayed unchanged.
         try:
             sent = unpack_checksum(
                 await _within(channel.recv_message(8), config.timeout_s, "receiving the checksum")
             )
         except (TransferError, OSError, ValueError) as error:
-            # Bytes nobody can check are never decoded on.
             await channel.close()
             _notify_failed(sink, header, f"no checksum after the data: {error}")
             return False
@@ -389,8 +362,7 @@ async def _serve_one(
         # Before the acknowledgement: once the sender returns, the decode side knows the blocks.
         sink.completed(header, nbytes)
     except TransferRejected as error:
-        # The bytes arrived but failed the sink's check (a checksum): the sink has failed the
-        # request; the sender hears a refusal, not an acknowledgement.
+        # The bytes failed the sink's check (it failed the request); the sender hears a refusal.
         return await _reject(channel, str(error))
     except Exception as error:
         logger.exception("KV sink completed() raised for request %s", header.request_id)

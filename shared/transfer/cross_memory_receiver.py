@@ -1,13 +1,11 @@
 """The receiver's side of a transfer it copies out of the sender's shared memory.
 
-Contract: `PullReader.can_pull` takes up an offer (`cross_memory_sender.PullSource`) only where
-it maps every offered segment here: the sender's abstract socket answers (same host and network
-namespace), with the offer's probe bytes, and hands over descriptors of segments that still
-hold the regions. Else it logs why once (by reason) and the bytes go as messages. `pull` copies
-the regions into the receiver's own destinations, in stream order, out of read-only mappings,
-hashing each chunk as it lands; it touches no byte outside the offered segments. Mappings are
-kept per sender (a few, least recently used evicted) and unmapped when the sender's socket
-closes and no copy uses them. The message sequence: docs/architecture.md.
+`PullReader.can_pull` takes up an offer only where it maps every offered segment here (the
+sender's abstract socket answers with the offer's probe), else logs why once and the bytes go
+as messages. `pull` copies the regions into the receiver's destinations in stream order, out of
+read-only mappings, hashing each chunk as it lands; it touches no byte outside the offered
+segments. Mappings are kept per sender (LRU) and unmapped once the sender leaves and no copy
+uses them. The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -46,12 +44,10 @@ from nori.transfer.integrity import CHECKSUM_CHUNK_BYTES, TransferHasher
 
 logger = logging.getLogger(__name__)
 
-# Senders whose segments a receiver keeps mapped; the least recently used is unmapped.
 MAX_MAPPED_SENDERS = 8
 _SEGMENT_CONNECT_TIMEOUT_S = 2.0
-# A copy of at least this many bytes runs on threads beside the event loop, which goes on
-# serving meanwhile: they take the 1 MiB chunks in turn, each hashing the chunk it copied
-# while it is in its core's cache.
+# A copy of at least this many bytes runs on threads beside the event loop, each hashing the
+# 1 MiB chunk it copied while it is in its core's cache.
 COPY_THREAD_MIN_BYTES = 4 * 1024 * 1024
 COPY_THREADS = min(2, os.cpu_count() or 1)
 
@@ -71,8 +67,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def regions_of(views: Sequence[torch.Tensor]) -> list[Region]:
-    """The flat byte views' memory, in order, adjacent views merged into one region.
-    Vectorized: a transfer of 32 KiB blocks has thousands of views."""
+    """The flat byte views' memory, in order, adjacent views merged into one region."""
     count = len(views)
     addresses = np.fromiter((view.data_ptr() for view in views), dtype=np.int64, count=count)
     sizes = np.fromiter((view.nbytes for view in views), dtype=np.int64, count=count)
@@ -94,8 +89,8 @@ def piece_regions(pieces: Sequence[ReceivePiece]) -> list[Region]:
     return regions_of(views)
 
 
-# A copy's pieces, in stream order: rows of (destination address, source address, byte count),
-# each within one region of either side; int64 [n, 3] (what `kernels.copy_pieces` takes).
+# A copy's pieces in stream order: int64 [n, 3] rows of (destination, source, byte count), each
+# within one region of either side.
 Pieces = np.ndarray
 
 
@@ -104,10 +99,8 @@ def copy_plan(
     destinations: Sequence[Region],
     chunk_bytes: int = CHECKSUM_CHUNK_BYTES,
 ) -> list[Pieces]:
-    """The same byte stream laid out two ways, cut into chunks of `chunk_bytes` of the stream
-    (the last one shorter), each a list of pieces that lie within one region of either side.
-    ValueError when the two do not add up to the same total. Vectorized: a transfer of 32 KiB
-    blocks has thousands of regions."""
+    """The same byte stream laid out two ways, cut into chunks of `chunk_bytes`, each a list of
+    pieces within one region of either side; ValueError when the totals differ."""
     source = np.array(sources, dtype=np.int64).reshape(-1, 2)
     destination = np.array(destinations, dtype=np.int64).reshape(-1, 2)
     source_ends = np.cumsum(source[:, 1])
@@ -137,12 +130,11 @@ def copy_plan(
 
 @dataclass
 class _MappedSender:
-    """A receiver's mappings of one sender's segments, and the connection whose end says the
-    sender is gone. Unmapped once evicted (or gone) and no copy uses them."""
+    """A receiver's mappings of one sender's segments; unmapped once evicted (or the sender is
+    gone) and no copy uses them."""
 
     connection: socket.socket
     probe: bytes
-    # key -> (local address of the mapping, byte count)
     mappings: dict[int, tuple[int, int]] = field(default_factory=dict)
     users: int = 0
     evicted: bool = False
@@ -176,8 +168,8 @@ def _map_read_only(fd: int, nbytes: int) -> int:
 def _translate(
     regions: Sequence[Region], segments: Sequence[Segment], mapped: _MappedSender
 ) -> list[Region]:
-    """The sender's regions as addresses in the receiver's mappings, split where a region runs
-    from one segment into the next; ValueError for a byte outside every mapped segment."""
+    """The sender's regions as addresses in the receiver's mappings, split at segment edges;
+    ValueError for a byte outside every mapped segment."""
     starts = sorted((segment.address, segment.key) for segment in segments)
     addresses = [address for address, _ in starts]
     local: list[Region] = []
@@ -197,25 +189,20 @@ def _translate(
 
 
 class PullReader:
-    """A receiver's side: checks an offer, then copies the bytes into its own destinations out
-    of its mappings of the sender's shared memory."""
+    """A receiver's side: checks an offer, then copies the bytes out of its mappings."""
 
     def __init__(self) -> None:
-        # The threads that copy large transfers (COPY_THREADS).
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        # Why offers are refused, once each in the log (socket names differ without end; the
-        # reasons do not).
+        # Why offers are refused, logged once per reason.
         self._refusals_logged: set[str] = set()
         self._said_mapped = False
         # Segment socket name -> that sender's mappings, least recently used first.
         self._senders: OrderedDict[str, _MappedSender] = OrderedDict()
-        # Bytes copied out of mappings of senders' shared memory.
         self.bytes_mapped = 0
 
     def can_pull(self, offer: CrossMemoryOffer, pieces: Sequence[ReceivePiece]) -> bool:
-        """Whether this transfer's bytes can be copied out of the sender's shared memory: host
-        destinations, and the offer's segments mapped here (the sender's socket answers with the
-        offer's probe)."""
+        """Whether the bytes can be copied out of the sender's shared memory: host destinations,
+        and every offered segment mapped here."""
         if any(piece.is_cuda for piece in pieces if isinstance(piece, torch.Tensor)):
             return False
         if len(offer.probe) != PROBE_BYTES:
@@ -233,7 +220,6 @@ class PullReader:
 
     @property
     def mapped_senders(self) -> int:
-        """Senders whose segments are mapped here now."""
         return len(self._senders)
 
     def _refuse(self, why: str) -> None:
@@ -245,8 +231,8 @@ class PullReader:
             )
 
     def _mapped(self, offer: CrossMemoryOffer) -> _MappedSender | None:
-        """The sender's mappings with every offered segment in them (mapping those missing);
-        None, logged once by reason, where that cannot be done."""
+        """The sender's mappings with every offered segment in them; None (logged once by
+        reason) where that cannot be done."""
         if not offer.segment_socket:
             self._refuse("the offer names no segment socket")
             return None
@@ -308,8 +294,8 @@ class PullReader:
             self._evict(name)
 
     def close(self) -> None:
-        """Unmaps every sender's segments (a copy still under way unmaps its own when done)
-        and stops the copy threads."""
+        """Unmaps every sender's segments (an ongoing copy unmaps its own when done) and stops
+        the copy threads."""
         for name in list(self._senders):
             self._evict(name)
         if self._executor is not None:
@@ -322,10 +308,8 @@ class PullReader:
         pieces: Sequence[ReceivePiece],
         hasher: TransferHasher | None,
     ) -> None:
-        """Copies the offered regions into the pieces' views, in order, out of the mapped
-        segments; given a `hasher`, feeds it each chunk's digest, hashed as the chunk landed.
-        TransferError when that fails (the sender's segments are gone, or the offer does not
-        fit)."""
+        """Copies the offered regions into the pieces' views, in order, feeding `hasher` each
+        chunk's digest; TransferError when the segments are gone or the offer does not fit."""
         sender = self._mapped(offer)
         if sender is None:
             raise TransferError("the sender's shared memory is no longer mapped here")
@@ -367,10 +351,8 @@ class PullReader:
             sender.release()
 
     async def _copy_on_threads(self, plan: list[Pieces], digests: list[int] | None) -> None:
-        """The copy threads take the chunks in turn; given `digests`, each puts there the
-        digest of the chunk it copied, hashed as it copies (in its core's cache). Returns, or
-        raises, only once no thread touches the destinations any more: the caller may hand
-        them back right after."""
+        """The copy threads take the chunks in turn, writing each chunk's digest to `digests`.
+        Returns or raises only once no thread touches the destinations any more."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 COPY_THREADS, thread_name_prefix="nori-kv-copy"

@@ -1,13 +1,10 @@
 """The sender's side of a transfer that the receiver copies out of the sender's shared memory.
 
-Contract: `PullSource.offer` describes a transfer's bytes (`CrossMemoryOffer`) only when every
-one of them lies in shared memory (the workers' KV caches and the prefill export arena); else
-it offers nothing and the bytes go as messages. The offer names an abstract Unix socket of this
-process (`SegmentServer`) that hands read-only descriptors of the segments to a process of this
-user that asks, answering first with the offer's random probe bytes, so a receiver knows whom
-it reached. Invariant: the sender keeps its buffers unchanged until it sent its trailer, which
-it sends only after the receiver's `pulled`; a sender that gave up meanwhile sends none, and
-the receiver fails the transfer. The message sequence: docs/architecture.md.
+`PullSource.offer` describes a transfer's bytes only when all lie in shared memory (KV caches,
+the prefill export arena); else the bytes go as messages. The offer names an abstract Unix
+socket (`SegmentServer`) that hands read-only segment descriptors to a process of this user,
+answering first with the offer's random probe bytes. Invariant: the buffers stay unchanged until
+the trailer, sent only after the receiver's `pulled`. The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -36,15 +33,11 @@ logger = logging.getLogger(__name__)
 PROBE_BYTES = 16
 # Descriptors handed over per message (the kernel's SCM_MAX_FD is 253).
 MAX_FDS_PER_MESSAGE = 250
-# Shared-memory segments a sender keeps descriptors of (its KV cache tensors: a few dozen); the
-# least recently offered is closed beyond this.
+# Segments a sender keeps descriptors of; the least recently offered is closed beyond this.
 MAX_SEGMENTS_OFFERED = 512
-# Receivers a sender's segment socket serves at once (each keeps one connection per sender).
 MAX_SEGMENT_CLIENTS = 64
-# The sender lets its event loop run other work after about this many bytes hashed.
 YIELD_EVERY_BYTES = 8 * 1024 * 1024
 
-# (address, byte count) of a stretch of memory.
 Region = tuple[int, int]
 
 
@@ -58,8 +51,8 @@ def extend_regions(regions: list[Region], address: int, nbytes: int) -> None:
 
 @dataclass(frozen=True)
 class Segment:
-    """A stretch of shared memory holding offered regions: its start in the sender, its length,
-    and the key its memory goes by (its shared-memory file's inode)."""
+    """A stretch of shared memory: its start in the sender, its length, and its key (the
+    shared-memory file's inode)."""
 
     address: int
     nbytes: int
@@ -67,9 +60,8 @@ class Segment:
 
 
 def shared_segments(views: Sequence[torch.Tensor]) -> list[tuple[Segment, int]]:
-    """The shared-memory segments (torch storages shared by file descriptor) the views (a run's
-    first view stands for the run) lie in, each with a descriptor of it that the storage owns;
-    empty when any view is not in one."""
+    """The shared-memory segments the views lie in (a run's first view stands for the run), each
+    with a descriptor the storage owns; empty when any view is not in one."""
     storages: dict[int, torch.UntypedStorage] = {}
     for view in views:
         storage = view.untyped_storage()
@@ -88,7 +80,6 @@ def shared_segments(views: Sequence[torch.Tensor]) -> list[tuple[Segment, int]]:
 
 
 def peer_uid(connection: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
     credentials = connection.getsockopt(
         socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
     )
@@ -96,17 +87,14 @@ def peer_uid(connection: socket.socket) -> int:
 
 
 class SegmentServer:
-    """A sender's abstract Unix socket: answers a receiver's request for segments (8-byte keys)
-    with the probe bytes, each segment's length (0 if unknown) and read-only descriptors of the
-    known ones. One thread; receivers stay connected while they keep the mappings. Only a
-    process of this one's user is answered (the kernel's word, SO_PEERCRED): an abstract
-    socket's name can be listed by anyone (/proc/net/unix)."""
+    """A sender's abstract Unix socket, on one thread: answers a request for segments (8-byte
+    keys) with the probe, each length (0 if unknown) and read-only descriptors. Only this user's
+    processes are answered (SO_PEERCRED): anyone can list abstract socket names."""
 
     def __init__(self, probe: bytes) -> None:
         self._probe = probe
         self.name = f"nori-kv-{os.getpid()}-{secrets.token_hex(8)}"
         self._lock = threading.Lock()
-        # key -> (read-only descriptor, byte count), least recently offered first.
         self._segments: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind("\0" + self.name)
@@ -186,9 +174,7 @@ class SegmentServer:
 
 
 class PullSource:
-    """A sender's side: offers its buffers in shared memory to receivers on its host. Keeps the
-    probe bytes that name it and (from the first offer on) the socket that hands out its
-    segments."""
+    """A sender's side: offers its buffers in shared memory to receivers on its host."""
 
     def __init__(self) -> None:
         self._probe = secrets.token_bytes(PROBE_BYTES)
@@ -200,9 +186,8 @@ class PullSource:
         runs: Sequence[int] | None = None,
         sizes: Sequence[int] | None = None,
     ) -> CrossMemoryOffer | None:
-        """The offer for these flat byte views, given (or else finding) their `adjacent_runs`
-        and byte sizes; None for memory that is not shared (CUDA memory, a private copy) or no
-        bytes at all. Per run, not per view: a transfer of 32 KiB blocks has thousands."""
+        """The offer for these flat byte views (given or finding their `adjacent_runs`); None for
+        memory that is not shared, or no bytes."""
         if runs is None:
             runs = adjacent_runs(list(views))
         if sizes is None:
@@ -241,8 +226,8 @@ class PullSource:
 
 
 async def hash_while_pulled(views: Sequence[torch.Tensor], hasher: TransferHasher) -> None:
-    """The sender's checksum while the receiver copies: every byte in order, in the chunks the
-    transports hash (`integrity.hash_chunks`), letting the event loop run between them."""
+    """The sender's checksum while the receiver copies, in the transports' chunks, letting the
+    event loop run between them."""
     since_yield = 0
     for _, chunk in hash_chunks(views):
         hasher.update(chunk)

@@ -1,9 +1,5 @@
-"""Choosing a transport: "ucx" where ucxx imports, else "tcp"; a caller may name either.
-
-The receiver's transport is the only choice that matters: it shows in its address scheme
-(ucx:// or tcp://), and a sender sends over whatever the address names, so prefill and decode
-workers always agree. A sender of either kind reaches tcp:// addresses; ucx:// ones need ucxx.
-"""
+"""Choosing a transport: "ucx" where ucxx imports, else "tcp"; a caller may name either. Only the
+receiver's choice matters: its address scheme tells senders which transport to use."""
 
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ KINDS = ("ucx", "tcp")
 
 
 def _load_ucx() -> ModuleType | str:
-    """The UCX transport module, or why it cannot be imported (no ucxx, broken native libs)."""
     try:
         return importlib.import_module("nori.transfer.ucx")
     except (ImportError, OSError) as error:
@@ -85,11 +80,8 @@ def make_receiver(
 
 
 def make_sender(kind: str | None, config: TransferConfig | None = None) -> KVSender:
-    """A sender for either address scheme: what a receiver advertises decides the transport.
-
-    "ucx" (None where ucxx imports) fails here without ucxx; "tcp" (None elsewhere) never loads
-    ucxx: sending to a ucx:// address then raises ValueError.
-    """
+    """A sender for either address scheme; with "tcp" (None without ucxx) ucxx is never loaded
+    and a ucx:// address raises ValueError."""
     if _resolve(kind) == "tcp":
         return MultiSender(None, config)
     return MultiSender(_require_ucx(), config)
@@ -128,7 +120,6 @@ class MultiSender:
         await self._sender(parse_address(address).scheme).send(address, header, buffers)
 
     async def close(self) -> None:
-        # The senders stay (closed) so bytes_sent still counts what they sent.
         self._closed = True
         for sender in list(self._senders.values()):
             await sender.close()

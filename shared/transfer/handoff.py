@@ -1,13 +1,9 @@
 """The prefill-to-decode hand-off on the wire: one typed message, one codec, both sides.
 
-The messages are protobuf (`proto/nori/v1/handoff.proto`): `KVDestination` (the decode worker's
-reserved blocks, passed decode -> gateway -> prefill), `HandOff` (the destination plus what
-decoding continues from: the first token and the sampler's RNG state) and the KV transfer's own
-framing, `KVTransferHeader` and `KVTransferReply`. This module is the only place that turns them
-into bytes and back, and the only place that checks what a peer sent.
-
-A header starts with a magic and a version, so a foreign or older peer is refused with a clear
-error instead of being misread: protobuf parses almost any bytes into some message.
+Protobuf (`proto/nori/v1/handoff.proto`): `KVDestination` (the decode worker's reserved blocks),
+`HandOff` (destination, first token, sampler RNG state) and the transfer's `KVTransferHeader`
+and `KVTransferReply`. Only this module encodes them and checks what a peer sent; a header
+starts with a magic and a version, so a foreign or older peer is refused, not misread.
 """
 
 from __future__ import annotations
@@ -37,45 +33,32 @@ __all__ = [
     "encode_reply",
 ]
 
-# How a transfer's bytes came: as messages, or copied by the receiver out of its mapping of the
-# sender's shared memory (`nori.transfer.cross_memory_receiver`).
+# How a transfer's bytes came: as messages, or copied out of the sender's shared memory.
 KVBulk = Literal["messages", "mapped"]
 
 # Bumped when the header's layout changes incompatibly, so a mixed deployment fails loudly.
-# (Version 1 was a JSON object; it started with "{", which the magic check refuses. Version 2's
-# `checksums_follow` checksum was one xxh3 over the stream, 3's is over its chunks' digests.)
 HEADER_VERSION = 3
 _MAGIC = b"NKV"
 
 
 @dataclass(frozen=True, eq=False)
 class TransferHeader:
-    """What precedes the KV bytes of one transfer: the hand-off and the sizes of the buffers."""
-
     hand_off: HandOff
-    # Byte size of each buffer that follows, in order.
     buffer_nbytes: tuple[int, ...]
     # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
     buffer_checksums: tuple[int, ...] = ()
-    # The sender sends the checksums right after the buffers instead (hashed as each is posted,
-    # in cache); the receiver's conversation fills `buffer_checksums` from that message.
+    # The checksum comes after the buffers instead; the receiver fills `buffer_checksums`.
     checksums_follow: bool = False
-    # Runs of adjacent source buffers (KVTransferHeader.source_runs); empty: none stated.
+    # Runs of adjacent source buffers; empty: none stated.
     source_runs: tuple[int, ...] = ()
-    # The sender's offer of its shared memory, for the receiver to copy the bytes out of
-    # (`nori.transfer.cross_memory_sender`); None: it sends them.
+    # The sender's shared-memory offer (`cross_memory_sender`); None: it sends the bytes.
     pull_offer: CrossMemoryOffer | None = None
-    # Not on the wire: xxh3-64 of each buffer as it landed, computed by the receiving transport
-    # while the bytes were still in cache (`nori.transfer.conversation`), so the sink compares
-    # them with `buffer_checksums` instead of reading every byte once more. Empty when the
-    # transport did not hash (the sender sent no checksums); `from_bytes` never sets it.
+    # Not on the wire from here on. Checksums the receiving transport took as the bytes landed,
+    # for the sink to compare with `buffer_checksums`; empty when it did not hash.
     received_checksums: tuple[int, ...] = ()
-    # Not on the wire: how the bytes came (the offer taken up, or messages); set by the
-    # receiving conversation.
+    # How the bytes came; set by the receiving conversation.
     bulk: KVBulk = "messages"
-    # Not on the wire: a `checksums_follow` sender's checksum of the bytes, taken where they
-    # were written (the prefill worker's export copy, `nori.prefill.export_arena`): the sender
-    # sends it instead of hashing the bytes once more. None: the transport hashes them.
+    # A sender's checksum taken where the bytes were written (the export copy); None: hash them.
     sender_checksum: int | None = None
 
     @classmethod
@@ -92,8 +75,8 @@ class TransferHeader:
         checksums_follow: bool = False,
         sender: str = "",
     ) -> TransferHeader:
-        """A header for `block_ids` of `destination` (a bare destination when None); `sender`
-        names the sending worker (HandOff.sender)."""
+        """A header for `block_ids` of `destination` (a bare one when None); `sender` names the
+        sending worker."""
         where = KVDestination()
         if destination is not None:
             where.CopyFrom(destination)
@@ -119,7 +102,6 @@ class TransferHeader:
 
     @property
     def block_ids(self) -> list[int]:
-        """The destination block ids on the receiver; the receiver's sink checks them."""
         return list(self.hand_off.destination.block_ids)
 
     @property
@@ -159,8 +141,8 @@ class TransferHeader:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TransferHeader:
-        """Parses and checks a header; raises ValueError, saying what is wrong, on anything
-        foreign or malformed."""
+        """Parses and checks a header; ValueError saying what is wrong on anything foreign or
+        malformed."""
         if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 1:
             raise ValueError(
                 "not a Nori KV transfer header (a different program, or a Nori older than "

@@ -1,11 +1,9 @@
 """Checksums of KV transfer buffers: the receiver decodes only the bytes the sender sent.
 
-A `checksums_follow` transfer carries one checksum of its whole byte stream after the data:
-xxh3-64 over the xxh3-64 digests of each CHECKSUM_CHUNK_BYTES of it (`TransferHasher`), so it
-does not depend on how the bytes were cut into calls. The prefill worker's export copy takes it as
-it copies the blocks; a receiver takes it as the bytes land, while they are still in cache. A
-header with per-buffer checksums is still accepted; one with none is refused (fail-closed), and so
-is a transfer whose bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
+A `checksums_follow` transfer ends with one checksum of its byte stream (`TransferHasher`),
+taken by the sender as it copies and by the receiver as the bytes land. A header with
+per-buffer checksums is still accepted; with none, refused (fail-closed), as is a transfer whose
+bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
 """
 
 from __future__ import annotations
@@ -20,12 +18,10 @@ import xxhash
 
 from nori.transfer.buffers import adjacent_runs, joint_runs
 
-# xxh3-64 of no bytes: what an empty buffer checks as.
 EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
 
 
 def array_checksum(data: np.ndarray) -> int:
-    """xxh3-64 of a contiguous NumPy array's bytes (a transport's own view of a buffer)."""
     return int(xxhash.xxh3_64_intdigest(data))  # type: ignore[arg-type]  # ndarray is a buffer
 
 
@@ -36,7 +32,6 @@ def buffer_checksum(buffer: torch.Tensor) -> int:
     host = buffer if buffer.device.type == "cpu" else buffer.cpu()
     if not host.is_contiguous():
         raise ValueError("KV transfer buffers must be contiguous")
-    # As bytes: numpy has no bfloat16, and the hash is of the bytes anyway.
     return array_checksum(host.detach().view(torch.uint8).numpy())
 
 
@@ -45,8 +40,8 @@ def buffer_checksums(buffers: Sequence[torch.Tensor]) -> list[int]:
 
 
 def checksum_mismatch(actual: Sequence[int], expected: Sequence[int]) -> str | None:
-    """Why checksums computed over received bytes are not the sender's (the first differing
-    buffer), or None."""
+    """Why checksums over received bytes are not the sender's (the first differing buffer), or
+    None."""
     if len(actual) != len(expected):
         return f"{len(expected)} checksums for {len(actual)} buffers"
     for index, (got, checksum) in enumerate(zip(actual, expected, strict=True)):
@@ -65,31 +60,24 @@ def first_mismatch(buffers: Sequence[torch.Tensor], expected: Sequence[int]) -> 
 def landed_mismatch(
     received: Sequence[int], expected: Sequence[int], buffers: Sequence[torch.Tensor]
 ) -> str | None:
-    """Why the bytes that landed in `buffers` are not what the sender hashed, or None: from the
-    checksums the receiving transport took as they landed (`received`), else from a pass over
-    the buffers."""
+    """Why the bytes in `buffers` are not what the sender hashed, or None: from `received` (the
+    transport's checksums) if given, else from a pass over the buffers."""
     if received:
         return checksum_mismatch(received, expected)
     return first_mismatch(buffers, expected)
 
 
-# The most bytes hashed in one call over adjacent buffers: small enough to stay in a core's L2
-# cache between the hash and UCX's copy of the same bytes.
+# The most bytes hashed in one call: small enough to stay in L2 until UCX copies them.
 HASH_CHUNK_BYTES = 512 * 1024
 
 
-# The transfer checksum's chunks: consecutive stretches of this many bytes of the stream.
 CHECKSUM_CHUNK_BYTES = 1024 * 1024
 
 
 class TransferHasher:
-    """The checksum of a `checksums_follow` transfer: xxh3-64 over the xxh3-64 digests (8 bytes
-    little-endian each) of the stream's consecutive CHECKSUM_CHUNK_BYTES stretches, the last
-    one shorter (no stretch at all for no bytes).
-
-    It does not depend on how the bytes are cut into calls, so each side hashes runs of
-    adjacent buffers in one call; and the chunks hash independently, so a receiver that copies
-    on several threads hashes each chunk on the thread that copied it (`add_chunk_digests`)."""
+    """xxh3-64 over the xxh3-64 digests (8 bytes little-endian each) of the stream's consecutive
+    CHECKSUM_CHUNK_BYTES stretches. Independent of how bytes are cut into calls, and chunks can
+    be hashed on other threads (`add_chunk_digests`)."""
 
     def __init__(self) -> None:
         self._digests = bytearray()
@@ -98,7 +86,6 @@ class TransferHasher:
         self._ended = False  # a short last chunk came as a digest: nothing may follow
 
     def update(self, data: memoryview | bytes | bytearray | np.ndarray) -> None:
-        """Feeds the next bytes of the stream (any contiguous buffer)."""
         view = memoryview(data).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
         if self._ended and len(view):
             raise ValueError("bytes after the transfer's last chunk")
@@ -113,10 +100,8 @@ class TransferHasher:
                 self._filled = 0
 
     def add_chunk_digests(self, digests: Sequence[int], last_nbytes: int) -> None:
-        """The digests of the next whole chunks, hashed elsewhere (each xxh3-64 of its bytes;
-        `nori.kernels.copy_pieces.copy_and_hash_pieces` takes them as it copies), the last of
-        them `last_nbytes` long (short only for the transfer's last chunk). Only at a chunk
-        boundary."""
+        """Adds the digests of the next whole chunks, hashed elsewhere, the last `last_nbytes`
+        long; only at a chunk boundary."""
         if self._filled or self._ended:
             raise ValueError("chunk digests must start at a chunk boundary")
         for digest in digests:
@@ -129,15 +114,12 @@ class TransferHasher:
 
 
 def transfer_hasher() -> TransferHasher:
-    """A new `TransferHasher`: the checksum both sides of a `checksums_follow` transfer take."""
     return TransferHasher()
 
 
 def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:
-    """Adjacent CPU views grouped into chunks of at most HASH_CHUNK_BYTES (a view larger than
-    that is a chunk of its own): (index of the chunk's last non-empty view, its bytes), in
-    order. Feeding the chunks to a `transfer_hasher` hashes exactly the views' bytes, in order.
-    The chunks are the runs a transfer's messages are cut into (`buffers.joint_runs`), smaller."""
+    """Adjacent CPU views grouped into chunks of at most HASH_CHUNK_BYTES (a larger view alone):
+    (index of the chunk's last non-empty view, its bytes), in order."""
     sizes = tuple(view.numel() * view.element_size() for view in views)
     runs = adjacent_runs(list(views))
     chunks: list[tuple[int, memoryview]] = []
@@ -157,8 +139,7 @@ def memory_at(pointer: int, nbytes: int) -> memoryview:
 
 
 def pack_checksum(checksum: int) -> bytes:
-    """The message that follows the buffers of a `checksums_follow` transfer: the sender's
-    `transfer_hasher` digest, 8 bytes little-endian."""
+    """The trailer of a `checksums_follow` transfer: the digest, 8 bytes little-endian."""
     return struct.pack("<Q", checksum)
 
 

@@ -1,9 +1,5 @@
-"""The plain TCP transport: asyncio over raw non-blocking sockets.
-
-Received bytes go straight from the kernel into the sink's tensors (`sock_recv_into` on a view of
-the destination); the sender streams every buffer back to back. CUDA tensors are staged through
-host memory, since a socket only reads and writes host memory.
-"""
+"""The plain TCP transport: asyncio over raw non-blocking sockets. Received bytes go straight
+into the sink's tensors (`sock_recv_into`); CUDA tensors are staged through host memory."""
 
 from __future__ import annotations
 
@@ -30,17 +26,13 @@ from nori.transfer.pool import ConnectionPool
 
 logger = logging.getLogger(__name__)
 
-# Every framed message starts with its length, little-endian unsigned 64 bits.
 _LENGTH = struct.Struct("<Q")
-# KV data moves with vectored I/O: one sendmsg/recvmsg_into covers up to this many blocks
-# (Linux's IOV_MAX), instead of one syscall and one event-loop trip per block.
+# One sendmsg/recvmsg_into covers up to this many blocks (Linux's IOV_MAX).
 _IOV_MAX = 1024
-# Let other connections' coroutines run after this many back-to-back syscalls.
 _SYSCALLS_PER_YIELD = 64
 
 
 def _advance(views: list[memoryview], index: int, count: int) -> int:
-    """Consumes `count` bytes from views[index:], trimming a partly used view in place."""
     while count:
         size = len(views[index])
         if count < size:
@@ -74,7 +66,6 @@ class _HostStaging:
 
 
 def _feed(hasher: TransferHasher, views: list[torch.Tensor]) -> None:
-    """Every byte of `views`, in order, into `hasher` (CUDA ones through host copies)."""
     if any(view.is_cuda for view in views):
         for view in views:
             hasher.update(view.cpu().numpy().data)
@@ -84,13 +75,11 @@ def _feed(hasher: TransferHasher, views: list[torch.Tensor]) -> None:
 
 
 def _flat(view: torch.Tensor) -> memoryview:
-    """A flat, writable memoryview of a CPU uint8 tensor's bytes (no copy)."""
     return view.numpy().data.cast("B")
 
 
 def _configure(sock: socket.socket) -> None:
     sock.setblocking(False)
-    # Headers and replies are small, latency-bound messages: do not let Nagle hold them back.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -103,7 +92,6 @@ class _TcpChannel:
 
     @property
     def alive(self) -> bool:
-        """Whether an idle connection still looks usable (no EOF, no stray bytes)."""
         if self._closed:
             return False
         try:
@@ -126,7 +114,6 @@ class _TcpChannel:
             view = view[received:]
 
     async def _ready(self, writable: bool) -> None:
-        """Waits until the socket can be written (or read) without blocking."""
         future = self._loop.create_future()
         fd = self._sock.fileno()
 
@@ -147,7 +134,6 @@ class _TcpChannel:
                 self._loop.remove_reader(fd)
 
     async def _vectored(self, views: list[memoryview], send: bool) -> None:
-        """Moves every byte of `views` (flat, non-empty) with as few syscalls as possible."""
         index = calls = 0
         while index < len(views):
             batch = views[index : index + _IOV_MAX]
@@ -182,7 +168,7 @@ class _TcpChannel:
         self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
         if hasher is not None:
-            # Before the whole transfer (a socket sends many views per call): one pass.
+            # Before the whole transfer: one pass.
             _feed(hasher, views)
         await self._vectored(
             [self._staging.host_bytes(view) for view in views if view.numel()], send=True
@@ -208,7 +194,7 @@ class _TcpChannel:
         for device_view, host in staged:
             device_view.copy_(host)
         if hasher is not None:
-            # After the whole transfer (a socket fills many views per call): one more pass.
+            # After the whole transfer: one more pass.
             _feed(hasher, views)
 
     async def close(self) -> None:
@@ -218,8 +204,6 @@ class _TcpChannel:
 
 
 class TcpReceiver(conversation.ReceiverStats):
-    """Accepts connections from senders and receives their transfers into the sink's tensors."""
-
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
         super().__init__()
         self._sink = sink
@@ -235,7 +219,6 @@ class TcpReceiver(conversation.ReceiverStats):
     ) -> str:
         if self._listener is not None:
             raise RuntimeError("the receiver is already started")
-        # Only on `host` (the worker's --host, or its advertised address): an IPv6 one too.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.create_server((host, port), family=family, backlog=128)
         listener.setblocking(False)
@@ -251,7 +234,6 @@ class TcpReceiver(conversation.ReceiverStats):
             try:
                 sock, _ = await loop.sock_accept(listener)
             except OSError as error:
-                # Out of file descriptors and the like: back off rather than spin.
                 logger.warning("TcpReceiver accept failed: %s", error)
                 await asyncio.sleep(0.1)
                 continue
@@ -271,8 +253,7 @@ class TcpReceiver(conversation.ReceiverStats):
         tasks = [task for task in (self._accept_task, *self._connections) if task is not None]
         for task in tasks:
             task.cancel()
-        # Cancelling (not closing sockets under asyncio's feet) unregisters the readers first;
-        # each connection then closes its own socket and tells the sink about a cut transfer.
+        # Cancelling unregisters the readers first; each connection then closes its own socket.
         await asyncio.gather(*tasks, return_exceptions=True)
         self._accept_task = None
         if self._listener is not None:
@@ -283,8 +264,6 @@ class TcpReceiver(conversation.ReceiverStats):
 
 
 class TcpSender:
-    """Sends transfers to `tcp://` receivers over pooled connections."""
-
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
         self._pull_source = PullSource() if self._config.map_shared_memory else None

@@ -1,11 +1,9 @@
 """The UCX transport (ucxx): shared memory between workers on one host, the network across.
 
-`UcxReceiver` lands transfers in the sink's tensors, `UcxSender` sends them over pooled
-connections (`ucx_channel.UcxChannel`, which moves and hashes the bytes). Between workers on one
-host the bytes go through UCX's sysv shared-memory FIFO, eager (`ucx_env`); across hosts UCX uses
-what it was built with: the ucxx-cu12 wheel's UCX has TCP but no InfiniBand/RoCE, so RDMA needs a
-system UCX. Importing this module applies `nori.transfer.ucx_env`'s settings before ucxx
-initialises, and raises ImportError without ucxx.
+`UcxReceiver` lands transfers in the sink's tensors; `UcxSender` sends over pooled connections
+(`ucx_channel.UcxChannel`). On one host the bytes go through UCX's sysv shared-memory FIFO;
+across hosts, what UCX was built with (the ucxx-cu12 wheel: TCP, no RDMA). Importing applies
+`ucx_env`'s settings before ucxx initialises; ImportError without ucxx.
 """
 
 from __future__ import annotations
@@ -50,18 +48,15 @@ from nori.transfer.ucx_worker_address import (
 
 logger = logging.getLogger(__name__)
 
-# How long close() waits for ucxx to retire its listener's connection handlers.
 _CLOSE_WAIT_S = 5.0
 
 
 class UcxReceiver(ReceiverStats):
     """Receives UCX senders' transfers into the sink's tensors.
 
-    Bound to a loopback `host` (as `nori up` starts every worker), it opens no socket of its
-    own: its address carries its UCX worker address, senders say hello to it by that, and UCX's
-    own TCP sockets stay on the loopback device (`ucx_env.confine_ucx_to`). Otherwise it listens with ucxx's listener, which binds every interface: its Python API (ucxx 0.52) takes a port
-    but no address. Either way a transfer is accepted only with its reservation's token
-    (`DecodeKVSink`). `advertise_host` is what the address carries.
+    Bound to a loopback `host` it opens no socket of its own: its address carries its UCX worker
+    address and UCX stays on loopback (`ucx_env.confine_ucx_to`). Otherwise ucxx's listener binds
+    every interface (it takes no address). A transfer needs its reservation's token either way.
     """
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
@@ -71,7 +66,6 @@ class UcxReceiver(ReceiverStats):
         self._reader = PullReader() if self._config.map_shared_memory else None
         self._progress: UcxProgress | None = None
         self._listener: Any = None
-        # Worker-address mode: the task reading hellos and one task per connection it serves.
         self._accepting: asyncio.Future[None] | None = None
         self._serving: set[asyncio.Future[None]] = set()
         self._channels: set[UcxChannel] = set()
@@ -93,7 +87,6 @@ class UcxReceiver(ReceiverStats):
             self._listener = create_listener(self._handle, port, self._config.connect_timeout_s)
         except Exception as error:
             self._progress.close()
-            # As a socket would say it (a port in use, say), whichever transport is behind.
             raise OSError(f"UCX cannot listen on port {port}: {error}") from error
         self._address = f"ucx://{advertise_host}:{self._listener.port}"
         return self._address
@@ -124,8 +117,7 @@ class UcxReceiver(ReceiverStats):
         await self._serve(channel)
 
     async def _handle(self, endpoint: Any) -> None:
-        # ucxx runs this coroutine per accepted connection and counts it as a live handler
-        # until it returns: it serves the connection for as long as it lasts.
+        # ucxx counts this coroutine as a live handler while it serves the connection.
         assert self._progress is not None
         await self._serve(UcxChannel(endpoint, self._progress))
 
@@ -155,8 +147,7 @@ class UcxReceiver(ReceiverStats):
             listener.close()  # no new connections
         for channel in list(self._channels):
             await channel.close()
-        # Dropping the listener while ucxx still runs a handler makes ucxx warn ("client
-        # handler(s) still alive") and leaves that handler's endpoint behind: wait them out.
+        # Dropping the listener while a handler runs leaves its endpoint behind: wait them out.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _CLOSE_WAIT_S
         while (listener is not None and listener.active_clients) and loop.time() < deadline:
@@ -211,7 +202,6 @@ class UcxSender:
                     connect_to_worker(progress, target.worker_address, target.hello_tag), timeout
                 )
             else:
-                # ucxx bounds its handshake by connect_timeout; wait_for also bounds the rest.
                 endpoint = await asyncio.wait_for(
                     connect(progress, target.host, target.port, timeout), timeout + 1.0
                 )
@@ -237,11 +227,9 @@ class UcxSender:
             )
         )
         try:
-            # UCX reads the KV views, and writes the receiver's replies into buffers of ours,
-            # in place and after the call that posted them returned. A caller cancelled mid-way
-            # (its client left) must not free those buffers under posted requests: seen as
-            # corrupted Python memory and a segfault in the prefill worker. So the transfer
-            # runs to its end, or its timeout, whatever happens to the caller.
+            # UCX reads and writes our buffers after the posting call returned: a cancelled
+            # caller must not free them under posted requests (memory corruption), so the
+            # transfer runs to its end or timeout whatever happens to the caller.
             await asyncio.shield(transfer)
         except asyncio.CancelledError:
             if not transfer.done():
@@ -257,8 +245,7 @@ class UcxSender:
 
     async def close(self) -> None:
         await self._pool.close()
-        # The pool's connections are aborted, so orphaned transfers end promptly; their
-        # buffers must outlive them (see `send`).
+        # Pooled connections are aborted, so orphans end promptly; their buffers outlive them.
         if self._orphans:
             await asyncio.wait(list(self._orphans), timeout=self._config.timeout_s)
         if self._progress is not None:

@@ -1,10 +1,9 @@
 """One UCX connection: the transport's send and receive of messages and of KV buffers.
 
 `UcxChannel` wraps a listener's endpoint pair, or two one-way endpoints between worker addresses
-whose ends say bye when they close. The sender posts every buffer at once, hashing each run of
-adjacent buffers right before it is posted; the receiver lands each run straight into the sink's
-tensor, or a `ScatteredRun` into a staging buffer copied to its places as soon as it lands. ucxx
-failures become TransferError.
+whose ends say bye when they close. The sender posts every buffer at once; the receiver lands
+each run in the sink's tensor, or a `ScatteredRun` through a staging buffer. ucxx failures
+become TransferError.
 """
 
 from __future__ import annotations
@@ -29,23 +28,19 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Requests posted between two rounds of progress: data starts moving while the rest of a
-# transfer's thousands of blocks are still being posted.
+# Requests posted between two rounds of progress, so data moves while the rest is posted.
 _POST_BATCH = 64
-# Staging buffers of MAX_RUN_BYTES a receiving connection fills at once: UCX's shared-memory
-# FIFO holds far less, so a few keep the sender streaming while landed ones are copied out.
+# Staging buffers a receiving connection fills at once, keeping the sender streaming.
 _STAGING_SLOTS = 4
 
 
 def _ucx_buffer(view: torch.Tensor) -> object:
-    """What ucxx takes for a flat uint8 view: a NumPy array sharing the CPU memory, or the CUDA
-    tensor itself (it exposes __cuda_array_interface__). Neither copies."""
+    """A flat uint8 view as ucxx takes it, without a copy: a NumPy array, or the CUDA tensor."""
     return view if view.is_cuda else view.numpy()
 
 
 class UcxChannel:
-    """One connection: a listener's endpoint pair, or (with `tags`) two one-way endpoints
-    between worker addresses, whose ends say bye when they close."""
+    """One connection: a listener's endpoint pair, or (with `tags`) two one-way endpoints."""
 
     def __init__(
         self,
@@ -60,7 +55,6 @@ class UcxChannel:
         self._tags = tags
         self._peer = peer
         self._closed = False
-        # Staging buffers for scattered runs, kept between transfers (`_receive_all`).
         self._free_slots: list[np.ndarray] = []
 
     @property
@@ -68,7 +62,7 @@ class UcxChannel:
         return not self._closed and not self._endpoint.closed and not self._peer_said_bye()
 
     async def _transport(self, operation: Awaitable[T], what: str) -> T:
-        """Runs a ucxx operation; its failures (ucxx's own exception types) become TransferError."""
+        """Runs a ucxx operation; its failures become TransferError."""
         if self._closed:
             raise TransferError("the connection is closed")
         try:
@@ -104,11 +98,9 @@ class UcxChannel:
         return self._peer is not None and self._peer()
 
     async def _send_all(self, views: list[torch.Tensor], hasher: TransferHasher | None) -> None:
-        """Posts a send of every view; given a `hasher`, feeds it every byte in order. On the
-        host each run of adjacent views (`integrity.hash_chunks`, at most 512 KiB) is hashed
-        right before it is posted, so UCX's copy finds it in cache."""
+        """Posts a send of every view, feeding `hasher` every byte in order; on the host each
+        hash chunk is hashed right before it is posted, so UCX's copy finds it in cache."""
         on_host = not any(view.is_cuda for view in views)
-        # Per view: the end of the hash chunk it closes, if any.
         chunk_ends: dict[int, memoryview] = (
             dict(hash_chunks(views)) if hasher is not None and on_host else {}
         )
@@ -130,21 +122,16 @@ class UcxChannel:
                 hasher.update(view.cpu().numpy().data)
 
     def _staging_slot(self) -> np.ndarray:
-        """A free staging buffer of MAX_RUN_BYTES (the channel keeps them for later
-        transfers; at most `_STAGING_SLOTS` are ever in flight)."""
+        """A free staging buffer of MAX_RUN_BYTES, kept for later transfers."""
         if self._free_slots:
             return self._free_slots.pop()
         return np.empty(MAX_RUN_BYTES, dtype=np.uint8)
 
     async def _receive_all(self, pieces: list[ReceivePiece], hasher: TransferHasher | None) -> None:
-        """Posts a receive per piece, in order: in place into a flat view, or for a
-        `ScatteredRun` into one of a few staging buffers, whose bytes are copied to their
-        places as soon as they land (the buffer is then reused for a later piece). Given a
-        `hasher`, each piece is hashed the moment it lands (in order), while UCX's copy just
-        left it in cache; a staged one before it is copied out, in the staging buffer still
-        in L2."""
+        """Posts a receive per piece, in order: in place, or for a `ScatteredRun` into a staging
+        buffer copied to its places (then reused) as soon as it lands. Each piece is hashed
+        the moment it lands, in order, while it is still in cache."""
         on_host = not any(piece.is_cuda for piece in pieces if not isinstance(piece, ScatteredRun))
-        # Posted receives, oldest first: (request, piece, its staging buffer or None).
         inflight: collections.deque[tuple[UcxRequest, ReceivePiece, np.ndarray | None]] = (
             collections.deque()
         )
@@ -175,7 +162,6 @@ class UcxChannel:
                     while staged_inflight >= _STAGING_SLOTS:
                         await self._progress.wait_all([inflight[0][0]], self._peer)
                         land()
-                    # `receive_runs` caps a staged run at MAX_RUN_BYTES: it fits a slot.
                     slot = self._staging_slot()
                     staged_inflight += 1
                     inflight.append((self._poster.recv(slot[: piece.nbytes]), piece, slot))

@@ -1,14 +1,10 @@
-"""Driving this process's UCX worker from asyncio, and posting requests on its endpoints.
+"""Drives this process's UCX worker from asyncio, and posts requests on its endpoints.
 
-`UcxProgress` keeps ucxx in "blocking" mode (no progress threads) and drives the worker itself:
-while a transfer's data moves it progresses the worker on every loop turn and yields the CPU on
-turns where nothing happened (`wait_all`); while a connection waits for its next message it arms
-the worker and sleeps until the worker's event fd fires, so an idle connection uses no CPU. It
-watches that fd through its own epoll object: any number of senders and receivers in one process
-coexist without shared state. Bulk data is posted straight on the endpoint, one request per
-buffer and no coroutine per request, through ucxx's private `Endpoint._ep` and `_tags` (the ucxx version
-pyproject.toml pins has them). The worker's own
-tags carry `ucx_worker_address`'s connections. Why: docs/benchmarks.md#ucx-progress-from-asyncio.
+ucxx runs in "blocking" mode (no progress threads): while data moves, `wait_all` progresses the
+worker on every loop turn; while a connection waits for a message it arms the worker and sleeps
+on its event fd (through its own epoll, so many senders and receivers coexist). Bulk data is
+posted straight on the endpoint through ucxx's private `Endpoint._ep` and `_tags` (present in
+the pinned ucxx). Why: docs/benchmarks.md#ucx-progress-from-asyncio.
 """
 
 from __future__ import annotations
@@ -33,15 +29,12 @@ T = TypeVar("T")
 
 # A transfer that saw no UCX progress for this long sleeps on the worker's fd between checks.
 _QUIET_SLEEP_S = 0.2
-# Sleeping waiters look again after this long even without an event, in case one was missed:
-# short while a transfer is under way, longer for a connection waiting for its next transfer.
+# Sleeping waiters look again after this long even without an event, in case one was missed.
 _BUSY_TIMEOUT_S = 0.001
 _IDLE_TIMEOUT_S = 0.1
-# Progress/arm rounds per event before yielding the loop to other work.
-_ARM_ATTEMPTS = 16
-# A safety net under the event-driven progress: one round this often whatever happens. ucxx's
-# own handshakes (a listener's peer-info exchange) wait on requests that only progress moves, and
-# after peers died mid-transfer no event may come to wake them.
+_ARM_ATTEMPTS = 16  # progress/arm rounds per event before yielding the loop
+# One progress round this often whatever happens: ucxx's own handshakes wait on requests only
+# progress moves, and after peers died mid-transfer no event may come to wake them.
 _TICK_S = 0.05
 
 
@@ -70,10 +63,8 @@ class _Posted:
 
 
 class Poster:
-    """Posts tagged sends and receives on one endpoint, each written in place in its buffer.
-
-    Buffers expose the buffer protocol (NumPy) or __cuda_array_interface__ (CUDA tensors).
-    """
+    """Posts tagged sends and receives on one endpoint, each written in place in its buffer
+    (buffer protocol or __cuda_array_interface__)."""
 
     def __init__(self, endpoint: Any) -> None:
         self._raw: Any = endpoint._ep
@@ -94,7 +85,6 @@ class UcxProgress:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         context = ucxx.core._get_ctx()
-        # ucxx's own per-loop machinery (its listener and endpoint handshakes rely on it).
         context.continuous_ucx_progress(event_loop=self.loop)
         self._worker = context.worker
         if context.progress_mode != "blocking":
@@ -119,7 +109,6 @@ class UcxProgress:
         """Progresses the worker until it can be armed; False if events keep arriving."""
         for _ in range(_ARM_ATTEMPTS):
             self._worker.progress()
-            # Arming fails while events are pending; once armed, the fd fires on the next one.
             if self._worker.arm():
                 return True
         return False
@@ -136,11 +125,10 @@ class UcxProgress:
         self.wake()
 
     def poll(self) -> None:
-        """One round of progress now (between batches of posts, say)."""
         self._worker.progress()
 
     def wake(self) -> None:
-        """Lets every idle waiter look again (after an event, or when connections close)."""
+        """Lets every idle waiter look again."""
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -148,15 +136,11 @@ class UcxProgress:
 
     async def _sleep(self, timeout_s: float, request: UcxRequest | None = None) -> None:
         """Sleeps until the worker has an event (or `request`, a future, is done), at most
-        `timeout_s`; returns at once if events are already pending.
-
-        The caller's last progress round found nothing to do, so arming cannot miss an event:
-        once armed, the next one makes the worker's fd readable and `_on_event` wakes us.
-        """
+        `timeout_s`; returns at once if events are pending. The caller's last progress round
+        found nothing, so arming cannot miss an event."""
         if not self._worker.arm():
-            # Events are pending: handle them, give the loop one turn (other coroutines may
-            # be the ones to act on them) and let the caller look again. (Progressing first
-            # and then arming could swallow the very event the caller waits for.)
+            # Events are pending: handle them and let the caller look again (progressing first
+            # and then arming could swallow the very event the caller waits for).
             self._worker.progress()
             await asyncio.sleep(0)
             return
@@ -174,9 +158,8 @@ class UcxProgress:
     async def wait_message(
         self, endpoint: Any, peer_left: Callable[[], bool] | None = None
     ) -> int | None:
-        """Waits, without spinning, until a message is ready on `endpoint`; returns its length,
-        or None once the endpoint is closed or `peer_left` says so (messages that arrived
-        first are still returned)."""
+        """Waits, without spinning, for a message on `endpoint`; returns its length, or None
+        once the endpoint is closed or `peer_left` says so."""
         while True:
             try:
                 probe = endpoint.tag_probe()
@@ -194,16 +177,11 @@ class UcxProgress:
         peer_left: Callable[[], bool] | None = None,
         on_done: Callable[[int], None] | None = None,
     ) -> None:
-        """Waits for every request; raises the first failure. `on_done(i)` runs as soon as
-        request i is found done (in order), before the wait goes on to the next.
+        """Waits for every request in order; raises the first failure, ConnectionError once
+        `peer_left` says so. `on_done(i)` runs as soon as request i is found done.
 
-        Each loop turn progresses the worker; a turn that found nothing to do also yields the
-        CPU (`sched_yield`), so a spinner never burns the time slices its peer needs. It does not
-        sleep on the worker's fd while data moves (UCX does not signal every step: a
-        shared-memory sender waiting for FIFO slots gets no event), only after `_QUIET_SLEEP_S`
-        without progress (a stalled peer), briefly. Only the oldest unfinished request is checked
-        per turn (they finish roughly in order). `peer_left` is asked on every turn without
-        progress: once it says so, ConnectionError.
+        A turn without progress yields the CPU (`sched_yield`); it sleeps on the worker's fd only
+        after `_QUIET_SLEEP_S` without progress, since UCX does not signal every step.
         """
         quiet_since: float | None = None
         for index, request in enumerate(requests):
@@ -212,8 +190,7 @@ class UcxProgress:
                     quiet_since = None
                     continue
                 if peer_left is not None and peer_left():
-                    # Posted requests still reference their buffers until the caller aborts
-                    # the endpoint (which cancels them): keep those alive until then.
+                    # Posted requests reference their buffers until the caller aborts the endpoint.
                     for pending in requests:
                         if isinstance(pending, _Posted) and not pending.done():
                             self._kept.append(pending)
@@ -231,8 +208,8 @@ class UcxProgress:
                 on_done(index)
 
     def _take(self, tag: int) -> tuple[_Posted, np.ndarray] | None:
-        """The receive of a message that came on `tag` to this worker (from any endpoint), into
-        a buffer of its size; None when none came."""
+        """Receives a message that came on `tag` (from any endpoint) into a buffer of its size;
+        None when none came."""
         probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
         if not probe.matched:
             return None
@@ -255,15 +232,13 @@ class UcxProgress:
         self.poll()
 
     def keep(self, requests: Sequence[UcxRequest]) -> None:
-        """Holds the unfinished ones of `requests` (and their buffers) until UCX is done with
-        them: a caller that gives up on posted requests (its peer left) until it aborts the
-        endpoint, which cancels them."""
+        """Holds the unfinished `requests` and their buffers until UCX is done with them (a caller
+        giving up on them until it aborts the endpoint)."""
         for request in requests:
             if isinstance(request, _Posted):
                 self._keep(request)
 
     def _keep(self, request: _Posted) -> None:
-        """Holds a request's buffer until UCX is done with it (nobody awaits it)."""
         self._kept = [kept for kept in self._kept if not kept.done()]
         if not request.done():
             self._kept.append(request)
@@ -274,8 +249,8 @@ class UcxProgress:
         await self.wait_all([_Posted(endpoint._ep.tag_send(Array(buffer), Tag(tag)), buffer)])
 
     async def next_tagged(self, tag: int, max_bytes: int) -> bytes | None:
-        """The next message on `tag` to this worker (from any endpoint), waiting without
-        spinning; None for one longer than `max_bytes` (read and dropped)."""
+        """The next message on `tag` (from any endpoint), waiting without spinning; None for one
+        longer than `max_bytes` (read and dropped)."""
         while True:
             taken = self._take(tag)
             if taken is not None:
@@ -313,8 +288,7 @@ async def connect(progress: UcxProgress, host: str, port: int, timeout_s: float)
 
 def abort(endpoint: Any) -> None:
     """Closes an endpoint at once; its outstanding requests are cancelled, not completed."""
-    # Without a progress thread ucxx progresses the worker itself until the close completes;
-    # the period bounds that (ns) for a peer that does not answer.
+    # Without a progress thread ucxx progresses until the close completes; period (ns) bounds it.
     endpoint.abort(period=500_000_000, max_attempts=1)
 
 

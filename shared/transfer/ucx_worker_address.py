@@ -1,13 +1,10 @@
 """Connections to a UCX worker address: the hello that opens one, and how each end sees the
 other leave.
 
-A receiver bound to loopback opens no listening socket (ucxx 0.52's listener would bind every
-interface): senders reach it by its UCX worker address, opening with a hello on the receiver's
-tag (`connect_to_worker`, `accept_hello`) that carries the sender's tags, process and worker
-address, answered by a welcome. Such a connection is two one-way endpoints, on which UCX reports
-neither a close nor a dead peer: a channel's `close` sends a bye on a tag of its own, and a
-killed peer process is seen gone from /proc (`PeerWatch`). Messages and byes move through
-`ucx_progress.UcxProgress`; this module builds the endpoints and speaks the hello.
+A receiver bound to loopback opens no listening socket: senders reach it by its UCX worker
+address with a hello on its tag (`connect_to_worker`, `accept_hello`), answered by a welcome.
+Such a connection is two one-way endpoints on which UCX reports neither close nor death: a
+`close` sends a bye on a tag of its own, and a killed peer is seen gone from /proc (`PeerWatch`).
 """
 
 from __future__ import annotations
@@ -33,18 +30,14 @@ from ucxx._lib_async.endpoint import Endpoint  # noqa: E402
 # then its worker address. The welcome: _WELCOME and the receiver's process.
 _HELLO_MAGIC = b"NORIUCX1"
 _WELCOME = b"nori-ucx-welcome"
-# How often a connection looks whether its peer's process still runs.
 _PEER_CHECK_S = 0.2
 # Larger hellos are read and dropped: a worker address is a few hundred bytes.
 MAX_HELLO_BYTES = 8192
-# The four tags of a connection are its base with these low bits.
 _SENDER_TO_RECEIVER, _RECEIVER_TO_SENDER, _SENDER_BYE, _RECEIVER_BYE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class ConnectionTags:
-    """One side's tags: what it sends on, receives on, and the two byes."""
-
     send: int
     recv: int
     send_bye: int
@@ -60,8 +53,7 @@ class ConnectionTags:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat); None if it is not
-    seen, or is dead and not yet reaped (a zombie)."""
+    """When process `pid` started (clock ticks since boot); None if not seen, or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rpartition(b")")[2].split()
@@ -72,9 +64,8 @@ def _start_ticks(pid: int) -> int | None:
 
 @dataclass(frozen=True)
 class PeerProcess:
-    """The process at the other end of a worker-address connection, as its pid and start time
-    (a reused pid has another). A loopback peer runs on this host: when it dies, UCX's own
-    keepalive does not tell this end (two one-way endpoints, no connection manager), this does.
+    """The process at the other end of a worker-address connection: pid and start time (a reused
+    pid has another). UCX does not tell this end when a loopback peer dies; this does.
     """
 
     pid: int
@@ -103,8 +94,8 @@ class PeerProcess:
 
 
 class PeerWatch:
-    """Says whether a connection's peer left: its bye, or (where visible) its process gone,
-    looked at no more often than every `_PEER_CHECK_S`."""
+    """Says whether a connection's peer left: its bye, or its process gone (checked at most
+    every `_PEER_CHECK_S`)."""
 
     def __init__(self, progress: UcxProgress, bye_tag: int, peer: PeerProcess) -> None:
         self._progress = progress
@@ -130,7 +121,6 @@ def worker_address() -> bytes:
 
 
 def _endpoint_to(address: bytes, tags: ConnectionTags) -> Any:
-    """An ucxx Endpoint to the worker at `address` whose send/recv use `tags`."""
     context = ucxx.core._get_ctx()
     buffer = np.frombuffer(address, dtype=np.uint8)
     raw = ucx_api.UCXEndpoint.create_from_worker_address(
@@ -142,9 +132,8 @@ def _endpoint_to(address: bytes, tags: ConnectionTags) -> Any:
 async def connect_to_worker(
     progress: UcxProgress, address: bytes, receiver_tag: int
 ) -> tuple[Any, ConnectionTags, PeerWatch]:
-    """A connection to the receiver listening for hellos on `receiver_tag` at worker `address`:
-    the hello, then its welcome. The caller bounds the wait (a receiver that is gone never
-    answers)."""
+    """A connection to the receiver listening for hellos on `receiver_tag` at `address`: the
+    hello, then its welcome. The caller bounds the wait."""
     tags = ConnectionTags.of(secrets.randbits(64) & ~3, sender=True)
     endpoint = _endpoint_to(address, tags)
     try:
@@ -171,8 +160,8 @@ async def connect_to_worker(
 
 
 def accept_hello(progress: UcxProgress, hello: bytes) -> tuple[Any, ConnectionTags, PeerWatch]:
-    """The endpoint back to a hello's sender (its welcome, `welcome()`, is the caller's to
-    send); ValueError for anything that is not a hello."""
+    """The endpoint back to a hello's sender (the caller sends `welcome()`); ValueError for
+    anything that is not a hello."""
     head = len(_HELLO_MAGIC) + 8 + PeerProcess.SIZE
     if len(hello) <= head or not hello.startswith(_HELLO_MAGIC):
         raise ValueError("not a hello")
