@@ -136,10 +136,6 @@ class SamplingParams:
         return self.is_greedy and not self.has_penalties and self.logprobs is None
 
     @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
-    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
