@@ -28,7 +28,7 @@ class MultiQueryRows:
     """Each query row's sequence and visible context length: what turns the rows into decode
     rows. It depends only on the step's metadata, so the engine builds it once per step."""
 
-    # [T] int32: the sequence (index into block_tables, seq_lens, context_starts) of each row.
+    # [T] int32: the sequence (index into block_tables, seq_lens) of each row.
     sequences: torch.Tensor
     # [T] int32: how many context positions each row sees (its own included).
     seq_lens: torch.Tensor
@@ -65,17 +65,15 @@ def paged_multi_query_decode_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference: `paged_decode_attention_reference` on one decode row per query
     row. Arguments as `paged_multi_query_decode_attention`'s."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
-    starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
     return paged_decode_attention_reference(
-        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, k_scale, v_scale
     )
 
 
@@ -87,7 +85,6 @@ def paged_multi_query_decode_attention_cpu(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -95,10 +92,9 @@ def paged_multi_query_decode_attention_cpu(
     in place; rows of a sequence share its blocks in the CPU caches). Same arguments and result
     as the reference, for CPU tensors. Raises RuntimeError where the kernel cannot be built."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
-    starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
     return paged_decode_attention_cpu(
-        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, k_scale, v_scale
     )
 
 
@@ -113,7 +109,6 @@ def paged_multi_query_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
@@ -126,10 +121,9 @@ def paged_multi_query_decode_attention(
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32. num_splits and
     max_seq_len (the longest seq_lens entry) as `paged_decode_attention` takes them.
-    context_starts [B] int32, if given, hides positions before it (left padding) from every row
-    of the sequence. k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or
-    fp8 cache (nori.kernels.kv_quant). rows: `multi_query_rows` of these arguments, when the
-    caller keeps it across calls (the engine's layers).
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an int8 or fp8 cache
+    (nori.kernels.kv_quant). rows: `multi_query_rows` of these arguments, when the caller keeps
+    it across calls (the engine's layers).
     """
     args = check_paged_attention_args(
         query,
@@ -138,23 +132,22 @@ def paged_multi_query_decode_attention(
         block_tables,
         seq_lens,
         scale,
-        context_starts,
         query_start_loc,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, _ = args
+    query, k_cache, v_cache, block_tables, seq_lens, starts, _ = args
     assert starts is not None  # given query_start_loc, the check returns it checked
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     if not should_use_triton(use_triton, [query]):
-        reference_args = (block_tables, starts, seq_lens, scale, context_starts)
+        reference_args = (block_tables, starts, seq_lens, scale)
         return paged_multi_query_decode_attention_reference(
             query, k_cache, v_cache, *reference_args, k_scale, v_scale
         )
     if rows is None:
         rows = multi_query_rows(starts, seq_lens, query.shape[0])
-    kernel_args = (num_splits, max_seq_len, context_starts, k_scale, v_scale, rows.sequences)
+    kernel_args = (num_splits, max_seq_len, k_scale, v_scale, rows.sequences)
     return launch_decode(query, k_cache, v_cache, block_tables, rows.seq_lens, scale, *kernel_args)

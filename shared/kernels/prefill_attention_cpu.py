@@ -1,9 +1,9 @@
-"""Prefill attention on CPU: whole new prompts batched, chunks and padded prompts one by one.
+"""Prefill attention on CPU: whole new prompts batched, chunks one by one.
 
 A prompt whose every token is new in this step attends only to the keys and values the layer
 just computed: prompts of equal length share one causal scaled_dot_product_attention call with
-grouped-query heads (`enable_gqa`), no gather from the paged cache. Chunks that continue a prefix,
-and padded rows, gather their context from the paged cache and take one call each, in the cache's
+grouped-query heads (`enable_gqa`), no gather from the paged cache. Chunks that continue a prefix
+gather their context from the paged cache and take one call each, in the cache's
 dtype with an explicit mask (docs/benchmarks.md#cpu-prefill-attention). An 8-bit cache takes the
 reference (`paged_prefill_attention_reference`), which dequantizes what it reads. The plan
 depends only on the step's metadata, so the engine builds it once per step.
@@ -37,18 +37,15 @@ class CpuPrefillPlan:
     others: tuple[int, ...]
 
 
-def plan_cpu_prefill(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_starts: torch.Tensor | None
-) -> CpuPrefillPlan:
+def plan_cpu_prefill(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> CpuPrefillPlan:
     """query_start_loc [B + 1] and seq_lens [B] as the kernels take them (rows start at 0)."""
     starts: list[int] = query_start_loc.tolist()
     lengths: list[int] = seq_lens.tolist()
-    pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
     by_length: dict[int, list[int]] = {}
     others: list[int] = []
     for index, seq_len in enumerate(lengths):
         new_tokens = starts[index + 1] - starts[index]
-        if new_tokens == seq_len and pads[index] == 0:
+        if new_tokens == seq_len:
             by_length.setdefault(seq_len, []).append(index)
         elif new_tokens > 0:
             others.append(index)
@@ -96,7 +93,6 @@ def run_cpu_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     plan: CpuPrefillPlan,
-    context_starts: torch.Tensor | None = None,
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -128,7 +124,6 @@ def run_cpu_prefill(
     if plan.others:
         starts: list[int] = query_start_loc.tolist()
         lengths: list[int] = seq_lens.tolist()
-        pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
         for index in plan.others:
             begin, end = starts[index], starts[index + 1]
             if k_scale is None:
@@ -136,7 +131,6 @@ def run_cpu_prefill(
                     query[begin:end],
                     gather_context(k_cache, block_tables[index], lengths[index]),
                     gather_context(v_cache, block_tables[index], lengths[index]),
-                    pads[index],
                     scale,
                 )
                 continue
@@ -148,7 +142,6 @@ def run_cpu_prefill(
                 torch.tensor([0, end - begin], dtype=torch.int32, device=query.device),
                 seq_lens[index : index + 1],
                 scale,
-                None if context_starts is None else context_starts[index : index + 1],
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -156,18 +149,15 @@ def run_cpu_prefill(
 
 
 def _continued_chunk(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: int, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One sequence's new tokens query [q, Hq, D] over its whole context keys/values [L, Hkv, D]
-    (the new tokens last), as `paged_prefill_attention_reference` masks them: causal, and with
-    left padding before `pad` that real tokens skip and pad tokens see."""
+    (the new tokens last), as `paged_prefill_attention_reference` masks them: causal."""
     q_len, seq_len = query.shape[0], keys.shape[0]
     dtype = _compute_dtype(query, keys, values)
     k_positions = torch.arange(seq_len, device=query.device)
     q_positions = k_positions[seq_len - q_len :]
     mask = k_positions[None, :] <= q_positions[:, None]
-    if pad:
-        mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
     # [1, heads, tokens, D]: with no batch dimension torch takes its math path, not the flash one.
     attended = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0).to(dtype),
