@@ -236,7 +236,7 @@ class PagedAttention:
         k_scale, v_scale = self._scales
         if self.backend == "cpu":
             if self._prefill_plan is None:
-                self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens, None)
+                self._prefill_plan = plan_cpu_prefill(query_start_loc, seq_lens)
             if k_scale is not None and v_scale is not None:
                 slots = meta.slot_mapping[first_row:]
                 key = _stored_rows(k_cache, k_scale, slots)

@@ -58,21 +58,15 @@ def online_softmax_step(
     acc,
     v_ptrs,
     kv_mask,
-    MAY_BE_EMPTY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """Folds one tile into the running row maxima m_i, sums l_i and acc = sum(p * V); returns
     them. scores [rows, tokens] in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D].
-    MAY_BE_EMPTY: a row may have seen only hidden tokens so far (left padding).
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = m_new
-    if MAY_BE_EMPTY:
-        # Such a row keeps m at -inf, and exp2(-inf - -inf) would be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     # P is rounded to the cache dtype so that P @ V runs on the tensor cores.

@@ -175,13 +175,13 @@ def check_block_tables(block_tables: object, batch: int) -> torch.Tensor:
     return tables
 
 
-def check_seq_lens(seq_lens: object, batch: int, name: str = "seq_lens") -> torch.Tensor:
-    """A contiguous int32 vector of one entry per sequence (lengths, or context starts)."""
-    lens = check_tensor(name, seq_lens, 1, (torch.int32,))
+def check_seq_lens(seq_lens: object, batch: int) -> torch.Tensor:
+    """A contiguous int32 vector of one length per sequence."""
+    lens = check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     if lens.shape[0] != batch:
-        raise ValueError(f"{name} must have {batch} entries, got shape {tuple(lens.shape)}")
+        raise ValueError(f"seq_lens must have {batch} entries, got shape {tuple(lens.shape)}")
     if not lens.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+        raise ValueError("seq_lens must be contiguous")
     return lens
 
 
@@ -191,7 +191,6 @@ class PagedAttentionArgs(NamedTuple):
     v_cache: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    context_starts: torch.Tensor | None
     query_start_loc: torch.Tensor | None
     batch: int
 
@@ -203,7 +202,6 @@ def check_paged_attention_args(
     block_tables: object,
     seq_lens: object,
     scale: float,
-    context_starts: object | None,
     query_start_loc: object | None = None,
     *,
     k_scale: object | None = None,
@@ -243,14 +241,11 @@ def check_paged_attention_args(
     if starts is not None:
         tensors["query_start_loc"] = starts
     tensors["seq_lens"] = lens = check_seq_lens(seq_lens, batch)
-    hidden = None
-    if context_starts is not None:
-        tensors["context_starts"] = hidden = check_seq_lens(context_starts, batch, "context_starts")
     check_same_device(tensors)
     check_last_dim_contiguous("query", q)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return PagedAttentionArgs(q, k, v, tables, lens, hidden, starts, batch)
+    return PagedAttentionArgs(q, k, v, tables, lens, starts, batch)
 
 
 def gather_context(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:

@@ -13,9 +13,7 @@
 torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens,
-                                     const std::optional<torch::Tensor>& context_starts,
-                                     double scale, const std::optional<torch::Tensor>& k_scale,
+                                     const torch::Tensor& seq_lens, double scale, const std::optional<torch::Tensor>& k_scale,
                                      const std::optional<torch::Tensor>& v_scale);
 torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, double eps);
 void fused_add_rms_norm(torch::Tensor& input, torch::Tensor& residual,

@@ -65,21 +65,15 @@ def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: t
 
 
 @device_function
-def quantized_softmax_step(
-    scores, m_i, l_i, acc, v, v_scale, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr
-):
+def quantized_softmax_step(scores, m_i, l_i, acc, v, v_scale, DOT_PRECISION: tl.constexpr):
     """`online_softmax_step` for a tile of 8-bit V codes v [tokens, BLOCK_D] (already in the
     dot dtype) with per-token scales v_scale [tokens].
 
     The V scale folds into the probabilities (p * scale @ codes); l_i takes the unscaled ones.
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = m_new
-    if MAY_BE_EMPTY:
-        # Such a row keeps m at -inf, and exp2(-inf - -inf) would be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     p_dot = (p * v_scale.to(tl.float32)[None, :]).to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
@@ -94,7 +88,6 @@ def _decode_split_kernel(
     v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    context_starts_ptr,
     row_sequences_ptr,
     m_ptr,
     l_ptr,
@@ -114,12 +107,11 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
     QUANTIZED: tl.constexpr,
     ROW_SEQUENCES: tl.constexpr,
 ) -> None:
-    # A query row; it reads sequence `row`'s table and context start unless ROW_SEQUENCES maps
-    # rows to sequences (multi-query decode). seq_lens is per row.
+    # A query row; it reads sequence `row`'s table unless ROW_SEQUENCES maps rows to sequences
+    # (multi-query decode). seq_lens is per row.
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,9 +119,6 @@ def _decode_split_kernel(
     if ROW_SEQUENCES:
         seq = tl.load(row_sequences_ptr + row)
     seq_len = tl.load(seq_lens_ptr + row)
-    context_start = 0
-    if MASK_LEFT:
-        context_start = tl.load(context_starts_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -165,21 +154,16 @@ def _decode_split_kernel(
             k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
-        visible = pos < end
-        if MASK_LEFT:
-            # Left padding is read and computed (as a dense padded batch would) but not seen.
-            visible = visible & (pos >= context_start)
-        scores = tl.where(visible[None, :], scores, float("-inf"))
+        scores = tl.where((pos < end)[None, :], scores, float("-inf"))
+        # Every tile holds a real token, so m is finite from the first on.
         v_ptrs = v_cache_ptr + offsets
         if QUANTIZED:
             v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < end, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-            m_i, l_i, acc = quantized_softmax_step(
-                scores, m_i, l_i, acc, v, v_scale, MASK_LEFT, DOT_PRECISION
-            )
+            m_i, l_i, acc = quantized_softmax_step(scores, m_i, l_i, acc, v, v_scale, DOT_PRECISION)
         else:
             m_i, l_i, acc = online_softmax_step(
-                scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+                scores, m_i, l_i, acc, v_ptrs, kv_mask, DOT_PRECISION, UPCAST_DOT
             )
 
     # An empty split stores m = -inf, l = 0, acc = 0, which the merge weighs by zero.
@@ -252,7 +236,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
@@ -261,9 +244,8 @@ def paged_decode_attention(
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32; seq_lens [B]
     int32. num_splits=None picks one. max_seq_len, if known, sizes the splits (else the table's
-    width does, without a device sync). context_starts [B] int32 hides positions before it
-    (left padding). k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit
-    cache (nori.kernels.kv_quant).
+    width does, without a device sync). k_scale/v_scale [num_blocks, block_size, Hkv] float16
+    go with an 8-bit cache (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
         query,
@@ -272,11 +254,10 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         scale,
-        context_starts,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    query, k_cache, v_cache, block_tables, seq_lens, context_starts, _, _ = args
+    query, k_cache, v_cache, block_tables, seq_lens, _, _ = args
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if max_seq_len is not None and max_seq_len < 1:
@@ -284,9 +265,9 @@ def paged_decode_attention(
 
     if not should_use_triton(use_triton, [query]):
         return paged_decode_attention_reference(
-            query, k_cache, v_cache, block_tables, seq_lens, scale, context_starts, k_scale, v_scale
+            query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=k_scale, v_scale=v_scale
         )
-    kernel_args = (num_splits, max_seq_len, context_starts, k_scale, v_scale)
+    kernel_args = (num_splits, max_seq_len, k_scale, v_scale)
     return launch_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, *kernel_args)
 
 
@@ -299,7 +280,6 @@ def launch_decode(
     scale: float,
     num_splits: int | None,
     max_seq_len: int | None,
-    context_starts: torch.Tensor | None,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     row_sequences: torch.Tensor | None = None,
@@ -333,7 +313,6 @@ def launch_decode(
         v_cache if v_scale is None else v_scale,
         block_tables,
         seq_lens,
-        seq_lens if context_starts is None else context_starts,
         seq_lens if row_sequences is None else row_sequences,
         m,
         l,
@@ -353,7 +332,6 @@ def launch_decode(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
-        MASK_LEFT=context_starts is not None,
         QUANTIZED=k_scale is not None,
         ROW_SEQUENCES=row_sequences is not None,
         num_warps=4,

@@ -7,7 +7,7 @@
 // query heads that share the kv head. Tested against the reference (tests/kernels).
 //
 // Layouts: query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
-// [B, M] int32; seq_lens [B] int32; context_starts [B] int32 (left padding to hide) or empty.
+// [B, M] int32; seq_lens [B] int32.
 // An 8-bit cache (int8 or float8_e4m3fn codes, kv_quant.py) comes with k_scale, v_scale
 // [num_blocks, block_size, Hkv] float16; its codes are read in place, never dequantized to a copy.
 
@@ -91,8 +91,7 @@ void decode_task(
     const c10::Half* k_scales,  // [num_blocks * block_size * Hkv] when QUANTIZED, else unused
     const c10::Half* v_scales,
     const int32_t* block_table,
-    int64_t seq_len,
-    int64_t context_start,
+    int64_t length,  // context tokens
     int64_t head_begin,
     int64_t head_end,
     int64_t num_kv_heads,
@@ -103,7 +102,6 @@ void decode_task(
     std::vector<float>& scores,  // scratch, reused across tasks of one thread
     float* out) {                // this sequence's output rows [Hq, D], float32
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
-  const int64_t length = seq_len - context_start;
   const int64_t rows = (head_end - head_begin) * group;  // query heads of this task
   scores.resize(static_cast<size_t>(rows * length));
   const int64_t token_stride = num_kv_heads * head_dim;
@@ -115,7 +113,7 @@ void decode_task(
   // maximum at the lowest finite value instead of -inf.
   std::vector<float> row_max(rows, std::numeric_limits<float>::lowest());
   for (int64_t t = 0; t < length; ++t) {
-    const int64_t slot = slot_of(block_table, context_start + t, block_size);
+    const int64_t slot = slot_of(block_table, t, block_size);
     const scalar_t* k_token = k_cache + slot * token_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* __restrict__ k = k_token + (head_begin + r / group) * dim;
@@ -136,7 +134,7 @@ void decode_task(
   float* o = out + head_begin * group * dim;
   std::fill(o, o + rows * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
-    const int64_t slot = slot_of(block_table, context_start + t, block_size);
+    const int64_t slot = slot_of(block_table, t, block_size);
     const scalar_t* v_token = v_cache + slot * token_stride;
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* __restrict__ v = v_token + (head_begin + r / group) * dim;
@@ -263,8 +261,7 @@ void decode_task_bf16(
     const uint16_t* k_cache,
     const uint16_t* v_cache,
     const int32_t* block_table,
-    int64_t seq_len,
-    int64_t context_start,
+    int64_t length,  // context tokens
     int64_t head_begin,
     int64_t head_end,
     int64_t num_kv_heads,
@@ -276,21 +273,19 @@ void decode_task_bf16(
     float* out) {                    // this sequence's output rows [Hq, D], float32
   constexpr int64_t kDim = 32 * KC;
   constexpr int kHeadTile = 8 / KC;  // output rows kept in registers in the weighted sum
-  const int64_t length = seq_len - context_start;
   const int64_t padded = (length + 15) / 16 * 16;
   const int64_t rows = (head_end - head_begin) * group;  // query heads of this task
   scores.resize(static_cast<size_t>(rows * padded));
   offsets.resize(static_cast<size_t>(length));
   const int64_t token_stride = num_kv_heads * kDim;
   // Each visible token's element offset in the caches, one block at a time.
-  for (int64_t t = 0, position = context_start; t < length;) {
-    const int64_t block = block_table[position / block_size];
-    const int64_t offset = position % block_size;
+  for (int64_t t = 0; t < length;) {
+    const int64_t block = block_table[t / block_size];
+    const int64_t offset = t % block_size;
     const int64_t run = std::min<int64_t>(block_size - offset, length - t);
     const int64_t first = (block * block_size + offset) * token_stride;
     for (int64_t i = 0; i < run; ++i) offsets[t + i] = first + i * token_stride;
     t += run;
-    position += run;
   }
   const uint16_t* q_task = query + head_begin * group * kDim;
   float* o_task = out + head_begin * group * kDim;
@@ -383,7 +378,6 @@ torch::Tensor paged_decode_attention(
     const torch::Tensor& v_cache,
     const torch::Tensor& block_tables,
     const torch::Tensor& seq_lens,
-    const std::optional<torch::Tensor>& context_starts,
     double scale,
     const std::optional<torch::Tensor>& k_scale,
     const std::optional<torch::Tensor>& v_scale) {
@@ -425,17 +419,10 @@ torch::Tensor paged_decode_attention(
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
                   seq_lens.dim() == 1 && seq_lens.size(0) == query.size(0),
               "block_tables must be [B, M] and seq_lens [B] for a query of B rows");
-  const bool has_starts = context_starts.has_value();
-  if (has_starts) {
-    TORCH_CHECK(context_starts->dim() == 1 && context_starts->size(0) == query.size(0),
-                "context_starts must be [B]");
-  }
 
   const auto q32 = query.to(torch::kFloat32).contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
-  const auto starts =
-      has_starts ? context_starts->to(torch::kInt32).contiguous() : torch::Tensor();
   auto out = torch::empty({batch, num_heads, head_dim}, q32.options());
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = tables.size(1);
@@ -444,13 +431,12 @@ torch::Tensor paged_decode_attention(
   float* out_ptr = out.data_ptr<float>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  const int32_t* start_ptr = has_starts ? starts.data_ptr<int32_t>() : nullptr;
   const c10::Half* k_scale_ptr = quantized ? k_scale->data_ptr<c10::Half>() : nullptr;
   const c10::Half* v_scale_ptr = quantized ? v_scale->data_ptr<c10::Half>() : nullptr;
 
   // One task per sequence keeps each block's reads sequential; a small batch is cut further by
   // kv head so that every thread still gets work. `run_task(b, head_begin, head_end, seq_len,
-  // start, table, scratch)` computes one task once its row is checked.
+  // table, scratch)` computes one task once its row is checked.
   const int64_t splits = batch >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
   const auto for_each_task = [&](auto run_task) {
     at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
@@ -462,17 +448,14 @@ torch::Tensor paged_decode_attention(
         const int64_t head_begin = part * num_kv_heads / splits;
         const int64_t head_end = (part + 1) * num_kv_heads / splits;
         const int64_t seq_len = len_ptr[b];
-        const int64_t start = has_starts ? start_ptr[b] : 0;
-        TORCH_CHECK(seq_len >= 1 && seq_len <= table_width * block_size && start >= 0 &&
-                        start < seq_len,
-                    "row ", b, ": seq_len ", seq_len, " / context_start ", start,
-                    " outside its block table");
+        TORCH_CHECK(seq_len >= 1 && seq_len <= table_width * block_size, "row ", b, ": seq_len ",
+                    seq_len, " outside its block table");
         const int32_t* table = table_ptr + b * table_width;
-        for (int64_t j = start / block_size; j * block_size < seq_len; ++j) {
+        for (int64_t j = 0; j * block_size < seq_len; ++j) {
           TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "row ", b, ": block id ",
                       table[j], " outside the cache");
         }
-        run_task(b, head_begin, head_end, seq_len, start, table, scores, offsets);
+        run_task(b, head_begin, head_end, seq_len, table, scores, offsets);
       }
     });
   };
@@ -485,10 +468,10 @@ torch::Tensor paged_decode_attention(
     const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
     const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
     for_each_task([&](int64_t b, int64_t head_begin, int64_t head_end, int64_t seq_len,
-                      int64_t start, const int32_t* table, std::vector<float>& scores,
+                      const int32_t* table, std::vector<float>& scores,
                       std::vector<int64_t>& offsets) {
       const auto task = head_dim == 64 ? decode_task_bf16<2> : decode_task_bf16<4>;
-      task(q_bf16 + b * num_heads * head_dim, k_ptr, v_ptr, table, seq_len, start, head_begin,
+      task(q_bf16 + b * num_heads * head_dim, k_ptr, v_ptr, table, seq_len, head_begin,
            head_end, num_kv_heads, group, block_size, static_cast<float>(scale), scores, offsets,
            out_ptr + b * num_heads * head_dim);
     });
@@ -502,12 +485,11 @@ torch::Tensor paged_decode_attention(
     const cache_t* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
     const cache_t* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
     for_each_task([&](int64_t b, int64_t head_begin, int64_t head_end, int64_t seq_len,
-                      int64_t start, const int32_t* table, std::vector<float>& scores,
-                      std::vector<int64_t>&) {
+                      const int32_t* table, std::vector<float>& scores, std::vector<int64_t>&) {
       const auto run = [&](auto head_dim_constant) {
         decode_task<cache_t, decltype(head_dim_constant)::value, kQuantized>(
             q_ptr + b * num_heads * head_dim, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table,
-            seq_len, start, head_begin, head_end, num_kv_heads, group, head_dim, block_size,
+            seq_len, head_begin, head_end, num_kv_heads, group, head_dim, block_size,
             static_cast<float>(scale), scores, out_ptr + b * num_heads * head_dim);
       };
       switch (head_dim) {

@@ -43,7 +43,6 @@ def plan_reference_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
-    context_starts: torch.Tensor | None = None,
 ) -> ReferenceDecodePlan:
     lengths: list[int] = seq_lens.tolist()
     batch = len(lengths)
@@ -68,19 +67,15 @@ def plan_reference_decode(
             row_index = None
             tables = block_tables
             group_lens = seq_lens
-            group_starts = context_starts
         else:
             row_index = torch.tensor(rows, dtype=torch.long, device=device)
             tables = block_tables.index_select(0, row_index)
             group_lens = seq_lens.index_select(0, row_index)
-            group_starts = None if context_starts is None else context_starts[row_index]
         mask = None
         padded_len = num_blocks * block_size
-        if group_starts is not None or any(lengths[row] != padded_len for row in rows):
+        if any(lengths[row] != padded_len for row in rows):
             positions = torch.arange(padded_len, device=device)
             mask = positions[None, :] < group_lens[:, None].to(positions.dtype)
-            if group_starts is not None:
-                mask &= positions[None, :] >= group_starts[:, None].to(positions.dtype)
             mask = mask[:, None, None, :]
         groups.append(
             ReferenceDecodeGroup(
@@ -155,7 +150,6 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -164,7 +158,7 @@ def paged_decode_attention_reference(
     Sequences are processed in groups of similar length; an 8-bit cache's blocks are
     dequantized to float32 first.
     """
-    plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1], context_starts)
+    plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1])
     return run_reference_decode(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
 
 
@@ -175,7 +169,6 @@ def paged_decode_attention_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -188,6 +181,6 @@ def paged_decode_attention_cpu(
     if module is None:
         raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
     output: torch.Tensor = module.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, context_starts, scale, k_scale, v_scale
+        query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     )
     return output

@@ -25,7 +25,7 @@ from nori.kernels.decode_attention_reference import (
 class MultiQueryRows:
     """Each query row's sequence and visible context length, built once per step."""
 
-    sequences: torch.Tensor  # [T] int32, index into block_tables, seq_lens, context_starts
+    sequences: torch.Tensor  # [T] int32, index into block_tables and seq_lens
     seq_lens: torch.Tensor  # [T] int32, the positions each row sees (its own included)
 
     def expand(self, per_sequence: torch.Tensor) -> torch.Tensor:
@@ -59,16 +59,14 @@ def paged_multi_query_decode_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The PyTorch reference: `paged_decode_attention_reference`, one decode row per query row."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
-    starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
     return paged_decode_attention_reference(
-        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, k_scale, v_scale
     )
 
 
@@ -80,17 +78,15 @@ def paged_multi_query_decode_attention_cpu(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The C++ CPU decode kernel, one decode row per query row; the reference's contract for CPU
     tensors. Raises RuntimeError where the kernel cannot be built."""
     rows = multi_query_rows(query_start_loc, seq_lens, query.shape[0])
-    starts = None if context_starts is None else rows.expand(context_starts)
     tables = rows.expand(block_tables)
     return paged_decode_attention_cpu(
-        query, k_cache, v_cache, tables, rows.seq_lens, scale, starts, k_scale, v_scale
+        query, k_cache, v_cache, tables, rows.seq_lens, scale, k_scale, v_scale
     )
 
 
@@ -105,7 +101,6 @@ def paged_multi_query_decode_attention(
     num_splits: int | None = None,
     *,
     max_seq_len: int | None = None,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
@@ -125,23 +120,22 @@ def paged_multi_query_decode_attention(
         block_tables,
         seq_lens,
         scale,
-        context_starts,
         query_start_loc,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, _ = args
+    query, k_cache, v_cache, block_tables, seq_lens, starts, _ = args
     assert starts is not None  # given query_start_loc, the check returns it checked
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
     if not should_use_triton(use_triton, [query]):
-        reference_args = (block_tables, starts, seq_lens, scale, context_starts)
+        reference_args = (block_tables, starts, seq_lens, scale)
         return paged_multi_query_decode_attention_reference(
             query, k_cache, v_cache, *reference_args, k_scale, v_scale
         )
     if rows is None:
         rows = multi_query_rows(starts, seq_lens, query.shape[0])
-    kernel_args = (num_splits, max_seq_len, context_starts, k_scale, v_scale, rows.sequences)
+    kernel_args = (num_splits, max_seq_len, k_scale, v_scale, rows.sequences)
     return launch_decode(query, k_cache, v_cache, block_tables, rows.seq_lens, scale, *kernel_args)

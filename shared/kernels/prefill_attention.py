@@ -50,7 +50,6 @@ def _prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    context_starts_ptr,
     scale_log2,
     stride_q_t,
     stride_q_h,
@@ -68,7 +67,6 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ) -> None:
     tile = tl.program_id(0)
@@ -92,9 +90,6 @@ def _prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    context_start = 0
-    if MASK_LEFT:
-        context_start = tl.load(context_starts_ptr + seq)
 
     # Rows are (query token, head of this kv group) pairs: the group shares every K/V tile load.
     rows = tl.arange(0, BLOCK_Q * BLOCK_G)
@@ -134,21 +129,15 @@ def _prefill_kernel(
         else:
             k = load_dot_operand(k_cache_ptr, offsets, kv_mask, UPCAST_DOT)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = pos[None, :] <= q_pos[:, None]
-        if MASK_LEFT:
-            # Real tokens do not see the left padding; pad tokens see what precedes them.
-            visible = visible & ((pos[None, :] >= context_start) | (q_pos[:, None] < context_start))
-        scores = tl.where(visible, scores, float("-inf"))
+        scores = tl.where(pos[None, :] <= q_pos[:, None], scores, float("-inf"))
         v_ptrs = v_cache_ptr + offsets
         if QUANTIZED:
             v_scale = tl.load(v_scale_ptr + token_scales, mask=pos < kv_end, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-            m_i, l_i, acc = quantized_softmax_step(
-                scores, m_i, l_i, acc, v, v_scale, MASK_LEFT, DOT_PRECISION
-            )
+            m_i, l_i, acc = quantized_softmax_step(scores, m_i, l_i, acc, v, v_scale, DOT_PRECISION)
         else:
             m_i, l_i, acc = online_softmax_step(
-                scores, m_i, l_i, acc, v_ptrs, kv_mask, MASK_LEFT, DOT_PRECISION, UPCAST_DOT
+                scores, m_i, l_i, acc, v_ptrs, kv_mask, DOT_PRECISION, UPCAST_DOT
             )
 
     out = acc / l_i[:, None]
@@ -167,7 +156,6 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    context_starts: torch.Tensor | None = None,
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -180,7 +168,6 @@ def paged_prefill_attention_reference(
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
-    hidden = [0] * len(lengths) if context_starts is None else context_starts.tolist()
     for b, seq_len in enumerate(lengths):
         start, end = starts[b], starts[b + 1]
         q_len = end - start
@@ -194,10 +181,6 @@ def paged_prefill_attention_reference(
         q_positions = torch.arange(q_len, device=query.device) + (seq_len - q_len)
         k_positions = torch.arange(seq_len, device=query.device)
         mask = k_positions[None, :] <= q_positions[:, None]
-        if hidden[b]:
-            # Left padding: real tokens skip it; pad tokens see what precedes them.
-            pad = hidden[b]
-            mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
         attended = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale
         )
@@ -226,7 +209,6 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    context_starts: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
@@ -236,8 +218,8 @@ def paged_prefill_attention(
     Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1], 0 to
     T); seq_lens[b] (int32 [B]) counts its whole context, new tokens included, whose K/V must be
     cached. New token i of b sits at position seq_lens[b] - q_len_b + i, attending causally.
-    context_starts [B] int32 marks left padding, unseen by real tokens. k_scale/v_scale [num_blocks,
-    block_size, Hkv] float16 go with an 8-bit cache (nori.kernels.kv_quant).
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache
+    (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
         query,
@@ -246,12 +228,11 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         scale,
-        context_starts,
         query_start_loc,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    query, k_cache, v_cache, block_tables, seq_lens, context_starts, starts, batch = args
+    query, k_cache, v_cache, block_tables, seq_lens, starts, batch = args
     assert starts is not None  # given query_start_loc, the check returns it checked
     query_start_loc = starts
 
@@ -264,7 +245,6 @@ def paged_prefill_attention(
             query_start_loc,
             seq_lens,
             scale,
-            context_starts,
             k_scale=k_scale,
             v_scale=v_scale,
         )
@@ -292,7 +272,6 @@ def paged_prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
-        seq_lens if context_starts is None else context_starts,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -310,7 +289,6 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
         UPCAST_DOT=upcast_dot_operands(query.dtype),
-        MASK_LEFT=context_starts is not None,
         QUANTIZED=k_scale is not None,
         num_warps=8 if block_q * block_g >= 128 else 4,
     )

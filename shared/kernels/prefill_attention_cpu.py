@@ -1,10 +1,9 @@
-"""Prefill attention on CPU: whole new prompts batched, chunks and padded prompts one by one.
+"""Prefill attention on CPU: whole new prompts batched, chunks one by one.
 
 Prompts whose every token is new attend to the layer's fresh keys and values: equal lengths
-share one causal scaled_dot_product_attention call (`enable_gqa`). Chunks continuing a prefix and
-padded rows gather their context from the cache, one call each
-(docs/benchmarks.md#cpu-prefill-attention). An 8-bit cache takes the reference. Planned once
-per step.
+share one causal scaled_dot_product_attention call (`enable_gqa`). Chunks continuing a prefix
+gather their context from the cache, one call each (docs/benchmarks.md#cpu-prefill-attention).
+An 8-bit cache takes the reference. Planned once per step.
 """
 
 from __future__ import annotations
@@ -33,18 +32,15 @@ class CpuPrefillPlan:
     others: tuple[int, ...]
 
 
-def plan_cpu_prefill(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_starts: torch.Tensor | None
-) -> CpuPrefillPlan:
-    """From query_start_loc [B + 1] and seq_lens [B] (rows start at 0)."""
+def plan_cpu_prefill(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> CpuPrefillPlan:
+    """query_start_loc [B + 1] and seq_lens [B] as the kernels take them (rows start at 0)."""
     starts: list[int] = query_start_loc.tolist()
     lengths: list[int] = seq_lens.tolist()
-    pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
     by_length: dict[int, list[int]] = {}
     others: list[int] = []
     for index, seq_len in enumerate(lengths):
         new_tokens = starts[index + 1] - starts[index]
-        if new_tokens == seq_len and pads[index] == 0:
+        if new_tokens == seq_len:
             by_length.setdefault(seq_len, []).append(index)
         elif new_tokens > 0:
             others.append(index)
@@ -91,7 +87,6 @@ def run_cpu_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     plan: CpuPrefillPlan,
-    context_starts: torch.Tensor | None = None,
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -120,7 +115,6 @@ def run_cpu_prefill(
     if plan.others:
         starts: list[int] = query_start_loc.tolist()
         lengths: list[int] = seq_lens.tolist()
-        pads = [0] * len(lengths) if context_starts is None else context_starts.tolist()
         for index in plan.others:
             begin, end = starts[index], starts[index + 1]
             if k_scale is None:
@@ -128,7 +122,6 @@ def run_cpu_prefill(
                     query[begin:end],
                     gather_context(k_cache, block_tables[index], lengths[index]),
                     gather_context(v_cache, block_tables[index], lengths[index]),
-                    pads[index],
                     scale,
                 )
                 continue
@@ -140,7 +133,6 @@ def run_cpu_prefill(
                 torch.tensor([0, end - begin], dtype=torch.int32, device=query.device),
                 seq_lens[index : index + 1],
                 scale,
-                None if context_starts is None else context_starts[index : index + 1],
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -148,18 +140,16 @@ def run_cpu_prefill(
 
 
 def _continued_chunk(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pad: int, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One sequence's query [q, Hq, D] over its whole context [L, Hkv, D] (new tokens last),
-    masked as the reference: causal, left padding before `pad` skipped by real tokens."""
+    masked as the reference: causal."""
     q_len, seq_len = query.shape[0], keys.shape[0]
     dtype = _compute_dtype(query, keys, values)
     k_positions = torch.arange(seq_len, device=query.device)
     q_positions = k_positions[seq_len - q_len :]
     mask = k_positions[None, :] <= q_positions[:, None]
-    if pad:
-        mask &= (k_positions[None, :] >= pad) | (q_positions[:, None] < pad)
-        # [1, heads, tokens, D]: without a batch dimension torch takes the math path, not flash.
+    # [1, heads, tokens, D]: with no batch dimension torch takes its math path, not the flash one.
     attended = torch.nn.functional.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0).to(dtype),
         keys.transpose(0, 1).unsqueeze(0).to(dtype),

@@ -95,12 +95,10 @@ def dense_attention(
     values: torch.Tensor,
     positions: list[int],
     scale: float,
-    context_start: int = 0,
 ) -> torch.Tensor:
     """query [n, Hq, D] at `positions`, keys/values [L, Hkv, D] -> [n, Hq, D] float64.
 
     Each query head is mapped to its kv head explicitly, and softmax written out by hand.
-    Positions before `context_start` are left padding: a query at or after it skips them.
     """
     num_heads, num_kv_heads = query.shape[1], keys.shape[1]
     group = num_heads // num_kv_heads
@@ -108,9 +106,8 @@ def dense_attention(
     for i, position in enumerate(positions):
         for head in range(num_heads):
             kv_head = head // group
-            first = context_start if position >= context_start else 0
-            k = keys[first : position + 1, kv_head]
-            v = values[first : position + 1, kv_head]
+            k = keys[: position + 1, kv_head]
+            v = values[: position + 1, kv_head]
             scores = (k @ query[i, head].double().cpu()) * scale
             weights = torch.exp(scores - scores.max())
             out[i, head] = (weights[:, None] * v).sum(0) / weights.sum()

@@ -66,19 +66,6 @@ def test_matches_dense_attention_at_any_batch_and_thread_count(batch: int, threa
         torch.testing.assert_close(out[b : b + 1].double(), expected, atol=REFERENCE_ATOL, rtol=0)
 
 
-def test_left_padding_is_hidden() -> None:
-    lengths, starts = [2000, 300, 37, 9], [1500, 64 + 3, 0, 8]
-    ctx = random_paged_context(lengths, 2, 16, 16)
-    query = _query(len(lengths), 4, 16)
-    context_starts = torch.tensor(starts, dtype=torch.int32)
-    args = (query, ctx.k_cache, ctx.v_cache, ctx.block_tables, ctx.seq_lens, SCALE)
-    expected = paged_decode_attention_reference(*args, context_starts)
-    torch.testing.assert_close(
-        paged_decode_attention_cpu(*args, context_starts), expected, atol=ATOL, rtol=0
-    )
-    assert not torch.allclose(paged_decode_attention_cpu(*args), expected)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_caches(dtype: torch.dtype) -> None:
     lengths = [5, 40, 17]
@@ -100,23 +87,21 @@ def test_bfloat16_query_over_a_bfloat16_cache(
 ) -> None:
     """bf16 on both sides takes the AVX-512 BF16 task where the CPU has it: 16-token tiles (the
     lengths cross their edges), output rows in registers 8 / (head_dim / 32) query heads at a time
-    (the groups leave every remainder), left padding, and both task splits (by kv head at 6 rows,
+    (the groups leave every remainder), and both task splits (by kv head at 6 rows,
     by sequence at 40). Against the float32 reference over the same bf16 values: only the
     output's rounding to bf16 may differ."""
     lengths = [1, 15, 16, 17, 33, 200] + [(i * 37) % 61 + 1 for i in range(34)] * (threads - 1)
     ctx = random_paged_context(lengths, num_kv_heads, head_dim, 16, dtype=torch.bfloat16)
     query = _query(len(lengths), num_heads, head_dim).bfloat16()
-    starts = torch.tensor([0, 0, 3, 16, 1, 150] + [0] * (len(lengths) - 6), dtype=torch.int32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for context_starts in (None, starts):
-            paged = (ctx.block_tables, ctx.seq_lens, SCALE, context_starts)
-            out = paged_decode_attention_cpu(query, ctx.k_cache, ctx.v_cache, *paged)
-            exact = (query.float(), ctx.k_cache.float(), ctx.v_cache.float())
-            expected = paged_decode_attention_reference(*exact, *paged)
-            assert out.dtype == torch.bfloat16
-            torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=8e-3)
+        paged = (ctx.block_tables, ctx.seq_lens, SCALE)
+        out = paged_decode_attention_cpu(query, ctx.k_cache, ctx.v_cache, *paged)
+        exact = (query.float(), ctx.k_cache.float(), ctx.v_cache.float())
+        expected = paged_decode_attention_reference(*exact, *paged)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=8e-3)
     finally:
         torch.set_num_threads(before)
 
@@ -136,5 +121,3 @@ def test_bad_input_is_an_error_not_a_crash() -> None:
         paged_decode_attention_cpu(query, k, v, tables.long(), lens, SCALE)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         paged_decode_attention_cpu(query[:, :3], k, v, tables, lens, SCALE)
-    with pytest.raises(RuntimeError, match="context_starts"):
-        paged_decode_attention_cpu(query, k, v, tables, lens, SCALE, lens[:1])

@@ -72,7 +72,6 @@ def _attend(
     *,
     use_triton: bool | None,
     num_splits: int | None = None,
-    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_decode_attention(
         query,
@@ -82,16 +81,13 @@ def _attend(
         ctx.seq_lens,
         SCALE,
         num_splits,
-        context_starts=context_starts,
         k_scale=ctx.k_scale,
         v_scale=ctx.v_scale,
         use_triton=use_triton,
     )
 
 
-def _reference(
-    query: torch.Tensor, ctx: QuantizedContext, context_starts: torch.Tensor | None = None
-) -> torch.Tensor:
+def _reference(query: torch.Tensor, ctx: QuantizedContext) -> torch.Tensor:
     return paged_decode_attention_reference(
         query,
         ctx.k_cache,
@@ -99,7 +95,6 @@ def _reference(
         ctx.block_tables,
         ctx.seq_lens,
         SCALE,
-        context_starts,
         ctx.k_scale,
         ctx.v_scale,
     )
@@ -127,13 +122,12 @@ def test_triton_matches_reference(
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_several_splits_and_left_padding(cache_dtype: torch.dtype) -> None:
-    lengths, starts = [300, 37, 9], [64 + 3, 0, 8]
+def test_several_splits(cache_dtype: torch.dtype) -> None:
+    lengths = [300, 37, 9]
     ctx = quantized_context(lengths, 2, 16, 16, cache_dtype)
     query = _query(len(lengths), 4, 16, torch.float32)
-    context_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    expected = _reference(query, ctx, context_starts)
-    got = _attend(query, ctx, use_triton=True, num_splits=4, context_starts=context_starts)
+    expected = _reference(query, ctx)
+    got = _attend(query, ctx, use_triton=True, num_splits=4)
     assert_close(got, expected)
 
 

@@ -110,20 +110,6 @@ def test_decode_at_any_batch_and_thread_count(dtype: torch.dtype, batch: int, th
 
 
 @pytest.mark.parametrize("dtype", CODE_DTYPES)
-def test_decode_hides_left_padding(dtype: torch.dtype) -> None:
-    lengths, starts = [2000, 300, 37, 9], [1500, 64 + 3, 0, 8]
-    k, v, ks, vs, tables, lens = _quantized_context(lengths, 2, 64, 16, dtype)
-    query = _query(len(lengths), 4, 64)
-    context_starts = torch.tensor(starts, dtype=torch.int32)
-    args = (query, k, v, tables, lens, SCALE, context_starts)
-    expected = paged_decode_attention_reference(*args, k_scale=ks, v_scale=vs)
-    out = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
-    unpadded = paged_decode_attention_cpu(*args[:-1], k_scale=ks, v_scale=vs)
-    assert not torch.allclose(unpadded, expected)
-
-
-@pytest.mark.parametrize("dtype", CODE_DTYPES)
 def test_decode_bfloat16_query(dtype: torch.dtype) -> None:
     lengths = [5, 40, 17]
     k, v, ks, vs, tables, lens = _quantized_context(lengths, 2, 64, 16, dtype)
@@ -141,7 +127,7 @@ def test_decode_rejects_bad_scales() -> None:
     query = _query(2, 4, 32)
     args = (query, k, v, tables, lens, SCALE)
     with pytest.raises(RuntimeError, match="int8 or float8_e4m3fn cache"):
-        paged_decode_attention_cpu(query, k.float(), v.float(), tables, lens, SCALE, None, ks, vs)
+        paged_decode_attention_cpu(query, k.float(), v.float(), tables, lens, SCALE, ks, vs)
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
         paged_decode_attention_cpu(*args)
     with pytest.raises(RuntimeError, match="given together"):

@@ -92,7 +92,7 @@ def _quantize(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return codes.view(cache.shape), scale.view(num_blocks, block_size, num_kv_heads)
 
 
-def _dense(batch: VerifyBatch, context_starts: list[int] | None = None) -> torch.Tensor:
+def _dense(batch: VerifyBatch) -> torch.Tensor:
     """Float64 attention written out: row i of a sequence at position seq_len - q_len + i."""
     k_cache, v_cache = batch.k_cache, batch.v_cache
     if batch.k_scale is not None and batch.v_scale is not None:
@@ -104,9 +104,8 @@ def _dense(batch: VerifyBatch, context_starts: list[int] | None = None) -> torch
         keys = dense_context(k_cache, batch.block_tables[b], seq_len)
         values = dense_context(v_cache, batch.block_tables[b], seq_len)
         positions = list(range(seq_len - q_len, seq_len))
-        hidden = 0 if context_starts is None else context_starts[b]
         query = batch.query[starts[b] : starts[b + 1]]
-        parts.append(dense_attention(query, keys, values, positions, SCALE, hidden))
+        parts.append(dense_attention(query, keys, values, positions, SCALE))
     return torch.cat(parts)
 
 
@@ -125,21 +124,6 @@ def test_reference_matches_dense_and_prefill_reference(cache_dtype: torch.dtype 
     # The prefill kernels compute these rows too (a chunk at the end of its context).
     prefill = paged_prefill_attention_reference(*batch.args(), **batch.scales())
     torch.testing.assert_close(out, prefill, atol=REFERENCE_ATOL, rtol=0)
-
-
-def test_left_padding_is_hidden_from_every_row() -> None:
-    batch = _verify_batch(4, 2, 16)
-    pads = [0, 3, BLOCK_SIZE + 1, 64, 2]
-    context_starts = torch.tensor(pads, dtype=torch.int32, device=DEVICE)
-    reference = paged_multi_query_decode_attention_reference(*batch.args(), context_starts)
-    torch.testing.assert_close(reference.double(), _dense(batch, pads), atol=REFERENCE_ATOL, rtol=0)
-    triton = paged_multi_query_decode_attention(
-        *batch.args(), context_starts=context_starts, use_triton=True
-    )
-    assert_close(triton, reference)
-    if not torch.cuda.is_available() and cpu_kernels() is not None:
-        cpu = paged_multi_query_decode_attention_cpu(*batch.args(), context_starts)
-        torch.testing.assert_close(cpu, reference, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -145,38 +145,3 @@ def test_rejects_bad_arguments() -> None:
         paged_prefill_attention(query, k, v.half(), tables, starts, lens, SCALE)
     with pytest.raises(ValueError, match="k_cache must have 4 dimensions"):
         paged_prefill_attention(query, k[0], v, tables, starts, lens, SCALE)
-
-
-# Left padding (the static-batching baseline), per row (cached prefix, new tokens) and padding:
-# pads and real tokens in one chunk, a chunk starting at the first real token after whole tiles
-# of padding, a chunk of padding only, an unpadded row and a decode row.
-PADDED_ROWS = [(0, 40), (70, 10), (0, 12), (0, 5), (20, 1)]
-PADDED_STARTS = [30, 70, 20, 0, 3]
-
-
-def test_left_padding_reference_matches_dense_attention() -> None:
-    query, k_cache, v_cache, tables, starts, lens = _batch(PADDED_ROWS, 4, 2, 8, 4)
-    context_starts = torch.tensor(PADDED_STARTS, dtype=torch.int32, device=DEVICE)
-    out = paged_prefill_attention_reference(
-        query, k_cache, v_cache, tables, starts, lens, SCALE, context_starts
-    )
-    for b, ((prefix, new), pad) in enumerate(zip(PADDED_ROWS, PADDED_STARTS, strict=True)):
-        start = int(starts[b])
-        keys = dense_context(k_cache, tables[b], prefix + new)
-        values = dense_context(v_cache, tables[b], prefix + new)
-        positions = list(range(prefix, prefix + new))
-        expected = dense_attention(query[start : start + new], keys, values, positions, SCALE, pad)
-        torch.testing.assert_close(
-            out[start : start + new].double().cpu(), expected, atol=REFERENCE_ATOL, rtol=0
-        )
-
-
-@pytest.mark.parametrize(("num_heads", "head_dim"), [(2, 16), (8, 64)])
-def test_left_padding_triton_matches_reference(num_heads: int, head_dim: int) -> None:
-    query, k_cache, v_cache, tables, starts, lens = _batch(PADDED_ROWS, num_heads, 2, head_dim, 8)
-    context_starts = torch.tensor(PADDED_STARTS, dtype=torch.int32, device=DEVICE)
-    args = (query, k_cache, v_cache, tables, starts, lens, SCALE)
-    expected = paged_prefill_attention_reference(*args, context_starts)
-    got = paged_prefill_attention(*args, context_starts=context_starts, use_triton=True)
-    assert_close(got, expected)
-    assert not torch.allclose(paged_prefill_attention_reference(*args), expected)

@@ -18,7 +18,7 @@ ATOL = 1e-5
 
 
 def _case(
-    rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int, pads: list[int] | None = None
+    rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int
 ) -> tuple[torch.Tensor, ...]:
     """rows: (cached prefix, new tokens) per sequence -> query, the new tokens' key/value (read
     back from the cache, where the engine also stores them), caches, tables, starts, lengths."""
@@ -33,7 +33,6 @@ def _case(
         values.append(
             dense_context(ctx.v_cache, ctx.block_tables[b], prefix + new)[prefix:].float()
         )
-    context_starts = None if pads is None else torch.tensor(pads, dtype=torch.int32)
     return (
         query,
         torch.cat(keys),
@@ -43,7 +42,6 @@ def _case(
         ctx.block_tables,
         torch.tensor(starts, dtype=torch.int32),
         ctx.seq_lens,
-        context_starts,  # type: ignore[return-value]
     )
 
 
@@ -58,10 +56,8 @@ def _case(
 )
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
 def test_matches_reference(rows: list[tuple[int, int]], num_heads: int, num_kv_heads: int) -> None:
-    query, key, value, k_cache, v_cache, tables, starts, lens, _ = _case(
-        rows, num_heads, num_kv_heads
-    )
-    plan = plan_cpu_prefill(starts, lens, None)
+    query, key, value, k_cache, v_cache, tables, starts, lens = _case(rows, num_heads, num_kv_heads)
+    plan = plan_cpu_prefill(starts, lens)
     assert len(plan.others) == sum(1 for prefix, _ in rows if prefix)
     out = run_cpu_prefill(query, key, value, k_cache, v_cache, tables, starts, lens, SCALE, plan)
     expected = paged_prefill_attention_reference(
@@ -70,30 +66,13 @@ def test_matches_reference(rows: list[tuple[int, int]], num_heads: int, num_kv_h
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
-def test_left_padded_prompts_take_the_reference() -> None:
-    rows = [(0, 10), (0, 10), (0, 10)]
-    pads = [0, 4, 0]
-    query, key, value, k_cache, v_cache, tables, starts, lens, context_starts = _case(
-        rows, 4, 2, pads
-    )
-    plan = plan_cpu_prefill(starts, lens, context_starts)
-    assert plan.others == (1,) and [g.num_prompts for g in plan.fresh] == [2]
-    out = run_cpu_prefill(
-        query, key, value, k_cache, v_cache, tables, starts, lens, SCALE, plan, context_starts
-    )
-    expected = paged_prefill_attention_reference(
-        query, k_cache, v_cache, tables, starts, lens, SCALE, context_starts
-    )
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
-
-
 def test_bfloat16_prompts_match_the_float32_reference_over_the_same_values() -> None:
     """bf16 query, key and value run the whole-prompt attention in bf16 (float32 sums): as close
     to the float32 reference over the same bf16 values as the bf16 output's rounding allows."""
     rows = [(0, 40)] * 3 + [(0, 7), (16, 9)]
-    query, key, value, k_cache, v_cache, tables, starts, lens, _ = _case(rows, 8, 2)
+    query, key, value, k_cache, v_cache, tables, starts, lens = _case(rows, 8, 2)
     as_bf16 = [t.bfloat16() for t in (query, key, value, k_cache, v_cache)]
-    plan = plan_cpu_prefill(starts, lens, None)
+    plan = plan_cpu_prefill(starts, lens)
     assert [g.num_prompts for g in plan.fresh] == [3, 1] and plan.others == (4,)
     out = run_cpu_prefill(*as_bf16, tables, starts, lens, SCALE, plan)
     assert out.dtype == torch.bfloat16
@@ -104,24 +83,19 @@ def test_bfloat16_prompts_match_the_float32_reference_over_the_same_values() -> 
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("pads", [None, [0, 0, 5]])
-def test_bfloat16_chunks_over_long_contexts_match_the_float32_reference(
-    pads: list[int] | None,
-) -> None:
-    """Chunks that continue a prefix (and padded prompts) attend in the cache's bf16 with
+def test_bfloat16_chunks_over_long_contexts_match_the_float32_reference() -> None:
+    """Chunks that continue a prefix attend in the cache's bf16 with
     grouped-query heads and a mask: as close to the float32 reference over the same bf16 values
     as the whole prompts are, over contexts of several blocks."""
     rows = [(150, 40), (97, 1), (0, 60)]
-    query, key, value, k_cache, v_cache, tables, starts, lens, context_starts = _case(
-        rows, 8, 2, pads
-    )
+    query, key, value, k_cache, v_cache, tables, starts, lens = _case(rows, 8, 2)
     as_bf16 = [t.bfloat16() for t in (query, key, value, k_cache, v_cache)]
-    plan = plan_cpu_prefill(starts, lens, context_starts)
-    assert plan.others == ((0, 1) if pads is None else (0, 1, 2))
-    out = run_cpu_prefill(*as_bf16, tables, starts, lens, SCALE, plan, context_starts)
+    plan = plan_cpu_prefill(starts, lens)
+    assert plan.others == (0, 1)
+    out = run_cpu_prefill(*as_bf16, tables, starts, lens, SCALE, plan)
     assert out.dtype == torch.bfloat16
     exact = [t.float() for t in as_bf16]
     expected = paged_prefill_attention_reference(
-        exact[0], exact[3], exact[4], tables, starts, lens, SCALE, context_starts
+        exact[0], exact[3], exact[4], tables, starts, lens, SCALE
     )
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=1e-2)

@@ -15,10 +15,6 @@ SCALE = 0.29
 # Per row (cached prefix, new tokens): whole prompts, chunks over cached prefixes (inside a
 # block, on a block boundary, several blocks) and decode rows.
 MIXED_ROWS = [(0, 1), (0, 7), (5, 1), (16, 16), (13, 20), (40, 1), (3, 9)]
-# Left padding: pads and real tokens in one chunk, a chunk after the padding, padding only,
-# an unpadded row and a decode row.
-PADDED_ROWS = [(0, 40), (70, 10), (0, 12), (0, 5), (20, 1)]
-PADDED_STARTS = [30, 70, 20, 0, 3]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -58,7 +54,6 @@ def _attend(
     ctx: QuantizedContext,
     *,
     use_triton: bool | None,
-    context_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_prefill_attention(
         query,
@@ -68,7 +63,6 @@ def _attend(
         query_start_loc,
         ctx.seq_lens,
         SCALE,
-        context_starts=context_starts,
         k_scale=ctx.k_scale,
         v_scale=ctx.v_scale,
         use_triton=use_triton,
@@ -76,10 +70,7 @@ def _attend(
 
 
 def _reference(
-    query: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    ctx: QuantizedContext,
-    context_starts: torch.Tensor | None = None,
+    query: torch.Tensor, query_start_loc: torch.Tensor, ctx: QuantizedContext
 ) -> torch.Tensor:
     return paged_prefill_attention_reference(
         query,
@@ -89,7 +80,6 @@ def _reference(
         query_start_loc,
         ctx.seq_lens,
         SCALE,
-        context_starts,
         k_scale=ctx.k_scale,
         v_scale=ctx.v_scale,
     )
@@ -117,16 +107,6 @@ def test_triton_matches_reference(
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_left_padding(cache_dtype: torch.dtype) -> None:
-    query, starts, ctx = _batch(PADDED_ROWS, 4, 2, 16, 8, cache_dtype)
-    context_starts = torch.tensor(PADDED_STARTS, dtype=torch.int32, device=DEVICE)
-    expected = _reference(query, starts, ctx, context_starts)
-    got = _attend(query, starts, ctx, use_triton=True, context_starts=context_starts)
-    assert_close(got, expected)
-    assert not torch.allclose(_reference(query, starts, ctx), expected)
-
-
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_reference_equals_attention_over_a_dequantized_float_cache(
     cache_dtype: torch.dtype,
 ) -> None:
@@ -135,10 +115,6 @@ def test_reference_equals_attention_over_a_dequantized_float_cache(
     args = (ctx.block_tables, starts, ctx.seq_lens, SCALE)
     dense = paged_prefill_attention_reference(query, k_cache, v_cache, *args)
     torch.testing.assert_close(_reference(query, starts, ctx), dense, atol=0, rtol=0)
-    context_starts = torch.tensor([0, 3, 0, 20, 1, 5, 2], dtype=torch.int32, device=DEVICE)
-    padded = paged_prefill_attention_reference(query, k_cache, v_cache, *args, context_starts)
-    got = _reference(query, starts, ctx, context_starts)
-    torch.testing.assert_close(got, padded, atol=0, rtol=0)
 
 
 def test_wrapper_without_triton_runs_the_reference() -> None:
