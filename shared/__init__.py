@@ -7,6 +7,7 @@ manager) import without torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -18,22 +19,16 @@ if TYPE_CHECKING:
     from nori.engine.llm import LLM
     from nori.sampling.params import SamplingParams
 
+_LAZY = {
+    "LLM": "nori.engine.llm",
+    "EngineConfig": "nori.engine.config",
+    "RequestOutput": "nori.engine.completion_outputs",
+    "CompletionOutput": "nori.engine.completion_outputs",
+    "SamplingParams": "nori.sampling.params",
+}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from nori.engine.llm import LLM
-
-        return LLM
-    if name == "EngineConfig":
-        from nori.engine.config import EngineConfig
-
-        return EngineConfig
-    if name in ("RequestOutput", "CompletionOutput"):
-        from nori.engine import completion_outputs
-
-        return getattr(completion_outputs, name)
-    if name == "SamplingParams":
-        from nori.sampling.params import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(f"module 'nori' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'nori' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 # How often the gateway reads the pools' capacities (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
+# Beside other owners, the prompt slots per prompt worker that owners share out: what one owner
+# holds beyond its share waits in the gateway, not in the worker's queue ahead of others' prompts.
+PROMPT_SLOTS_SHARED_PER_WORKER = 32
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,9 @@ class ClusterBackend:
         figures = self._capacity_figures
         decode = pool_capacity(figures, decode_pool, ASSUMED_FIGURES)
         prompt = pool_capacity(figures, prompt_pool, ASSUMED_FIGURES)
+        if prompt is not None:
+            shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
+            prompt = dataclasses.replace(prompt, shared_rows=shared)
         if (decode, prompt) != (self.ledger.capacity, self.ledger.prompt_capacity):
             self.ledger.set_capacity(decode, prompt)
 

@@ -5,7 +5,8 @@
 its decode slot until it closes and prompt slot until its first token, and its calls and prompt
 tokens on each worker (`worker_pool.Router`). The decisions are pure functions of these counts.
 Fair shares: an owner (the ticket's group, its client) holds at most a pool's rows alone, or
-`max_share` of them beside another active owner; a freed slot goes to the most urgent priority,
+`max_share` of them beside another active owner (in the prompt pool, of its `shared_rows`);
+a freed slot goes to the most urgent priority,
 then the client, then the group, holding least (first come on ties). docs/architecture.md, "The
 path of one request through the cluster", has the whole of it.
 """
@@ -34,10 +35,12 @@ ASSUMED_FIGURES = (256, 320)
 
 @dataclass(frozen=True)
 class PoolCapacity:
-    """A pool's summed running rows (`--max-num-seqs`) and calls served at once (rows + queue)."""
+    """A pool's summed running rows (`--max-num-seqs`) and calls served at once (rows + queue);
+    `shared_rows`, when set, the rows owners share out beside others instead of `rows`."""
 
     rows: int
     calls: int
+    shared_rows: int | None = None
 
 
 def pool_capacity(
@@ -80,9 +83,14 @@ def retry_after_s(excess_tokens: int, drain_rate: float | None) -> float:
     return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / drain_rate)))
 
 
-def owner_limit(rows: int, max_share: float, others_active: bool) -> int:
-    """The most slots one owner may hold: every row alone, its share of them beside others."""
-    return max(1, rows if not others_active else math.floor(max_share * rows))
+def owner_limit(
+    rows: int, max_share: float, others_active: bool, shared_rows: int | None = None
+) -> int:
+    """The most slots one owner may hold: every row alone, its share of `shared_rows` (else of
+    the rows) beside others."""
+    if not others_active:
+        return max(1, rows)
+    return max(1, math.floor(max_share * min(rows, shared_rows or rows)))
 
 
 @dataclass(frozen=True)
@@ -97,11 +105,13 @@ class SlotCounts:
     client_alone: bool
 
 
-def may_hold(counts: SlotCounts, rows: int, max_share: float) -> bool:
+def may_hold(
+    counts: SlotCounts, rows: int, max_share: float, shared_rows: int | None = None
+) -> bool:
     return (
         counts.held < counts.calls
-        and counts.group_held < owner_limit(rows, max_share, not counts.group_alone)
-        and counts.client_held < owner_limit(rows, max_share, not counts.client_alone)
+        and counts.group_held < owner_limit(rows, max_share, not counts.group_alone, shared_rows)
+        and counts.client_held < owner_limit(rows, max_share, not counts.client_alone, shared_rows)
     )
 
 
@@ -253,7 +263,10 @@ class Ledger:
         pool too, so that they wait here, not in the workers' queues."""
         pools = ((False, self.capacity), (True, self.prompt_capacity if ticket.waits else None))
         return all(
-            pool is None or may_hold(self.slot_counts(ticket, prompt), pool.rows, self.max_share)
+            pool is None
+            or may_hold(
+                self.slot_counts(ticket, prompt), pool.rows, self.max_share, pool.shared_rows
+            )
             for prompt, pool in pools
         )
 
@@ -332,7 +345,8 @@ class Ledger:
         else:
             message = (
                 f"this client or request holds its share of the {name} ({self.max_share:g} "
-                f"of its {pool.rows} running slots) while others wait"
+                f"of its {min(pool.rows, pool.shared_rows or pool.rows)} running slots) while "
+                "others wait"
             )
         return ShareRefusedError(
             message + "; retry after the time in Retry-After", retry_after_s=1.0

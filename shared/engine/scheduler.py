@@ -27,8 +27,7 @@ from nori.engine.request import Request, RequestStatus
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    # Tokens computed in this step, starting at request.num_computed_tokens (draft tokens
-    # included).
+    # Tokens computed in this step from request.num_computed_tokens, drafts included.
     num_new_tokens: int
     # Of those, draft tokens to verify (after the request's last token): a multi-query decode.
     num_spec_tokens: int = 0
@@ -42,8 +41,7 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    # Single-token steps (decodes) first, then verifications (a decode with drafts), then prompt
-    # chunks: the model runner relies on it.
+    # Decodes, then verifications (decodes with drafts), then prompt chunks: the runner needs it.
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
 
@@ -84,11 +82,9 @@ class Scheduler:
     # Requests holding blocks outside the running batch: waiting for their K/V to arrive
     # (WAITING_FOR_KV) or to be sent (PREFILLED). `schedule` never looks at them.
     held: dict[str, Request] = field(default_factory=dict, init=False)
-    # Requests whose K/V is in place (a finished transfer) waiting for a row in the running
-    # batch, by priority then arrival; they keep their blocks and join as decodes when one frees.
+    # Requests whose K/V is in place, by priority then arrival, waiting for a row of the batch.
     ready: deque[Request] = field(default_factory=deque, init=False)
-    # The prompt-token cap of steps with decodes: the config's, unless the engine adjusts it
-    # step by step (prefill_budget_with_decodes="auto").
+    # The prompt-token cap of steps with decodes (the engine adjusts it step by step on "auto").
     prefill_budget_with_decodes: int | None = field(init=False)
     # Preemptions since the scheduler was made (a request preempted twice counts twice).
     num_preemptions: int = field(default=0, init=False)

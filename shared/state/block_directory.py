@@ -50,12 +50,6 @@ class BlockDirectory(RedisStore):
             worker_id, (BlockEvent(BlockEventKind.STORED, h) for h in block_hashes)
         )
 
-    async def forget_worker(self, worker_id: str, block_hashes: Iterable[bytes]) -> int:
-        """Removes a worker from the given blocks (e.g. all it held, when it leaves cleanly)."""
-        return await self.publish(
-            worker_id, (BlockEvent(BlockEventKind.REMOVED, h) for h in block_hashes)
-        )
-
     async def longest_prefixes(
         self, block_hashes: Sequence[bytes], worker_ids: Iterable[str] | None = None
     ) -> dict[str, int]:

@@ -24,6 +24,17 @@ def test_owner_limit_is_every_row_alone_and_its_share_beside_others() -> None:
     assert owner_limit(rows=3, max_share=0.25, others_active=True) == 1  # never 0
 
 
+def test_beside_others_an_owner_shares_out_the_pools_shared_rows() -> None:
+    # The prompt pool of one prefill worker: 256 rows, 32 of them shared out beside others.
+    assert owner_limit(rows=256, max_share=0.5, others_active=False, shared_rows=32) == 256
+    assert owner_limit(rows=256, max_share=0.5, others_active=True, shared_rows=32) == 16
+    assert owner_limit(rows=8, max_share=0.5, others_active=True, shared_rows=32) == 4
+    held = SlotCounts(held=16, calls=320, group_held=16, client_held=16, group_alone=False,
+                      client_alone=False)  # fmt: skip
+    assert may_hold(held, rows=256, max_share=0.5)
+    assert not may_hold(held, rows=256, max_share=0.5, shared_rows=32)
+
+
 def test_may_hold_needs_a_free_call_and_both_owners_under_their_limits() -> None:
     counts = SlotCounts(held=7, calls=8, group_held=3, client_held=3, group_alone=False,
                         client_alone=True)  # fmt: skip

@@ -95,8 +95,8 @@ async def test_eviction_removes_holders_and_empty_keys(redis_client: Redis, keys
     await directory.publish("a", [*removed([h[2]]), *stored([h[1], h[2]])])
     assert await directory.longest_prefixes(h) == {"a": 4, "b": 2}
 
-    await directory.forget_worker("b", h)
-    await directory.forget_worker("a", h[2:])
+    await directory.publish("b", removed(h))
+    await directory.publish("a", removed(h[2:]))
     assert await directory.longest_prefixes(h) == {"a": 2}
     assert await redis_client.exists(*(keys.block(x) for x in h[2:])) == 0
     for block_hash in h[:2]:

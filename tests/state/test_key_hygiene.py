@@ -53,7 +53,7 @@ async def test_every_key_in_the_namespace_has_a_ttl(text_client: Redis, keys: Ke
     await directory.publish("p1", [BlockEvent(BlockEventKind.STORED, h) for h in hashes])
     await directory.publish("d1", [BlockEvent(BlockEventKind.STORED, h) for h in hashes[:2]])
     await directory.touch("d1", hashes[:1])
-    await directory.forget_worker("p1", hashes[3:])
+    await directory.publish("p1", [BlockEvent(BlockEventKind.REMOVED, h) for h in hashes[3:]])
     assert await directory.longest_prefixes(hashes) == {"p1": 3, "d1": 2}
 
     found = sorted([key async for key in text_client.scan_iter(match=keys.pattern())])
