@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 
 # How often the gateway reads the pools' capacities (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
-# Beside other owners, the prompt slots per prompt worker that owners share out: what one owner
-# holds beyond its share waits in the gateway, not in the worker's queue ahead of others' prompts.
+# Prompt slots per prompt worker shared out beside other owners (the rest wait in the gateway).
 PROMPT_SLOTS_SHARED_PER_WORKER = 32
 
 

@@ -315,6 +315,14 @@ class Ledger:
             assert chosen.waiter is not None
             chosen.waiter.set_result(None)
 
+    def _enqueue(self, ticket: RequestTicket) -> asyncio.Future[None]:
+        """Lines `ticket` up; the future is set when `_grant_waiters` gives it a slot."""
+        self._arrivals += 1
+        ticket.arrival = self._arrivals
+        ticket.waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(ticket.line, deque()).append(ticket)
+        return ticket.waiter
+
     def _drop_waiter(self, ticket: RequestTicket) -> None:
         line = self._waiters.get(ticket.line)
         if line is not None and ticket in line:

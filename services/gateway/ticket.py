@@ -7,7 +7,6 @@ once in `ClusterBackend.generate`'s `finally`, releases whatever it still holds.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import TYPE_CHECKING
 
 from nori.gateway.backend import GenerationRequest
@@ -50,8 +49,6 @@ class RequestTicket:
             return "decoding"
         return "prompt" if self.prompt_worker is not None else "queued"
 
-    # -------------------------------------------------------------- the slot
-
     async def take(self, wait_s: float) -> None:
         """Takes a slot, waiting up to `wait_s` for one (`ShareRefusedError`, 429, past it)."""
         ledger = self.ledger
@@ -61,13 +58,9 @@ class RequestTicket:
         if wait_s <= 0:
             raise ledger.slot_refusal(self)
         self._activate()
-        ledger._arrivals += 1
-        self.arrival = ledger._arrivals
-        self.waiter = asyncio.get_running_loop().create_future()
-        ledger._waiters.setdefault(self.line, deque()).append(self)
         try:
             async with asyncio.timeout(wait_s):
-                await self.waiter
+                await ledger._enqueue(self)
         except TimeoutError:
             if not self.slot:  # else granted just as the wait ended: it keeps the slot
                 ledger._drop_waiter(self)
@@ -84,8 +77,6 @@ class RequestTicket:
         if not self.active:
             self.active = True
             self.ledger._activity(self, +1)
-
-    # -------------------------------------------------------------- the workers
 
     def prompt_on(self, worker_id: str, whole_request: bool = True) -> None:
         """Its prompt goes to `worker_id`, counted there until token one (as tokens only when
