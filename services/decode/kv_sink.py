@@ -21,7 +21,7 @@ from nori.decode.lease import Lease, LeaseExpired, LeasePolicy, LeaseState
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import HandOff, TransferHeader
 from nori.transfer.integrity import landed_mismatch
-from nori.worker.kv_layout import BlockLayout, destination_buffers, staging_buffers
+from nori.worker.servicer_base import BlockLayout, destination_buffers, staging_buffers
 
 __all__ = ["DecodeKVSink", "LeaseExpired", "LeasePolicy"]
 

@@ -26,16 +26,16 @@ from nori.transfer.handoff import HandOff
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
-from nori.worker.grpc_calls import call_engine
-from nori.worker.output_streams import (
+from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
+from nori.worker.servicer_base import (
+    EngineServicer,
     OutputStreams,
+    call_engine,
     delta_from_output,
     next_output,
     next_output_coalesced,
     next_output_of,
 )
-from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
-from nori.worker.servicer_base import EngineServicer
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,8 @@ from nori.transfer.base import KVReceiver
 from nori.transfer.factory import make_receiver
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import decode_pb2_grpc
-from nori.worker.kv_layout import BlockLayout
-from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
+from nori.worker.servicer_base import BlockLayout, OutputStreams
 
 logger = logging.getLogger(__name__)
 

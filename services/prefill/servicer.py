@@ -24,11 +24,14 @@ from nori.transfer.handoff import TransferHeader
 from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
-from nori.worker.grpc_calls import call_engine
-from nori.worker.kv_layout import source_buffers
-from nori.worker.output_streams import OutputStreams, delta_from_output
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
-from nori.worker.servicer_base import EngineServicer
+from nori.worker.servicer_base import (
+    EngineServicer,
+    OutputStreams,
+    call_engine,
+    delta_from_output,
+    source_buffers,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import prefill_pb2_grpc
-from nori.worker.output_streams import OutputStreams
 from nori.worker.runtime import Worker, WorkerOptions
+from nori.worker.servicer_base import OutputStreams
 
 logger = logging.getLogger(__name__)
 

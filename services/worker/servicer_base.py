@@ -1,19 +1,218 @@
-"""What the prefill and decode servicers share: the engine thread, the output streams, draining,
-and the figures every worker reports in GetStats."""
+"""What the prefill and decode servicers share: engine calls from gRPC handlers, each request's
+output stream, the KV block buffers both sides of a transfer agree on, call admission and the
+figures every worker reports in GetStats.
+
+The KV cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim] (plus its scales for an
+8-bit cache: `KVCache.tensors`). A run of consecutive block ids in one tensor, layer and half is
+one contiguous region: the receiver hands the transport views of its own cache, the sender slices
+its exported [layers, 2, n, ...] copies the same way. Codes and scales move as stored.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import NamedTuple, Protocol
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import grpc
+import torch
 
-from nori.rpc.convert import params_from_proto
+from nori.engine.outputs import StepOutput
+from nori.rpc.convert import logprobs_to_proto, params_from_proto
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
 from nori.worker.engine_core import EngineCore
-from nori.worker.output_streams import OutputQueue, OutputStreams
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
+
+T = TypeVar("T")
+
+
+async def call_engine(
+    engine: EngineCore,
+    context: grpc.aio.ServicerContext,
+    function: Callable[..., T],
+    *args: Any,
+    **kwargs: Any,
+) -> T:
+    """Runs `function(engine, *args, **kwargs)` in the engine loop. The engine raises ValueError
+    only for input it can never serve (too long, ids out of range, a duplicate id): the caller's
+    error, not ours."""
+    try:
+        return await engine.call(function, *args, **kwargs)
+    except ValueError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    raise AssertionError("unreachable: context.abort raises")
+
+
+async def next_output(queue: asyncio.Queue[StepOutput]) -> StepOutput:
+    """The request's next output, merged with every further one already waiting (a slow
+    consumer gets one delta for the steps it missed)."""
+    output = await queue.get()
+    while not output.finished and not queue.empty():
+        output = output.followed_by(queue.get_nowait())
+    return output
+
+
+async def next_output_of(queue: asyncio.Queue[StepOutput], num_tokens: int) -> StepOutput:
+    """The next outputs merged until they hold `num_tokens` new tokens, or the last is in."""
+    output = await next_output(queue)
+    while not output.finished and len(output.new_token_ids) < num_tokens:
+        output = output.followed_by(await next_output(queue))
+    return output
+
+
+class OutputQueue(asyncio.Queue[StepOutput]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished = asyncio.Event()
+
+
+async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> StepOutput:
+    """The next output merged with every further one for `interval_s`, or until it finishes;
+    the consumer sleeps meanwhile (one wake-up per interval, not per step)."""
+    output = await next_output(queue)
+    if not output.finished:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await queue.finished.wait()
+        while not output.finished and not queue.empty():
+            output = output.followed_by(queue.get_nowait())
+    return output
+
+
+class OutputStreams:
+    """One queue per open request, filled on the event loop; outputs for a request nobody waits
+    for any more are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, OutputQueue] = {}
+
+    def open(self, request_id: str) -> OutputQueue:
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue = OutputQueue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def dispatch(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+                if output.finished:
+                    queue.finished.set()
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+
+def delta_from_output(output: StepOutput) -> common_pb2.TokenDelta:
+    delta = common_pb2.TokenDelta(
+        token_ids=output.new_token_ids,
+        text=output.new_text,
+        finished=output.finished,
+        finish_reason=output.finish_reason or "",
+        num_cached_tokens=output.num_cached_tokens,
+    )
+    if isinstance(output.stop_reason, str):
+        delta.stop_string = output.stop_reason
+    elif isinstance(output.stop_reason, int):
+        delta.stop_token_id = output.stop_reason
+    if output.logprobs is not None and output.new_token_ids:
+        new = output.logprobs[-len(output.new_token_ids) :]
+        delta.logprobs.extend(logprobs_to_proto(entry) for entry in new)
+    if output.prompt_logprobs is not None and len(output.new_token_ids) == len(output.token_ids):
+        delta.prompt_logprobs.SetInParent()
+        delta.prompt_logprobs.entries.extend(
+            logprobs_to_proto(entry) for entry in output.prompt_logprobs[1:] if entry is not None
+        )
+    return delta
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    position: int  # of the run's first block in the request's block list
+    first_block_id: int  # the receiver's
+    length: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One KV tensor's layout without its block dimension: what a staging copy is made of."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def allocate(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty((*self.shape[:2], num_blocks, *self.shape[2:]), dtype=self.dtype)
+
+
+def staging_buffers(
+    layouts: Sequence[BlockLayout], block_ids: list[int]
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """Fresh tensors for a request's blocks and their views matching the sender's
+    `source_buffers`, for a receiver whose cache is split over processes."""
+    staged = tuple(layout.allocate(len(block_ids)) for layout in layouts)
+    return staged, source_buffers(staged, block_ids)
+
+
+def contiguous_runs(block_ids: list[int]) -> list[BlockRun]:
+    runs: list[BlockRun] = []
+    for position, block_id in enumerate(block_ids):
+        last = runs[-1] if runs else None
+        if last is not None and last.first_block_id + last.length == block_id:
+            runs[-1] = BlockRun(last.position, last.first_block_id, last.length + 1)
+        else:
+            runs.append(BlockRun(position, block_id, 1))
+    return runs
+
+
+def source_buffers(
+    exported: Sequence[torch.Tensor], destination_block_ids: list[int]
+) -> list[torch.Tensor]:
+    """Slices of the exported [layers, 2, n, ...] copies, matching `destination_buffers`."""
+    for tensor in _tensors(exported):
+        if tensor.shape[2] != len(destination_block_ids):
+            raise ValueError(
+                f"{tensor.shape[2]} exported blocks for {len(destination_block_ids)} destinations"
+            )
+    runs = contiguous_runs(destination_block_ids)
+    spans = [(run.position, run.length) for run in runs]
+    return [view for tensor in exported for view in _run_views(tensor, spans)]
+
+
+def destination_buffers(cache: Sequence[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    """Views of the receiver's own cache blocks; writing into them fills the cache."""
+    cache = _tensors(cache)
+    num_blocks = cache[0].shape[2]
+    if any(not 0 <= block_id < num_blocks for block_id in block_ids):
+        raise ValueError(f"block ids out of range [0, {num_blocks})")
+    runs = contiguous_runs(block_ids)
+    spans = [(run.first_block_id, run.length) for run in runs]
+    return [view for tensor in cache for view in _run_views(tensor, spans)]
+
+
+def _tensors(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    # A bare tensor is a sequence too (of its layers): refuse it rather than slice it wrongly.
+    if isinstance(tensors, torch.Tensor) or not tensors:
+        raise TypeError("expected the KV cache's tensors (KVCache.tensors), not one tensor")
+    return tensors
+
+
+def _run_views(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """tensor [layers, 2, blocks, ...]: each span of blocks, layer by layer, K before V."""
+    return [
+        tensor[layer, half, start : start + length]
+        for layer in range(tensor.shape[0])
+        for half in range(2)
+        for start, length in spans
+    ]
 
 
 class _PromptRequest(Protocol):

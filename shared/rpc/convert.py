@@ -1,5 +1,5 @@
 """Sampling types to nori.v1 messages and back (the worker turns its engine's outputs into
-deltas, `nori.worker.output_streams.delta_from_output`). Every field crosses the wire exactly."""
+deltas, `nori.worker.servicer_base.delta_from_output`). Every field crosses the wire exactly."""
 
 from __future__ import annotations
 

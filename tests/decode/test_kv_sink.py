@@ -19,7 +19,7 @@ from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import buffer_checksums
 from nori.transfer.tcp import TcpReceiver, TcpSender
 from nori.v1.handoff_pb2 import KVDestination
-from nori.worker.kv_layout import BlockLayout, destination_buffers, source_buffers
+from nori.worker.servicer_base import BlockLayout, destination_buffers, source_buffers
 
 
 def make_sink(receiving: list[str] | None = None) -> tuple[DecodeKVSink, torch.Tensor]:

@@ -171,7 +171,7 @@ def test_llm_generate_reports_them_as_vllm_does(
 
 def test_only_the_first_delta_carries_them_on_the_wire(checkpoint: Path) -> None:
     from nori.rpc.convert import prompt_logprobs_from_delta
-    from nori.worker.output_streams import delta_from_output
+    from nori.worker.servicer_base import delta_from_output
 
     engine = make_engine(checkpoint, num_kv_blocks=64, block_size=8)
     engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=3, prompt_logprobs=0))

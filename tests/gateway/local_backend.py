@@ -18,7 +18,7 @@ from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationReque
 from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
 from nori.sampling.tokenizer import Tokenizer
 from nori.worker.engine_core import EngineThread
-from nori.worker.output_streams import OutputStreams
+from nori.worker.servicer_base import OutputStreams
 
 _SHUTDOWN = "the local engine is shutting down"
 

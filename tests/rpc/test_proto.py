@@ -21,7 +21,7 @@ from nori.rpc.convert import (
 from nori.sampling.logprobs import TokenLogprobs
 from nori.sampling.params import SamplingParams
 from nori.v1 import common_pb2
-from nori.worker.output_streams import delta_from_output
+from nori.worker.servicer_base import delta_from_output
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto"

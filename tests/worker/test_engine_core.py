@@ -24,7 +24,7 @@ from nori.worker.engine_core import (
     start_engine_core,
 )
 from nori.worker.engine_process import EngineProcess, EngineProcessDied
-from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.servicer_base import OutputStreams, next_output
 
 pytestmark = pytest.mark.asyncio
 

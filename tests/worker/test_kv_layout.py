@@ -7,7 +7,7 @@ import torch
 
 from nori.engine.kv_cache import KVCache
 from nori.models.config import ModelConfig
-from nori.worker.kv_layout import (
+from nori.worker.servicer_base import (
     BlockRun,
     contiguous_runs,
     destination_buffers,

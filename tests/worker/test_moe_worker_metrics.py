@@ -17,7 +17,7 @@ from nori.engine.engine import LLMEngine
 from nori.engine.outputs import ExpertRoutingCounts, StepOutput, expert_imbalance
 from nori.sampling.params import SamplingParams
 from nori.worker.engine_core import EngineCore, EngineCoreMode, start_engine_core
-from nori.worker.output_streams import OutputStreams, next_output
+from nori.worker.servicer_base import OutputStreams, next_output
 from nori.worker.worker_metrics import EngineExpertCounts, WorkerMetrics
 from tests.engine.moe_checkpoints import write_moe_checkpoint
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from nori.engine.outputs import StepOutput
-from nori.worker.output_streams import (
+from nori.worker.servicer_base import (
     OutputStreams,
     next_output,
     next_output_coalesced,

@@ -18,8 +18,8 @@ from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
 from nori.telemetry.tracing import Tracing
 from nori.v1 import decode_pb2, prefill_pb2
-from nori.worker.output_streams import OutputStreams
 from nori.worker.request_telemetry import WorkerTelemetry
+from nori.worker.servicer_base import OutputStreams
 from nori.worker.worker_metrics import WorkerMetrics
 
 pytestmark = pytest.mark.asyncio
