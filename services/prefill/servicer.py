@@ -1,27 +1,32 @@
 """PrefillService: compute a prompt, ship its KV blocks to the decode worker, return token one.
 
 The engine batches prefills from many calls; each call then copies its request's blocks out,
-frees them at once, and sends the copy. While a call holds its prompt, the `LeaseKeeper` renews
-the decode worker's reservation for it.
+frees them at once, and sends the copy. From a call's arrival until its KV is sent, the
+`LeaseKeeper` renews the decode worker's lease on the prompt's reserved blocks: one `RenewLeases`
+per decode worker, on arrival and every third of the shortest lease held, saying which prompts
+the engine has started. If the process stops or its engine wedges, renewals stop and the decode
+worker frees the blocks one lease later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 
 import grpc
 
 from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.prefill.export_arena import ExportArena, ExportCopy
-from nori.prefill.lease_keeper import LeaseKeeper
+from nori.rpc.channels import ChannelCache
 from nori.transfer.base import KVSender, TransferError, TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
@@ -42,6 +47,136 @@ def export_and_release(engine: LLMEngine, request_id: str) -> KVExport:
     export = engine.export_request(request_id)
     engine.finish_kv_transfer(request_id)
     return export
+
+
+RenewCall = Callable[[str, list[tuple[str, bool]], float], Awaitable[list[str]]]
+
+RENEWALS_PER_LEASE = 3
+MIN_PERIOD_S = 0.05
+# A decode worker unused this long loses its channel (a later renewal opens a new one).
+CHANNEL_IDLE_S = 300.0
+
+
+class DecodeRenewals:
+    """`DecodeService.RenewLeases` calls, over one channel per decode worker used lately."""
+
+    def __init__(self, worker_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """`metadata`: the cluster's token (`ClusterAuth.rpc_metadata()`)."""
+        self._worker_id = worker_id
+        self._metadata = metadata
+        self._channels = ChannelCache()
+        self._last_used: dict[str, float] = {}
+
+    async def renew(
+        self, address: str, renewals: list[tuple[str, bool]], timeout_s: float
+    ) -> list[str]:
+        """Renews the leases; returns the request ids the decode worker does not know."""
+        now = time.monotonic()
+        for idle, used in list(self._last_used.items()):
+            if now - used > CHANNEL_IDLE_S:
+                del self._last_used[idle]
+                await self._channels.close(idle)
+        self._last_used[address] = now
+        stub = decode_pb2_grpc.DecodeServiceStub(self._channels.get(address))
+        request = decode_pb2.RenewLeasesRequest(
+            prefill_worker_id=self._worker_id,
+            renewals=[
+                decode_pb2.LeaseRenewal(request_id=request_id, started=started)
+                for request_id, started in renewals
+            ],
+        )
+        response: decode_pb2.RenewLeasesResponse = await stub.RenewLeases(
+            request, timeout=timeout_s, metadata=self._metadata
+        )
+        return list(response.unknown_request_ids)
+
+    async def close(self) -> None:
+        await self._channels.close_all()
+        self._last_used.clear()
+
+
+@dataclass
+class _Held:
+    address: str
+    lease_s: float
+    started: bool = False
+
+
+class LeaseKeeper:
+    def __init__(self, renew: RenewCall, engine_responsive: Callable[[], bool]) -> None:
+        self._renew = renew
+        self._engine_responsive = engine_responsive
+        self._held: dict[str, _Held] = {}
+        self._wake = asyncio.Event()
+        self._engine_was_responsive = True
+
+    def hold(self, request_id: str, address: str, lease_s: float) -> None:
+        if not address or lease_s <= 0:
+            return  # a gateway that sends no renewal address: the lease simply runs
+        self._held[request_id] = _Held(address, lease_s)
+        self._wake.set()
+
+    def started(self, request_ids: Iterable[str]) -> None:
+        """The engine has begun computing these prompts (they left the queue)."""
+        for request_id in request_ids:
+            held = self._held.get(request_id)
+            if held is not None:
+                held.started = True
+
+    def release(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def period_s(self) -> float:
+        if not self._held:
+            return 1.0
+        shortest = min(held.lease_s for held in self._held.values())
+        return max(MIN_PERIOD_S, shortest / RENEWALS_PER_LEASE)
+
+    async def renew_once(self) -> None:
+        responsive = self._engine_responsive()
+        if responsive != self._engine_was_responsive:
+            self._engine_was_responsive = responsive
+            if not responsive:
+                logger.error(
+                    "the engine thread is dead or stalled: no longer renewing the decode leases "
+                    "of %d request(s); their decode workers will free the blocks",
+                    len(self._held),
+                )
+        if not responsive:
+            return
+        batches: dict[str, list[tuple[str, bool]]] = {}
+        for request_id, held in self._held.items():
+            batches.setdefault(held.address, []).append((request_id, held.started))
+        timeout_s = self.period_s()
+        await asyncio.gather(
+            *(self._renew_batch(address, batch, timeout_s) for address, batch in batches.items())
+        )
+
+    async def _renew_batch(
+        self, address: str, batch: list[tuple[str, bool]], timeout_s: float
+    ) -> None:
+        try:
+            unknown = await self._renew(address, batch, timeout_s)
+        except Exception as error:
+            logger.warning("could not renew %d lease(s) on %s: %s", len(batch), address, error)
+            return
+        for request_id in unknown:
+            self._held.pop(request_id, None)
+
+    async def run(self) -> None:
+        """Renews every held lease each period, and at once when a prompt arrives (its lease
+        began before it arrived; prompts arriving together share a round), until cancelled."""
+        while True:
+            if not self._held:
+                await self._wake.wait()
+            self._wake.clear()
+            await self.renew_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.period_s())
 
 
 class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
@@ -97,7 +232,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             )
             output = await queue.get()
             record.output(output, computed_prompt=True)
-            # It may have run in a single step, unseen by the StartWatch.
+            # It may have run in a single step, never seen running.
             self._leases.started([request_id])
             first = delta_from_output(output)
             prefill_seconds = time.perf_counter() - started

@@ -1,6 +1,7 @@
 """The prefill worker process: batched prompt computation, KV blocks out over the transport.
-Its prefix cache is mirrored into the Redis block directory; it keeps the decode reservations of
-its prompts alive (`lease_keeper.py`) and reports when its engine starts one (`start_watch.py`).
+
+Its prefix cache is mirrored into the Redis block directory; after each engine step it hears
+which prompts the engine has started (for their decode leases, `servicer.LeaseKeeper`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Gauge
@@ -16,17 +18,9 @@ from prometheus_client import Gauge
 from nori.cluster_auth import ClusterAuth
 from nori.engine.block_manager import BlockEvent
 from nori.engine.config import EngineConfig
+from nori.engine.engine import LLMEngine
 from nori.prefill.export_arena import ExportArena
-from nori.prefill.lease_client import LeaseRenewalClient
-from nori.prefill.lease_keeper import LeaseKeeper
-from nori.prefill.servicer import PrefillServicer
-from nori.prefill.start_watch import (
-    StartWatch,
-    StepProbed,
-    cached_block_hashes,
-    probe_step,
-    record_block_events,
-)
+from nori.prefill.servicer import DecodeRenewals, LeaseKeeper, PrefillServicer
 from nori.state.block_directory import BlockDirectory
 from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
@@ -41,6 +35,27 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_BLOCK_EVENTS = 65536
 # A step this long is a wedged engine: the worker stops renewing decode leases.
 ENGINE_STALL_S = 120.0
+
+
+@dataclass(frozen=True)
+class StepProbed:
+    running_request_ids: frozenset[str]
+    block_events: tuple[BlockEvent, ...]
+
+
+def probe_step(engine: LLMEngine) -> StepProbed:
+    """After each engine step, where the engine lives (module-level: it goes to an engine process
+    by name): the prompts being computed and the prefix cache's new block events."""
+    running = engine.load().running_request_ids
+    return StepProbed(running, tuple(engine.kv_cache.drain_block_events()))
+
+
+def record_block_events(engine: LLMEngine) -> None:
+    engine.kv_cache.record_block_events()
+
+
+def cached_block_hashes(engine: LLMEngine) -> list[bytes]:
+    return engine.kv_cache.cached_block_hashes()
 
 
 class PrefillWorker(Worker):
@@ -58,16 +73,14 @@ class PrefillWorker(Worker):
             maxlen=MAX_PENDING_BLOCK_EVENTS
         )
         self._publisher: asyncio.Task[None] | None = None
-        self._lease_client = LeaseRenewalClient(
+        self._renewals = DecodeRenewals(
             self.worker_id, ClusterAuth.from_text(options.cluster_secret).rpc_metadata()
         )
-        self._leases = LeaseKeeper(self._lease_client.renew, self._engine_responsive)
+        self._leases = LeaseKeeper(self._renewals.renew, self._engine_responsive)
         self._lease_renewer: asyncio.Task[None] | None = None
-        self._start_watch: StartWatch | None = None
 
     async def start_role(self) -> None:
         streams = OutputStreams()
-        self._start_watch = StartWatch(self._leases.started)
         engine = await self.start_engine(
             streams.dispatch,
             setup=record_block_events,
@@ -108,8 +121,7 @@ class PrefillWorker(Worker):
 
     def _on_probe(self, probed: StepProbed) -> None:
         self._events.extend(probed.block_events)
-        if self._start_watch is not None:
-            self._start_watch.on_running(probed.running_request_ids)
+        self._leases.started(probed.running_request_ids)
 
     async def _publish_blocks(self, directory: BlockDirectory) -> None:
         refresh_every = directory.ttl_s / 3
@@ -149,7 +161,7 @@ class PrefillWorker(Worker):
             self._publisher.cancel()
         if self._lease_renewer is not None:
             self._lease_renewer.cancel()
-        await self._lease_client.close()
+        await self._renewals.close()
         if self._sender is not None:
             await self._sender.close()
         if self._engine is not None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from nori.prefill.lease_keeper import LeaseKeeper
-from nori.prefill.start_watch import StartWatch
+from nori.prefill.servicer import LeaseKeeper
 
 
 class FakeDecodes:
@@ -91,11 +90,3 @@ async def test_the_loop_renews_at_once_when_a_prompt_arrives_then_every_period()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-
-def test_start_watch_reports_each_newcomer_to_the_running_batch_once() -> None:
-    seen: list[set[str]] = []
-    watch = StartWatch(seen.append)
-    for batch in [(), ("a",), ("a", "b"), ("b",), ("b", "a")]:
-        watch.on_running(frozenset(batch))
-    # "a" again after a preemption: harmless, a started prompt stays started.
-    assert seen == [{"a"}, {"b"}, {"a"}]
