@@ -1,33 +1,41 @@
-"""DecodeService: reserve blocks under a lease, take the KV in, stream tokens out.
+"""The decode worker process and its DecodeService: reserve blocks under a lease, take the KV in,
+stream tokens out. `colocated` makes it the single-worker baseline: it computes prompts itself
+and takes no transfers (`nori up --colocated`).
 
 A Generate call's prompt K/V is either sent by a prefill worker (`_reserve_for_remote_kv`, the
 reservation being the call's first message, then `_finish_remote_kv`) or computed here
 (`_compute_prompt_here`). One call is one request's whole life here: cancelling it frees the
-request's blocks. RenewLeases keeps a reservation alive (`lease.py`).
+request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from nori.decode.kv_sink import DecodeKVSink
-from nori.decode.lease import LeaseExpired
+from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
+from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
-from nori.state.state_recorder import StateRecorder
+from nori.settings import DEFAULT_KV_LEASE_S
+from nori.state.requests import RequestStateStore, StateRecorder
 from nori.transfer.address import parse_address
-from nori.transfer.base import TransferRejected
+from nori.transfer.base import KVReceiver, TransferRejected
+from nori.transfer.factory import make_receiver
 from nori.transfer.handoff import HandOff
+from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore
 from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
+from nori.worker.runtime import Worker, WorkerOptions
 from nori.worker.servicer_base import (
+    BlockLayout,
     EngineServicer,
     OutputStreams,
     call_engine,
@@ -246,3 +254,112 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         return self.stats(
             "decode", kv_bytes_received=sink.bytes_received, num_transfers=sink.transfers_completed
         )
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def kv_listen_host(host: str, advertise_host: str) -> str:
+    """Where the KV receiver listens: `--host`, or, when that is a wildcard, the advertised
+    address if it is one of this machine's own. Senders only ever come to the advertised
+    address (it is what the reservation names), so nothing needs the other interfaces; an
+    advertised address this machine cannot bind (a NAT's, a load balancer's) keeps `--host`."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            advertise_host, 0, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.bind((address[0], 0))
+    except OSError:
+        return host
+    return str(address[0])
+
+
+class DecodeWorker(Worker):
+    service_names = ("nori.v1.DecodeService",)
+
+    def __init__(
+        self,
+        options: WorkerOptions,
+        engine_config: EngineConfig,
+        transport: str | None = None,
+        transfer_port: int = 0,
+        lease_s: float = DEFAULT_KV_LEASE_S,
+        colocated: bool = False,
+        queue_timeout_s: float = 60.0,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.role = "colocated" if colocated else "decode"
+        super().__init__(options, engine_config)
+        self.transport = transport
+        self.transfer_port = transfer_port
+        self.lease_s = lease_s
+        self.queue_timeout_s = queue_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.colocated = colocated
+        self._receiver: KVReceiver | None = None
+        self._sink: DecodeKVSink | None = None
+        self._servicer: DecodeServicer | None = None
+
+    async def start_role(self) -> None:
+        streams = OutputStreams()
+        core = await self.start_engine(streams.dispatch)
+        engine = core.facts
+        assert self.redis is not None
+        states = StateRecorder(RequestStateStore(self.redis, self.keys))
+        if not self.colocated:
+            # Under tensor parallelism the cache is split over processes: blocks arrive in a
+            # staging copy, which the engine then scatters to the ranks.
+            staging = (
+                [BlockLayout(dtype, shape) for dtype, shape in engine.kv_block_layouts]
+                if engine.tensor_parallel_size > 1
+                else None
+            )
+            self._sink = DecodeKVSink(
+                engine.kv_cache_tensors,
+                staging=staging,
+                on_receiving=lambda request_id: states.record(
+                    request_id, "transferring", decode_worker=self.worker_id
+                ),
+                queue_timeout_s=self.queue_timeout_s,
+                transfer_timeout_s=self.transfer_timeout_s,
+            )
+            # Before UCX starts: a loopback worker keeps UCX's own sockets on loopback.
+            confine_ucx_to(self.options.host)
+            self._receiver = make_receiver(self.transport, self._sink)
+            advertise_host = self.options.resolved_advertise_host()
+            self.transfer_address = await self._receiver.start(
+                host=kv_listen_host(self.options.host, advertise_host),
+                port=self.transfer_port,
+                advertise_host=advertise_host,
+            )
+        self._servicer = DecodeServicer(
+            worker_id=self.worker_id,
+            engine=core,
+            streams=streams,
+            sink=self._sink,
+            states=states,
+            transfer_address=self.transfer_address,
+            lease_s=self.lease_s,
+            is_draining=lambda: self.draining,
+            telemetry=self.telemetry,
+            max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
+        )
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        assert self._servicer is not None
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self._servicer, server)
+
+    def transfers_in_flight(self) -> int:
+        return self._sink.num_receiving() if self._sink is not None else 0
+
+    def transfer_counts(self) -> dict[str, int]:
+        return {"kv_bytes_received": self._sink.bytes_received if self._sink is not None else 0}
+
+    async def stop_role(self) -> None:
+        if self._receiver is not None:
+            await self._receiver.close()
+        if self._engine is not None:
+            await self._engine.stop()

@@ -35,8 +35,7 @@ from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
-from nori.state.requests import RequestStateStore
-from nori.state.state_recorder import StateRecorder
+from nori.state.requests import RequestStateStore, StateRecorder
 from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)

@@ -246,7 +246,7 @@ def run_prefill(args: argparse.Namespace) -> int:
 def run_decode(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # before the binding line, as run_prefill
     _bind(args, "colocated" if args.colocated else "decode")
-    from nori.decode.worker import DecodeWorker
+    from nori.decode.servicer import DecodeWorker
     from nori.worker.runtime import run_worker
 
     if args.kv_lease_s <= 0:

@@ -3,17 +3,23 @@
 One hash per request: `state` (the latest), `t_<state>` for every state it has been in, and
 free-form fields the writers add (which workers served it, token counts, the error). The gateway
 and the workers write it; the TTL bounds how long finished requests stay around for inspection.
+`StateRecorder` writes in the background: a request never waits on Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import time
 
 from redis.typing import EncodableT
 
+from nori.repeated_log import RepeatedFailureLog
 from nori.state.codec import as_str_mapping
 from nori.state.store import RedisStore
+
+logger = logging.getLogger(__name__)
 
 
 class RequestState(enum.StrEnum):
@@ -59,3 +65,35 @@ class RequestStateStore(RedisStore):
     async def get(self, request_id: str) -> dict[str, str] | None:
         raw = await self._redis.hgetall(self._keys.request(request_id))
         return as_str_mapping(raw) if raw else None
+
+
+class StateRecorder:
+    """At most `max_pending` writes in flight: beyond that a state is dropped and counted (the
+    record is for observability; the request does not depend on it)."""
+
+    def __init__(self, store: RequestStateStore, max_pending: int = 1024) -> None:
+        self._store = store
+        self._max_pending = max_pending
+        self._pending: set[asyncio.Task[None]] = set()
+        self.dropped = 0
+        self._failures = RepeatedFailureLog(logger, "recording request states in Redis")
+
+    def record(self, request_id: str, state: str, **fields: str | int | float) -> None:
+        if len(self._pending) >= self._max_pending:
+            self.dropped += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._write(request_id, state, fields))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _write(
+        self, request_id: str, state: str, fields: dict[str, str | int | float]
+    ) -> None:
+        try:
+            await self._store.set_state(request_id, state, **fields)
+        except Exception as error:
+            self._failures.failed(error)
+
+    async def flush(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)

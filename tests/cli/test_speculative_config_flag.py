@@ -63,7 +63,7 @@ def test_each_worker_states_its_settings_in_its_registry_entry(role: str) -> Non
     """What the gateway pairs workers by: the canonical JSON (key order and spacing as given do
     not matter), "" when off. The workers are built as `nori serve` builds them, not started."""
     from nori.cli.serve import _worker_options
-    from nori.decode.worker import DecodeWorker
+    from nori.decode.servicer import DecodeWorker
     from nori.prefill.worker import PrefillWorker
     from nori.state.registry import WorkerInfo
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from nori.cluster_auth import random_token
-from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
-from nori.decode.lease import Lease, LeaseState
-from nori.decode.worker import kv_listen_host
+from nori.decode.kv_sink import DecodeKVSink, Lease, LeaseExpired, LeaseState
+from nori.decode.servicer import kv_listen_host
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import buffer_checksums

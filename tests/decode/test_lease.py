@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from nori.decode.lease import Lease, LeasePolicy, LeaseState
+from nori.decode.kv_sink import Lease, LeasePolicy, LeaseState
 
 POLICY = LeasePolicy(lease_s=2.0, queue_timeout_s=10.0, transfer_timeout_s=5.0)
 

@@ -401,7 +401,7 @@ def test_redis_writes_the_acl_file_of_compose_with_the_rules_of_nori_up(
 def test_keda_scales_the_decode_deployment_on_its_own_load(
     rendered: dict[str, list[Document]],
 ) -> None:
-    from nori.decode.worker import DecodeWorker
+    from nori.decode.servicer import DecodeWorker
     from nori.engine.outputs import EngineLoad
     from nori.worker.runtime import Worker
     from nori.worker.worker_metrics import WorkerMetrics

@@ -89,4 +89,3 @@ async def test_the_loop_renews_at_once_when_a_prompt_arrives_then_every_period()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
