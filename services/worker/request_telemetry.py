@@ -132,7 +132,7 @@ class CallRecord:
     def end_kv_send(
         self, span: trace.Span, nbytes: int, seconds: float, draft_nbytes: int = 0
     ) -> None:
-        self._metrics.observe_transfer(nbytes, seconds, draft_nbytes)
+        self._observe_transfer(nbytes, seconds, draft_nbytes)
         span.set_attribute("nori.kv.bytes", nbytes)
         span.set_attribute("nori.kv.draft_bytes", draft_nbytes)
         span.set_attribute("nori.kv.gbps", nbytes / seconds / 1e9 if seconds > 0 else 0.0)
@@ -155,7 +155,7 @@ class CallRecord:
         """The transfer as this decode worker saw it (monotonic times), as a child span of the
         sender's. `bulk`: how the bytes came; `transport`: ucx or tcp; `sender`: HandOff.sender."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
-        self._metrics.observe_transfer(nbytes, end - start, draft_nbytes, bulk)
+        self._observe_transfer(nbytes, end - start, draft_nbytes, bulk)
         parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
         span = self._tracer.start_span(
             "kv_receive",
@@ -176,6 +176,20 @@ class CallRecord:
         )
         span.end(end_time=_ns(end))
         self._queued_at = end
+
+    def _observe_transfer(
+        self, nbytes: int, seconds: float, draft_nbytes: int, bulk: KVBulk | None = None
+    ) -> None:
+        """A hand-off's bytes (`draft_nbytes` of them a draft model's) and time; `bulk`: how
+        they came (receiving side)."""
+        metrics = self._metrics
+        metrics.kv_transfer_bytes.inc(nbytes)
+        if bulk is not None:
+            metrics.kv_received_bytes.labels(bulk=bulk).inc(nbytes)
+        metrics.kv_transfer_draft_bytes.inc(draft_nbytes)
+        metrics.kv_transfer_seconds.observe(seconds)
+        if seconds > 0:
+            metrics.kv_transfer_gbps.observe(nbytes / seconds / 1e9)
 
     def lease_expired(self) -> None:
         self._metrics.lease_expiries.inc()

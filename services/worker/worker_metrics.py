@@ -1,7 +1,8 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
-Counters and histograms are updated as requests pass (`request_telemetry.py`); state gauges and
-engine counters are read from the engine's last load snapshot at scrape time. Each worker has
+Counters and histograms are defined here and updated as requests pass, by their `CallRecord`
+(`request_telemetry.py`); state gauges and engine counters are read from the engine's last load
+snapshot at scrape time. Each worker has
 its own registry (not prometheus_client's global one), so one process may hold several workers.
 """
 
@@ -28,7 +29,6 @@ from nori.engine.outputs import (
     SpecDecodeCounts,
     expert_imbalance,
 )
-from nori.transfer.handoff import KVBulk
 
 if TYPE_CHECKING:
     from nori.worker.engine_core import EngineCore
@@ -350,19 +350,6 @@ class WorkerMetrics:
         """Prompt tokens taken and generated since the start, read from the two counters (the
         registry would also ask the engine for its expert counts)."""
         return _counter_total(self.prompt_tokens), _counter_total(self.generation_tokens)
-
-    def observe_transfer(
-        self, nbytes: int, seconds: float, draft_nbytes: int = 0, bulk: KVBulk | None = None
-    ) -> None:
-        """A hand-off's bytes (`draft_nbytes` of them a draft model's) and time; `bulk`: how
-        they came (receiving side)."""
-        self.kv_transfer_bytes.inc(nbytes)
-        if bulk is not None:
-            self.kv_received_bytes.labels(bulk=bulk).inc(nbytes)
-        self.kv_transfer_draft_bytes.inc(draft_nbytes)
-        self.kv_transfer_seconds.observe(seconds)
-        if seconds > 0:
-            self.kv_transfer_gbps.observe(nbytes / seconds / 1e9)
 
     def serve(self, host: str, port: int) -> tuple[WSGIServer, int]:
         """Serves /metrics on a thread of its own; port 0 picks a free one (returned)."""
