@@ -1,17 +1,13 @@
 """Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease.
 
-A lease bounds how long reserved blocks may wait for their KV. The prefill worker holding the
-prompt renews it (`RenewLeases`, at least three times per lease) until its KV is sent; a dead one
-frees the blocks one lease later. QUEUED ends at the last renewal + lease and at most
-`queue_timeout_s` after the reservation; COMPUTING at the last renewal + lease; RECEIVING
-`transfer_timeout_s` after the transfer's start; ARRIVED and FAILED are final.
-
-The sink runs on the worker's event loop only, so it needs no locks. A transfer is accepted only
-for a live lease, carrying its transfer token, into exactly its reserved block ids with the
-expected byte sizes: a late, duplicate, forged or malformed transfer can never write into or
-free another's blocks.
+The prefill worker holding the prompt renews the lease (`RenewLeases`, at least three times per
+lease) until its KV is sent; a dead one frees the blocks one lease later. QUEUED ends at the
+last renewal + lease and at most `queue_timeout_s` after the reservation; COMPUTING at the last
+renewal + lease; RECEIVING `transfer_timeout_s` after the transfer's start; ARRIVED and FAILED
+are final. The sink runs on the event loop only (no locks) and accepts a transfer only for a
+live lease, carrying its transfer token, into exactly its reserved block ids with the expected
+byte sizes: a late, duplicate, forged or malformed transfer never touches another's blocks.
 """
-
 from __future__ import annotations
 
 import asyncio
