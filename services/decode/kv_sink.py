@@ -8,6 +8,7 @@ are final. The sink runs on the event loop only (no locks) and accepts a transfe
 live lease, carrying its transfer token, into exactly its reserved block ids with the expected
 byte sizes: a late, duplicate, forged or malformed transfer never touches another's blocks.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -26,6 +26,7 @@ from nori.transfer.base import KVSender
 from nori.transfer.factory import make_sender
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import prefill_pb2_grpc
+from nori.worker.engine_core import responsive
 from nori.worker.runtime import Worker, WorkerOptions
 from nori.worker.servicer_base import OutputStreams
 
@@ -117,7 +118,7 @@ class PrefillWorker(Worker):
         )
 
     def _engine_responsive(self) -> bool:
-        return self._engine is not None and self._engine.responsive(ENGINE_STALL_S)
+        return self._engine is not None and responsive(self._engine, ENGINE_STALL_S)
 
     def _on_probe(self, probed: StepProbed) -> None:
         self._events.extend(probed.block_events)

@@ -102,8 +102,6 @@ class EngineCore(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def responsive(self, stall_s: float) -> bool: ...
-
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
 
     def submit(self, function: Callable[..., object], *args: Any, **kwargs: Any) -> None: ...
@@ -198,9 +196,6 @@ class EngineThread:
     @property
     def native_id(self) -> int | None:
         return self._thread.native_id
-
-    def responsive(self, stall_s: float) -> bool:
-        return responsive(self, stall_s)
 
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         future: Future[object] = Future()

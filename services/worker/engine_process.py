@@ -36,7 +36,6 @@ from nori.worker.engine_core import (
     EngineFacts,
     StepProbe,
     load_of,
-    responsive,
     result_of_step,
 )
 
@@ -119,9 +118,6 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return self._dead_reason is None and not self._stopping and self._process.is_alive()
-
-    def responsive(self, stall_s: float) -> bool:
-        return responsive(self, stall_s)
 
     async def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Runs `function(engine, *args, **kwargs)` in the engine process between steps; it must

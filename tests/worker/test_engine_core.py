@@ -21,6 +21,7 @@ from nori.worker.engine_core import (
     EngineCore,
     EngineCoreMode,
     resolve_engine_core,
+    responsive,
     start_engine_core,
 )
 from nori.worker.engine_process import EngineProcess, EngineProcessDied
@@ -88,7 +89,7 @@ async def test_process_core_generates_what_the_thread_core_does(tiny_checkpoint:
             with pytest.raises(ValueError):
                 await core.call(LLMEngine.add_request, "bad", [10**9], SamplingParams(max_tokens=2))
             assert await generate(core, streams, PROMPTS[:1]) == results[mode][:1]
-            assert core.alive and core.responsive(60.0)
+            assert core.alive and responsive(core, 60.0)
             assert core.load.num_running == 0 and core.load.num_free_blocks == 64
         finally:
             await core.stop()
