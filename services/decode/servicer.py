@@ -3,8 +3,7 @@ stream tokens out. `colocated` makes it the single-worker baseline: it computes 
 and takes no transfers (`nori up --colocated`).
 
 A Generate call's prompt K/V is either sent by a prefill worker (`_reserve_for_remote_kv`, the
-reservation being the call's first message, then `_finish_remote_kv`) or computed here
-(`_compute_prompt_here`). One call is one request's whole life here: cancelling it frees the
+reservation being the call's first message, then `_finish_remote_kv`) or computed here. One call is one request's whole life here: cancelling it frees the
 request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`).
 """
 
@@ -83,8 +82,18 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
         finished = False
         outcome, finish_reason, error = "error", None, ""
         try:
-            if request.compute_prompt:
-                await self._compute_prompt_here(request, prompt, params, context)
+            if request.compute_prompt:  # colocated, or a migrated request with its tokens
+                await call_engine(
+                    self._engine,
+                    context,
+                    LLMEngine.add_request,
+                    request_id,
+                    prompt,
+                    params,
+                    priority=request.priority,
+                    output_token_ids=list(request.resumed_output_token_ids),
+                    num_emitted_chars=request.resumed_text_chars,
+                )
             else:
                 yield await self._reserve_for_remote_kv(request, prompt, params, context)
                 await self._finish_remote_kv(request_id, context, record)
@@ -121,26 +130,6 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
                 self._sink.forget(request_id)
             if not finished:
                 self._engine.submit(LLMEngine.abort_request, request_id)
-
-    async def _compute_prompt_here(
-        self,
-        request: decode_pb2.GenerateRequest,
-        prompt: list[int],
-        params: SamplingParams,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        """The prompt is computed here (colocated, or a migrated request with its tokens)."""
-        await call_engine(
-            self._engine,
-            context,
-            LLMEngine.add_request,
-            request.request_id,
-            prompt,
-            params,
-            priority=request.priority,
-            output_token_ids=list(request.resumed_output_token_ids),
-            num_emitted_chars=request.resumed_text_chars,
-        )
 
     async def _reserve_for_remote_kv(
         self,

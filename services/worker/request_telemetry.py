@@ -11,11 +11,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from nori.engine.outputs import StepOutput
-from nori.telemetry.propagation import context_from_carrier, context_from_metadata, current_carrier
+from nori.telemetry.propagation import context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
 from nori.transfer.address import brief_address
 from nori.transfer.handoff import KVBulk
@@ -37,16 +37,6 @@ class WorkerTelemetry:
     tracing: Tracing
     worker_id: str
 
-    def start(
-        self,
-        name: str,
-        request_id: str,
-        num_prompt_tokens: int,
-        metadata: Iterable[tuple[str, str | bytes]] | None,
-    ) -> CallRecord:
-        """A call's record from its arrival; `metadata`: the gRPC call's, with its trace context."""
-        return CallRecord(self, name, request_id, num_prompt_tokens, metadata)
-
 
 class CallRecord:
     def __init__(
@@ -57,6 +47,7 @@ class CallRecord:
         num_prompt_tokens: int,
         metadata: Iterable[tuple[str, str | bytes]] | None,
     ) -> None:
+        """A call's record from its arrival; `metadata`: the gRPC call's, with its trace context."""
         self._metrics = telemetry.metrics
         self._tracer = telemetry.tracing.tracer
         self._worker_id = telemetry.worker_id
@@ -156,7 +147,9 @@ class CallRecord:
         sender's. `bulk`: how the bytes came; `transport`: ucx or tcp; `sender`: HandOff.sender."""
         start, end = wall_time(receiving_since), wall_time(arrived_at)
         self._observe_transfer(nbytes, end - start, draft_nbytes, bulk)
-        parent = context_from_carrier(carrier) if carrier else trace.set_span_in_context(self.span)
+        parent = (
+            propagate.extract(dict(carrier)) if carrier else trace.set_span_in_context(self.span)
+        )
         span = self._tracer.start_span(
             "kv_receive",
             context=parent,

@@ -187,6 +187,8 @@ class Worker(ABC):
     async def stop_role(self) -> None: ...
 
     def info(self) -> WorkerInfo:
+        speculative = self.engine_config.speculative_config  # the gateway pairs workers by it
+        dtype = self._engine.facts.kv_cache_tensors[0].dtype if self._engine is not None else ""
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
@@ -197,21 +199,10 @@ class Worker(ABC):
             draining=self.draining,
             started_at=self._started_at,
             block_size=self.engine_config.block_size,
-            kv_cache_dtype=self._kv_cache_dtype(),
-            speculative_config=self._speculative_config(),
+            kv_cache_dtype=str(dtype).removeprefix("torch."),
+            speculative_config=speculative.as_json() if speculative is not None else "",
             **self.load_info(),
         )
-
-    def _speculative_config(self) -> str:
-        """What the gateway compares to pair workers (a config, known from the start)."""
-        speculative = self.engine_config.speculative_config
-        return speculative.as_json() if speculative is not None else ""
-
-    def _kv_cache_dtype(self) -> str:
-        if self._engine is None:
-            return ""
-        dtype = self._engine.facts.kv_cache_tensors[0].dtype
-        return str(dtype).removeprefix("torch.")
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -316,8 +316,12 @@ class EngineServicer:
             self._background_request_ids.add(request.request_id)
         self.num_requests += 1
         prompt = list(request.prompt_token_ids)
-        record = self._telemetry.start(
-            span_name, request.request_id, len(prompt), context.invocation_metadata()
+        record = CallRecord(
+            self._telemetry,
+            span_name,
+            request.request_id,
+            len(prompt),
+            context.invocation_metadata(),
         )
         return OpenedRequest(params, prompt, queue, record)
 

@@ -6,7 +6,7 @@ W3C Trace Context (`traceparent`, `tracestate`) through OpenTelemetry's configur
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -29,7 +29,3 @@ def context_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) ->
     """The caller's trace context from a gRPC call's invocation metadata."""
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
     return propagate.extract(carrier)
-
-
-def context_from_carrier(carrier: Mapping[str, str]) -> Context:
-    return propagate.extract(dict(carrier))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from nori.telemetry.propagation import context_from_carrier, context_from_metadata, grpc_metadata
+from nori.telemetry.propagation import context_from_metadata, grpc_metadata
 from nori.telemetry.tracing import Tracing, traces_endpoint
 
 
@@ -67,7 +67,7 @@ def test_context_crosses_metadata_and_carriers() -> None:
     # metadata and ignored) and from a plain carrier (the KV hand-off's map).
     for context in (
         context_from_metadata([*metadata, ("x-bin", b"\x00")]),
-        context_from_carrier(dict(metadata)),
+        propagate.extract(dict(metadata)),
     ):
         tracer.start_span("callee", context=context).end()
     callees = [s for s in exporter.get_finished_spans() if s.name == "callee"]

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nori.engine.outputs import EngineLoad, SpecDecodeCounts, StepOutput
 from nori.telemetry.tracing import Tracing
-from nori.worker.request_telemetry import WorkerTelemetry
+from nori.worker.request_telemetry import CallRecord, WorkerTelemetry
 from nori.worker.worker_metrics import WorkerMetrics
 
 
@@ -50,7 +50,7 @@ def test_the_state_gauges_follow_the_engine_and_the_record_counts_a_call() -> No
     server, port = metrics.serve("127.0.0.1", 0)
     try:
         telemetry = WorkerTelemetry(metrics, Tracing.off(), "w")
-        record = telemetry.start("generate", "r", 3, metadata=None)
+        record = CallRecord(telemetry, "generate", "r", 3, metadata=None)
         record.output(_output([5], scheduled_at=record.arrived), computed_prompt=True)
         record.output(_output([6, 7], scheduled_at=record.arrived), computed_prompt=True)
         record.finish("length", "length")
