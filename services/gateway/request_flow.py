@@ -152,7 +152,7 @@ class RequestFlow:
     ) -> AsyncGenerator[GenerationChunk, None]:
         """One worker computes the prompt (and `resumed`, what a lost worker had streamed) and
         decodes: a colocated worker, a decode worker chosen for it, or a migration's."""
-        trace.get_current_span().set_attribute("nori.decode.servicer", worker.worker_id)
+        trace.get_current_span().set_attribute("nori.decode.worker", worker.worker_id)
         call = self._generate(
             worker, request, compute_prompt=True, metadata=self._call_metadata(), resumed=resumed
         )
@@ -181,7 +181,7 @@ class RequestFlow:
         num_tokens = len(request.prompt_token_ids)
         request_span = trace.get_current_span()
         with self._tracer.start_as_current_span("route") as span:
-            span.set_attribute("nori.decode.servicer", decode.worker_id)
+            span.set_attribute("nori.decode.worker", decode.worker_id)
             prefill, cached = await self._pick_prefill(request, span)
             choice = self.disaggregation.choose(
                 num_tokens,

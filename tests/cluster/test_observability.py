@@ -116,7 +116,7 @@ def test_a_request_is_one_trace_across_the_processes(
     for child in (route, reserve, prefill, decode):
         assert child.parent_span_id == server.span_id, child.name
     assert route.attributes["nori.prefill.worker"] == "prefill-0"
-    assert route.attributes["nori.decode.servicer"] == "decode-0"
+    assert route.attributes["nori.decode.worker"] == "decode-0"
     # Where the prompt was computed, and why (--disaggregation always here), on the request.
     assert attributes["nori.disaggregation.path"] == route.attributes["nori.disaggregation.path"]
     assert (attributes["nori.disaggregation.path"], attributes["nori.disaggregation.reason"]) == (
