@@ -20,9 +20,8 @@ from nori.engine.engine import LLMEngine
 from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
 from nori.state.state_recorder import StateRecorder
-from nori.transfer.address import parse_address
 from nori.transfer.base import TransferRejected
-from nori.transfer.handoff import HandOff
+from nori.transfer.handoff import HandOff, parse_address
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.engine_core import EngineCore

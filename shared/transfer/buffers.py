@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from nori.transfer.base import TransferRejected
@@ -131,90 +126,3 @@ def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.T
             merged.append(first.as_strided((nbytes,), (1,), first.storage_offset()))
         start += run
     return merged
-
-
-# A host receiver states consecutive runs below this size as one run, which it takes through a
-# staging buffer and copies to its places (a `ScatteredRun`); larger runs land in place.
-STAGE_BELOW_BYTES = 256 * 1024
-
-
-@dataclass(frozen=True, eq=False)
-class ScatteredRun:
-    """One message whose bytes land in several destinations that are not adjacent, in order."""
-
-    views: tuple[torch.Tensor, ...]
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return sum(view.numel() for view in self.views)
-
-
-# Per message, a flat view received into in place, or a run received through a staging buffer.
-ReceivePiece = torch.Tensor | ScatteredRun
-
-
-def receive_runs(
-    views: list[torch.Tensor],
-    stage_below: int = STAGE_BELOW_BYTES,
-    max_run_bytes: int = MAX_RUN_BYTES,
-) -> tuple[int, ...]:
-    """The runs a receiver states: its `adjacent_runs`, consecutive runs under `stage_below`
-    bytes grouped up to `max_run_bytes` (host only: a CUDA receiver takes every run in place)."""
-    runs = adjacent_runs(views)
-    if any(view.is_cuda for view in views):
-        return runs
-    grouped: list[int] = []
-    group_bytes = 0
-    open_group = False
-    start = 0
-    for run in runs:
-        nbytes = sum(view.numel() for view in views[start : start + run])
-        start += run
-        if nbytes >= stage_below:
-            grouped.append(run)
-            open_group = False
-        elif open_group and group_bytes + nbytes <= max_run_bytes:
-            grouped[-1] += run
-            group_bytes += nbytes
-        else:
-            grouped.append(run)
-            group_bytes = nbytes
-            open_group = True
-    return tuple(grouped)
-
-
-def receive_pieces(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[ReceivePiece]:
-    """One piece per run: its views merged into one flat view where adjacent, else a
-    `ScatteredRun`."""
-    if sum(runs) != len(views):
-        raise ValueError(f"runs over {sum(runs)} buffers for {len(views)}")
-    pieces: list[ReceivePiece] = []
-    start = 0
-    for run in runs:
-        members = views[start : start + run]
-        if len(adjacent_runs(members)) == 1:
-            pieces.extend(merge_runs(members, (run,)))
-        else:
-            pieces.append(ScatteredRun(tuple(members)))
-        start += run
-    return pieces
-
-
-def piece_views(pieces: list[ReceivePiece]) -> list[torch.Tensor]:
-    views: list[torch.Tensor] = []
-    for piece in pieces:
-        if isinstance(piece, ScatteredRun):
-            views.extend(piece.views)
-        else:
-            views.append(piece)
-    return views
-
-
-def scatter_copy(landed: np.ndarray, views: tuple[torch.Tensor, ...]) -> None:
-    """Copies a staged message's bytes to the CPU views it is made of, in order."""
-    source = landed.ctypes.data
-    for view in views:
-        nbytes = view.numel()
-        if nbytes:
-            ctypes.memmove(view.data_ptr(), source, nbytes)
-            source += nbytes

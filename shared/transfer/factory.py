@@ -10,7 +10,6 @@ from types import ModuleType
 
 import torch
 
-from nori.transfer.address import parse_address
 from nori.transfer.base import (
     KVReceiver,
     KVSender,
@@ -19,6 +18,7 @@ from nori.transfer.base import (
     TransferError,
     TransferHeader,
 )
+from nori.transfer.handoff import parse_address
 from nori.transfer.tcp import TcpReceiver, TcpSender
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nori.transfer.base import TransferError
-from nori.transfer.buffers import ScatteredRun, check_sources
+from nori.transfer.buffers import check_sources
 from nori.transfer.cross_memory_receiver import (
     COPY_THREAD_MIN_BYTES,
     PullReader,
@@ -124,7 +124,7 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         blocks_count = nbytes // (32 * 1024)
         cache = torch.zeros(2 * blocks_count, 32 * 1024, dtype=torch.uint8)
         blocks = [cache[2 * i] for i in range(blocks_count)]
-        pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
+        pieces = blocks
         reader = PullReader()
         assert reader.can_pull(offer, pieces) and reader.mapped_senders == 1
         hasher = transfer_hasher()
