@@ -27,12 +27,15 @@ from nori.transfer.base import (
     TransferError,
     TransferRejected,
 )
-from nori.transfer.buffers import adjacent_runs, check_destinations, joint_runs, merge_runs
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource, hash_while_pulled
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 from nori.transfer.integrity import (
     TransferHasher,
+    adjacent_runs,
+    check_destinations,
+    joint_runs,
+    merge_runs,
     pack_checksum,
     transfer_hasher,
     unpack_checksum,

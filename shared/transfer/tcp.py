@@ -18,12 +18,11 @@ from nori.transfer.base import (
     TransferConfig,
     TransferError,
 )
-from nori.transfer.buffers import check_sources
 from nori.transfer.conversation import ConnectionPool
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.handoff import TransferHeader, parse_address
-from nori.transfer.integrity import TransferHasher, hash_chunks
+from nori.transfer.integrity import TransferHasher, check_sources, hash_chunks
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from nori.transfer.base import (
     TransferConfig,
     TransferError,
 )
-from nori.transfer.buffers import check_sources
 from nori.transfer.conversation import (
     ConnectionPool,
     ReceiverStats,
@@ -36,7 +35,7 @@ from nori.transfer.conversation import (
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.handoff import Address, TransferHeader, parse_address, worker_peer
-from nori.transfer.integrity import TransferHasher, hash_chunks
+from nori.transfer.integrity import TransferHasher, check_sources, hash_chunks
 from nori.transfer.ucx_env import is_loopback
 from nori.transfer.ucx_worker import (
     MAX_HELLO_BYTES,

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from nori.transfer.base import TransferError
-from nori.transfer.buffers import check_sources
 from nori.transfer.cross_memory_receiver import (
     COPY_THREAD_MIN_BYTES,
     PullReader,
@@ -24,7 +23,7 @@ from nori.transfer.cross_memory_receiver import (
 from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
-from nori.transfer.integrity import transfer_hasher
+from nori.transfer.integrity import check_sources, transfer_hasher
 from tests.transfer.helpers import KINDS, kv_blocks, reference_checksum
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
 from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on

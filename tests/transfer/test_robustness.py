@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from nori.transfer.base import Channel, KVReceiver, TransferConfig, TransferError, TransferRejected
-from nori.transfer.buffers import check_sources
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import HEADER_VERSION, TransferHeader, decode_reply
+from nori.transfer.integrity import check_sources
 from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader
 from tests.transfer.helpers import KINDS, kv_blocks
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
@@ -332,7 +332,7 @@ def test_header_round_trip() -> None:
 
 _SENDER_THEN_SLEEP = """
 import asyncio, sys, torch
-from nori.transfer.buffers import check_sources
+from nori.transfer.integrity import check_sources
 from nori.transfer.ucx import UcxSender
 from tests.transfer.helpers import kv_blocks
 

@@ -1,11 +1,11 @@
-"""Runs of adjacent buffers (nori.transfer.buffers): what each side finds adjacent, the runs both
+"""Runs of adjacent buffers (nori.transfer.integrity): what each side finds adjacent, the runs both
 move as one message, and the merged views, checked against the bytes they cover."""
 
 from __future__ import annotations
 
 import torch
 
-from nori.transfer.buffers import adjacent_runs, joint_runs, merge_runs
+from nori.transfer.integrity import adjacent_runs, joint_runs, merge_runs
 
 
 def test_adjacent_runs_follow_memory_not_order() -> None:
