@@ -67,9 +67,6 @@ class Lease:
     epoch: int = 0  # random; the sender's header must name it
     # The reservation's secret, handed out only in its KVDestination.
     transfer_token: str = field(default="", repr=False)
-    # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
-    buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
-    expected_checksums: tuple[int, ...] = ()
     # A staging sink's tensors the blocks arrive in, until handed to the engine.
     staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     hand_off: HandOff | None = None

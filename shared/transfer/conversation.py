@@ -37,7 +37,6 @@ from nori.transfer.integrity import (
     joint_runs,
     merge_runs,
     pack_checksum,
-    transfer_hasher,
     unpack_checksum,
 )
 
@@ -118,7 +117,7 @@ async def send_transfer(
         raise HeaderPhaseError(str(error)) from error
     accepted = _expect(reply, "accepted")
     known = header.sender_checksum if header.checksums_follow else None
-    hasher = transfer_hasher() if header.checksums_follow and known is None else None
+    hasher = TransferHasher() if header.checksums_follow and known is None else None
     if accepted.pull:
         if offer is None:
             raise TransferError("the receiver would read bytes it was not offered")
@@ -255,7 +254,7 @@ async def _serve_one(
             views, joint_runs(header.source_runs, destination_runs, header.buffer_nbytes)
         )
     # Checksums that follow the data are checked as it lands; header ones are the sink's.
-    hasher = transfer_hasher() if header.checksums_follow else None
+    hasher = TransferHasher() if header.checksums_follow else None
     try:
         if pull:
             assert reader is not None and offer is not None
@@ -308,10 +307,6 @@ async def _serve_one(
     return await _reply(channel, KVTransferReply(done_nbytes=nbytes))
 
 
-# A sender's connections, pooled per receiver address: opening one costs round trips (and UCX's
-# endpoint handshake). Each carries one transfer at a time, up to `max_per_peer` per receiver.
-
-
 class PooledConnection(Protocol):
     @property
     def alive(self) -> bool: ...
@@ -329,6 +324,9 @@ class _Peer(Generic[C]):
 
 
 class ConnectionPool(Generic[C]):
+    """A sender's connections, kept per receiver address (opening one costs round trips); each
+    carries one transfer at a time, up to `max_per_peer` at once to one receiver."""
+
     def __init__(self, connect: Callable[[str], Awaitable[C]], max_per_peer: int) -> None:
         self._connect = connect
         self._max_per_peer = max_per_peer

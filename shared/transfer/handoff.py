@@ -54,16 +54,15 @@ _MAGIC = b"NKV"
 class TransferHeader:
     hand_off: HandOff
     buffer_nbytes: tuple[int, ...]
-    # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
-    buffer_checksums: tuple[int, ...] = ()
-    # The checksum comes after the buffers instead; the receiver fills `buffer_checksums`.
+    # The transfer's checksum (nori.transfer.integrity) comes after the buffers.
     checksums_follow: bool = False
     # Runs of adjacent source buffers; empty: none stated.
     source_runs: tuple[int, ...] = ()
     # The sender's shared-memory offer (`cross_memory_sender`); None: it sends the bytes.
     pull_offer: CrossMemoryOffer | None = None
-    # Not on the wire from here on. Checksums the receiving transport took as the bytes landed,
-    # for the sink to compare with `buffer_checksums`; empty when it did not hash.
+    # Not on the wire from here on. The sender's checksum, and the one the receiving transport
+    # took as the bytes landed, set by the receiving conversation for the sink to compare.
+    buffer_checksums: tuple[int, ...] = ()
     received_checksums: tuple[int, ...] = ()
     # How the bytes came; set by the receiving conversation.
     bulk: KVBulk = "messages"
@@ -80,7 +79,6 @@ class TransferHeader:
         generator_state: bytes | None = None,
         destination: KVDestination | None = None,
         trace_context: Mapping[str, str] | None = None,
-        buffer_checksums: Sequence[int] = (),
         checksums_follow: bool = False,
         sender: str = "",
     ) -> TransferHeader:
@@ -101,9 +99,7 @@ class TransferHeader:
             hand_off.generator_state = generator_state
         if trace_context:
             hand_off.trace_context.update(trace_context)
-        if checksums_follow and buffer_checksums:
-            raise ValueError("checksums either travel in the header or follow the buffers")
-        return cls(hand_off, tuple(buffer_nbytes), tuple(buffer_checksums), checksums_follow)
+        return cls(hand_off, tuple(buffer_nbytes), checksums_follow)
 
     @property
     def request_id(self) -> str:
@@ -131,7 +127,6 @@ class TransferHeader:
         return (
             self.hand_off == other.hand_off
             and self.buffer_nbytes == other.buffer_nbytes
-            and self.buffer_checksums == other.buffer_checksums
             and self.checksums_follow == other.checksums_follow
             and self.source_runs == other.source_runs
             and self.pull_offer == other.pull_offer
@@ -141,7 +136,6 @@ class TransferHeader:
         message = KVTransferHeader(
             hand_off=self.hand_off,
             buffer_nbytes=list(self.buffer_nbytes),
-            buffer_checksums=list(self.buffer_checksums),
             checksums_follow=self.checksums_follow,
             source_runs=list(self.source_runs),
             pull_offer=self.pull_offer,
@@ -174,13 +168,8 @@ class TransferHeader:
             raise ValueError("header field 'block_ids' must not hold negative block ids")
         if any(size < 0 for size in message.buffer_nbytes):
             raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
-        checksums = tuple(message.buffer_checksums)
-        if checksums and len(checksums) != len(message.buffer_nbytes):
-            raise ValueError(
-                f"header has {len(checksums)} checksums for {len(message.buffer_nbytes)} buffers"
-            )
-        if checksums and message.checksums_follow:
-            raise ValueError("header carries checksums and says they follow the buffers")
+        if message.buffer_checksums:
+            raise ValueError("per-buffer checksums in the header are refused: the checksum follows")
         runs = tuple(message.source_runs)
         if runs and (min(runs) < 1 or sum(runs) != len(message.buffer_nbytes)):
             raise ValueError(
@@ -200,14 +189,7 @@ class TransferHeader:
                 raise ValueError("header field 'pull_offer' has segments without sizes or keys")
             if offer.segment_addresses and not offer.segment_socket:
                 raise ValueError("header field 'pull_offer' has segments but no segment socket")
-        return cls(
-            hand_off,
-            tuple(message.buffer_nbytes),
-            checksums,
-            message.checksums_follow,
-            source_runs=runs,
-            pull_offer=offer,
-        )
+        return cls(hand_off, tuple(message.buffer_nbytes), message.checksums_follow, runs, offer)
 
 
 def encode_reply(reply: KVTransferReply) -> bytes:

@@ -2,9 +2,8 @@
 of adjacent buffers, and checksums, so the receiver decodes only the bytes the sender sent.
 
 A `checksums_follow` transfer ends with one checksum of its byte stream (`TransferHasher`),
-taken by the sender as it copies and by the receiver as the bytes land. A header with
-per-buffer checksums is still accepted; with none, refused (fail-closed), as is a transfer whose
-bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
+taken by the sender as it copies and by the receiver as the bytes land. A transfer without one
+is refused (fail-closed), as is one whose bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
 """
 
 from __future__ import annotations
@@ -141,50 +140,14 @@ def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.T
     return merged
 
 
-def array_checksum(data: np.ndarray) -> int:
-    return int(xxhash.xxh3_64_intdigest(data))  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-def buffer_checksum(buffer: torch.Tensor) -> int:
-    """xxh3-64 of a buffer's bytes (a contiguous tensor; a GPU one is hashed from a host copy)."""
-    if buffer.dtype == torch.uint8 and buffer.device.type == "cpu" and buffer.is_contiguous():
-        return array_checksum(buffer.detach().numpy())  # the transports' flat views
-    host = buffer if buffer.device.type == "cpu" else buffer.cpu()
-    if not host.is_contiguous():
-        raise ValueError("KV transfer buffers must be contiguous")
-    return array_checksum(host.detach().view(torch.uint8).numpy())
-
-
-def buffer_checksums(buffers: Sequence[torch.Tensor]) -> list[int]:
-    return [buffer_checksum(buffer) for buffer in buffers]
-
-
-def checksum_mismatch(actual: Sequence[int], expected: Sequence[int]) -> str | None:
-    """Why checksums over received bytes are not the sender's (the first differing buffer), or
-    None."""
-    if len(actual) != len(expected):
-        return f"{len(expected)} checksums for {len(actual)} buffers"
-    for index, (got, checksum) in enumerate(zip(actual, expected, strict=True)):
+def landed_mismatch(received: Sequence[int], expected: Sequence[int]) -> str | None:
+    """Why the checksum the receiver took as the bytes landed is not the sender's, or None."""
+    if not received or len(received) != len(expected):
+        return f"{len(expected)} checksums from the sender, {len(received)} taken on receipt"
+    for got, checksum in zip(received, expected, strict=True):
         if got != checksum:
-            return f"buffer {index} has checksum {got:#018x}, the sender's is {checksum:#018x}"
+            return f"the transfer checksum is {got:#018x}, the sender's is {checksum:#018x}"
     return None
-
-
-def first_mismatch(buffers: Sequence[torch.Tensor], expected: Sequence[int]) -> str | None:
-    """Why `buffers` are not what the sender hashed (the first differing buffer), or None."""
-    if len(buffers) != len(expected):
-        return f"{len(expected)} checksums for {len(buffers)} buffers"
-    return checksum_mismatch(buffer_checksums(buffers), expected)
-
-
-def landed_mismatch(
-    received: Sequence[int], expected: Sequence[int], buffers: Sequence[torch.Tensor]
-) -> str | None:
-    """Why the bytes in `buffers` are not what the sender hashed, or None: from `received` (the
-    transport's checksums) if given, else from a pass over the buffers."""
-    if received:
-        return checksum_mismatch(received, expected)
-    return first_mismatch(buffers, expected)
 
 
 # The most bytes hashed in one call: small enough to stay in L2 until UCX copies them.
@@ -231,10 +194,6 @@ class TransferHasher:
     def intdigest(self) -> int:
         tail = struct.pack("<Q", self._chunk.intdigest()) if self._filled else b""
         return int(xxhash.xxh3_64_intdigest(bytes(self._digests) + tail))
-
-
-def transfer_hasher() -> TransferHasher:
-    return TransferHasher()
 
 
 def hash_chunks(views: Sequence[torch.Tensor]) -> list[tuple[int, memoryview]]:

@@ -23,7 +23,7 @@ from nori.transfer.cross_memory_receiver import (
 from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
-from nori.transfer.integrity import check_sources, transfer_hasher
+from nori.transfer.integrity import TransferHasher, check_sources
 from tests.transfer.helpers import KINDS, kv_blocks, reference_checksum
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
 from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on
@@ -126,7 +126,7 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         pieces = blocks
         reader = PullReader()
         assert reader.can_pull(offer, pieces) and reader.mapped_senders == 1
-        hasher = transfer_hasher()
+        hasher = TransferHasher()
         await reader.pull(offer, pieces, hasher)
         assert torch.cat(blocks).numpy().tobytes() == expected
         assert not cache[1::2].any()
