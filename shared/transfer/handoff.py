@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from google.protobuf.message import DecodeError
@@ -27,20 +27,7 @@ from nori.v1.handoff_pb2 import (
     KVTransferReply,
 )
 
-__all__ = [
-    "HEADER_VERSION",
-    "Address",
-    "CrossMemoryOffer",
-    "HandOff",
-    "KVBulk",
-    "KVTransferReply",
-    "TransferHeader",
-    "brief_address",
-    "decode_reply",
-    "encode_reply",
-    "parse_address",
-    "worker_peer",
-]
+__all__ = ["CrossMemoryOffer", "HandOff", "KVTransferReply"]  # re-exported
 
 # How a transfer's bytes came: as messages, or copied out of the sender's shared memory.
 KVBulk = Literal["messages", "mapped"]
@@ -50,7 +37,7 @@ HEADER_VERSION = 3
 _MAGIC = b"NKV"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class TransferHeader:
     hand_off: HandOff
     buffer_nbytes: tuple[int, ...]
@@ -60,14 +47,14 @@ class TransferHeader:
     source_runs: tuple[int, ...] = ()
     # The sender's shared-memory offer (`cross_memory_sender`); None: it sends the bytes.
     pull_offer: CrossMemoryOffer | None = None
-    # Not on the wire from here on. The sender's checksum, and the one the receiving transport
-    # took as the bytes landed, set by the receiving conversation for the sink to compare.
-    buffer_checksums: tuple[int, ...] = ()
-    received_checksums: tuple[int, ...] = ()
-    # How the bytes came; set by the receiving conversation.
-    bulk: KVBulk = "messages"
+    # Not on the wire (nor compared) from here on. The sender's checksum, and the one the
+    # receiving transport took as the bytes landed, set by the receiving conversation for the
+    # sink to compare; how the bytes came.
+    buffer_checksums: tuple[int, ...] = field(default=(), compare=False)
+    received_checksums: tuple[int, ...] = field(default=(), compare=False)
+    bulk: KVBulk = field(default="messages", compare=False)
     # A sender's checksum taken where the bytes were written (the export copy); None: hash them.
-    sender_checksum: int | None = None
+    sender_checksum: int | None = field(default=None, compare=False)
 
     @classmethod
     def of(
@@ -110,27 +97,8 @@ class TransferHeader:
         return list(self.hand_off.destination.block_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return list(self.hand_off.output_token_ids)
-
-    @property
-    def generator_state(self) -> bytes | None:
-        return self.hand_off.generator_state if self.hand_off.HasField("generator_state") else None
-
-    @property
     def total_nbytes(self) -> int:
         return sum(self.buffer_nbytes)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TransferHeader):
-            return NotImplemented
-        return (
-            self.hand_off == other.hand_off
-            and self.buffer_nbytes == other.buffer_nbytes
-            and self.checksums_follow == other.checksums_follow
-            and self.source_runs == other.source_runs
-            and self.pull_offer == other.pull_offer
-        )
 
     def to_bytes(self) -> bytes:
         message = KVTransferHeader(

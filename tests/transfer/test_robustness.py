@@ -318,14 +318,13 @@ def test_header_round_trip() -> None:
     parsed = TransferHeader.from_bytes(header.to_bytes())
     assert parsed == header
     assert parsed.request_id == "req-1" and parsed.block_ids == [4, 2]
-    assert parsed.output_token_ids == [7] and parsed.generator_state == b"\x00\x01\x02"
+    assert parsed.hand_off.output_token_ids == [7]
+    assert parsed.hand_off.generator_state == b"\x00\x01\x02"
     assert parsed.hand_off.destination.transfer_address == "tcp://h:1"
     assert header.total_nbytes == 192
     # An unseeded request carries no RNG state, which is not the same as an empty one.
-    assert (
-        TransferHeader.from_bytes(TransferHeader.of("r", [1], [8]).to_bytes()).generator_state
-        is None
-    )
+    unseeded = TransferHeader.from_bytes(TransferHeader.of("r", [1], [8]).to_bytes())
+    assert not unseeded.hand_off.HasField("generator_state")
 
 
 # ------------------------------------------------------------ UCX receivers on loopback
