@@ -27,11 +27,9 @@ class TransferBenchConfig:
     repeats: int = 5
     transports: tuple[str, ...] = TRANSPORTS
     # Where the blocks land in the receiver's cache: "scattered" (no two consecutive blocks
-    # adjacent, as in a fragmented cache: blocks of 256 KiB and more move one message each,
-    # smaller ones in messages of up to 1 MiB that the receiver stages and copies to their
-    # places, `nori.transfer.buffers.receive_runs`) or "adjacent" (consecutive, as for a fresh
+    # adjacent, as in a fragmented cache: one message per block, landing in place) or "adjacent" (consecutive, as for a fresh
     # reservation: both ends move runs of up to 1 MiB as one message, in place,
-    # `nori.transfer.buffers.joint_runs`).
+    # `nori.transfer.integrity.joint_runs`).
     destinations: DestinationLayout = "scattered"
     # Our transports' TransferConfig.map_shared_memory (`--bulk mapped`; False: `messages`).
     map_shared_memory: bool = True

@@ -50,11 +50,9 @@ class _CacheSink:
         return [self._blocks[block_id] for block_id in header.block_ids]
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
-        if not (header.buffer_checksums or header.checksums_follow):
+        if not header.checksums_follow:
             return
-        problem = landed_mismatch(
-            header.received_checksums, header.buffer_checksums, self.destinations(header)
-        )
+        problem = landed_mismatch(header.received_checksums, header.buffer_checksums)
         if problem is not None:
             raise TransferRejected(f"corrupted KV transfer: {problem}")
 

@@ -75,9 +75,6 @@ class Lease:
     epoch: int = 0  # random; the sender's header must name it
     # The reservation's secret, handed out only in its KVDestination.
     transfer_token: str = field(default="", repr=False)
-    # Where the bytes land and what the sender says they hash to, once a transfer is accepted.
-    buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
-    expected_checksums: tuple[int, ...] = ()
     # A staging sink's tensors the blocks arrive in, until handed to the engine.
     staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     hand_off: HandOff | None = None
@@ -298,13 +295,8 @@ class DecodeKVSink:
                 f"buffer sizes {list(header.buffer_nbytes)} differ from this worker's KV layout "
                 f"{expected} (same model, dtype, --kv-cache-dtype and block size on both sides?)"
             )
-        if not header.checksums_follow and len(header.buffer_checksums) != len(buffers):
-            raise TransferRejected(
-                f"the header carries {len(header.buffer_checksums)} checksums for "
-                f"{len(buffers)} buffers"
-            )
-        lease.buffers = buffers
-        lease.expected_checksums = header.buffer_checksums
+        if not header.checksums_follow:
+            raise TransferRejected("the header does not say a checksum follows the buffers")
         lease.start_receiving(now)
         if self._on_receiving is not None:
             self._on_receiving(header.request_id)
@@ -317,11 +309,10 @@ class DecodeKVSink:
         lease = self._receiving(header)
         if lease is None:
             return  # expired or failed meanwhile: its blocks are gone or going
-        expected = header.buffer_checksums if header.checksums_follow else lease.expected_checksums
         problem = (
             f"{nbytes} bytes arrived, {header.total_nbytes} expected"
             if nbytes != header.total_nbytes
-            else landed_mismatch(header.received_checksums, expected, lease.buffers)
+            else landed_mismatch(header.received_checksums, header.buffer_checksums)
         )
         if problem is not None:
             self.checksum_failures += 1
@@ -334,7 +325,6 @@ class DecodeKVSink:
         lease.bulk = header.bulk
         lease.nbytes = nbytes
         lease.hand_off = header.hand_off
-        lease.buffers = []  # the views are the cache's; hold them no longer than needed
         lease.done.set()
 
     def failed(self, header: TransferHeader, error: str) -> None:

@@ -23,10 +23,9 @@ from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
 from nori.settings import DEFAULT_KV_LEASE_S
 from nori.state.requests import RequestStateStore, StateRecorder
-from nori.transfer.address import parse_address
 from nori.transfer.base import KVReceiver, TransferRejected
 from nori.transfer.factory import make_receiver
-from nori.transfer.handoff import HandOff
+from nori.transfer.handoff import HandOff, parse_address
 from nori.transfer.ucx_env import confine_ucx_to
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination

@@ -17,8 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from nori.engine.outputs import StepOutput
 from nori.telemetry.propagation import context_from_metadata, current_carrier
 from nori.telemetry.tracing import Tracing
-from nori.transfer.address import brief_address
-from nori.transfer.handoff import KVBulk
+from nori.transfer.handoff import KVBulk, brief_address
 from nori.worker.worker_metrics import WorkerMetrics
 
 

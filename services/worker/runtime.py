@@ -32,7 +32,7 @@ from nori.state.connection import connect, wait_for_redis
 from nori.state.keys import Keys
 from nori.state.registry import Heartbeat, WorkerInfo, WorkerRegistry
 from nori.telemetry.tracing import Tracing
-from nori.transfer.address import brief_address
+from nori.transfer.handoff import brief_address
 from nori.worker.request_telemetry import WorkerTelemetry
 from nori.worker.worker_metrics import EngineExpertCounts, WorkerMetrics
 

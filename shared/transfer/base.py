@@ -1,5 +1,5 @@
-"""The transport-neutral interface: errors, the sink and the endpoints (the header is
-`handoff.py`'s). A prefill worker (`KVSender`) pushes one request's KV blocks into a decode
+"""The transport-neutral interface: errors, the sink, the endpoints and a transport's `Channel`
+(the header is `handoff.py`'s). A prefill worker (`KVSender`) pushes one request's KV blocks into a decode
 worker's (`KVReceiver`) paged cache; the decode worker's `KVSink.destinations` decides where the
 bytes land, so the receiver writes straight into the cache tensors.
 """
@@ -7,11 +7,14 @@ bytes land, so the receiver writes straight into the cache tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from nori.transfer.handoff import TransferHeader
+
+if TYPE_CHECKING:
+    from nori.transfer.integrity import TransferHasher
 
 
 class TransferRejected(Exception):
@@ -20,6 +23,49 @@ class TransferRejected(Exception):
 
 class TransferError(Exception):
     """The transfer failed in transport: connection refused or lost, timeout, protocol error."""
+
+
+class ConnectionClosed(TransferError):
+    """The peer closed the connection between messages (a normal end for a receiver)."""
+
+
+class MessageTooLarge(TransferError):
+    """A framed message exceeded the limit; the connection cannot be trusted afterwards."""
+
+
+class HeaderPhaseError(TransferError):
+    """The connection failed before the receiver answered the header: no data was sent, so a
+    sender may retry on a fresh connection (a pooled one may have gone stale)."""
+
+
+class Channel(Protocol):
+    """One connection of a transport: framed messages both ways, one transfer at a time (the
+    conversation over it: `conversation.py`)."""
+
+    async def send_message(self, payload: bytes) -> None: ...
+
+    async def recv_message(self, max_bytes: int) -> bytes:
+        """One whole message. Raises ConnectionClosed (peer closed before it), MessageTooLarge,
+        or TransferError."""
+        ...
+
+    async def send_buffers(
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
+    ) -> None:
+        """Sends flat uint8 views, all in flight at once, feeding `hasher` (if given) every byte
+        in order."""
+        ...
+
+    async def recv_buffers(
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
+    ) -> None:
+        """Receives one message into each flat uint8 view, in place, feeding `hasher` (if
+        given) every byte in order."""
+        ...
+
+    async def close(self) -> None:
+        """Drops the connection; once it returns, nothing more is written into any buffer."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -70,7 +116,7 @@ class KVReceiver(Protocol):
         self, host: str = "0.0.0.0", port: int = 0, advertise_host: str = "127.0.0.1"
     ) -> str:
         """Starts taking transfers; returns the address senders use ("tcp://host:port", or
-        "ucx://127.0.0.1/PEER" for a UCX receiver on loopback: `nori.transfer.address`)."""
+        "ucx://127.0.0.1/PEER" for a UCX receiver on loopback: `nori.transfer.handoff`)."""
         ...
 
     async def close(self) -> None: ...

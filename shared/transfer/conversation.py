@@ -12,28 +12,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from nori.transfer.base import KVSink, TransferConfig, TransferError, TransferRejected
-from nori.transfer.buffers import (
-    ReceivePiece,
-    adjacent_runs,
-    check_destinations,
-    joint_runs,
-    merge_runs,
-    receive_pieces,
-    receive_runs,
+from nori.transfer.base import (
+    Channel,
+    ConnectionClosed,
+    HeaderPhaseError,
+    KVSink,
+    MessageTooLarge,
+    TransferConfig,
+    TransferError,
+    TransferRejected,
 )
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource, hash_while_pulled
 from nori.transfer.handoff import KVTransferReply, TransferHeader, decode_reply, encode_reply
 from nori.transfer.integrity import (
     TransferHasher,
+    adjacent_runs,
+    check_destinations,
+    joint_runs,
+    merge_runs,
     pack_checksum,
-    transfer_hasher,
     unpack_checksum,
 )
 
@@ -45,65 +48,14 @@ MAX_REPLY_BYTES = 64 * 1024
 MAX_ERROR_CHARS = 4000
 
 
-class ConnectionClosed(TransferError):
-    """The peer closed the connection between messages (a normal end for a receiver)."""
-
-
-class MessageTooLarge(TransferError):
-    """A framed message exceeded the limit; the connection cannot be trusted afterwards."""
-
-
-class HeaderPhaseError(TransferError):
-    """The connection failed before the receiver answered the header: no data was sent, so a
-    sender may retry on a fresh connection (a pooled one may have gone stale)."""
-
-
-class Channel(Protocol):
-    async def send_message(self, payload: bytes) -> None: ...
-
-    async def recv_message(self, max_bytes: int) -> bytes:
-        """One whole message. Raises ConnectionClosed (peer closed before it), MessageTooLarge,
-        or TransferError."""
-        ...
-
-    async def send_buffers(
-        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
-    ) -> None:
-        """Sends flat uint8 views, all in flight at once, feeding `hasher` (if given) every byte
-        in order."""
-        ...
-
-    async def recv_buffers(
-        self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
-    ) -> None:
-        """Receives one message per piece: into a flat uint8 view, or for a `ScatteredRun`
-        through a staging buffer into its views; feeds `hasher` every byte in order."""
-        ...
-
-    async def close(self) -> None:
-        """Drops the connection; once it returns, nothing more is written into any buffer."""
-        ...
-
-
-class TransferCounters:
-    """Bytes and transfers that completed, for one sender or receiver."""
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self.transfers = 0
-
-    def add(self, nbytes: int) -> None:
-        self.nbytes += nbytes
-        self.transfers += 1
-
-
 class ReceiverStats:
     """What every receiver reports: the address it was started on, and what it completed."""
 
     def __init__(self) -> None:
-        self._counters = TransferCounters()
         self._address = ""
         self._reader: PullReader | None = None
+        self.bytes_received = 0
+        self.transfers_completed = 0
 
     @property
     def address(self) -> str:
@@ -112,26 +64,16 @@ class ReceiverStats:
         return self._address
 
     @property
-    def bytes_received(self) -> int:
-        return self._counters.nbytes
-
-    @property
-    def transfers_completed(self) -> int:
-        return self._counters.transfers
-
-    @property
     def bytes_mapped(self) -> int:
         return self._reader.bytes_mapped if self._reader is not None else 0
 
 
-def _decode_reply(payload: bytes) -> KVTransferReply:
+def _expect(payload: bytes, kind: str) -> KVTransferReply:
+    """The receiver's reply, which must be `kind`; a rejection raises TransferRejected."""
     try:
-        return decode_reply(payload)
+        reply = decode_reply(payload)
     except ValueError as error:
         raise TransferError(f"the receiver sent a malformed reply: {error}") from None
-
-
-def _expect(reply: KVTransferReply, kind: str) -> KVTransferReply:
     got = reply.WhichOneof("kind")
     if got == "rejected":
         raise TransferRejected(reply.rejected or "rejected")
@@ -173,9 +115,9 @@ async def send_transfer(
         )
     except TransferError as error:
         raise HeaderPhaseError(str(error)) from error
-    accepted = _expect(_decode_reply(reply), "accepted")
+    accepted = _expect(reply, "accepted")
     known = header.sender_checksum if header.checksums_follow else None
-    hasher = transfer_hasher() if header.checksums_follow and known is None else None
+    hasher = TransferHasher() if header.checksums_follow and known is None else None
     if accepted.pull:
         if offer is None:
             raise TransferError("the receiver would read bytes it was not offered")
@@ -197,16 +139,9 @@ async def send_transfer(
                 config.timeout_s,
                 "sending the checksum",
             )
-    done = _expect(
-        _decode_reply(
-            await _within(
-                channel.recv_message(MAX_REPLY_BYTES),
-                config.timeout_s,
-                "waiting for the acknowledgement",
-            )
-        ),
-        "done_nbytes",
-    )
+    acknowledgement = channel.recv_message(MAX_REPLY_BYTES)
+    payload = await _within(acknowledgement, config.timeout_s, "waiting for the acknowledgement")
+    done = _expect(payload, "done_nbytes")
     if done.done_nbytes != header.total_nbytes:
         raise TransferError(
             f"the receiver acknowledged {done.done_nbytes} bytes of {header.total_nbytes}"
@@ -223,7 +158,7 @@ async def _await_pull(
     and answers with the trailer. After the trailer the buffers are never read again."""
     if hasher is not None:
         await hash_while_pulled(views, hasher)
-    _expect(_decode_reply(await channel.recv_message(MAX_REPLY_BYTES)), "pulled")
+    _expect(await channel.recv_message(MAX_REPLY_BYTES), "pulled")
     checksum = hasher.intdigest() if hasher is not None else known
     await channel.send_message(pack_checksum(checksum if checksum is not None else 0))
 
@@ -252,14 +187,14 @@ async def _reject(channel: Channel, error: str) -> bool:
 async def serve_connection(
     channel: Channel,
     sink: KVSink,
-    counters: TransferCounters,
+    stats: ReceiverStats,
     config: TransferConfig,
     reader: PullReader | None = None,
 ) -> None:
     """Serves transfers on one connection until the peer leaves; raises only cancellation.
     Every failure a peer can cause ends in a rejection or a dropped connection."""
     try:
-        while await _serve_one(channel, sink, counters, config, reader):
+        while await _serve_one(channel, sink, stats, config, reader):
             pass
     except asyncio.CancelledError:
         raise
@@ -272,7 +207,7 @@ async def serve_connection(
 async def _serve_one(
     channel: Channel,
     sink: KVSink,
-    counters: TransferCounters,
+    stats: ReceiverStats,
     config: TransferConfig,
     reader: PullReader | None,
 ) -> bool:
@@ -307,23 +242,23 @@ async def _serve_one(
 
     offer = header.pull_offer
     pull = reader is not None and offer is not None and reader.can_pull(offer, views)
-    # Both sides move the joint runs as messages; small runs land through a staging buffer.
-    destination_runs = receive_runs(views) if header.source_runs and not pull else ()
+    # Both sides move the joint runs as messages, each landing in place.
+    destination_runs = adjacent_runs(views) if header.source_runs and not pull else ()
     accept = KVTransferReply(accepted=True, destination_runs=destination_runs, pull=pull)
     if not await _reply(channel, accept):
         _notify_failed(sink, header, "connection lost before the data")
         return False
-    pieces: list[ReceivePiece] = list(views)
+    messages = views
     if destination_runs:
-        pieces = receive_pieces(
+        messages = merge_runs(
             views, joint_runs(header.source_runs, destination_runs, header.buffer_nbytes)
         )
     # Checksums that follow the data are checked as it lands; header ones are the sink's.
-    hasher = transfer_hasher() if header.checksums_follow else None
+    hasher = TransferHasher() if header.checksums_follow else None
     try:
         if pull:
             assert reader is not None and offer is not None
-            await _within(reader.pull(offer, pieces, hasher), config.timeout_s, "copying KV")
+            await _within(reader.pull(offer, views, hasher), config.timeout_s, "copying KV")
             await _within(
                 channel.send_message(encode_reply(KVTransferReply(pulled=True))),
                 config.timeout_s,
@@ -331,7 +266,7 @@ async def _serve_one(
             )
         else:
             await _within(
-                channel.recv_buffers(pieces, hasher), config.timeout_s, "receiving KV data"
+                channel.recv_buffers(messages, hasher), config.timeout_s, "receiving KV data"
             )
     except BaseException as error:
         # Close first: once close() returns, no late packet can land in blocks the sink reuses.
@@ -367,5 +302,99 @@ async def _serve_one(
     except Exception as error:
         logger.exception("KV sink completed() raised for request %s", header.request_id)
         return await _reject(channel, f"receiver error after the data: {error!r}")
-    counters.add(nbytes)
+    stats.bytes_received += nbytes
+    stats.transfers_completed += 1
     return await _reply(channel, KVTransferReply(done_nbytes=nbytes))
+
+
+class PooledConnection(Protocol):
+    @property
+    def alive(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=PooledConnection)
+
+
+class _Peer(Generic[C]):
+    def __init__(self, max_connections: int) -> None:
+        self.slots = asyncio.Semaphore(max_connections)
+        self.idle: list[C] = []
+
+
+class ConnectionPool(Generic[C]):
+    """A sender's connections, kept per receiver address (opening one costs round trips); each
+    carries one transfer at a time, up to `max_per_peer` at once to one receiver."""
+
+    def __init__(self, connect: Callable[[str], Awaitable[C]], max_per_peer: int) -> None:
+        self._connect = connect
+        self._max_per_peer = max_per_peer
+        self._peers: dict[str, _Peer[C]] = {}
+        self._busy: set[C] = set()
+        self._closed = False
+
+    async def run(self, address: str, transfer: Callable[[C], Awaitable[T]]) -> T:
+        """Runs `transfer` on a connection to `address`.
+
+        The connection goes back to the pool after success or a rejection (the conversation is
+        still in step) and is closed after any other failure. A pooled connection that broke
+        before the receiver answered the header is replaced once, transparently.
+        """
+        if self._closed:
+            raise TransferError("the sender is closed")
+        peer = self._peers.setdefault(address, _Peer(self._max_per_peer))
+        async with peer.slots:
+            connection, reused = await self._checkout(peer, address)
+            try:
+                return await self._run_on(peer, connection, transfer)
+            except HeaderPhaseError as error:
+                if not reused:
+                    raise
+                logger.debug("pooled connection to %s was stale (%s); reconnecting", address, error)
+            connection = await self._connect(address)
+            return await self._run_on(peer, connection, transfer)
+
+    async def _checkout(self, peer: _Peer[C], address: str) -> tuple[C, bool]:
+        while peer.idle:
+            connection = peer.idle.pop()
+            if connection.alive:
+                return connection, True
+            await connection.close()
+        return await self._connect(address), False
+
+    async def _run_on(
+        self, peer: _Peer[C], connection: C, transfer: Callable[[C], Awaitable[T]]
+    ) -> T:
+        if self._closed:
+            # close() ran while this connection was being opened.
+            await connection.close()
+            raise TransferError("the sender is closed")
+        self._busy.add(connection)
+        try:
+            result = await transfer(connection)
+        except TransferRejected:
+            await self._release(peer, connection)
+            raise
+        except BaseException:
+            self._busy.discard(connection)
+            await connection.close()
+            raise
+        await self._release(peer, connection)
+        return result
+
+    async def _release(self, peer: _Peer[C], connection: C) -> None:
+        self._busy.discard(connection)
+        if self._closed:
+            await connection.close()
+        else:
+            peer.idle.append(connection)
+
+    async def close(self) -> None:
+        """Closes every connection, idle or busy (busy transfers then fail with TransferError)."""
+        self._closed = True
+        connections = [c for peer in self._peers.values() for c in peer.idle] + list(self._busy)
+        self._peers.clear()
+        self._busy.clear()
+        for connection in connections:
+            await connection.close()

@@ -30,7 +30,6 @@ import torch
 
 from nori.kernels.copy_pieces import copy_and_hash_pieces, copy_pieces, copy_share_of_chunks
 from nori.transfer.base import TransferError
-from nori.transfer.buffers import ReceivePiece, ScatteredRun
 from nori.transfer.cross_memory_sender import (
     MAX_FDS_PER_MESSAGE,
     PROBE_BYTES,
@@ -79,14 +78,6 @@ def regions_of(views: Sequence[torch.Tensor]) -> list[Region]:
     starts[1:] = addresses[1:] != addresses[:-1] + sizes[:-1]
     heads = np.flatnonzero(starts)
     return list(zip(addresses[heads].tolist(), np.add.reduceat(sizes, heads).tolist(), strict=True))
-
-
-def piece_regions(pieces: Sequence[ReceivePiece]) -> list[Region]:
-    """`regions_of` the views a receiver's pieces land in, in order."""
-    views: list[torch.Tensor] = []
-    for piece in pieces:
-        views.extend(piece.views if isinstance(piece, ScatteredRun) else (piece,))
-    return regions_of(views)
 
 
 # A copy's pieces in stream order: int64 [n, 3] rows of (destination, source, byte count), each
@@ -200,10 +191,10 @@ class PullReader:
         self._senders: OrderedDict[str, _MappedSender] = OrderedDict()
         self.bytes_mapped = 0
 
-    def can_pull(self, offer: CrossMemoryOffer, pieces: Sequence[ReceivePiece]) -> bool:
+    def can_pull(self, offer: CrossMemoryOffer, views: Sequence[torch.Tensor]) -> bool:
         """Whether the bytes can be copied out of the sender's shared memory: host destinations,
         and every offered segment mapped here."""
-        if any(piece.is_cuda for piece in pieces if isinstance(piece, torch.Tensor)):
+        if any(view.is_cuda for view in views):
             return False
         if len(offer.probe) != PROBE_BYTES:
             self._refuse("the offer's probe is not 16 bytes")
@@ -305,10 +296,10 @@ class PullReader:
     async def pull(
         self,
         offer: CrossMemoryOffer,
-        pieces: Sequence[ReceivePiece],
+        views: Sequence[torch.Tensor],
         hasher: TransferHasher | None,
     ) -> None:
-        """Copies the offered regions into the pieces' views, in order, feeding `hasher` each
+        """Copies the offered regions into the flat byte views, in order, feeding `hasher` each
         chunk's digest; TransferError when the segments are gone or the offer does not fit."""
         sender = self._mapped(offer)
         if sender is None:
@@ -323,7 +314,7 @@ class PullReader:
                 )
             ]
             try:
-                plan = copy_plan(_translate(sources, segments, sender), piece_regions(pieces))
+                plan = copy_plan(_translate(sources, segments, sender), regions_of(views))
             except ValueError as error:
                 raise TransferError(
                     f"the sender's offer does not fit the destinations: {error}"

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nori.transfer.buffers import adjacent_runs
 from nori.transfer.handoff import CrossMemoryOffer
-from nori.transfer.integrity import TransferHasher, hash_chunks
+from nori.transfer.integrity import TransferHasher, adjacent_runs, hash_chunks
 
 logger = logging.getLogger(__name__)
 

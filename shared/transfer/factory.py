@@ -10,7 +10,6 @@ from types import ModuleType
 
 import torch
 
-from nori.transfer.address import parse_address
 from nori.transfer.base import (
     KVReceiver,
     KVSender,
@@ -19,6 +18,7 @@ from nori.transfer.base import (
     TransferError,
     TransferHeader,
 )
+from nori.transfer.handoff import parse_address
 from nori.transfer.tcp import TcpReceiver, TcpSender
 
 logger = logging.getLogger(__name__)
@@ -51,16 +51,12 @@ def _warn_no_ucxx(reason: str) -> None:
     logger.warning("ucxx is not importable (%s); using the TCP transport", reason)
 
 
-def _resolve(kind: str | None) -> str:
-    if kind is None:
-        return default_transport()
+def _ucx_module(kind: str | None) -> ModuleType | None:
+    """The UCX transport's module for "ucx" (None: `default_transport()`); None for "tcp"."""
+    kind = default_transport() if kind is None else kind
     if kind not in KINDS:
         raise ValueError(f"transport kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return kind
-
-
-def _require_ucx() -> ModuleType:
-    module = _load_ucx()
+    module = _load_ucx() if kind == "ucx" else None
     if isinstance(module, str):
         raise ValueError(
             f"the UCX transport needs ucxx, which is not importable ({module}); "
@@ -73,18 +69,17 @@ def make_receiver(
     kind: str | None, sink: KVSink, config: TransferConfig | None = None
 ) -> KVReceiver:
     """A receiver of `kind` ("ucx" or "tcp"; None: `default_transport()`)."""
-    if _resolve(kind) == "tcp":
-        return TcpReceiver(sink, config)
-    receiver: KVReceiver = _require_ucx().UcxReceiver(sink, config)
+    ucx = _ucx_module(kind)
+    receiver: KVReceiver = (
+        TcpReceiver(sink, config) if ucx is None else ucx.UcxReceiver(sink, config)
+    )
     return receiver
 
 
 def make_sender(kind: str | None, config: TransferConfig | None = None) -> KVSender:
     """A sender for either address scheme; with "tcp" (None without ucxx) ucxx is never loaded
     and a ucx:// address raises ValueError."""
-    if _resolve(kind) == "tcp":
-        return MultiSender(None, config)
-    return MultiSender(_require_ucx(), config)
+    return MultiSender(_ucx_module(kind), config)
 
 
 class MultiSender:

@@ -4,12 +4,17 @@ Protobuf (`proto/nori/v1/handoff.proto`): `KVDestination` (the decode worker's r
 `HandOff` (destination, first token, sampler RNG state) and the transfer's `KVTransferHeader`
 and `KVTransferReply`. Only this module encodes them and checks what a peer sent; a header
 starts with a magic and a version, so a foreign or older peer is refused, not misread.
+
+Receiver addresses: "ucx://host:port" or "tcp://host:port" (IPv6 hosts in brackets), or
+"ucx://host/PEER" for a UCX receiver reached by its worker address (no listening socket): PEER
+is the receiver's hello tag (16 hex digits), a dash, and its UCX worker address in hex.
 """
 
 from __future__ import annotations
 
+import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from google.protobuf.message import DecodeError
@@ -22,16 +27,7 @@ from nori.v1.handoff_pb2 import (
     KVTransferReply,
 )
 
-__all__ = [
-    "HEADER_VERSION",
-    "CrossMemoryOffer",
-    "HandOff",
-    "KVBulk",
-    "KVTransferReply",
-    "TransferHeader",
-    "decode_reply",
-    "encode_reply",
-]
+__all__ = ["CrossMemoryOffer", "HandOff", "KVTransferReply"]  # re-exported
 
 # How a transfer's bytes came: as messages, or copied out of the sender's shared memory.
 KVBulk = Literal["messages", "mapped"]
@@ -41,25 +37,24 @@ HEADER_VERSION = 3
 _MAGIC = b"NKV"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class TransferHeader:
     hand_off: HandOff
     buffer_nbytes: tuple[int, ...]
-    # xxh3-64 of each buffer (nori.transfer.integrity); empty from a sender that sent none.
-    buffer_checksums: tuple[int, ...] = ()
-    # The checksum comes after the buffers instead; the receiver fills `buffer_checksums`.
+    # The transfer's checksum (nori.transfer.integrity) comes after the buffers.
     checksums_follow: bool = False
     # Runs of adjacent source buffers; empty: none stated.
     source_runs: tuple[int, ...] = ()
     # The sender's shared-memory offer (`cross_memory_sender`); None: it sends the bytes.
     pull_offer: CrossMemoryOffer | None = None
-    # Not on the wire from here on. Checksums the receiving transport took as the bytes landed,
-    # for the sink to compare with `buffer_checksums`; empty when it did not hash.
-    received_checksums: tuple[int, ...] = ()
-    # How the bytes came; set by the receiving conversation.
-    bulk: KVBulk = "messages"
+    # Not on the wire (nor compared) from here on. The sender's checksum, and the one the
+    # receiving transport took as the bytes landed, set by the receiving conversation for the
+    # sink to compare; how the bytes came.
+    buffer_checksums: tuple[int, ...] = field(default=(), compare=False)
+    received_checksums: tuple[int, ...] = field(default=(), compare=False)
+    bulk: KVBulk = field(default="messages", compare=False)
     # A sender's checksum taken where the bytes were written (the export copy); None: hash them.
-    sender_checksum: int | None = None
+    sender_checksum: int | None = field(default=None, compare=False)
 
     @classmethod
     def of(
@@ -71,7 +66,6 @@ class TransferHeader:
         generator_state: bytes | None = None,
         destination: KVDestination | None = None,
         trace_context: Mapping[str, str] | None = None,
-        buffer_checksums: Sequence[int] = (),
         checksums_follow: bool = False,
         sender: str = "",
     ) -> TransferHeader:
@@ -92,9 +86,7 @@ class TransferHeader:
             hand_off.generator_state = generator_state
         if trace_context:
             hand_off.trace_context.update(trace_context)
-        if checksums_follow and buffer_checksums:
-            raise ValueError("checksums either travel in the header or follow the buffers")
-        return cls(hand_off, tuple(buffer_nbytes), tuple(buffer_checksums), checksums_follow)
+        return cls(hand_off, tuple(buffer_nbytes), checksums_follow)
 
     @property
     def request_id(self) -> str:
@@ -105,34 +97,13 @@ class TransferHeader:
         return list(self.hand_off.destination.block_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return list(self.hand_off.output_token_ids)
-
-    @property
-    def generator_state(self) -> bytes | None:
-        return self.hand_off.generator_state if self.hand_off.HasField("generator_state") else None
-
-    @property
     def total_nbytes(self) -> int:
         return sum(self.buffer_nbytes)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TransferHeader):
-            return NotImplemented
-        return (
-            self.hand_off == other.hand_off
-            and self.buffer_nbytes == other.buffer_nbytes
-            and self.buffer_checksums == other.buffer_checksums
-            and self.checksums_follow == other.checksums_follow
-            and self.source_runs == other.source_runs
-            and self.pull_offer == other.pull_offer
-        )
 
     def to_bytes(self) -> bytes:
         message = KVTransferHeader(
             hand_off=self.hand_off,
             buffer_nbytes=list(self.buffer_nbytes),
-            buffer_checksums=list(self.buffer_checksums),
             checksums_follow=self.checksums_follow,
             source_runs=list(self.source_runs),
             pull_offer=self.pull_offer,
@@ -165,13 +136,8 @@ class TransferHeader:
             raise ValueError("header field 'block_ids' must not hold negative block ids")
         if any(size < 0 for size in message.buffer_nbytes):
             raise ValueError("header field 'buffer_nbytes' must not hold negative sizes")
-        checksums = tuple(message.buffer_checksums)
-        if checksums and len(checksums) != len(message.buffer_nbytes):
-            raise ValueError(
-                f"header has {len(checksums)} checksums for {len(message.buffer_nbytes)} buffers"
-            )
-        if checksums and message.checksums_follow:
-            raise ValueError("header carries checksums and says they follow the buffers")
+        if message.buffer_checksums:
+            raise ValueError("per-buffer checksums in the header are refused: the checksum follows")
         runs = tuple(message.source_runs)
         if runs and (min(runs) < 1 or sum(runs) != len(message.buffer_nbytes)):
             raise ValueError(
@@ -191,14 +157,7 @@ class TransferHeader:
                 raise ValueError("header field 'pull_offer' has segments without sizes or keys")
             if offer.segment_addresses and not offer.segment_socket:
                 raise ValueError("header field 'pull_offer' has segments but no segment socket")
-        return cls(
-            hand_off,
-            tuple(message.buffer_nbytes),
-            checksums,
-            message.checksums_follow,
-            source_runs=runs,
-            pull_offer=offer,
-        )
+        return cls(hand_off, tuple(message.buffer_nbytes), message.checksums_follow, runs, offer)
 
 
 def encode_reply(reply: KVTransferReply) -> bytes:
@@ -215,3 +174,80 @@ def decode_reply(payload: bytes) -> KVTransferReply:
     if reply.WhichOneof("kind") is None:
         raise ValueError("the reply says neither accepted, rejected nor done")
     return reply
+
+
+SCHEMES = ("ucx", "tcp")
+# A worker address is a few hundred bytes; far longer is not one.
+_MAX_PEER_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class Address:
+    scheme: str
+    host: str
+    port: int
+    # "ucx://host/PEER" only: the receiver's hello tag and worker address.
+    peer: str = ""
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.peer:
+            return f"{self.scheme}://{host}/{self.peer}"
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def brief(self) -> str:
+        """For logs and spans: a worker address shortened to the receiver's hello tag."""
+        if not self.peer:
+            return str(self)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}/{self.peer.partition('-')[0]}"
+
+    @property
+    def hello_tag(self) -> int:
+        return int(self.peer.partition("-")[0], 16)
+
+    @property
+    def worker_address(self) -> bytes:
+        return bytes.fromhex(self.peer.partition("-")[2])
+
+
+def worker_peer(hello_tag: int, worker_address: bytes) -> str:
+    return f"{hello_tag:016x}-{worker_address.hex()}"
+
+
+def parse_address(address: str) -> Address:
+    """Raises ValueError for anything but "<scheme>://<host>:<port>" with a known scheme, or
+    "ucx://<host>/<peer>"."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"transfer address {address!r} must start with ucx:// or tcp://")
+    if scheme == "ucx" and "/" in rest:
+        host, _, peer = rest.partition("/")
+        tag, dash, worker = peer.partition("-")
+        hex_digits = set(string.hexdigits)
+        if (
+            not host
+            or len(tag) != 16
+            or not dash
+            or not worker
+            or len(worker) % 2
+            or len(peer) > _MAX_PEER_CHARS
+            or not set(tag + worker) <= hex_digits
+        ):
+            raise ValueError(f"transfer address {address!r} has no valid UCX worker address")
+        return Address(scheme, host.strip("[]"), 0, peer)
+    host, colon, port_text = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"transfer address {address!r} must end with host:port")
+    return Address(scheme, host, int(port_text))
+
+
+def brief_address(address: str) -> str:
+    """`Address.brief` of an address string; the string itself when it does not parse."""
+    try:
+        return parse_address(address).brief
+    except ValueError:
+        return address

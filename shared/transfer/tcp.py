@@ -11,18 +11,18 @@ import struct
 import torch
 
 from nori.transfer import conversation
-from nori.transfer.address import parse_address
 from nori.transfer.base import (
+    ConnectionClosed,
     KVSink,
+    MessageTooLarge,
     TransferConfig,
     TransferError,
 )
-from nori.transfer.buffers import ReceivePiece, check_sources, piece_views
+from nori.transfer.conversation import ConnectionPool
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource
-from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import TransferHasher, hash_chunks
-from nori.transfer.pool import ConnectionPool
+from nori.transfer.handoff import TransferHeader, parse_address
+from nori.transfer.integrity import TransferHasher, check_sources, hash_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class _TcpChannel:
             received = await self._loop.sock_recv_into(self._sock, view)
             if received == 0:
                 if first and message_start:
-                    raise conversation.ConnectionClosed("the peer closed the connection")
+                    raise ConnectionClosed("the peer closed the connection")
                 raise TransferError("the peer closed the connection mid-message")
             first = False
             view = view[received:]
@@ -157,9 +157,7 @@ class _TcpChannel:
         await self._read_into(memoryview(prefix), message_start=True)
         (length,) = _LENGTH.unpack(prefix)
         if length > max_bytes:
-            raise conversation.MessageTooLarge(
-                f"a message of {length} bytes exceeds the {max_bytes}-byte limit"
-            )
+            raise MessageTooLarge(f"a message of {length} bytes exceeds the {max_bytes}-byte limit")
         payload = bytearray(length)
         await self._read_into(memoryview(payload))
         return bytes(payload)
@@ -175,10 +173,8 @@ class _TcpChannel:
         )
 
     async def recv_buffers(
-        self, pieces: list[ReceivePiece], hasher: TransferHasher | None = None
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
-        # A stream has no message boundaries: every piece's views are read in turn, in place.
-        views = piece_views(pieces)
         targets = []
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for view in views:
@@ -244,9 +240,7 @@ class TcpReceiver(conversation.ReceiverStats):
 
     async def _serve(self, sock: socket.socket) -> None:
         channel = _TcpChannel(sock, self._staging)
-        await conversation.serve_connection(
-            channel, self._sink, self._counters, self._config, self._reader
-        )
+        await conversation.serve_connection(channel, self._sink, self, self._config, self._reader)
 
     async def close(self) -> None:
         """Stops accepting and drops every connection; transfers in flight fail on both ends."""
@@ -267,7 +261,7 @@ class TcpSender:
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
         self._pull_source = PullSource() if self._config.map_shared_memory else None
-        self._counters = conversation.TransferCounters()
+        self._bytes_sent = 0
         self._staging = _HostStaging("TcpSender")
         self._pool: ConnectionPool[_TcpChannel] = ConnectionPool(
             self._connect, self._config.max_connections_per_peer
@@ -275,7 +269,7 @@ class TcpSender:
 
     @property
     def bytes_sent(self) -> int:
-        return self._counters.nbytes
+        return self._bytes_sent
 
     async def _connect(self, address: str) -> _TcpChannel:
         target = parse_address(address)
@@ -306,7 +300,7 @@ class TcpSender:
                 channel, header, views, self._config, self._pull_source
             ),
         )
-        self._counters.add(header.total_nbytes)
+        self._bytes_sent += header.total_nbytes
 
     async def close(self) -> None:
         await self._pool.close()

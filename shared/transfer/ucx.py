@@ -1,63 +1,210 @@
 """The UCX transport (ucxx): shared memory between workers on one host, the network across.
 
 `UcxReceiver` lands transfers in the sink's tensors; `UcxSender` sends over pooled connections
-(`ucx_channel.UcxChannel`). On one host the bytes go through UCX's sysv shared-memory FIFO;
-across hosts, what UCX was built with (the ucxx-cu12 wheel: TCP, no RDMA). Importing applies
-`ucx_env`'s settings before ucxx initialises; ImportError without ucxx.
+(`UcxChannel`: a listener's endpoint pair, or two one-way endpoints between worker addresses,
+`ucx_worker`). The sender posts every buffer at once; the receiver lands each run in place.
+Importing applies `ucx_env`'s settings before ucxx initialises; ImportError without ucxx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from nori.transfer.address import Address, parse_address, worker_peer
-from nori.transfer.base import KVSink, TransferConfig, TransferError
-from nori.transfer.buffers import check_sources
+from nori.transfer.base import (
+    ConnectionClosed,
+    KVSink,
+    MessageTooLarge,
+    TransferConfig,
+    TransferError,
+)
 from nori.transfer.conversation import (
+    ConnectionPool,
     ReceiverStats,
-    TransferCounters,
     send_transfer,
     serve_connection,
 )
 from nori.transfer.cross_memory_receiver import PullReader
 from nori.transfer.cross_memory_sender import PullSource
-from nori.transfer.handoff import TransferHeader
-from nori.transfer.pool import ConnectionPool
-from nori.transfer.ucx_channel import UcxChannel
+from nori.transfer.handoff import Address, TransferHeader, parse_address, worker_peer
+from nori.transfer.integrity import TransferHasher, check_sources, hash_chunks
 from nori.transfer.ucx_env import is_loopback
-from nori.transfer.ucx_progress import (
-    UcxProgress,
-    connect,
-    create_listener,
-)
-from nori.transfer.ucx_worker_address import (
+from nori.transfer.ucx_worker import (
     MAX_HELLO_BYTES,
     ConnectionTags,
     PeerWatch,
+    Poster,
+    UcxProgress,
+    UcxRequest,
+    abort,
     accept_hello,
+    connect,
     connect_to_worker,
+    listen,
     welcome,
     worker_address,
 )
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+# Requests posted between two rounds of progress, so data moves while the rest is posted.
+_POST_BATCH = 64
+
+
+def _ucx_buffer(view: torch.Tensor) -> object:
+    return view if view.is_cuda else view.numpy()  # as ucxx takes it, without a copy
+
+
+class UcxChannel:
+    """One connection: a listener's endpoint pair, or (with `tags`) two one-way endpoints."""
+
+    def __init__(
+        self,
+        endpoint: Any,
+        progress: UcxProgress,
+        tags: ConnectionTags | None = None,
+        peer: PeerWatch | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        self._progress = progress
+        self._poster = Poster(endpoint)
+        self._tags = tags
+        self._peer = peer
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and not self._endpoint.closed and not self._peer_left()
+
+    async def _transport(self, operation: Awaitable[T], what: str) -> T:
+        """Runs a ucxx operation; its failures become TransferError."""
+        if self._closed:
+            raise TransferError("the connection is closed")
+        try:
+            return await operation
+        except (TransferError, asyncio.CancelledError):
+            raise
+        except Exception as error:
+            raise TransferError(f"UCX {what} failed: {error or type(error).__name__}") from error
+
+    async def send_message(self, payload: bytes) -> None:
+        message = np.frombuffer(payload, dtype=np.uint8)
+        if self._tags is None:
+            await self._transport(self._progress.run(self._endpoint.send(message)), "send")
+        else:
+            # A message the peer never takes (it left) must not wait for ever.
+            sent = self._progress.wait_all([self._poster.send(message)], self._peer)
+            await self._transport(sent, "send")
+
+    async def recv_message(self, max_bytes: int) -> bytes:
+        length = await self._transport(
+            self._progress.wait_message(self._endpoint, self._peer), "receive"
+        )
+        if length is None:
+            raise ConnectionClosed("the peer closed the connection")
+        if length > max_bytes:
+            raise MessageTooLarge(f"a message of {length} bytes exceeds the {max_bytes}-byte limit")
+        message = np.empty(length, dtype=np.uint8)
+        # The public recv: it still finds a message that arrived just before the peer left.
+        await self._transport(self._progress.run(self._endpoint.recv(message)), "receive")
+        return message.tobytes()
+
+    def _peer_left(self) -> bool:
+        return self._peer is not None and self._peer()
+
+    async def _send_all(self, views: list[torch.Tensor], hasher: TransferHasher | None) -> None:
+        """Posts a send of every view, feeding `hasher` every byte in order; on the host each
+        hash chunk is hashed right before it is posted, so UCX's copy finds it in cache."""
+        on_host = not any(view.is_cuda for view in views)
+        chunk_ends: dict[int, memoryview] = (
+            dict(hash_chunks(views)) if hasher is not None and on_host else {}
+        )
+        requests: list[UcxRequest] = []
+        pending: list[int] = []
+        for index, view in enumerate(views):
+            if view.numel():
+                pending.append(index)
+            if index in chunk_ends or len(pending) >= _POST_BATCH or index == len(views) - 1:
+                if index in chunk_ends:
+                    hasher.update(chunk_ends[index])  # type: ignore[union-attr]
+                requests.extend(self._poster.send(_ucx_buffer(views[i])) for i in pending)
+                pending = []
+                self._progress.poll()
+        # Two one-way endpoints: a peer that leaves mid-transfer says so only with its bye.
+        await self._progress.wait_all(requests, self._peer)
+        if hasher is not None and not on_host:
+            for view in views:  # CUDA: from host copies, after the transfer
+                hasher.update(view.cpu().numpy().data)
+
+    async def _receive_all(self, views: list[torch.Tensor], hasher: TransferHasher | None) -> None:
+        """Posts a receive per view, in order, in place; on the host each view is hashed the
+        moment it lands, in order, while it is still in cache."""
+        on_host = not any(view.is_cuda for view in views)
+        inflight: collections.deque[tuple[UcxRequest, torch.Tensor]] = collections.deque()
+
+        def land() -> None:
+            request, view = inflight.popleft()
+            request.result()
+            if hasher is not None and on_host:
+                hasher.update(_ucx_buffer(view))  # type: ignore[arg-type]
+
+        try:
+            for posted, view in enumerate([view for view in views if view.numel()], 1):
+                inflight.append((self._poster.recv(_ucx_buffer(view)), view))
+                if posted % _POST_BATCH == 0:
+                    self._progress.poll()
+                    while inflight and inflight[0][0].done():
+                        land()
+            while inflight:
+                await self._progress.wait_all([inflight[0][0]], self._peer)
+                land()
+        except BaseException:
+            # Receives still posted write into their buffers until the endpoint is aborted.
+            self._progress.keep([request for request, _ in inflight])
+            raise
+        if hasher is not None and not on_host:
+            for view in views:  # CUDA: from host copies, after the transfer
+                hasher.update(view.cpu().numpy().data)
+
+    async def send_buffers(
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
+    ) -> None:
+        await self._transport(self._send_all(views, hasher), "send")
+
+    async def recv_buffers(
+        self, views: list[torch.Tensor], hasher: TransferHasher | None = None
+    ) -> None:
+        await self._transport(self._receive_all(views, hasher), "receive")
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                if self._tags is not None and not self._peer_left():
+                    self._progress.say_bye(self._endpoint, self._tags.send_bye)
+                abort(self._endpoint)
+            except Exception as error:
+                logger.debug("UCX endpoint abort failed: %s", error)
+            self._progress.wake()
+
+
 _CLOSE_WAIT_S = 5.0
 
 
 class UcxReceiver(ReceiverStats):
-    """Receives UCX senders' transfers into the sink's tensors.
-
-    Bound to a loopback `host` it opens no socket of its own: its address carries its UCX worker
-    address and UCX stays on loopback (`ucx_env.confine_ucx_to`). Otherwise ucxx's listener binds
-    every interface (it takes no address). A transfer needs its reservation's token either way.
-    """
+    """Receives UCX senders' transfers into the sink's tensors. Bound to a loopback `host` it
+    opens no socket (its address carries its UCX worker address); otherwise ucxx's listener binds
+    every interface. A transfer needs its reservation's token either way."""
 
     def __init__(self, sink: KVSink, config: TransferConfig | None = None) -> None:
         super().__init__()
@@ -84,7 +231,7 @@ class UcxReceiver(ReceiverStats):
             self._address = str(Address("ucx", advertise_host, 0, peer))
             return self._address
         try:
-            self._listener = create_listener(self._handle, port, self._config.connect_timeout_s)
+            self._listener = listen(self._handle, port, self._config.connect_timeout_s)
         except Exception as error:
             self._progress.close()
             raise OSError(f"UCX cannot listen on port {port}: {error}") from error
@@ -123,11 +270,10 @@ class UcxReceiver(ReceiverStats):
 
     async def _serve(self, channel: UcxChannel) -> None:
         if self._closing:
-            await channel.close()
-            return
+            return await channel.close()
         self._channels.add(channel)
         try:
-            await serve_connection(channel, self._sink, self._counters, self._config, self._reader)
+            await serve_connection(channel, self._sink, self, self._config, self._reader)
         finally:
             self._channels.discard(channel)
 
@@ -150,7 +296,7 @@ class UcxReceiver(ReceiverStats):
         # Dropping the listener while a handler runs leaves its endpoint behind: wait them out.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _CLOSE_WAIT_S
-        while (listener is not None and listener.active_clients) and loop.time() < deadline:
+        while listener is not None and listener.active_clients and loop.time() < deadline:
             progress.wake()
             await asyncio.sleep(0.005)
         if listener is not None and listener.active_clients:
@@ -171,17 +317,16 @@ class UcxSender:
     def __init__(self, config: TransferConfig | None = None) -> None:
         self._config = config or TransferConfig()
         self._pull_source = PullSource() if self._config.map_shared_memory else None
-        self._counters = TransferCounters()
+        self._bytes_sent = 0
         self._progress: UcxProgress | None = None
         self._pool: ConnectionPool[UcxChannel] = ConnectionPool(
             self._connect, self._config.max_connections_per_peer
         )
-        # Transfers whose caller went away, still running to their end (see `send`).
         self._orphans: set[asyncio.Future[None]] = set()
 
     @property
     def bytes_sent(self) -> int:
-        return self._counters.nbytes
+        return self._bytes_sent
 
     def _progress_here(self) -> UcxProgress:
         if self._progress is None:
@@ -227,16 +372,15 @@ class UcxSender:
             )
         )
         try:
-            # UCX reads and writes our buffers after the posting call returned: a cancelled
-            # caller must not free them under posted requests (memory corruption), so the
-            # transfer runs to its end or timeout whatever happens to the caller.
+            # UCX uses our buffers after the posting call returned: a cancelled caller must not
+            # free them under posted requests, so the transfer runs to its end or timeout.
             await asyncio.shield(transfer)
         except asyncio.CancelledError:
             if not transfer.done():
                 self._orphans.add(transfer)
                 transfer.add_done_callback(self._orphan_done)
             raise
-        self._counters.add(header.total_nbytes)
+        self._bytes_sent += header.total_nbytes
 
     def _orphan_done(self, transfer: asyncio.Future[None]) -> None:
         self._orphans.discard(transfer)
@@ -245,7 +389,7 @@ class UcxSender:
 
     async def close(self) -> None:
         await self._pool.close()
-        # Pooled connections are aborted, so orphans end promptly; their buffers outlive them.
+        # Pooled connections are aborted: orphans end promptly, their buffers outliving them.
         if self._orphans:
             await asyncio.wait(list(self._orphans), timeout=self._config.timeout_s)
         if self._progress is not None:

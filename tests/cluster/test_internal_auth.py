@@ -35,10 +35,9 @@ from nori.launch.local_cluster import LocalCluster
 from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
 from nori.state.keys import Keys
-from nori.transfer.address import parse_address
 from nori.transfer.base import TransferRejected
 from nori.transfer.factory import make_sender
-from nori.transfer.handoff import TransferHeader
+from nori.transfer.handoff import TransferHeader, parse_address
 from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 from tests.cluster.conftest import running_cluster

@@ -15,7 +15,7 @@ from nori.decode.kv_sink import DecodeKVSink, Lease, LeaseExpired, LeaseState
 from nori.decode.servicer import kv_listen_host
 from nori.transfer.base import TransferRejected
 from nori.transfer.handoff import TransferHeader
-from nori.transfer.integrity import buffer_checksums
+from nori.transfer.integrity import TransferHasher, byte_view
 from nori.transfer.tcp import TcpReceiver, TcpSender
 from nori.v1.handoff_pb2 import KVDestination
 from nori.worker.servicer_base import BlockLayout, destination_buffers, source_buffers
@@ -43,19 +43,38 @@ def header(
     checksums: bool = True,
 ) -> TransferHeader:
     """A sender's header for `block_ids`: sizes, the reservation's epoch and transfer token
-    (from `sink`; none without it), and the checksums of buffers holding `fill`."""
+    (from `sink`; none without it), and (`sender_checksum`) the checksum of buffers holding
+    `fill`, which follows the data."""
     buffers = destination_buffers((cache,), block_ids)
     lease = sink.lease(request_id) if sink is not None else None
     destination = reservation_of(lease)
-    return TransferHeader.of(
+    sent = TransferHeader.of(
         request_id,
         block_ids,
         [b.nbytes for b in buffers],
         output_token_ids=[7],
         destination=destination,
-        buffer_checksums=buffer_checksums([torch.full_like(b, fill) for b in buffers])
-        if checksums
-        else (),
+        checksums_follow=checksums,
+    )
+    return dataclasses.replace(
+        sent, sender_checksum=checksum([torch.full_like(b, fill) for b in buffers])
+    )
+
+
+def checksum(buffers: list[torch.Tensor]) -> int:
+    """The transfer checksum of the buffers' bytes, in order."""
+    hasher = TransferHasher()
+    for buffer in buffers:
+        hasher.update(byte_view(buffer.contiguous()).numpy())
+    return hasher.intdigest()
+
+
+def landed(sent: TransferHeader, buffers: list[torch.Tensor]) -> TransferHeader:
+    """`sent` as the receiving conversation hands it to `completed`: the sender's checksum and
+    the one taken over what landed in `buffers`."""
+    assert sent.sender_checksum is not None
+    return dataclasses.replace(
+        sent, buffer_checksums=(sent.sender_checksum,), received_checksums=(checksum(buffers),)
     )
 
 
@@ -77,7 +96,7 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
     other_epoch.transfer_token = reserved.transfer_token
     with pytest.raises(TransferRejected, match="names reservation"):
         sink.destinations(TransferHeader.of("r1", [3, 4], [], destination=other_epoch))
-    with pytest.raises(TransferRejected, match="0 checksums for 4 buffers"):
+    with pytest.raises(TransferRejected, match="checksum follows"):
         sink.destinations(header("r1", [3, 4], cache, sink, checksums=False))
 
     good = header("r1", [3, 4], cache, sink, fill=1.0)
@@ -88,7 +107,7 @@ async def test_accepts_only_the_reserved_blocks_with_the_expected_sizes() -> Non
         sink.destinations(good)
     for buffer in buffers:
         buffer.fill_(1.0)
-    sink.completed(good, sum(good.buffer_nbytes))
+    sink.completed(landed(good, buffers), sum(good.buffer_nbytes))
     assert list((await sink.wait("r1")).output_token_ids) == [7]
     assert cache[:, :, 3:5].eq(1).all() and not cache[:, :, :3].any()
     assert sink.bytes_received == sum(good.buffer_nbytes) and sink.transfers_completed == 1
@@ -127,8 +146,8 @@ async def test_renewals_keep_the_blocks_past_the_lease_and_silence_frees_them() 
         assert not waiter.done()
     assert sink.state("r1") is LeaseState.COMPUTING
     started = header("r1", [2], cache, sink)
-    sink.destinations(started)
-    sink.completed(started, sum(started.buffer_nbytes))
+    buffers = sink.destinations(started)
+    sink.completed(landed(started, buffers), sum(started.buffer_nbytes))
     assert list((await waiter).output_token_ids) == [7]
 
     # Another one whose prefill worker hangs after two renewals: freed one lease later.
@@ -184,7 +203,7 @@ async def test_a_corrupted_or_truncated_transfer_is_refused_and_never_decoded(da
     else:
         nbytes -= 4
     with pytest.raises(TransferRejected, match="corrupted KV transfer"):
-        sink.completed(sent, nbytes)  # the receiver refuses instead of acknowledging
+        sink.completed(landed(sent, buffers), nbytes)  # refused instead of acknowledged
     with pytest.raises(TransferRejected, match="corrupted KV transfer"):
         await sink.wait("r1")
     assert sink.state("r1") is LeaseState.FAILED
@@ -236,7 +255,7 @@ async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_on
         [b.nbytes for b in sent],
         output_token_ids=[7],
         destination=reservation_of(sink.lease("r1")),
-        buffer_checksums=buffer_checksums(sent),
+        checksums_follow=True,
     )
     buffers = sink.destinations(good)
     assert all(
@@ -245,7 +264,10 @@ async def test_a_staging_sink_receives_into_fresh_tensors_and_hands_them_over_on
     for buffer, data in zip(buffers, sent, strict=True):
         buffer.copy_(data)
     assert sink.staged_blocks("r1") is None  # not arrived yet
-    sink.completed(good, sum(good.buffer_nbytes))
+    arrived = dataclasses.replace(
+        good, buffer_checksums=(checksum(sent),), received_checksums=(checksum(buffers),)
+    )
+    sink.completed(arrived, sum(good.buffer_nbytes))
     await sink.wait("r1")
     (staged,) = sink.staged_blocks("r1")  # type: ignore[misc]
     assert staged.shape == (2, 2, 3, 4, 2, 2)
@@ -284,7 +306,7 @@ def forgeries(
             [b.nbytes for b in buffers],
             output_token_ids=[9],
             destination=destination,
-            buffer_checksums=buffer_checksums([torch.full_like(b, 5.0) for b in buffers]),
+            checksums_follow=True,
         )
 
 
@@ -313,9 +335,10 @@ async def test_a_transfer_without_its_reservations_token_is_refused_and_frees_no
     # The real senders, after the forgers: accepted, into their blocks only.
     for rid, blocks, fill in (("r2", [5, 6], 2.0), ("r1", [1, 2], 1.0)):
         good = header(rid, blocks, cache, sink, fill=fill)
-        for buffer in sink.destinations(good):
+        buffers = sink.destinations(good)
+        for buffer in buffers:
             buffer.fill_(fill)
-        sink.completed(good, sum(good.buffer_nbytes))
+        sink.completed(landed(good, buffers), sum(good.buffer_nbytes))
     assert [list((await waiters[rid]).output_token_ids) for rid in ("r1", "r2")] == [[7], [7]]
     assert cache[:, :, 1:3].eq(1).all() and cache[:, :, 5:7].eq(2).all()
     untouched = [b for b in range(cache.shape[2]) if b not in (1, 2, 5, 6)]

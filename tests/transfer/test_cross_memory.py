@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from nori.transfer.base import TransferError
-from nori.transfer.buffers import ScatteredRun, check_sources
 from nori.transfer.cross_memory_receiver import (
     COPY_THREAD_MIN_BYTES,
     PullReader,
@@ -24,7 +23,7 @@ from nori.transfer.cross_memory_receiver import (
 from nori.transfer.cross_memory_sender import PullSource
 from nori.transfer.factory import make_receiver, make_sender
 from nori.transfer.handoff import CrossMemoryOffer, TransferHeader, decode_reply
-from nori.transfer.integrity import transfer_hasher
+from nori.transfer.integrity import TransferHasher, check_sources
 from tests.transfer.helpers import KINDS, kv_blocks, reference_checksum
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
 from tests.transfer.test_robustness import _raw_channel, failed_and_serves_on
@@ -124,10 +123,10 @@ async def test_a_receiver_copies_another_process_shared_memory_without_reading_t
         blocks_count = nbytes // (32 * 1024)
         cache = torch.zeros(2 * blocks_count, 32 * 1024, dtype=torch.uint8)
         blocks = [cache[2 * i] for i in range(blocks_count)]
-        pieces = [ScatteredRun(tuple(blocks[:40])), *blocks[40:]]
+        pieces = blocks
         reader = PullReader()
         assert reader.can_pull(offer, pieces) and reader.mapped_senders == 1
-        hasher = transfer_hasher()
+        hasher = TransferHasher()
         await reader.pull(offer, pieces, hasher)
         assert torch.cat(blocks).numpy().tobytes() == expected
         assert not cache[1::2].any()

@@ -11,11 +11,10 @@ import textwrap
 import pytest
 import torch
 
-from nori.transfer.address import Address, brief_address, parse_address, worker_peer
 from nori.transfer.base import TransferRejected
-from nori.transfer.buffers import check_destinations, check_sources
 from nori.transfer.factory import default_transport, make_receiver, make_sender, ucx_available
-from nori.transfer.handoff import TransferHeader
+from nori.transfer.handoff import Address, TransferHeader, brief_address, parse_address, worker_peer
+from nori.transfer.integrity import check_destinations, check_sources
 from nori.transfer.tcp import TcpReceiver
 from nori.transfer.ucx_env import LOOPBACK_DEVICE, confine_ucx_to, is_loopback
 from tests.transfer.receiver_process import CacheSink

@@ -15,30 +15,37 @@ from nori.transfer.handoff import TransferHeader
 from nori.transfer.integrity import (
     HASH_CHUNK_BYTES,
     TransferHasher,
-    buffer_checksum,
-    checksum_mismatch,
-    first_mismatch,
+    byte_view,
     hash_chunks,
+    landed_mismatch,
 )
+from nori.v1.handoff_pb2 import KVTransferHeader
 from tests.transfer.helpers import KINDS, reference_checksum
 
 
+def _checksum(buffers: list[torch.Tensor]) -> int:
+    hasher = TransferHasher()
+    for buffer in buffers:
+        hasher.update(byte_view(buffer).numpy())
+    return hasher.intdigest()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
-def test_the_checksum_is_xxh3_of_the_bytes(dtype: torch.dtype) -> None:
+def test_the_checksum_is_of_the_bytes_whatever_the_dtype(dtype: torch.dtype) -> None:
     buffer = torch.arange(64, dtype=torch.float32).to(dtype)
     raw = bytes(buffer.view(torch.uint8).tolist())
-    assert buffer_checksum(buffer) == xxhash.xxh3_64_intdigest(raw)
+    assert _checksum([buffer]) == reference_checksum(raw)
 
 
-def test_one_flipped_bit_is_a_mismatch_naming_the_buffer() -> None:
+def test_one_flipped_bit_is_a_mismatch() -> None:
     buffers = [torch.ones(4, 8), torch.ones(4, 8)]
-    expected = [buffer_checksum(b) for b in buffers]
-    assert first_mismatch(buffers, expected) is None
+    expected = (_checksum(buffers),)
+    assert landed_mismatch((_checksum(buffers),), expected) is None
     buffers[1].view(-1).view(torch.uint8)[13] ^= 0x01
-    assert first_mismatch(buffers, expected).startswith("buffer 1 has checksum")  # type: ignore[union-attr]
-    assert first_mismatch(buffers, expected[:1]) == "1 checksums for 2 buffers"
-    with pytest.raises(ValueError, match="contiguous"):
-        buffer_checksum(torch.ones(4, 8).t())
+    assert landed_mismatch((_checksum(buffers),), expected).startswith(  # type: ignore[union-attr]
+        "the transfer checksum is"
+    )
+    assert landed_mismatch((), expected) == "1 checksums from the sender, 0 taken on receipt"
 
 
 class _CheckingSink:
@@ -56,11 +63,7 @@ class _CheckingSink:
         return [self.cache[2 * i * size : (2 * i + 1) * size] for i in range(len(header.block_ids))]
 
     def completed(self, header: TransferHeader, nbytes: int) -> None:
-        problem = (
-            checksum_mismatch(header.received_checksums, header.buffer_checksums)
-            if header.received_checksums
-            else first_mismatch(self.destinations(header), header.buffer_checksums)
-        )
+        problem = landed_mismatch(header.received_checksums, header.buffer_checksums)
         if problem is not None:
             raise TransferRejected(f"corrupted KV transfer: {problem}")
         self.completed_headers.append(header)
@@ -145,9 +148,12 @@ async def test_a_checksum_taken_where_the_bytes_were_written_is_sent_and_checked
         await receiver.close()
 
 
-def test_a_header_carries_checksums_or_says_they_follow() -> None:
-    with pytest.raises(ValueError, match="either"):
-        TransferHeader.of("r", [1], [8], buffer_checksums=[1], checksums_follow=True)
+def test_a_header_with_per_buffer_checksums_is_refused() -> None:
+    raw = TransferHeader.of("r", [1], [8]).to_bytes()
+    message = KVTransferHeader.FromString(raw[4:])
+    message.buffer_checksums.append(1)
+    with pytest.raises(ValueError, match="per-buffer checksums"):
+        TransferHeader.from_bytes(raw[:4] + message.SerializeToString())
     header = TransferHeader.of("r", [1], [8], checksums_follow=True)
     assert TransferHeader.from_bytes(header.to_bytes()) == header
 

@@ -18,11 +18,10 @@ from typing import Any, cast
 import pytest
 import torch
 
-from nori.transfer.base import KVReceiver, TransferConfig, TransferError, TransferRejected
-from nori.transfer.buffers import check_sources
-from nori.transfer.conversation import Channel
+from nori.transfer.base import Channel, KVReceiver, TransferConfig, TransferError, TransferRejected
 from nori.transfer.factory import make_receiver, make_sender, ucx_available
 from nori.transfer.handoff import HEADER_VERSION, TransferHeader, decode_reply
+from nori.transfer.integrity import check_sources
 from nori.v1.handoff_pb2 import HandOff, KVDestination, KVTransferHeader
 from tests.transfer.helpers import KINDS, kv_blocks
 from tests.transfer.receiver_process import CACHE_SHAPE, UNTOUCHED, CacheSink
@@ -245,15 +244,15 @@ class _DropAfterAccept:
             task = loop.create_task(accept())
             self._stop = [task.cancel, listener.close]
             return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-        from nori.transfer.ucx_channel import UcxChannel
-        from nori.transfer.ucx_progress import UcxProgress, create_listener
+        from nori.transfer.ucx import UcxChannel
+        from nori.transfer.ucx_worker import UcxProgress, listen
 
         progress = UcxProgress()
 
         async def handle(endpoint: Any) -> None:  # ucxx awaits only coroutine functions
             await self._serve(UcxChannel(endpoint, progress))
 
-        ucx_listener = create_listener(handle, 0, 5.0)
+        ucx_listener = listen(handle, 0, 5.0)
         self._stop = [ucx_listener.close, progress.close]
         return f"ucx://127.0.0.1:{ucx_listener.port}"
 
@@ -319,21 +318,20 @@ def test_header_round_trip() -> None:
     parsed = TransferHeader.from_bytes(header.to_bytes())
     assert parsed == header
     assert parsed.request_id == "req-1" and parsed.block_ids == [4, 2]
-    assert parsed.output_token_ids == [7] and parsed.generator_state == b"\x00\x01\x02"
+    assert parsed.hand_off.output_token_ids == [7]
+    assert parsed.hand_off.generator_state == b"\x00\x01\x02"
     assert parsed.hand_off.destination.transfer_address == "tcp://h:1"
     assert header.total_nbytes == 192
     # An unseeded request carries no RNG state, which is not the same as an empty one.
-    assert (
-        TransferHeader.from_bytes(TransferHeader.of("r", [1], [8]).to_bytes()).generator_state
-        is None
-    )
+    unseeded = TransferHeader.from_bytes(TransferHeader.of("r", [1], [8]).to_bytes())
+    assert not unseeded.hand_off.HasField("generator_state")
 
 
 # ------------------------------------------------------------ UCX receivers on loopback
 
 _SENDER_THEN_SLEEP = """
 import asyncio, sys, torch
-from nori.transfer.buffers import check_sources
+from nori.transfer.integrity import check_sources
 from nori.transfer.ucx import UcxSender
 from tests.transfer.helpers import kv_blocks
 
@@ -355,7 +353,7 @@ asyncio.run(main())
 @pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
 async def test_a_loopback_ucx_receiver_is_reached_by_its_worker_address() -> None:
     """No listening socket of its own: the address names the receiver's UCX worker."""
-    from nori.transfer.address import parse_address
+    from nori.transfer.handoff import parse_address
     from nori.transfer.ucx import UcxReceiver
 
     caches = _local_caches()
@@ -374,9 +372,8 @@ async def test_a_loopback_ucx_receiver_is_reached_by_its_worker_address() -> Non
 @pytest.mark.asyncio
 @pytest.mark.skipif(not ucx_available(), reason="ucxx is not importable")
 async def test_junk_hellos_are_dropped_and_the_receiver_serves_on() -> None:
-    from nori.transfer.address import parse_address
-    from nori.transfer.ucx_progress import UcxProgress, abort
-    from nori.transfer.ucx_worker_address import ConnectionTags, _endpoint_to
+    from nori.transfer.handoff import parse_address
+    from nori.transfer.ucx_worker import ConnectionTags, UcxProgress, _endpoint_to, abort
 
     caches = _local_caches()
     receiver = make_receiver("ucx", CacheSink(caches))
