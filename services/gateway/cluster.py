@@ -2,9 +2,10 @@
 
 `generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429), a
 slot under fair shares (429 for a single request without one, a wait for a batch member), then
-`RequestFlow.run`: the workers, retries and migration. The pools' capacities come from the
-workers' GetStats every few seconds. Whatever path the request takes, `generate`'s `finally`
-closes its ticket.
+`_attempts`: each attempt on a decode worker (`request_flow.RequestFlow`), and after a failed one
+`RetryPolicy.after`: another worker, a migration, or the client's error. The pools' capacities
+come from the workers' GetStats every few seconds. Whatever path the request takes, `generate`'s
+`finally` closes its ticket.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from redis.asyncio import Redis
@@ -24,12 +25,21 @@ from redis.exceptions import RedisError
 from nori.cluster_auth import ClusterAuth
 from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
 from nori.gateway.disaggregation import DisaggregationPolicy
-from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
-from nori.gateway.ledger import ASSUMED_FIGURES, Ledger, pool_capacity
-from nori.gateway.request_flow import RequestFlow
-from nori.gateway.ticket import RequestTicket
-from nori.gateway.worker_calls import GroupWait, RetryLimits
-from nori.gateway.worker_pool import WorkerPool
+from nori.gateway.errors import (
+    BackendError,
+    DecodeFullError,
+    InvalidRequestError,
+    PrefillFailedError,
+    QueueFullError,
+    SaturatedError,
+    TransferFailedError,
+    WorkerFullError,
+    WorkerLostError,
+    WorkerUnreachableError,
+)
+from nori.gateway.ledger import Ledger, RequestTicket
+from nori.gateway.request_flow import RequestFlow, Resumed
+from nori.gateway.worker_pool import ASSUMED_FIGURES, WorkerPool, pick_decode, pool_capacity
 from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
@@ -53,7 +63,7 @@ class ClusterOptions(RoleSettings):
     block_size: int | None = None
     refresh_s: float = 0.5
     max_in_flight: int = 4096
-    # See worker_calls.RetryLimits.
+    # See RetryPolicy.
     decode_attempts: int = 3
     prefill_attempts: int = 3
     migration_limit: int = 3
@@ -125,19 +135,13 @@ class ClusterBackend:
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
             self._pool,
-            self.ledger.router,
+            self.ledger,
             self._directory,
             self._states,
             self._tracer,
             self.options.stream_stall_timeout_s,
-            rpc_metadata=self.rpc_metadata,
-            limits=RetryLimits(
-                decode_attempts=self.options.decode_attempts,
-                prefill_attempts=self.options.prefill_attempts,
-                migration_limit=self.options.migration_limit,
-                group_wait_s=self.options.group_wait_s,
-            ),
-            policy=self.disaggregation,
+            self.rpc_metadata,
+            self.disaggregation,
         )
         try:
             await self._redis.ping()
@@ -200,10 +204,9 @@ class ClusterBackend:
         outcome = "cancelled"
         num_output_tokens = 0
         try:
-            waits = request.admission_group is not None or request.priority > 0
             self._refresh_capacity()
-            await ticket.take(self.options.group_wait_s if waits else 0.0)
-            async for chunk in self.flow.run(request, ticket):
+            await ticket.take(self.options.group_wait_s if ticket.waits else 0.0)
+            async for chunk in self._attempts(request, ticket):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
                     # Before the yield: a consumer may close us right after the last chunk.
@@ -217,6 +220,48 @@ class ClusterBackend:
             ticket.close()
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
+
+    async def _attempts(
+        self, request: GenerationRequest, ticket: RequestTicket
+    ) -> AsyncIterator[GenerationChunk]:
+        """The request on a decode worker; on another when that one is full, when the prefill
+        worker fails before token one, or (migration) when the decode worker dies."""
+        wait = GroupWait(self.options.group_wait_s if ticket.waits else 0.0)
+        policy = RetryPolicy(self.options, wait, self.pool.mark_failed)
+        streamed = Resumed([])
+        renamed = 0
+        while True:
+            routable = self.pool.routable()
+            decode = pick_decode(
+                routable, self.ledger.in_flight, self.ledger.turn("decode"), policy.tried
+            )
+            if decode is None:
+                await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
+                continue
+            ticket.decoding_on(decode.worker_id)
+            try:
+                if streamed.token_ids:
+                    chunks = self.flow.compute_and_decode(request, decode, ticket, streamed)
+                elif decode.role == "colocated":
+                    chunks = self.flow.compute_and_decode(request, decode, ticket)
+                else:
+                    chunks = self.flow.serve_disaggregated(request, decode, ticket)
+                async for chunk in chunks:
+                    streamed.add(chunk)
+                    yield chunk
+                return
+            except BackendError as error:
+                fresh_id = await policy.after(
+                    error, request.request_id, decode.worker_id, len(streamed.token_ids)
+                )
+                if fresh_id:
+                    # A fresh id per attempt ("~1", "~2", ...): the earlier one may still be
+                    # open on a worker a moment longer, which would refuse the id as in use.
+                    renamed += 1
+                    base_id = request.request_id.rsplit("~", 1)[0]
+                    request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
+            finally:
+                ticket.decoding_off()
 
     async def _admit(self, request: GenerationRequest) -> RequestTicket:
         """The request's ticket (`Ledger.admit`). A background request (priority above 0) waits
@@ -273,3 +318,139 @@ class ClusterBackend:
     def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
         if self._states is not None:
             self._states.record(request_id, state, **fields)
+
+
+# ---------------------------------------------------------------------- after a failure
+
+FIRST_DELAY_S = 0.05
+MAX_DELAY_S = 1.0
+
+
+class GroupWait:
+    """A batch member's (or batch line's) wait when every worker is full: doubling backoff
+    until `limit_s` after the first turn. A single request does not wait (limit 0: a 429 its
+    client retries); a batch's own running members free the room the rest need."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit_s = limit_s
+        self._clock = clock
+        self._deadline: float | None = None
+        self._delay_s = FIRST_DELAY_S
+
+    async def turn(self, woken: asyncio.Future[None] | None = None) -> bool:
+        """Waits for the backoff or `woken` (room freed), then cancels `woken`; False, at once,
+        when the time is up."""
+        try:
+            if self._limit_s <= 0:
+                return False
+            now = self._clock()
+            if self._deadline is None:
+                self._deadline = now + self._limit_s
+            if now >= self._deadline:
+                return False
+            delay_s = min(self._delay_s, self._deadline - now)
+            if woken is None:
+                await asyncio.sleep(delay_s)
+            else:
+                await asyncio.wait([woken], timeout=delay_s)
+            self._delay_s = min(self._delay_s * 2, MAX_DELAY_S)
+            return True
+        finally:
+            if woken is not None:
+                woken.cancel()
+
+
+@dataclass
+class RetryPolicy:
+    """After each failed attempt of one request: another try (under a fresh id or not), or the
+    error the client gets; a batch member whose tries are used up waits (`GroupWait`) and tries
+    them all again while the client has seen nothing. Every counter of its tries is here.
+
+    | failure                                  | next try, while the limit allows            |
+    |------------------------------------------|---------------------------------------------|
+    | DecodeFullError: refused before any work | another decode worker (decode_attempts)     |
+    | WorkerFullError: the prefill queue full  | pick again (prefill_attempts)               |
+    | PrefillFailedError, TransferFailedError  | start over (prefill_attempts, then 503)     |
+    | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
+    """
+
+    limits: ClusterOptions
+    wait: GroupWait
+    mark_failed: Callable[[str], None]
+    tried: list[str] = field(default_factory=list)
+    full_prefills: int = 0
+    failed_prefills: int = 0
+    migrations: int = 0
+
+    async def no_decode_worker(self, request_id: str, streamed: bool) -> None:
+        """Returns when the request may look for a decode worker again; raises otherwise."""
+        if self.migrations:
+            raise SaturatedError(
+                f"the decode worker streaming request {request_id} failed and no other decode "
+                "worker is left to continue it; retry after the time in Retry-After"
+            )
+        if self.tried and not streamed and await self.wait.turn():
+            self.tried.clear()  # a batch member: try them all again
+            return
+        if self.tried:
+            raise QueueFullError(
+                "no decode worker could take the request (queues or KV pools full); "
+                "retry after the time in Retry-After"
+            )
+        raise SaturatedError("no decode worker is available")
+
+    async def after(
+        self, error: BackendError, request_id: str, decode_id: str, num_streamed: int
+    ) -> bool:
+        """Returns when the request may try again (True: under a fresh id); raises `error`, or
+        the 503 it becomes, when it must fail."""
+        if isinstance(error, DecodeFullError):
+            # A migrating request may try others too: nothing is replayed.
+            self.tried.append(decode_id)
+            if len(self.tried) >= self.limits.decode_attempts + self.migrations:
+                if num_streamed or not await self.wait.turn():
+                    raise error
+                self.tried.clear()
+            return not num_streamed
+        if isinstance(error, WorkerFullError):
+            self.full_prefills += 1
+            if self.full_prefills >= self.limits.prefill_attempts:
+                if not await self.wait.turn():
+                    raise error
+                self.full_prefills = 0
+            return True
+        if isinstance(error, PrefillFailedError | TransferFailedError):
+            # Its decode reservation is already released: start over while the client has
+            # seen nothing.
+            if isinstance(error, PrefillFailedError) and error.unreachable:
+                self.mark_failed(error.worker_id)
+            self.failed_prefills += 1
+            if num_streamed:
+                raise error
+            if self.failed_prefills >= self.limits.prefill_attempts:
+                # Workers failed, not the request: a 503, not a 500.
+                raise SaturatedError(
+                    f"the prompt's prefill failed {self.failed_prefills} times ({error}); retry "
+                    "after the time in Retry-After",
+                    retry_after_s=1.0,
+                ) from error
+            logger.warning("request %s: %s; computing it again", request_id, error)
+            return True
+        if isinstance(error, WorkerUnreachableError | WorkerLostError):
+            self.mark_failed(decode_id)
+            self.tried.append(decode_id)
+            self.migrations += 1
+            if self.migrations > self.limits.migration_limit:
+                raise SaturatedError(
+                    f"request {request_id}: {error}; it moved to another decode worker "
+                    f"{self.limits.migration_limit} times (--migration-limit); retry after the "
+                    "time in Retry-After"
+                ) from error
+            logger.warning(
+                "request %s: %s; continuing on another decode worker after %d tokens",
+                request_id,
+                error,
+                num_streamed,
+            )
+            return False
+        raise error

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from nori.gateway.backend import Backend
 from nori.gateway.errors import APIError, bad_request
-from nori.gateway.metrics import GatewayMetrics
+from nori.gateway.middleware import GatewayMetrics
 from nori.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,

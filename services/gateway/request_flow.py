@@ -1,24 +1,22 @@
-"""The path of one admitted request through the workers, retries and migration included.
+"""One attempt of an admitted request on the workers (`cluster.ClusterBackend.run` retries it).
 
-`RequestFlow.run` is the whole of it: pick a decode worker (`worker_pool.Router`) and, on a
-disaggregated one, where the prompt is computed (`disaggregation.choose_path`); then either
-`prefill_then_decode` (reserve blocks on the decode worker, prefill on a prefill worker that
-sends the KV there and answers with token one, stream the rest from the decode worker) or
-`compute_and_decode` (one worker computes the prompt, on migration with what was streamed, and
-decodes). On a failure `worker_calls.RetryPolicy.after` decides whether and where to try again.
-The request's `RequestTicket` counts where it is; closing the iterator cancels the calls, which
-frees the request's blocks on those workers.
+On a disaggregated decode worker `serve_disaggregated` picks where the prompt is computed
+(`disaggregation.py`), then either `prefill_then_decode` (reserve blocks on the decode worker,
+prefill on a prefill worker that sends the KV there and answers with token one, stream the rest
+from the decode worker) or `compute_and_decode` (one worker computes the prompt, on migration with
+what was streamed, and decodes). A failed call is a `BackendError` with its HTTP status
+(`error_from_rpc`). The request's `RequestTicket` counts where it is; closing the iterator
+cancels the calls, which frees the request's blocks on those workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -31,33 +29,30 @@ from nori.gateway.errors import (
     InvalidRequestError,
     PrefillFailedError,
     SaturatedError,
+    TransferFailedError,
     UpstreamTimeoutError,
     WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
 )
-from nori.gateway.ticket import RequestTicket
-from nori.gateway.worker_calls import (
-    GroupWait,
-    RetryLimits,
-    RetryPolicy,
-    await_call,
-    chunk_from_delta,
-    messages,
-    read,
-    reservation,
-)
-from nori.gateway.worker_pool import Router, WorkerPool
+from nori.gateway.ledger import Ledger, RequestTicket
+from nori.gateway.worker_pool import WorkerPool, pick_prefill
 from nori.repeated_log import RepeatedFailureLog
-from nori.rpc.convert import params_to_proto
+from nori.rpc.convert import (
+    logprobs_from_proto,
+    params_to_proto,
+    prompt_logprobs_from_delta,
+    stop_reason_from_proto,
+)
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.registry import WorkerInfo
 from nori.state.state_recorder import StateRecorder
 from nori.telemetry.propagation import grpc_metadata
-from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,75 +68,30 @@ class Resumed:
 
 
 class RequestFlow:
-    """One admitted request on the workers: `run`, and the two ways a worker serves it."""
+    """One attempt of an admitted request on the workers: the two ways a worker serves it."""
 
     def __init__(
         self,
         pool: WorkerPool,
-        router: Router,
+        ledger: Ledger,
         directory: BlockDirectory,
         states: StateRecorder | None,
         tracer: trace.Tracer | None = None,
         stall_timeout_s: float = 300.0,
         rpc_metadata: tuple[tuple[str, str], ...] = (),
-        limits: RetryLimits | None = None,
         policy: DisaggregationPolicy | None = None,
     ) -> None:
+        self._pool = pool
+        self._ledger = ledger
+        self._directory = directory
+        self._states = states
         self._tracer = tracer or trace.NoOpTracer()
-        self.disaggregation = policy or DisaggregationPolicy("always")
-        self._rpc_metadata = rpc_metadata
         self._stall_timeout_s = stall_timeout_s
+        self._rpc_metadata = rpc_metadata
+        self.disaggregation = policy or DisaggregationPolicy("always")
         self._lookup_failures = RepeatedFailureLog(
             logger, "the block directory lookup (routing by load meanwhile)"
         )
-        self._pool = pool
-        self._router = router
-        self._directory = directory
-        self._states = states
-        self._limits = limits or RetryLimits()
-
-    async def run(
-        self, request: GenerationRequest, ticket: RequestTicket
-    ) -> AsyncIterator[GenerationChunk]:
-        """The request on a decode worker; on another when that one is full, when the prefill
-        worker fails before token one, or (migration) when the decode worker dies."""
-        waits = request.admission_group is not None or request.priority > 0
-        policy = RetryPolicy(
-            self._limits,
-            GroupWait(self._limits.group_wait_s if waits else 0.0),
-            self._pool.mark_failed,
-        )
-        streamed = Resumed([])
-        renamed = 0
-        while True:
-            decode = self._router.pick_decode(self._pool.routable(), exclude=policy.tried)
-            if decode is None:
-                await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
-                continue
-            ticket.decoding_on(decode.worker_id)
-            try:
-                if streamed.token_ids:
-                    chunks = self.compute_and_decode(request, decode, ticket, resumed=streamed)
-                elif decode.role == "colocated":
-                    chunks = self.compute_and_decode(request, decode, ticket)
-                else:
-                    chunks = self.serve_disaggregated(request, decode, ticket)
-                async for chunk in chunks:
-                    streamed.add(chunk)
-                    yield chunk
-                return
-            except BackendError as error:
-                fresh_id = await policy.after(
-                    error, request.request_id, decode.worker_id, len(streamed.token_ids)
-                )
-                if fresh_id:
-                    # A fresh id per attempt ("~1", "~2", ...): the earlier one may still be
-                    # open on a worker a moment longer, which would refuse the id as in use.
-                    renamed += 1
-                    base_id = request.request_id.rsplit("~", 1)[0]
-                    request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
-            finally:
-                ticket.decoding_off()
 
     async def compute_and_decode(
         self,
@@ -189,7 +139,7 @@ class RequestFlow:
                 prefill,
                 cached,
                 PathQueues.counted(
-                    decode, prefill, self._router.in_flight, self._router.pending_prompt_tokens
+                    decode, prefill, self._ledger.in_flight, self._ledger.pending_prompt_tokens
                 ),
             )
             attributes = choice.span_attributes()
@@ -283,7 +233,9 @@ class RequestFlow:
             ),
             metadata=metadata,
         )
-        answer = asyncio.ensure_future(await_call(call, prefill.worker_id))
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(
+            rpc(call, prefill.worker_id)
+        )
         try:
             either: set[asyncio.Future[Any]] = {answer, decode_next}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -327,7 +279,15 @@ class RequestFlow:
             cached = {}
         cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
         num_tokens = len(request.prompt_token_ids)
-        chosen = self._router.pick_prefill(candidates, cached_tokens, num_tokens)
+        ledger = self._ledger
+        chosen = pick_prefill(
+            candidates,
+            ledger.in_flight,
+            ledger.pending_prompt_tokens,
+            cached_tokens,
+            num_tokens,
+            ledger.turn("prefill"),
+        )
         assert chosen is not None
         span.set_attribute("nori.prefill.worker", chosen.worker_id)
         span.set_attribute("nori.prefix_hit_blocks", cached.get(chosen.worker_id, 0))
@@ -364,3 +324,101 @@ class RequestFlow:
     def _record(self, request_id: str, state: str, **fields: str) -> None:
         if self._states is not None:
             self._states.record(request_id, state, **fields)
+
+
+# ---------------------------------------------------------------------- gRPC calls
+
+
+def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
+    return GenerationChunk(
+        new_token_ids=list(delta.token_ids),
+        new_text=delta.text,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason or None,
+        stop_reason=stop_reason_from_proto(delta),
+        logprobs=[logprobs_from_proto(entry) for entry in delta.logprobs] or None,
+        num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_from_delta(delta),
+    )
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerFullError(f"{worker}: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError(f"{worker}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return WorkerUnreachableError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.ABORTED:
+        return TransferFailedError(f"{worker}: {details}")
+    if code is grpc.StatusCode.CANCELLED:
+        return WorkerLostError(
+            f"{worker} dropped the call (CANCELLED): {details}", cancelled_by_server=True
+        )
+    return BackendError(f"{worker} failed ({code.name}): {details}")
+
+
+async def rpc(call: Awaitable[T], worker: str) -> T:
+    """Awaits a gRPC call; its failure becomes a BackendError. A call cancelled under us (its
+    channel closed) is one too: CancelledError passes only when this task is being cancelled."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error, worker) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise WorkerLostError(f"the call to {worker} was cancelled") from None
+
+
+async def read(
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
+) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end. A worker silent for `stall_timeout_s` is
+    lost (WorkerLostError); keepalive only catches a peer that stops answering pings."""
+    try:
+        async with asyncio.timeout(stall_timeout_s):
+            message = await rpc(call.read(), worker)
+    except TimeoutError:
+        raise WorkerLostError(
+            f"{worker} sent nothing for {stall_timeout_s:g} s (stalled)"
+        ) from None
+    if message is grpc.aio.EOF:
+        return None
+    return message
+
+
+async def messages(
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    while (message := await read(call, worker, stall_timeout_s)) is not None:
+        yield message
+        if message.delta.finished:
+            return
+    raise BackendError(f"{worker} ended the stream before the request finished")
+
+
+async def reservation(
+    decode_call: grpc.aio.UnaryStreamCall, decode: WorkerInfo, stall_timeout_s: float
+) -> KVDestination:
+    """The decode worker's reserved blocks, as the destination the prefill worker needs."""
+    try:
+        message = await read(decode_call, decode.worker_id, stall_timeout_s)
+    except (WorkerFullError, WorkerUnreachableError) as error:
+        raise DecodeFullError(str(error), error.retry_after_s) from None
+    except WorkerLostError as error:
+        if not error.cancelled_by_server:
+            raise
+        # Dropped from its gRPC backlog unserved: nothing ran there.
+        raise DecodeFullError(str(error), retry_after_s=1.0) from None
+    if message is None or not message.HasField("reservation"):
+        raise BackendError(f"{decode.worker_id} did not answer with a reservation")
+    destination = KVDestination()
+    destination.CopyFrom(message.reservation)
+    # The prefill worker renews the lease here while it holds the prompt.
+    destination.grpc_address = decode.grpc_address
+    return destination
