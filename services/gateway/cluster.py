@@ -39,7 +39,7 @@ from nori.gateway.errors import (
 )
 from nori.gateway.ledger import Ledger, RequestTicket
 from nori.gateway.request_flow import RequestFlow, Resumed
-from nori.gateway.worker_pool import ASSUMED_FIGURES, WorkerPool, pick_decode, pool_capacity
+from nori.gateway.worker_pool import WorkerPool, pick_decode
 from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
@@ -47,41 +47,36 @@ from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore
 from nori.state.state_recorder import StateRecorder
-from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
 # How often the gateway reads the pools' capacities (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
-# Prompt slots per prompt worker shared out beside other owners (the rest wait in the gateway).
-PROMPT_SLOTS_SHARED_PER_WORKER = 32
 
 
 @dataclass(frozen=True)
 class ClusterOptions(RoleSettings):
-    # None: the KV block size the workers state in the registry.
-    block_size: int | None = None
-    refresh_s: float = 0.5
+    """The gateway's cluster settings; `nori serve gateway --help` describes their flags."""
+
+    block_size: int | None = None  # None: the KV block size the workers state
     max_in_flight: int = 4096
-    # See RetryPolicy.
-    decode_attempts: int = 3
-    prefill_attempts: int = 3
-    migration_limit: int = 3
-    # How long a batch member waits for room when every worker is full (0: a 429 at once), so
-    # a batch larger than the cluster's queues is served in waves.
+    # Prompt tokens that may wait for token one, per worker computing prompts (0: no bound).
+    max_queued_prompt_tokens: int = 8192
+    migration_limit: int = 3  # moves to another decode worker (RetryPolicy)
+    # How long a batch member waits for room when every worker is full (0: a 429 at once).
     group_wait_s: float = 600.0
-    # A pool's running slots one request or client may hold beside others (nori.gateway.ledger).
-    max_decode_share: float = 0.5
+    max_decode_share: float = 0.5  # of a pool's rows, per owner beside others (ledger.py)
     # Choices per prompt (n), and of one request (prompts x n), past which it is a 400.
     max_n: int = 64
     max_request_members: int = 4096
-    # Longer than any legitimate silence of a worker stream (a queued or long prompt).
-    stream_stall_timeout_s: float = 300.0
+    stream_stall_timeout_s: float = 300.0  # a worker stream silent this long is lost
+    disaggregation: DisaggregationMode = "always"  # where prompts are computed
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S  # auto: the most on a decode worker
 
     def __post_init__(self) -> None:
         if self.stream_stall_timeout_s <= 0:
             raise ValueError(
-                f"--stream-stall-timeout-s must be positive, got {self.stream_stall_timeout_s}"
+                f"--stream-stall-timeout-s must be > 0, got {self.stream_stall_timeout_s}"
             )
         if not 1 <= self.max_n <= 64:
             raise ValueError(f"--max-n must be in [1, 64], got {self.max_n}")
@@ -90,15 +85,6 @@ class ClusterOptions(RoleSettings):
         if not 0 < self.max_decode_share <= 1:
             raise ValueError(f"--max-decode-share must be in (0, 1], got {self.max_decode_share}")
 
-    # Where prompts are computed: "always" on a prefill worker, "never", "auto" per request.
-    disaggregation: DisaggregationMode = "always"
-    # auto: the most decode-worker compute one prompt may take there.
-    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
-
-    # Admission: prompt tokens that may wait for their first token, per worker computing prompts;
-    # 0 = no bound. The default: four engine steps at the default step budget.
-    max_queued_prompt_tokens: int = 8192
-
 
 class ClusterBackend:
     def __init__(self, options: ClusterOptions, tracer: trace.Tracer | None = None) -> None:
@@ -106,7 +92,6 @@ class ClusterBackend:
         self._tracer = tracer
         self._redis: Redis | None = None
         self._pool: WorkerPool | None = None
-        self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
         self._flow: RequestFlow | None = None
         self.ledger = Ledger(
@@ -115,28 +100,20 @@ class ClusterBackend:
         self.disaggregation = DisaggregationPolicy(
             options.disaggregation, options.max_local_compute_s
         )
-        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
-        self._capacity_figures: dict[str, tuple[int, int]] = {}
         self._capacity_watch: asyncio.Task[None] | None = None
         self._auth = ClusterAuth.from_text(options.cluster_secret)
         self.rpc_metadata = self._auth.rpc_metadata()
 
-    # ------------------------------------------------------------------ lifecycle
-
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
         self._redis = connect(self.options.redis_url)
-        self._pool = WorkerPool(
-            WorkerRegistry(self._redis, keys, auth=self._auth),
-            self.options.block_size,
-            self.options.refresh_s,
-        )
-        self._directory = BlockDirectory(self._redis, keys)
+        registry = WorkerRegistry(self._redis, keys, auth=self._auth)
+        self._pool = WorkerPool(registry, self.options.block_size)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
             self._pool,
             self.ledger,
-            self._directory,
+            BlockDirectory(self._redis, keys),
             self._states,
             self._tracer,
             self.options.stream_stall_timeout_s,
@@ -155,11 +132,6 @@ class ClusterBackend:
         assert self._pool is not None, "the backend is not started"
         return self._pool
 
-    @property
-    def flow(self) -> RequestFlow:
-        assert self._flow is not None, "the backend is not started"
-        return self._flow
-
     async def close(self) -> None:
         if self._capacity_watch is not None:
             self._capacity_watch.cancel()
@@ -175,15 +147,8 @@ class ClusterBackend:
     async def health(self) -> BackendHealth:
         return self.pool.health()
 
-    async def worker_stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
-        """Live figures from every registered worker (for /metrics)."""
-        return await self.pool.stats(timeout_s, metadata=self.rpc_metadata)
-
-    # ------------------------------------------------------------------ requests
-
     def _check_fan_out(self, request: GenerationRequest) -> None:
-        """A 400 for a request wider than the caps (wider than `max_in_flight`, it would get
-        429s for ever)."""
+        """A 400 for a request wider than the caps (past `max_in_flight`: 429s for ever)."""
         if request.num_choices > self.options.max_n:
             raise InvalidRequestError(
                 f"n is {request.num_choices}, more than this server allows ({self.options.max_n}, "
@@ -199,10 +164,8 @@ class ClusterBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_fan_out(request)
         ticket = await self._admit(request)
-        request_id = request.request_id
+        request_id, outcome, num_output_tokens = request.request_id, "cancelled", 0
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
-        outcome = "cancelled"
-        num_output_tokens = 0
         try:
             self._refresh_capacity()
             await ticket.take(self.options.group_wait_s if ticket.waits else 0.0)
@@ -226,8 +189,9 @@ class ClusterBackend:
     ) -> AsyncIterator[GenerationChunk]:
         """The request on a decode worker; on another when that one is full, when the prefill
         worker fails before token one, or (migration) when the decode worker dies."""
-        wait = GroupWait(self.options.group_wait_s if ticket.waits else 0.0)
-        policy = RetryPolicy(self.options, wait, self.pool.mark_failed)
+        assert self._flow is not None, "the backend is not started"
+        flow, wait = self._flow, GroupWait(self.options.group_wait_s if ticket.waits else 0.0)
+        policy = RetryPolicy(self.options.migration_limit, wait, self.pool.mark_failed)
         streamed = Resumed([])
         renamed = 0
         while True:
@@ -241,11 +205,11 @@ class ClusterBackend:
             ticket.decoding_on(decode.worker_id)
             try:
                 if streamed.token_ids:
-                    chunks = self.flow.compute_and_decode(request, decode, ticket, streamed)
+                    chunks = flow.compute_and_decode(request, decode, ticket, streamed)
                 elif decode.role == "colocated":
-                    chunks = self.flow.compute_and_decode(request, decode, ticket)
+                    chunks = flow.compute_and_decode(request, decode, ticket)
                 else:
-                    chunks = self.flow.serve_disaggregated(request, decode, ticket)
+                    chunks = flow.serve_disaggregated(request, decode, ticket)
                 async for chunk in chunks:
                     streamed.add(chunk)
                     yield chunk
@@ -283,36 +247,19 @@ class ClusterBackend:
                     raise
 
     def _refresh_capacity(self) -> None:
-        """The pools' capacities by the registry now (a worker that joined or left counts at
-        once). The prompt pool is the prefill workers, else (or under `never`) the decode pool."""
-        serving = [w for w in self.pool.workers if not w.draining]
-        decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
-        prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
-        if not prompt_pool or self.options.disaggregation == "never":
-            prompt_pool = decode_pool
-        figures = self._capacity_figures
-        decode = pool_capacity(figures, decode_pool, ASSUMED_FIGURES)
-        prompt = pool_capacity(figures, prompt_pool, ASSUMED_FIGURES)
-        if prompt is not None:
-            shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
-            prompt = dataclasses.replace(prompt, shared_rows=shared)
-        if (decode, prompt) != (self.ledger.capacity, self.ledger.prompt_capacity):
-            self.ledger.set_capacity(decode, prompt)
+        """Tells the ledger the pools' capacities by the registry now (a worker that joined or
+        left counts at once)."""
+        capacities = self.pool.capacities(self.options.disaggregation == "never")
+        if capacities != (self.ledger.capacity, self.ledger.prompt_capacity):
+            self.ledger.set_capacity(*capacities)
 
     async def _watch_capacity(self) -> None:
-        """Keeps the ledger told what the pools hold, from the workers' GetStats."""
-        figures = self._capacity_figures
         while True:
             try:
-                for stats in await self.worker_stats():
-                    if stats.max_open_calls > 0:
-                        figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
+                await self.pool.read_capacity(self.rpc_metadata)
                 self._refresh_capacity()
-                live = {w.worker_id for w in self.pool.workers}
-                for gone in set(figures) - live:
-                    del figures[gone]
             except Exception as error:  # the next round tries again
-                logger.debug("reading the decode pool's capacity failed: %s", error)
+                logger.debug("reading the pools' capacity failed: %s", error)
             await asyncio.sleep(CAPACITY_REFRESH_S)
 
     def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
@@ -320,16 +267,15 @@ class ClusterBackend:
             self._states.record(request_id, state, **fields)
 
 
-# ---------------------------------------------------------------------- after a failure
-
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
+# Decode workers tried for a request refused before any work, and prefills (full, or failed).
+DECODE_ATTEMPTS = PREFILL_ATTEMPTS = 3
 
 
 class GroupWait:
     """A batch member's (or batch line's) wait when every worker is full: doubling backoff
-    until `limit_s` after the first turn. A single request does not wait (limit 0: a 429 its
-    client retries); a batch's own running members free the room the rest need."""
+    until `limit_s` after the first turn (a single request's limit is 0: a 429 at once)."""
 
     def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._limit_s = limit_s
@@ -341,8 +287,6 @@ class GroupWait:
         """Waits for the backoff or `woken` (room freed), then cancels `woken`; False, at once,
         when the time is up."""
         try:
-            if self._limit_s <= 0:
-                return False
             now = self._clock()
             if self._deadline is None:
                 self._deadline = now + self._limit_s
@@ -368,13 +312,13 @@ class RetryPolicy:
 
     | failure                                  | next try, while the limit allows            |
     |------------------------------------------|---------------------------------------------|
-    | DecodeFullError: refused before any work | another decode worker (decode_attempts)     |
-    | WorkerFullError: the prefill queue full  | pick again (prefill_attempts)               |
-    | PrefillFailedError, TransferFailedError  | start over (prefill_attempts, then 503)     |
+    | DecodeFullError: refused before any work | another decode worker (DECODE_ATTEMPTS)     |
+    | WorkerFullError: the prefill queue full  | pick again (PREFILL_ATTEMPTS)               |
+    | PrefillFailedError, TransferFailedError  | start over (PREFILL_ATTEMPTS, then 503)     |
     | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
     """
 
-    limits: ClusterOptions
+    migration_limit: int
     wait: GroupWait
     mark_failed: Callable[[str], None]
     tried: list[str] = field(default_factory=list)
@@ -407,14 +351,14 @@ class RetryPolicy:
         if isinstance(error, DecodeFullError):
             # A migrating request may try others too: nothing is replayed.
             self.tried.append(decode_id)
-            if len(self.tried) >= self.limits.decode_attempts + self.migrations:
+            if len(self.tried) >= DECODE_ATTEMPTS + self.migrations:
                 if num_streamed or not await self.wait.turn():
                     raise error
                 self.tried.clear()
             return not num_streamed
         if isinstance(error, WorkerFullError):
             self.full_prefills += 1
-            if self.full_prefills >= self.limits.prefill_attempts:
+            if self.full_prefills >= PREFILL_ATTEMPTS:
                 if not await self.wait.turn():
                     raise error
                 self.full_prefills = 0
@@ -427,12 +371,11 @@ class RetryPolicy:
             self.failed_prefills += 1
             if num_streamed:
                 raise error
-            if self.failed_prefills >= self.limits.prefill_attempts:
+            if self.failed_prefills >= PREFILL_ATTEMPTS:
                 # Workers failed, not the request: a 503, not a 500.
                 raise SaturatedError(
                     f"the prompt's prefill failed {self.failed_prefills} times ({error}); retry "
-                    "after the time in Retry-After",
-                    retry_after_s=1.0,
+                    "after the time in Retry-After"
                 ) from error
             logger.warning("request %s: %s; computing it again", request_id, error)
             return True
@@ -440,10 +383,10 @@ class RetryPolicy:
             self.mark_failed(decode_id)
             self.tried.append(decode_id)
             self.migrations += 1
-            if self.migrations > self.limits.migration_limit:
+            if self.migrations > self.migration_limit:
                 raise SaturatedError(
                     f"request {request_id}: {error}; it moved to another decode worker "
-                    f"{self.limits.migration_limit} times (--migration-limit); retry after the "
+                    f"{self.migration_limit} times (--migration-limit); retry after the "
                     "time in Retry-After"
                 ) from error
             logger.warning(

@@ -357,8 +357,8 @@ class Ledger:
 
     def worker_started(self, worker_id: str, prompt_tokens: int = 0, calls: int = 1) -> None:
         """`calls` on `worker_id`, with the prompt tokens it is to compute."""
-        self.in_flight[worker_id] += calls
-        self.pending_prompt_tokens[worker_id] += prompt_tokens
+        _add(self.in_flight, worker_id, calls)
+        _add(self.pending_prompt_tokens, worker_id, prompt_tokens)
 
     def worker_ended(self, worker_id: str, prompt_tokens: int = 0, calls: int = 1) -> None:
         _add(self.in_flight, worker_id, -calls)

@@ -1,15 +1,10 @@
 """What every HTTP request passes through before its endpoint, as plain ASGI middleware (a
-streamed response passes untouched; handlers still see the client's disconnect):
-
-- API keys: `Authorization: Bearer KEY`, else a 401 in OpenAI's error shape; `/health` and
-  `/metrics` stay open;
-- a body bound per endpoint: a 413 before parsing, from the stated length or as soon as a chunked
-  body passes it (the prompt endpoints' bound: `prompt_body_limit`);
-- `x-request-id`: the client's id names the request (`cmpl-<id>`, its workers' ids) and comes back
-  on every response, errors included; `x-trace-id`: the server span's trace id, sent back;
-- the drain (`Drain`): while the gateway stops, a new request gets 503 with `Retry-After` and
-  `/health` 503, while requests in flight, streams included, run to their end;
-- the Prometheus figures (`GatewayMetrics`), in a registry per app.
+streamed response passes untouched; handlers still see the client's disconnect): API keys (else
+a 401; `/health` and `/metrics` stay open); a body bound per endpoint (a 413 before parsing, from
+the stated length or as a chunked body passes it); `x-request-id`, the client's id, which names
+the request and comes back on every response, and `x-trace-id`; the drain (`Drain`: while the
+gateway stops, new requests get 503 with `Retry-After`, those in flight run to their end); and
+the Prometheus figures (`GatewayMetrics`, in a registry per app).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""One attempt of an admitted request on the workers (`cluster.ClusterBackend.run` retries it).
-
-On a disaggregated decode worker `serve_disaggregated` picks where the prompt is computed
-(`disaggregation.py`), then either `prefill_then_decode` (reserve blocks on the decode worker,
-prefill on a prefill worker that sends the KV there and answers with token one, stream the rest
-from the decode worker) or `compute_and_decode` (one worker computes the prompt, on migration with
-what was streamed, and decodes). A failed call is a `BackendError` with its HTTP status
-(`error_from_rpc`). The request's `RequestTicket` counts where it is; closing the iterator
-cancels the calls, which frees the request's blocks on those workers.
+"""One attempt of an admitted request on the workers (`cluster.py` retries it): on a
+disaggregated decode worker, the prompt's path (`disaggregation.py`), then `prefill_then_decode`
+(reserve blocks on the decode worker, prefill on a prefill worker that sends the KV there and
+answers with token one, stream the rest from the decode worker) or `compute_and_decode` (one
+worker computes the prompt, on migration with what was streamed, and decodes). The request's
+`RequestTicket` counts where it is; closing the iterator cancels the calls, which frees the
+request's blocks on those workers.
 """
 
 from __future__ import annotations
@@ -29,11 +27,11 @@ from nori.gateway.errors import (
     InvalidRequestError,
     PrefillFailedError,
     SaturatedError,
-    TransferFailedError,
     UpstreamTimeoutError,
     WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
+    error_from_rpc,
 )
 from nori.gateway.ledger import Ledger, RequestTicket
 from nori.gateway.worker_pool import WorkerPool, pick_prefill
@@ -113,13 +111,10 @@ class RequestFlow:
                 answered = True
                 ticket.first_token(time.monotonic())
                 yield chunk_from_delta(message.delta)
-        except WorkerFullError as error:
-            raise DecodeFullError(str(error), error.retry_after_s) from None
-        except WorkerLostError as error:
-            if answered or not error.cancelled_by_server:
+        except (WorkerFullError, WorkerLostError) as error:
+            if answered and isinstance(error, WorkerLostError):
                 raise
-            # Dropped from its gRPC backlog unserved: nothing ran there.
-            raise DecodeFullError(str(error), retry_after_s=1.0) from None
+            raise took_nothing(error) from None
         finally:
             call.cancel()
 
@@ -278,15 +273,10 @@ class RequestFlow:
             self._lookup_failures.failed(error)
             cached = {}
         cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
-        num_tokens = len(request.prompt_token_ids)
-        ledger = self._ledger
+        ledger, num_tokens = self._ledger, len(request.prompt_token_ids)
+        counts = (ledger.in_flight, ledger.pending_prompt_tokens)
         chosen = pick_prefill(
-            candidates,
-            ledger.in_flight,
-            ledger.pending_prompt_tokens,
-            cached_tokens,
-            num_tokens,
-            ledger.turn("prefill"),
+            candidates, *counts, cached_tokens, num_tokens, ledger.turn("prefill")
         )
         assert chosen is not None
         span.set_attribute("nori.prefill.worker", chosen.worker_id)
@@ -342,25 +332,6 @@ def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
     )
 
 
-def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
-    code, details = error.code(), error.details() or ""
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequestError(details)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return WorkerFullError(f"{worker}: {details}", retry_after_s=1.0)
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return UpstreamTimeoutError(f"{worker}: {details}")
-    if code is grpc.StatusCode.UNAVAILABLE:
-        return WorkerUnreachableError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
-    if code is grpc.StatusCode.ABORTED:
-        return TransferFailedError(f"{worker}: {details}")
-    if code is grpc.StatusCode.CANCELLED:
-        return WorkerLostError(
-            f"{worker} dropped the call (CANCELLED): {details}", cancelled_by_server=True
-        )
-    return BackendError(f"{worker} failed ({code.name}): {details}")
-
-
 async def rpc(call: Awaitable[T], worker: str) -> T:
     """Awaits a gRPC call; its failure becomes a BackendError. A call cancelled under us (its
     channel closed) is one too: CancelledError passes only when this task is being cancelled."""
@@ -408,13 +379,8 @@ async def reservation(
     """The decode worker's reserved blocks, as the destination the prefill worker needs."""
     try:
         message = await read(decode_call, decode.worker_id, stall_timeout_s)
-    except (WorkerFullError, WorkerUnreachableError) as error:
-        raise DecodeFullError(str(error), error.retry_after_s) from None
-    except WorkerLostError as error:
-        if not error.cancelled_by_server:
-            raise
-        # Dropped from its gRPC backlog unserved: nothing ran there.
-        raise DecodeFullError(str(error), retry_after_s=1.0) from None
+    except (WorkerFullError, WorkerUnreachableError, WorkerLostError) as error:
+        raise took_nothing(error) from None
     if message is None or not message.HasField("reservation"):
         raise BackendError(f"{decode.worker_id} did not answer with a reservation")
     destination = KVDestination()
@@ -422,3 +388,12 @@ async def reservation(
     # The prefill worker renews the lease here while it holds the prompt.
     destination.grpc_address = decode.grpc_address
     return destination
+
+
+def took_nothing(error: BackendError) -> BackendError:
+    """A DecodeFullError (another decode worker may serve it) where the decode worker took
+    nothing of the request: full, unreachable, or its call dropped from the gRPC backlog
+    unserved; else `error`."""
+    if isinstance(error, WorkerLostError) and not error.cancelled_by_server:
+        return error
+    return DecodeFullError(str(error), error.retry_after_s or 1.0)

@@ -216,7 +216,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             + refused
             + batches
             + backend.disaggregation.metrics_text()
-            + worker_metrics_text(await backend.worker_stats())
+            + worker_metrics_text(await backend.pool.stats(metadata=backend.rpc_metadata))
         )
 
     batch_store = BatchStore(Path(options.batch_dir)) if options.batch_dir else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -30,6 +31,8 @@ from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Prompt slots per prompt worker shared out beside other owners (the rest wait in the gateway).
+PROMPT_SLOTS_SHARED_PER_WORKER = 32
 # How long a channel to a worker that left the registry stays open for calls still on it.
 CHANNEL_LINGER_S = 120.0
 # A worker whose call just failed gets no new request for this long (about the heartbeat TTL).
@@ -45,12 +48,10 @@ class WorkerPool:
         registry: WorkerRegistry,
         block_size: int | None = None,
         refresh_s: float = 0.5,
-        on_refresh: Callable[[WorkerPool], None] | None = None,
     ) -> None:
         self._registry = registry
         self._expected_block_size = block_size
         self._refresh_s = refresh_s
-        self._on_refresh = on_refresh
         self.workers: list[WorkerInfo] = []
         self.block_size: int | None = block_size
         self._channels = ChannelCache()
@@ -61,6 +62,8 @@ class WorkerPool:
         self._kept_until = 0.0
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
         self.refusals = RefusalLog()
+        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
+        self.capacity_figures: dict[str, tuple[int, int]] = {}
         self._refresher: asyncio.Task[None] | None = None
 
     @property
@@ -125,8 +128,6 @@ class WorkerPool:
         self.block_size = agreement.block_size
         self.refusals.layouts(agreement)
         self.refusals.speculation(speculation)
-        if self._on_refresh is not None:
-            self._on_refresh(self)
         await self._close_channels_of_departed()
 
     def _bridge_loss(self, listed: list[WorkerInfo]) -> list[WorkerInfo]:
@@ -207,6 +208,32 @@ class WorkerPool:
         results = await asyncio.gather(*(one(worker) for worker in self.workers))
         return [stats for stats in results if stats is not None]
 
+    async def read_capacity(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        """Each worker's (rows, calls), from its GetStats."""
+        for stats in await self.stats(metadata=metadata):
+            if stats.max_open_calls > 0:
+                self.capacity_figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
+        live = {w.worker_id for w in self.workers}
+        for gone in set(self.capacity_figures) - live:
+            del self.capacity_figures[gone]
+
+    def capacities(
+        self, prompts_on_decode: bool
+    ) -> tuple[PoolCapacity | None, PoolCapacity | None]:
+        """The decode pool's and the prompt pool's: the prefill workers, else (or when
+        `prompts_on_decode`) the decode pool."""
+        serving = [w for w in self.workers if not w.draining]
+        decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
+        prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
+        if not prompt_pool or prompts_on_decode:
+            prompt_pool = decode_pool
+        decode = pool_capacity(self.capacity_figures, decode_pool, ASSUMED_FIGURES)
+        prompt = pool_capacity(self.capacity_figures, prompt_pool, ASSUMED_FIGURES)
+        if prompt is not None:
+            shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
+            prompt = dataclasses.replace(prompt, shared_rows=shared)
+        return decode, prompt
+
 
 # ---------------------------------------------------------------------- routing and capacity
 # Pure functions of the registry's figures and the ledger's counts (`Ledger.in_flight`,
@@ -259,7 +286,7 @@ def pick_prefill(
 
 
 def _least(
-    candidates: list[WorkerInfo], turn: int, key: Callable[[WorkerInfo], tuple[int, ...]]
+    candidates: list[WorkerInfo], turn: int, key: Callable[[WorkerInfo], tuple[float, ...]]
 ) -> WorkerInfo | None:
     if not candidates:
         return None

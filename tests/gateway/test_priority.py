@@ -15,8 +15,8 @@ import pytest
 from google.protobuf.message import Message
 
 from nori.gateway.backend import GenerationRequest
-from nori.gateway.endpoints import COALESCE_MS
 from nori.gateway.ledger import Ledger
+from nori.gateway.prompts import COALESCE_MS
 from nori.gateway.request_flow import RequestFlow, Resumed
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
