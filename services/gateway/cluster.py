@@ -75,9 +75,8 @@ class ClusterOptions(RoleSettings):
 
     def __post_init__(self) -> None:
         if self.stream_stall_timeout_s <= 0:
-            raise ValueError(
-                f"--stream-stall-timeout-s must be > 0, got {self.stream_stall_timeout_s}"
-            )
+            stall = self.stream_stall_timeout_s
+            raise ValueError(f"--stream-stall-timeout-s must be positive, got {stall}")
         if not 1 <= self.max_n <= 64:
             raise ValueError(f"--max-n must be in [1, 64], got {self.max_n}")
         if self.max_request_members < 1:
