@@ -18,15 +18,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from nori.gateway.backend import Backend
-from nori.gateway.drain import Drain, DrainMiddleware
 from nori.gateway.endpoints import create_chat_completion, create_completion, off_loop_if_large
 from nori.gateway.errors import APIError, as_api_error, bad_request, install_error_handlers
-from nori.gateway.metrics import ExtraMetrics, GatewayMetrics, RequestMetricsMiddleware
 from nori.gateway.middleware import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    Drain,
+    DrainMiddleware,
     EchoRequestIdMiddleware,
+    ExtraMetrics,
+    GatewayMetrics,
+    RequestMetricsMiddleware,
     prompt_body_limit,
 )
 from nori.gateway.prompts import (

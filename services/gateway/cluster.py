@@ -2,9 +2,10 @@
 
 `generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429), a
 slot under fair shares (429 for a single request without one, a wait for a batch member), then
-`RequestFlow.run`: the workers, retries and migration. The pools' capacities come from the
-workers' GetStats every few seconds. Whatever path the request takes, `generate`'s `finally`
-closes its ticket.
+`_attempts`: each attempt on a decode worker (`request_flow.RequestFlow`), and after a failed one
+`RetryPolicy.after`: another worker, a migration, or the client's error. The pools' capacities
+come from the workers' GetStats every few seconds. Whatever path the request takes, `generate`'s
+`finally` closes its ticket.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from redis.asyncio import Redis
@@ -24,69 +25,63 @@ from redis.exceptions import RedisError
 from nori.cluster_auth import ClusterAuth
 from nori.gateway.backend import BackendHealth, GenerationChunk, GenerationRequest
 from nori.gateway.disaggregation import DisaggregationPolicy
-from nori.gateway.errors import BackendError, InvalidRequestError, QueueFullError
-from nori.gateway.ledger import ASSUMED_FIGURES, Ledger, pool_capacity
-from nori.gateway.request_flow import RequestFlow
-from nori.gateway.ticket import RequestTicket
-from nori.gateway.worker_calls import GroupWait, RetryLimits
-from nori.gateway.worker_pool import WorkerPool
+from nori.gateway.errors import (
+    BackendError,
+    DecodeFullError,
+    InvalidRequestError,
+    PrefillFailedError,
+    QueueFullError,
+    SaturatedError,
+    TransferFailedError,
+    WorkerFullError,
+    WorkerLostError,
+    WorkerUnreachableError,
+)
+from nori.gateway.ledger import Ledger, RequestTicket
+from nori.gateway.request_flow import RequestFlow, Resumed
+from nori.gateway.worker_pool import WorkerPool, pick_decode
 from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
 from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore, StateRecorder
-from nori.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
 # How often the gateway reads the pools' capacities (GetStats) for its fair shares.
 CAPACITY_REFRESH_S = 2.0
-# Prompt slots per prompt worker shared out beside other owners (the rest wait in the gateway).
-PROMPT_SLOTS_SHARED_PER_WORKER = 32
 
 
 @dataclass(frozen=True)
 class ClusterOptions(RoleSettings):
-    # None: the KV block size the workers state in the registry.
-    block_size: int | None = None
-    refresh_s: float = 0.5
+    """The gateway's cluster settings; `nori serve gateway --help` describes their flags."""
+
+    block_size: int | None = None  # None: the KV block size the workers state
     max_in_flight: int = 4096
-    # See worker_calls.RetryLimits.
-    decode_attempts: int = 3
-    prefill_attempts: int = 3
-    migration_limit: int = 3
-    # How long a batch member waits for room when every worker is full (0: a 429 at once), so
-    # a batch larger than the cluster's queues is served in waves.
+    # Prompt tokens that may wait for token one, per worker computing prompts (0: no bound).
+    max_queued_prompt_tokens: int = 8192
+    migration_limit: int = 3  # moves to another decode worker (RetryPolicy)
+    # How long a batch member waits for room when every worker is full (0: a 429 at once).
     group_wait_s: float = 600.0
-    # A pool's running slots one request or client may hold beside others (nori.gateway.ledger).
-    max_decode_share: float = 0.5
+    max_decode_share: float = 0.5  # of a pool's rows, per owner beside others (ledger.py)
     # Choices per prompt (n), and of one request (prompts x n), past which it is a 400.
     max_n: int = 64
     max_request_members: int = 4096
-    # Longer than any legitimate silence of a worker stream (a queued or long prompt).
-    stream_stall_timeout_s: float = 300.0
+    stream_stall_timeout_s: float = 300.0  # a worker stream silent this long is lost
+    disaggregation: DisaggregationMode = "always"  # where prompts are computed
+    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S  # auto: the most on a decode worker
 
     def __post_init__(self) -> None:
         if self.stream_stall_timeout_s <= 0:
-            raise ValueError(
-                f"--stream-stall-timeout-s must be positive, got {self.stream_stall_timeout_s}"
-            )
+            stall = self.stream_stall_timeout_s
+            raise ValueError(f"--stream-stall-timeout-s must be positive, got {stall}")
         if not 1 <= self.max_n <= 64:
             raise ValueError(f"--max-n must be in [1, 64], got {self.max_n}")
         if self.max_request_members < 1:
             raise ValueError(f"--max-request-members must be >= 1, got {self.max_request_members}")
         if not 0 < self.max_decode_share <= 1:
             raise ValueError(f"--max-decode-share must be in (0, 1], got {self.max_decode_share}")
-
-    # Where prompts are computed: "always" on a prefill worker, "never", "auto" per request.
-    disaggregation: DisaggregationMode = "always"
-    # auto: the most decode-worker compute one prompt may take there.
-    max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
-
-    # Admission: prompt tokens that may wait for their first token, per worker computing prompts;
-    # 0 = no bound. The default: four engine steps at the default step budget.
-    max_queued_prompt_tokens: int = 8192
 
 
 class ClusterBackend:
@@ -95,7 +90,6 @@ class ClusterBackend:
         self._tracer = tracer
         self._redis: Redis | None = None
         self._pool: WorkerPool | None = None
-        self._directory: BlockDirectory | None = None
         self._states: StateRecorder | None = None
         self._flow: RequestFlow | None = None
         self.ledger = Ledger(
@@ -104,39 +98,25 @@ class ClusterBackend:
         self.disaggregation = DisaggregationPolicy(
             options.disaggregation, options.max_local_compute_s
         )
-        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
-        self._capacity_figures: dict[str, tuple[int, int]] = {}
         self._capacity_watch: asyncio.Task[None] | None = None
         self._auth = ClusterAuth.from_text(options.cluster_secret)
         self.rpc_metadata = self._auth.rpc_metadata()
 
-    # ------------------------------------------------------------------ lifecycle
-
     async def start(self) -> None:
         keys = Keys(self.options.namespace)
         self._redis = connect(self.options.redis_url)
-        self._pool = WorkerPool(
-            WorkerRegistry(self._redis, keys, auth=self._auth),
-            self.options.block_size,
-            self.options.refresh_s,
-        )
-        self._directory = BlockDirectory(self._redis, keys)
+        registry = WorkerRegistry(self._redis, keys, auth=self._auth)
+        self._pool = WorkerPool(registry, self.options.block_size)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
             self._pool,
-            self.ledger.router,
-            self._directory,
+            self.ledger,
+            BlockDirectory(self._redis, keys),
             self._states,
             self._tracer,
             self.options.stream_stall_timeout_s,
-            rpc_metadata=self.rpc_metadata,
-            limits=RetryLimits(
-                decode_attempts=self.options.decode_attempts,
-                prefill_attempts=self.options.prefill_attempts,
-                migration_limit=self.options.migration_limit,
-                group_wait_s=self.options.group_wait_s,
-            ),
-            policy=self.disaggregation,
+            self.rpc_metadata,
+            self.disaggregation,
         )
         try:
             await self._redis.ping()
@@ -149,11 +129,6 @@ class ClusterBackend:
     def pool(self) -> WorkerPool:
         assert self._pool is not None, "the backend is not started"
         return self._pool
-
-    @property
-    def flow(self) -> RequestFlow:
-        assert self._flow is not None, "the backend is not started"
-        return self._flow
 
     async def close(self) -> None:
         if self._capacity_watch is not None:
@@ -170,15 +145,8 @@ class ClusterBackend:
     async def health(self) -> BackendHealth:
         return self.pool.health()
 
-    async def worker_stats(self, timeout_s: float = 2.0) -> list[common_pb2.WorkerStats]:
-        """Live figures from every registered worker (for /metrics)."""
-        return await self.pool.stats(timeout_s, metadata=self.rpc_metadata)
-
-    # ------------------------------------------------------------------ requests
-
     def _check_fan_out(self, request: GenerationRequest) -> None:
-        """A 400 for a request wider than the caps (wider than `max_in_flight`, it would get
-        429s for ever)."""
+        """A 400 for a request wider than the caps (past `max_in_flight`: 429s for ever)."""
         if request.num_choices > self.options.max_n:
             raise InvalidRequestError(
                 f"n is {request.num_choices}, more than this server allows ({self.options.max_n}, "
@@ -194,15 +162,12 @@ class ClusterBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._check_fan_out(request)
         ticket = await self._admit(request)
-        request_id = request.request_id
+        request_id, outcome, num_output_tokens = request.request_id, "cancelled", 0
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
-        outcome = "cancelled"
-        num_output_tokens = 0
         try:
-            waits = request.admission_group is not None or request.priority > 0
             self._refresh_capacity()
-            await ticket.take(self.options.group_wait_s if waits else 0.0)
-            async for chunk in self.flow.run(request, ticket):
+            await ticket.take(self.options.group_wait_s if ticket.waits else 0.0)
+            async for chunk in self._attempts(request, ticket):
                 num_output_tokens += len(chunk.new_token_ids)
                 if chunk.finished:
                     # Before the yield: a consumer may close us right after the last chunk.
@@ -216,6 +181,49 @@ class ClusterBackend:
             ticket.close()
             if outcome != "failed":
                 self._record(request_id, outcome, num_output_tokens=num_output_tokens)
+
+    async def _attempts(
+        self, request: GenerationRequest, ticket: RequestTicket
+    ) -> AsyncIterator[GenerationChunk]:
+        """The request on a decode worker; on another when that one is full, when the prefill
+        worker fails before token one, or (migration) when the decode worker dies."""
+        assert self._flow is not None, "the backend is not started"
+        flow, wait = self._flow, GroupWait(self.options.group_wait_s if ticket.waits else 0.0)
+        policy = RetryPolicy(self.options.migration_limit, wait, self.pool.mark_failed)
+        streamed = Resumed([])
+        renamed = 0
+        while True:
+            routable = self.pool.routable()
+            decode = pick_decode(
+                routable, self.ledger.in_flight, self.ledger.turn("decode"), policy.tried
+            )
+            if decode is None:
+                await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
+                continue
+            ticket.decoding_on(decode.worker_id)
+            try:
+                if streamed.token_ids:
+                    chunks = flow.compute_and_decode(request, decode, ticket, streamed)
+                elif decode.role == "colocated":
+                    chunks = flow.compute_and_decode(request, decode, ticket)
+                else:
+                    chunks = flow.serve_disaggregated(request, decode, ticket)
+                async for chunk in chunks:
+                    streamed.add(chunk)
+                    yield chunk
+                return
+            except BackendError as error:
+                fresh_id = await policy.after(
+                    error, request.request_id, decode.worker_id, len(streamed.token_ids)
+                )
+                if fresh_id:
+                    # A fresh id per attempt ("~1", "~2", ...): the earlier one may still be
+                    # open on a worker a moment longer, which would refuse the id as in use.
+                    renamed += 1
+                    base_id = request.request_id.rsplit("~", 1)[0]
+                    request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
+            finally:
+                ticket.decoding_off()
 
     async def _admit(self, request: GenerationRequest) -> RequestTicket:
         """The request's ticket (`Ledger.admit`). A background request (priority above 0) waits
@@ -237,38 +245,153 @@ class ClusterBackend:
                     raise
 
     def _refresh_capacity(self) -> None:
-        """The pools' capacities by the registry now (a worker that joined or left counts at
-        once). The prompt pool is the prefill workers, else (or under `never`) the decode pool."""
-        serving = [w for w in self.pool.workers if not w.draining]
-        decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
-        prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
-        if not prompt_pool or self.options.disaggregation == "never":
-            prompt_pool = decode_pool
-        figures = self._capacity_figures
-        decode = pool_capacity(figures, decode_pool, ASSUMED_FIGURES)
-        prompt = pool_capacity(figures, prompt_pool, ASSUMED_FIGURES)
-        if prompt is not None:
-            shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
-            prompt = dataclasses.replace(prompt, shared_rows=shared)
-        if (decode, prompt) != (self.ledger.capacity, self.ledger.prompt_capacity):
-            self.ledger.set_capacity(decode, prompt)
+        """Tells the ledger the pools' capacities by the registry now (a worker that joined or
+        left counts at once)."""
+        capacities = self.pool.capacities(self.options.disaggregation == "never")
+        if capacities != (self.ledger.capacity, self.ledger.prompt_capacity):
+            self.ledger.set_capacity(*capacities)
 
     async def _watch_capacity(self) -> None:
-        """Keeps the ledger told what the pools hold, from the workers' GetStats."""
-        figures = self._capacity_figures
         while True:
             try:
-                for stats in await self.worker_stats():
-                    if stats.max_open_calls > 0:
-                        figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
+                await self.pool.read_capacity(self.rpc_metadata)
                 self._refresh_capacity()
-                live = {w.worker_id for w in self.pool.workers}
-                for gone in set(figures) - live:
-                    del figures[gone]
             except Exception as error:  # the next round tries again
-                logger.debug("reading the decode pool's capacity failed: %s", error)
+                logger.debug("reading the pools' capacity failed: %s", error)
             await asyncio.sleep(CAPACITY_REFRESH_S)
 
     def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
         if self._states is not None:
             self._states.record(request_id, state, **fields)
+
+
+FIRST_DELAY_S = 0.05
+MAX_DELAY_S = 1.0
+# Decode workers tried for a request refused before any work, and prefills (full, or failed).
+DECODE_ATTEMPTS = PREFILL_ATTEMPTS = 3
+
+
+class GroupWait:
+    """A batch member's (or batch line's) wait when every worker is full: doubling backoff
+    until `limit_s` after the first turn (a single request's limit is 0: a 429 at once)."""
+
+    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._limit_s = limit_s
+        self._clock = clock
+        self._deadline: float | None = None
+        self._delay_s = FIRST_DELAY_S
+
+    async def turn(self, woken: asyncio.Future[None] | None = None) -> bool:
+        """Waits for the backoff or `woken` (room freed), then cancels `woken`; False, at once,
+        when the time is up."""
+        try:
+            now = self._clock()
+            if self._deadline is None:
+                self._deadline = now + self._limit_s
+            if now >= self._deadline:
+                return False
+            delay_s = min(self._delay_s, self._deadline - now)
+            if woken is None:
+                await asyncio.sleep(delay_s)
+            else:
+                await asyncio.wait([woken], timeout=delay_s)
+            self._delay_s = min(self._delay_s * 2, MAX_DELAY_S)
+            return True
+        finally:
+            if woken is not None:
+                woken.cancel()
+
+
+@dataclass
+class RetryPolicy:
+    """After each failed attempt of one request: another try (under a fresh id or not), or the
+    error the client gets; a batch member whose tries are used up waits (`GroupWait`) and tries
+    them all again while the client has seen nothing. Every counter of its tries is here.
+
+    | failure                                  | next try, while the limit allows            |
+    |------------------------------------------|---------------------------------------------|
+    | DecodeFullError: refused before any work | another decode worker (DECODE_ATTEMPTS)     |
+    | WorkerFullError: the prefill queue full  | pick again (PREFILL_ATTEMPTS)               |
+    | PrefillFailedError, TransferFailedError  | start over (PREFILL_ATTEMPTS, then 503)     |
+    | WorkerUnreachableError, WorkerLostError  | migrate (migration_limit, then 503)         |
+    """
+
+    migration_limit: int
+    wait: GroupWait
+    mark_failed: Callable[[str], None]
+    tried: list[str] = field(default_factory=list)
+    full_prefills: int = 0
+    failed_prefills: int = 0
+    migrations: int = 0
+
+    async def no_decode_worker(self, request_id: str, streamed: bool) -> None:
+        """Returns when the request may look for a decode worker again; raises otherwise."""
+        if self.migrations:
+            raise SaturatedError(
+                f"the decode worker streaming request {request_id} failed and no other decode "
+                "worker is left to continue it; retry after the time in Retry-After"
+            )
+        if self.tried and not streamed and await self.wait.turn():
+            self.tried.clear()  # a batch member: try them all again
+            return
+        if self.tried:
+            raise QueueFullError(
+                "no decode worker could take the request (queues or KV pools full); "
+                "retry after the time in Retry-After"
+            )
+        raise SaturatedError("no decode worker is available")
+
+    async def after(
+        self, error: BackendError, request_id: str, decode_id: str, num_streamed: int
+    ) -> bool:
+        """Returns when the request may try again (True: under a fresh id); raises `error`, or
+        the 503 it becomes, when it must fail."""
+        if isinstance(error, DecodeFullError):
+            # A migrating request may try others too: nothing is replayed.
+            self.tried.append(decode_id)
+            if len(self.tried) >= DECODE_ATTEMPTS + self.migrations:
+                if num_streamed or not await self.wait.turn():
+                    raise error
+                self.tried.clear()
+            return not num_streamed
+        if isinstance(error, WorkerFullError):
+            self.full_prefills += 1
+            if self.full_prefills >= PREFILL_ATTEMPTS:
+                if not await self.wait.turn():
+                    raise error
+                self.full_prefills = 0
+            return True
+        if isinstance(error, PrefillFailedError | TransferFailedError):
+            # Its decode reservation is already released: start over while the client has
+            # seen nothing.
+            if isinstance(error, PrefillFailedError) and error.unreachable:
+                self.mark_failed(error.worker_id)
+            self.failed_prefills += 1
+            if num_streamed:
+                raise error
+            if self.failed_prefills >= PREFILL_ATTEMPTS:
+                # Workers failed, not the request: a 503, not a 500.
+                raise SaturatedError(
+                    f"the prompt's prefill failed {self.failed_prefills} times ({error}); retry "
+                    "after the time in Retry-After"
+                ) from error
+            logger.warning("request %s: %s; computing it again", request_id, error)
+            return True
+        if isinstance(error, WorkerUnreachableError | WorkerLostError):
+            self.mark_failed(decode_id)
+            self.tried.append(decode_id)
+            self.migrations += 1
+            if self.migrations > self.migration_limit:
+                raise SaturatedError(
+                    f"request {request_id}: {error}; it moved to another decode worker "
+                    f"{self.migration_limit} times (--migration-limit); retry after the "
+                    "time in Retry-After"
+                ) from error
+            logger.warning(
+                "request %s: %s; continuing on another decode worker after %d tokens",
+                request_id,
+                error,
+                num_streamed,
+            )
+            return False
+        raise error

@@ -53,7 +53,7 @@ class PathQueues:
         in_flight: Mapping[str, int],
         pending_tokens: Mapping[str, int],
     ) -> PathQueues:
-        """From the registry's figures and this gateway's counts per worker (`Router`)."""
+        """From the registry's figures and this gateway's counts per worker (`Ledger`)."""
         return cls(
             decode_running=max(decode.num_running, in_flight.get(decode.worker_id, 0)),
             decode_pending_tokens=pending_tokens.get(decode.worker_id, 0),

@@ -1,24 +1,24 @@
 """`/v1/completions` and `/v1/chat/completions`, from the parsed body to the answer.
 
-An endpoint makes prompts and sampling parameters (`prompts.py`), one backend request per choice
-and a format (`formats.py`); `respond`, one responder for both APIs, streaming or not, starts the
-backend streams and collects them in a `Session`. A stream waits for its first chunk before the
-200, so a backend refusal is still an HTTP 429/503, not an error inside the stream.
+An endpoint makes prompts and sampling parameters and one backend request per choice
+(`prompts.py`) and a format (`formats.py`); `respond`, one responder for both APIs, streaming or
+not, runs the backend streams in a `Session`. A stream waits for its first chunk before the 200,
+so a backend refusal is still an HTTP 429/503, not an error inside the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from pydantic import BaseModel
-from starlette.types import Receive, Scope
+from starlette.types import Receive
 
 from nori.gateway.backend import GenerationChunk, GenerationRequest
 from nori.gateway.errors import BackendError, as_api_error
@@ -28,6 +28,8 @@ from nori.gateway.formats import (
     Choice,
     CompletionFormat,
     EchoedPrompt,
+    EventStreamResponse,
+    close_iterator,
     sse_event,
     usage,
 )
@@ -45,17 +47,16 @@ from nori.gateway.prompts import (
     completion_prompts,
     completion_sampling_params,
     echoed_prompts,
+    generation_requests,
     resolve_max_tokens,
-    sample_params,
 )
 from nori.gateway.protocol import ChatCompletionRequest, CompletionRequest, Usage
-from nori.gateway.streams import ClientDisconnected, EventStreamResponse, GenerationRun
-from nori.sampling.params import SamplingParams
+from nori.sampling.params import SamplingParams, choice_params
+
+logger = logging.getLogger("nori.gateway")
 
 # Larger bodies are tokenized on a thread, off the event loop that serves every stream.
 LARGE_BODY_BYTES = 64 * 1024
-# A non-streamed request's outputs come from the decode worker at most this often.
-COALESCE_MS = 1000
 # gen_ai.provider.name: this server (the conventions' list names the hosted APIs).
 PROVIDER_NAME = "nori"
 _Result = TypeVar("_Result")
@@ -82,7 +83,7 @@ async def create_completion(
     params = [
         sample
         for p in distinct
-        for sample in sample_params(
+        for sample in choice_params(
             completion_sampling_params(
                 body, completion_max_tokens(body, len(p), ctx.max_model_len)
             ),
@@ -98,9 +99,7 @@ async def create_completion(
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [f"{base}-{index}" for index in range(len(prompts))]
     span = describe_request("text_completion", ctx.model_name, params[0], completion_id)
-    requests = generation_requests(
-        ctx, request, request_ids, prompts, params, n, body.priority, bool(body.stream)
-    )
+    requests = generation_requests(ctx, request.scope, body, request_ids, prompts, params)
     form = CompletionFormat(ctx.model_name, ctx.token_text, body, completion_id, echo)
     return await respond(ctx, requests, form, request, bool(body.stream), n, span)
 
@@ -119,62 +118,12 @@ async def create_chat_completion(
     completion_id = response_id("chatcmpl", client_id)
     base = worker_request_id_base(completion_id, client_id)
     request_ids = [base] if body.n == 1 else [f"{base}-{index}" for index in range(body.n)]
-    params = sample_params(chat_sampling_params(body, max_tokens), body.n)
+    params = choice_params(chat_sampling_params(body, max_tokens), body.n)
     span = describe_request("chat", ctx.model_name, params[0], completion_id)
-    requests = generation_requests(
-        ctx,
-        request,
-        request_ids,
-        [prompt] * body.n,
-        params,
-        body.n,
-        body.priority,
-        bool(body.stream),
-    )
+    prompts = [prompt] * body.n
+    requests = generation_requests(ctx, request.scope, body, request_ids, prompts, params)
     form = ChatFormat(ctx.model_name, ctx.token_text, body, completion_id)
     return await respond(ctx, requests, form, request, bool(body.stream), body.n, span)
-
-
-def generation_requests(
-    ctx: ServingContext,
-    http_request: Request,
-    request_ids: Sequence[str],
-    prompts: Sequence[list[int]],
-    params: Sequence[SamplingParams],
-    samples_per_prompt: int,
-    priority: int,
-    streamed: bool,
-) -> list[GenerationRequest]:
-    """One backend request per choice (`prompts[i]`: choice i's; each prompt stands n times in a
-    row), one admission group per HTTP request; not `streamed`, outputs come merged."""
-    group = request_ids[0] if len(prompts) > 1 else None
-    client = client_identity(http_request.scope)
-    return [
-        GenerationRequest(
-            request_id,
-            prompt,
-            p,
-            admission_group=group,
-            client=client,
-            group_size=len(prompts),
-            num_choices=samples_per_prompt,
-            priority=priority,
-            coalesce_ms=0 if streamed else COALESCE_MS,
-            stream_interval=ctx.stream_interval if streamed else 1,
-        )
-        for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
-    ]
-
-
-def client_identity(scope: Scope) -> str:
-    """Who sent a request, for fair shares: a digest of its API key (never the key), else its
-    address (behind a proxy, one owner for every keyless client)."""
-    header = dict(scope.get("headers", [])).get(b"authorization", b"")
-    scheme, _, token = header.partition(b" ")
-    if scheme.lower() == b"bearer" and token.strip():
-        return "key:" + hashlib.sha256(token.strip()).hexdigest()[:16]
-    client = scope.get("client")
-    return f"addr:{client[0]}" if client else "addr:unknown"
 
 
 def describe_request(
@@ -197,30 +146,20 @@ def describe_request(
     return span
 
 
-# ---------------------------------------------------------------------- the responder
-
 # nginx's "client closed request": no client sees it, but the metrics tell it from errors.
 CLIENT_CLOSED_REQUEST = 499
 
 
 class ResponseFormat(Protocol):
-    """What `formats.CompletionFormat` and `formats.ChatFormat` do for the responder."""
+    """What `formats.CompletionFormat` and `formats.ChatFormat` do for the responder: the whole
+    `response` once every choice has finished; for a stream, the SSE events `opening` (before
+    the first chunk's), `render` (for one chunk of choice `index`; none while text is held back)
+    and `closing` (after the last chunk, before [DONE])."""
 
-    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel:
-        """The whole response, once every choice has finished."""
-        ...
-
-    def opening(self) -> list[str]:
-        """SSE events before the first chunk's."""
-        ...
-
-    def render(self, index: int, chunk: GenerationChunk) -> list[str]:
-        """SSE events for one chunk of choice `index` (none while text is held back)."""
-        ...
-
-    def closing(self, usage: Usage) -> list[str]:
-        """SSE events after the last chunk (before [DONE])."""
-        ...
+    def response(self, choices: Sequence[Choice], usage: Usage) -> BaseModel: ...
+    def opening(self) -> list[str]: ...
+    def render(self, index: int, chunk: GenerationChunk) -> list[str]: ...
+    def closing(self, usage: Usage) -> list[str]: ...
 
 
 async def respond(
@@ -235,7 +174,6 @@ async def respond(
     """Serves `requests` (choice i is `requests[i]`) and answers in `form`; `span` gets the
     usage and finish reasons at the end."""
     session = Session(ctx, requests, samples_per_prompt, span)
-    session.start()
     if not stream:
         try:
             await session.drain(http_request.receive)
@@ -280,8 +218,29 @@ async def _events(
     yield SSE_DONE
 
 
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class _Disconnected:
+    """Queue marker: the disconnect watcher saw `http.disconnect`."""
+
+
+class _Done:
+    """Queue marker: one prompt's stream ended after its finished chunk."""
+
+
+_Event = tuple[int, GenerationChunk | _Done] | BaseException | _Disconnected
+
+
 class Session:
-    """One HTTP request's backend streams, its choices' output so far, its metrics and span."""
+    """One HTTP request's backend streams, its choices' output so far, its metrics and span.
+    Each prompt's backend iterator is driven by a task of its own, its chunks merged into one
+    queue: prompts run concurrently, and closing is always possible (an async generator cannot
+    be `aclose()`d while another task is inside its `__anext__`; cancelling the owning task ends
+    the step and runs the backend's cleanup, outside any cancelled anyio scope). A task watching
+    ASGI `receive()` puts the client's disconnect into the same queue.
+    """
 
     def __init__(
         self,
@@ -290,28 +249,89 @@ class Session:
         samples_per_prompt: int = 1,
         span: trace.Span = trace.INVALID_SPAN,
     ) -> None:
-        self._metrics = ctx.metrics
+        self._ctx = ctx
         self._span = span
         self._samples_per_prompt = samples_per_prompt
         self._request_ids = [r.request_id for r in requests]
         self.choices = [Choice(len(r.prompt_token_ids)) for r in requests]
-        self._seen = [False] * len(requests)
+        self._seen = [False] * len(requests)  # handed out its first chunk (never merged)
         self._first_token_seen = False
-        self._run = GenerationRun(ctx.backend, requests, ctx.tasks)
+        self._queue: asyncio.Queue[_Event] = asyncio.Queue()
+        self._held: _Event | None = None
+        self._remaining = len(requests)
+        self._watcher: asyncio.Task[None] | None = None
         self.started = time.monotonic()
+        self._producers = [self._spawn(self._produce(i, r)) for i, r in enumerate(requests)]
 
-    def start(self) -> None:
-        """Starts the backend streams."""
-        self._run.start()
+    def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:
+        # The app's task set keeps it referenced until it ends.
+        task = asyncio.ensure_future(coroutine)
+        self._ctx.tasks.add(task)
+        task.add_done_callback(self._ctx.tasks.discard)
+        return task
+
+    async def _produce(self, index: int, request: GenerationRequest) -> None:
+        iterator: AsyncIterator[GenerationChunk] | None = None
+        try:
+            iterator = self._ctx.backend.generate(request)
+            async for chunk in iterator:
+                self._queue.put_nowait((index, chunk))
+                if chunk.finished:
+                    self._queue.put_nowait((index, _Done()))
+                    return
+            raise BackendError(f"the backend ended request {request.request_id} early")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            self._queue.put_nowait(error)
+        finally:
+            if iterator is not None:
+                # Suspended, not finished: run its cleanup now, not at garbage collection.
+                try:
+                    await close_iterator(iterator)
+                except Exception:
+                    logger.exception("closing the backend stream of %s failed", request.request_id)
 
     async def next(self) -> tuple[int, GenerationChunk] | None:
-        item = await self._run.next()
-        metrics = self._metrics
-        if item is None:
-            metrics.e2e_latency.observe(time.monotonic() - self.started)
-            self._describe_response()
-            return None
-        index, chunk = item
+        """The next chunk of any prompt, None once all have finished; raises the first error of
+        any prompt (cancelling the others), or ClientDisconnected."""
+        while self._remaining > 0:
+            event = self._held if self._held is not None else await self._queue.get()
+            self._held = None
+            if isinstance(event, _Disconnected):
+                self.cancel()
+                raise ClientDisconnected()
+            if isinstance(event, BaseException):
+                self.cancel()
+                raise event
+            index, item = event
+            if isinstance(item, _Done):
+                self._remaining -= 1
+                continue
+            return index, self._count(index, self._merge_ready(index, item))
+        self._stop_watching()
+        self._ctx.metrics.e2e_latency.observe(time.monotonic() - self.started)
+        self._describe_response()
+        return None
+
+    def _merge_ready(self, index: int, chunk: GenerationChunk) -> GenerationChunk:
+        """`chunk` joined with the same prompt's chunks queued behind it (a writer that fell
+        behind sends one event); never a first chunk, never an abort."""
+        while self._seen[index] and not chunk.finished and not self._queue.empty():
+            event = self._queue.get_nowait()
+            if (
+                not isinstance(event, tuple)
+                or event[0] != index
+                or isinstance(event[1], _Done)
+                or event[1].finish_reason == "abort"
+            ):
+                self._held = event
+                break
+            chunk = chunk.followed_by(event[1])
+        return chunk
+
+    def _count(self, index: int, chunk: GenerationChunk) -> GenerationChunk:
+        metrics = self._ctx.metrics
         if not self._seen[index]:
             # Counted once the backend took the prompt: refused requests do not count.
             self._seen[index] = True
@@ -325,26 +345,43 @@ class Session:
         if chunk.finished and chunk.finish_reason == "abort":
             raise BackendError(f"request {self._request_ids[index]} was aborted before it finished")
         self.choices[index].add(chunk)
-        return item
+        return chunk
 
     async def first(self, receive: Receive) -> tuple[int, GenerationChunk] | None:
         """The first chunk, or ClientDisconnected if the client leaves before it arrives."""
-        self._run.watch_disconnect(receive)
+        self._watch_disconnect(receive)
         try:
             return await self.next()
         finally:
-            self._run.stop_watching()
+            self._stop_watching()
 
     async def drain(self, receive: Receive) -> None:
-        self._run.watch_disconnect(receive)
+        self._watch_disconnect(receive)
         try:
             while await self.next() is not None:
                 pass
         finally:
-            self._run.stop_watching()
+            self._stop_watching()
+
+    def _watch_disconnect(self, receive: Receive) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self._queue.put_nowait(_Disconnected())
+
+        self._watcher = self._spawn(watch())
+
+    def _stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
     def cancel(self) -> None:
-        self._run.cancel()
+        """Stops every stream still running. Synchronous: it runs in `finally` blocks that may
+        be inside a cancelled anyio scope."""
+        self._stop_watching()
+        for task in self._producers:
+            task.cancel()
 
     def usage(self) -> Usage:
         return usage(self.choices, self._samples_per_prompt)

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -126,6 +127,26 @@ class WorkerLostError(BackendError):
         # CANCELLED by the worker's gRPC server (a call dropped from its backlog unserved):
         # before the first message nothing ran there, so the flow retries it elsewhere.
         self.cancelled_by_server = cancelled_by_server
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, worker: str) -> BackendError:
+    """A worker's failed gRPC call as the error its status means for the request."""
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequestError(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return WorkerFullError(f"{worker}: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeoutError(f"{worker}: {details}")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return WorkerUnreachableError(f"{worker} is unavailable: {details}", retry_after_s=1.0)
+    if code is grpc.StatusCode.ABORTED:
+        return TransferFailedError(f"{worker}: {details}")
+    if code is grpc.StatusCode.CANCELLED:
+        return WorkerLostError(
+            f"{worker} dropped the call (CANCELLED): {details}", cancelled_by_server=True
+        )
+    return BackendError(f"{worker} failed ({code.name}): {details}")
 
 
 # ---------------------------------------------------------------------- the client's answer

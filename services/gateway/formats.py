@@ -1,18 +1,21 @@
-"""How each OpenAI API spells its answer: a whole response, or the SSE events of a stream.
-
-`CompletionFormat` and `ChatFormat` turn `GenerationChunk`s, and per choice the `Choice` they
-add up to, into the API's JSON, logprobs in vLLM's layout, and the usage. They only build text;
+"""How each OpenAI API spells its answer: a whole response, or the SSE events of a stream and
+the response that carries them. `CompletionFormat` and `ChatFormat` turn chunks, and per choice
+the `Choice` they add up to, into the API's JSON, logprobs in vLLM's layout, and the usage;
 `endpoints.respond` decides when each is sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
+import anyio
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from nori.gateway.backend import GenerationChunk
 from nori.gateway.protocol import (
@@ -96,15 +99,9 @@ def _clamp(logprob: float) -> float:
     return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB  # also maps NaN and -inf
 
 
-class TokenNames:
+def token_names(token_text: Callable[[int], str], as_token_ids: bool) -> Callable[[int], str]:
     """A token id as the logprobs name it: its text, or `token_id:N`."""
-
-    def __init__(self, token_text: Callable[[int], str], as_token_ids: bool) -> None:
-        self._text = token_text
-        self._as_ids = as_token_ids
-
-    def __call__(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self._as_ids else self._text(token_id)
+    return (lambda token_id: f"token_id:{token_id}") if as_token_ids else token_text
 
 
 def prompt_entries(
@@ -120,7 +117,7 @@ def prompt_entries(
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs | int], names: TokenNames, text_offset: int
+    entries: Sequence[TokenLogprobs | int], names: Callable[[int], str], text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """vLLM's layout, text offsets from `text_offset` on, and the offset after the last token.
     The sampled token is always among top_logprobs; a bare token id has null logprobs."""
@@ -146,7 +143,7 @@ def completion_logprobs(
     return result, text_offset
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], names: TokenNames) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[TokenLogprobs], names: Callable[[int], str]) -> ChatLogprobs:
     content = []
     for entry in entries:
         token = names(entry.token_id)
@@ -183,7 +180,7 @@ class _Format:
         stream_options: StreamOptions | None,
     ) -> None:
         self._envelope = {"id": completion_id, "created": int(time.time()), "model": model_name}
-        self._names = TokenNames(token_text, bool(return_tokens_as_token_ids))
+        self._names = token_names(token_text, bool(return_tokens_as_token_ids))
         self._include_usage = stream_options is not None and stream_options.include_usage
 
     def _chunk(self, choices: Sequence[object], usage: Usage | None = None) -> str:
@@ -351,3 +348,53 @@ class ChatFormat(_Format):
             )
             events.append(self._chunk([final]))
         return events
+
+
+# ---------------------------------------------------------------------- the SSE response
+
+
+async def close_iterator(iterator: object) -> None:
+    """`aclose()` an async iterator if it has one (async generators do, plain iterators not)."""
+    aclose: Callable[[], Awaitable[Any]] | None = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` that always closes its body iterator, whatever ends the stream: a
+    disconnect listener runs beside it on every ASGI spec version (Starlette's only below 2.4),
+    so the backend request is cancelled as soon as the client goes away."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None
+    ) -> None:
+        """`on_close` runs once the response is over, even if the body never started."""
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    # A send to a closed connection raises OSError on newer ASGI servers.
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                async def listen() -> None:
+                    while True:
+                        message: Message = await receive()
+                        if message["type"] == "http.disconnect":
+                            break
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                group.start_soon(listen)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_iterator(self.body_iterator)
+            if self._on_close is not None:
+                self._on_close()

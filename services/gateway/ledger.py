@@ -1,14 +1,10 @@
-"""The gateway's one count of its requests: a `RequestTicket` (`ticket.py`) per request, in one
-`Ledger`. What a ticket holds is counted here only: its place among the requests in flight
-(`--max-in-flight`), its prompt tokens until its first token (admission: 429 past
-`max_queued_prompt_tokens` per prompt worker; an admitted group's members are never refused),
-its decode slot until it closes and prompt slot until its first token, and its calls and prompt
-tokens on each worker (`worker_pool.Router`). The decisions are pure functions of these counts.
-Fair shares: an owner (the ticket's group, its client) holds at most a pool's rows alone, or
-`max_share` of them beside another active owner (in the prompt pool, of its `shared_rows`);
-a freed slot goes to the most urgent priority,
-then the client, then the group, holding least (first come on ties). docs/architecture.md, "The
-path of one request through the cluster", has the whole of it.
+"""The gateway's one count of its requests: a `RequestTicket` per request in one `Ledger`, from
+admission to `close()`: its place among the requests in flight, its prompt tokens until token one
+(admission: 429 past `max_queued_prompt_tokens` per prompt worker), its decode slot until close and
+prompt slot until token one (fair shares), and its calls and prompt tokens on each worker (what
+`worker_pool.pick_decode` and `pick_prefill` read). The decisions are pure functions of these
+counts, in `worker_pool.py`; docs/architecture.md, "The path of one request through the cluster",
+has the whole of it.
 """
 
 from __future__ import annotations
@@ -16,106 +12,150 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from nori.gateway.backend import GenerationRequest
 from nori.gateway.errors import QueueFullError, ShareRefusedError
-from nori.gateway.ticket import RequestTicket
-from nori.gateway.worker_pool import Router
+from nori.gateway.worker_pool import (
+    PoolCapacity,
+    SlotCounts,
+    may_hold,
+    prompt_bound,
+    retry_after_s,
+    tokens_ahead,
+)
 
 # Prefills completed this recently set the drain rate behind Retry-After.
 DRAIN_WINDOW_S = 10.0
-MAX_RETRY_AFTER_S = 60.0
 # Entries of `Ledger._room_waiters` past which ended waits are dropped.
 ROOM_WAITERS_PRUNE_AT = 1024
-# (rows, calls) of a worker that has not stated its own: the workers' defaults.
-ASSUMED_FIGURES = (256, 320)
 
 
-@dataclass(frozen=True)
-class PoolCapacity:
-    """A pool's summed running rows (`--max-num-seqs`) and calls served at once (rows + queue);
-    `shared_rows`, when set, the rows owners share out beside others instead of `rows`."""
+class RequestTicket:
+    """One request's holds: `queued` -> `prompt` (on a worker) -> `decoding` (token one came)
+    -> `closed`. Retries and migration move it between workers, never out of the ledger."""
 
-    rows: int
-    calls: int
-    shared_rows: int | None = None
+    def __init__(self, ledger: Ledger, request: GenerationRequest) -> None:
+        self.ledger = ledger
+        self.request_id = request.request_id
+        self.group = request.admission_group
+        self.priority = request.priority
+        self.background = request.priority > 0
+        self.waits = request.admission_group is not None or self.background
+        # Batch lines are an owner apart from the same key's interactive work.
+        self.client = f"{request.client}#background" if self.background else request.client
+        self.group_key = f"g:{self.group or request.request_id}"
+        self.client_key = f"c:{self.client}"
+        self.line = (self.group_key, self.client_key)
+        self.num_tokens = len(request.prompt_token_ids)
+        self.admitted = False  # counted among the requests in flight
+        self.in_group = False  # counted in its group, until token one
+        self.active = False  # holds or waits for a slot
+        self.slot = False  # holds a decode-pool slot
+        self.prompting = False  # holds a prompt-pool slot; its tokens are queued
+        self.first_token_at: float | None = None
+        self.prompt_worker: tuple[str, bool] | None = None  # (worker, counted in flight there)
+        self.decode_worker: str | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.arrival = 0
+        self.closed = False
 
+    @property
+    def state(self) -> str:
+        if self.closed:
+            return "closed"
+        if self.first_token_at is not None:
+            return "decoding"
+        return "prompt" if self.prompt_worker is not None else "queued"
 
-def pool_capacity(
-    figures: Mapping[str, tuple[int, int]],
-    worker_ids: Sequence[str],
-    assumed: tuple[int, int] | None = None,
-) -> PoolCapacity | None:
-    """The pool's capacity; a silent worker counts as the others' mean, else as `assumed`."""
-    known = [figures[worker_id] for worker_id in worker_ids if worker_id in figures]
-    if not known:
-        if assumed is None or not worker_ids:
-            return None
-        known = [assumed]
-    scale = len(worker_ids) / len(known)
-    return PoolCapacity(
-        rows=round(sum(rows for rows, _ in known) * scale),
-        calls=round(sum(calls for _, calls in known) * scale),
-    )
+    async def take(self, wait_s: float) -> None:
+        """Takes a slot, waiting up to `wait_s` for one (`ShareRefusedError`, 429, past it)."""
+        ledger = self.ledger
+        if ledger.may_start(self):
+            self.take_slot()
+            return
+        if wait_s <= 0:
+            raise ledger.slot_refusal(self)
+        self._activate()
+        try:
+            async with asyncio.timeout(wait_s):
+                await ledger.enqueue(self)
+        except TimeoutError:
+            if not self.slot:  # else granted just as the wait ended: it keeps the slot
+                ledger.drop_waiter(self)
+                raise ledger.slot_refusal(self) from None
 
+    def take_slot(self) -> None:
+        self._activate()
+        self.slot = self.prompting = True
+        self.ledger.hold(self, +1, prompt=False)
+        self.ledger.hold(self, +1, prompt=True)
 
-# ---------------------------------------------------------------------- the decisions
+    def _activate(self) -> None:
+        if not self.active:
+            self.active = True
+            self.ledger.activity(self, +1)
 
+    def prompt_on(self, worker_id: str, whole_request: bool = True) -> None:
+        """Its prompt goes to `worker_id`, counted there until token one (as tokens only when
+        the decode worker, where the request is counted already, computes it)."""
+        self.prompt_off()
+        self.prompt_worker = (worker_id, whole_request)
+        self.ledger.worker_started(worker_id, self.num_tokens, calls=int(whole_request))
 
-def prompt_bound(max_tokens_per_worker: int, num_workers: int) -> int | None:
-    """The admission bound in prompt tokens; None: none (0, or no worker: routing says 503)."""
-    if max_tokens_per_worker == 0 or num_workers <= 0:
-        return None
-    return max_tokens_per_worker * num_workers
+    def prompt_off(self) -> None:
+        if self.prompt_worker is not None:
+            worker_id, whole_request = self.prompt_worker
+            self.prompt_worker = None
+            self.ledger.worker_ended(worker_id, self.num_tokens, calls=int(whole_request))
 
+    def decoding_on(self, worker_id: str) -> None:
+        """An attempt on decode worker `worker_id`, counted in flight there until `decoding_off`."""
+        self.decoding_off()
+        self.decode_worker = worker_id
+        self.ledger.worker_started(worker_id)
 
-def tokens_ahead(own: int, others: Iterable[int], share: int | None) -> int:
-    """What a client's new prompt waits behind: its own client's tokens, others' up to `share`."""
-    return own + sum(n if share is None else min(n, share) for n in others)
+    def decoding_off(self) -> None:
+        if self.decode_worker is not None:
+            self.ledger.worker_ended(self.decode_worker)
+            self.decode_worker = None
 
+    def first_token(self, now: float) -> None:
+        """Token one came back: its prompt no longer waits."""
+        if self.first_token_at is None and not self.closed:
+            self.first_token_at = now
+            self.prompt_off()
+            self._leave_prompt(drained_at=now)
+            self.ledger.grant_waiters()
 
-def retry_after_s(excess_tokens: int, drain_rate: float | None) -> float:
-    """How long the pool needs to drain the excess at the recent rate, in [1, 60] s."""
-    if drain_rate is None:
-        return 1.0
-    return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / drain_rate)))
+    def _leave_prompt(self, drained_at: float | None) -> None:
+        if self.prompting:
+            self.prompting = False
+            self.ledger.hold(self, -1, prompt=True, drained_at=drained_at)
+        if self.in_group and self.group is not None:
+            self.in_group = False
+            _add(self.ledger.groups, self.group, -1)
 
-
-def owner_limit(
-    rows: int, max_share: float, others_active: bool, shared_rows: int | None = None
-) -> int:
-    """The most slots one owner may hold: every row alone, its share of `shared_rows` (else of
-    the rows) beside others."""
-    if not others_active:
-        return max(1, rows)
-    return max(1, math.floor(max_share * min(rows, shared_rows or rows)))
-
-
-@dataclass(frozen=True)
-class SlotCounts:
-    """One pool's counts as one ticket sees them (its priority's calls, its owners' holds)."""
-
-    held: int  # slots counted against `calls` (interactive: interactive ones only)
-    calls: int
-    group_held: int
-    client_held: int
-    group_alone: bool  # no other group holds or waits
-    client_alone: bool
-
-
-def may_hold(
-    counts: SlotCounts, rows: int, max_share: float, shared_rows: int | None = None
-) -> bool:
-    return (
-        counts.held < counts.calls
-        and counts.group_held < owner_limit(rows, max_share, not counts.group_alone, shared_rows)
-        and counts.client_held < owner_limit(rows, max_share, not counts.client_alone, shared_rows)
-    )
-
-
-# ---------------------------------------------------------------------- the ledger
+    def close(self) -> None:
+        """Releases everything the ticket holds; a no-op after the first time."""
+        if self.closed:
+            return
+        ledger = self.ledger
+        self.prompt_off()
+        self.decoding_off()
+        if self.waiter is not None and not self.slot:
+            ledger.drop_waiter(self)
+        self._leave_prompt(drained_at=None)
+        self.closed = True
+        if self.slot:
+            self.slot = False
+            ledger.hold(self, -1, prompt=False)
+        if self.active:
+            self.active = False
+            ledger.activity(self, -1)
+        if self.admitted:
+            self.admitted = False
+            ledger.num_open -= 1
+        ledger.grant_waiters()
 
 
 class Ledger:
@@ -131,7 +171,10 @@ class Ledger:
         self.max_in_flight = max_in_flight
         self.max_tokens_per_worker = max_tokens_per_worker
         self.max_share = max_share
-        self.router = Router()
+        # Calls, and prompt tokens not yet computed, this gateway has on each worker.
+        self.in_flight: Counter[str] = Counter()
+        self.pending_prompt_tokens: Counter[str] = Counter()
+        self.picks: Counter[str] = Counter()  # picks per role: equal workers take turns
         self.capacity: PoolCapacity | None = None  # the decode pool's
         self.prompt_capacity: PoolCapacity | None = None  # the pool computing prompts
         self.num_open = 0
@@ -149,11 +192,9 @@ class Ledger:
         # One line of waiters per (group, client): a freed slot looks at each line's head only.
         self._waiters: dict[tuple[str, str], deque[RequestTicket]] = {}
         self._arrivals = 0
-        self._drained: deque[tuple[float, int]] = deque()  # (time, tokens) of recent prefills
+        self.drained: deque[tuple[float, int]] = deque()  # (time, tokens) of recent prefills
         self._room_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._room_waiters_prune_at = ROOM_WAITERS_PRUNE_AT
-
-    # -------------------------------------------------------------- admission
 
     def admit(
         self, request: GenerationRequest, num_prompt_workers: int, now: float
@@ -194,12 +235,12 @@ class Ledger:
 
     def drain_rate(self, now: float) -> float | None:
         """Prompt tokens prefilled per second lately; None when none were."""
-        while self._drained and now - self._drained[0][0] > DRAIN_WINDOW_S:
-            self._drained.popleft()
-        if not self._drained:
+        while self.drained and now - self.drained[0][0] > DRAIN_WINDOW_S:
+            self.drained.popleft()
+        if not self.drained:
             return None
-        tokens = sum(count for _, count in self._drained)
-        return tokens / max(now - self._drained[0][0], 1.0)
+        tokens = sum(count for _, count in self.drained)
+        return tokens / max(now - self.drained[0][0], 1.0)
 
     def room_freed(self, num_tokens: int) -> asyncio.Future[None]:
         """Done when freed queued tokens reach this refused prompt (oldest first)."""
@@ -211,52 +252,22 @@ class Ledger:
         self._room_waiters.append((num_tokens, future))
         return future
 
-    def _leave_group(self, group: str) -> None:
-        self.groups[group] -= 1
-        if self.groups[group] <= 0:
-            del self.groups[group]
-
-    def _count_tokens(self, ticket: RequestTicket, sign: int) -> None:
-        self.queued_tokens += sign * ticket.num_tokens
-        if ticket.background:
-            self.background_tokens += sign * ticket.num_tokens
-        else:
-            self.client_tokens[ticket.client] += sign * ticket.num_tokens
-            if self.client_tokens[ticket.client] <= 0:
-                del self.client_tokens[ticket.client]
-        freed = ticket.num_tokens if sign < 0 else 0
-        while freed > 0 and self._room_waiters:
-            waiting_tokens, future = self._room_waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                freed -= waiting_tokens
-
-    # -------------------------------------------------------------- slots
-
     def slot_counts(self, ticket: RequestTicket, prompt: bool) -> SlotCounts:
         """`ticket`'s view of the prompt pool (`prompt`) or the decode pool."""
         pool = self.prompt_capacity if prompt else self.capacity
         assert pool is not None
         counter = self.prompting if prompt else self.held
-        total, background = (
-            (self.num_prompting, self.num_background_prompting)
-            if prompt
-            else (self.num_held, self.num_background_held)
-        )
-        g, c = ticket.group_key, ticket.client_key
+        total = self.num_prompting if prompt else self.num_held
+        background = self.num_background_prompting if prompt else self.num_background_held
         held, calls = total - background, pool.calls
         if ticket.background:  # batch lines fill the rows, never the queues beyond them
             held, calls = total, min(pool.calls, pool.rows)
+        g, c = ticket.group_key, ticket.client_key
         num_groups = sum(1 for key in self.active if key.startswith("g:"))
         num_clients = len(self.active) - num_groups
-        return SlotCounts(
-            held,
-            calls,
-            counter[g],
-            counter[c],
-            num_groups - bool(self.active[g]) == 0,
-            num_clients - bool(self.active[c]) == 0,
-        )
+        group_alone = num_groups - bool(self.active[g]) == 0
+        client_alone = num_clients - bool(self.active[c]) == 0
+        return SlotCounts(held, calls, counter[g], counter[c], group_alone, client_alone)
 
     def may_start(self, ticket: RequestTicket) -> bool:
         """Whether `ticket` may take a slot now. Only a group's members are held to the prompt
@@ -272,63 +283,86 @@ class Ledger:
 
     def set_capacity(self, decode: PoolCapacity | None, prompt: PoolCapacity | None) -> None:
         self.capacity, self.prompt_capacity = decode, prompt
-        self._grant_waiters()
+        self.grant_waiters()
 
-    def _activity(self, ticket: RequestTicket, sign: int) -> None:
-        for key in (ticket.group_key, ticket.client_key):
-            self.active[key] += sign
-            if self.active[key] <= 0:
-                del self.active[key]
+    def activity(self, ticket: RequestTicket, sign: int) -> None:
+        _add(self.active, ticket.group_key, sign)
+        _add(self.active, ticket.client_key, sign)
 
-    def _hold(self, ticket: RequestTicket, sign: int, prompt: bool) -> None:
+    def hold(
+        self, ticket: RequestTicket, sign: int, prompt: bool, drained_at: float | None = None
+    ) -> None:
+        """A decode slot, or a prompt slot with its queued tokens, taken (+1) or given back (-1);
+        a prompt computed at `drained_at` counts toward the drain rate."""
         counter = self.prompting if prompt else self.held
-        for key in (ticket.group_key, ticket.client_key):
-            counter[key] += sign
-            if counter[key] <= 0:
-                del counter[key]
-        if prompt:
-            self.num_prompting += sign
-            self.num_background_prompting += sign * ticket.background
-        else:
+        _add(counter, ticket.group_key, sign)
+        _add(counter, ticket.client_key, sign)
+        if not prompt:
             self.num_held += sign
             self.num_background_held += sign * ticket.background
+            return
+        self.num_prompting += sign
+        self.num_background_prompting += sign * ticket.background
+        tokens = sign * ticket.num_tokens
+        self.queued_tokens += tokens
+        if ticket.background:
+            self.background_tokens += tokens
+        else:
+            _add(self.client_tokens, ticket.client, tokens)
+        if drained_at is not None:
+            self.drained.append((drained_at, ticket.num_tokens))
+        freed = -tokens
+        while freed > 0 and self._room_waiters:
+            waiting_tokens, future = self._room_waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                freed -= waiting_tokens
 
-    def _grant_waiters(self) -> None:
+    def grant_waiters(self) -> None:
         while self._waiters:
             for line in list(self._waiters.values()):
                 while line and line[0].waiter is not None and line[0].waiter.done():
-                    self._drop_waiter(line[0])  # cancelled: leaves its line now
+                    self.drop_waiter(line[0])  # cancelled: leaves its line now
             heads = [line[0] for line in self._waiters.values() if self.may_start(line[0])]
             if not heads:
                 return
+            held = self.held
             chosen = min(
-                heads,
-                key=lambda t: (
-                    t.priority,
-                    self.held[t.client_key],
-                    self.held[t.group_key],
-                    t.arrival,
-                ),
+                heads, key=lambda t: (t.priority, held[t.client_key], held[t.group_key], t.arrival)
             )
-            self._drop_waiter(chosen)
+            self.drop_waiter(chosen)
             chosen.take_slot()
             assert chosen.waiter is not None
             chosen.waiter.set_result(None)
 
-    def _enqueue(self, ticket: RequestTicket) -> asyncio.Future[None]:
-        """Lines `ticket` up; the future is set when `_grant_waiters` gives it a slot."""
+    def enqueue(self, ticket: RequestTicket) -> asyncio.Future[None]:
+        """Lines `ticket` up; the future is set when `grant_waiters` gives it a slot."""
         self._arrivals += 1
         ticket.arrival = self._arrivals
         ticket.waiter = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(ticket.line, deque()).append(ticket)
         return ticket.waiter
 
-    def _drop_waiter(self, ticket: RequestTicket) -> None:
+    def drop_waiter(self, ticket: RequestTicket) -> None:
         line = self._waiters.get(ticket.line)
         if line is not None and ticket in line:
             line.remove(ticket)
             if not line:
                 del self._waiters[ticket.line]
+
+    def turn(self, role: str) -> int:
+        """The next pick's turn among equal workers of `role`."""
+        self.picks[role] += 1
+        return self.picks[role] - 1
+
+    def worker_started(self, worker_id: str, prompt_tokens: int = 0, calls: int = 1) -> None:
+        """`calls` on `worker_id`, with the prompt tokens it is to compute."""
+        _add(self.in_flight, worker_id, calls)
+        _add(self.pending_prompt_tokens, worker_id, prompt_tokens)
+
+    def worker_ended(self, worker_id: str, prompt_tokens: int = 0, calls: int = 1) -> None:
+        _add(self.in_flight, worker_id, -calls)
+        _add(self.pending_prompt_tokens, worker_id, -prompt_tokens)
 
     @property
     def num_waiting(self) -> int:
@@ -346,10 +380,8 @@ class Ledger:
             what = "calls" if not ticket.background else "running slots"
             message = f"the {name} is full: {counts.held} {kind} hold its {counts.calls} {what}"
         elif max(counts.group_held, counts.client_held) >= max(1, pool.rows):
-            message = (
-                f"the {name} is full: this client's requests hold all of its {pool.rows} "
-                "running slots"
-            )
+            message = f"the {name} is full: this client's requests hold all of its {pool.rows} "
+            message += "running slots"
         else:
             message = (
                 f"this client or request holds its share of the {name} ({self.max_share:g} "
@@ -359,3 +391,10 @@ class Ledger:
         return ShareRefusedError(
             message + "; retry after the time in Retry-After", retry_after_s=1.0
         )
+
+
+def _add(counter: Counter[str], key: str, n: int) -> None:
+    """`counter[key] += n`, dropping keys at 0 (worker ids and owners come and go)."""
+    counter[key] += n
+    if counter[key] <= 0:
+        del counter[key]

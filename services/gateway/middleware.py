@@ -1,27 +1,30 @@
 """What every HTTP request passes through before its endpoint, as plain ASGI middleware (a
-streamed response passes untouched; handlers still see the client's disconnect):
-
-- API keys: `Authorization: Bearer KEY`, else a 401 in OpenAI's error shape; `/health` and
-  `/metrics` stay open;
-- a body bound per endpoint: a 413 before parsing, from the stated length or as soon as a chunked
-  body passes it (the prompt endpoints' bound: `prompt_body_limit`);
-- `x-request-id`: the client's id names the request (`cmpl-<id>`, its workers' ids) and comes back
-  on every response, errors included; `x-trace-id`: the server span's trace id, sent back.
+streamed response passes untouched; handlers still see the client's disconnect): API keys (else
+a 401; `/health` and `/metrics` stay open); a body bound per endpoint (a 413 before parsing, from
+the stated length or as a chunked body passes it); `x-request-id`, the client's id, which names
+the request and comes back on every response, and `x-trace-id`; the drain (`Drain`: while the
+gateway stops, new requests get 503 with `Retry-After`, those in flight run to their end); and
+the Prometheus figures (`GatewayMetrics`, in a registry per app).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from http import HTTPStatus
 
 from fastapi import FastAPI
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nori.gateway.errors import APIError
 from nori.telemetry.tracing import Tracing
+
+logger = logging.getLogger("nori.gateway")
 
 # ---------------------------------------------------------------------- API keys
 
@@ -225,3 +228,166 @@ class TraceIdHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_trace_id)
+
+
+# ---------------------------------------------------------------------- the drain
+
+RETRY_AFTER_S = 5
+
+
+class Drain:
+    """Counts the API requests in flight and knows whether the gateway drains."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when no request is left in flight, False when `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+class DrainMiddleware:
+    """Refuses new requests while draining (`open_paths` excepted) and counts the rest in flight
+    until their last byte is sent."""
+
+    def __init__(
+        self, app: ASGIApp, drain: Drain, open_paths: Collection[str], health_path: str
+    ) -> None:
+        self.app = app
+        self._drain = drain
+        self._open_paths = frozenset(open_paths)
+        self._health_path = health_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or (path in self._open_paths and path != self._health_path):
+            await self.app(scope, receive, send)
+            return
+        if self._drain.draining:
+            error = APIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "The server is shutting down; retry the request.",
+                "service_unavailable_error",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+            await error.response()(scope, receive, send)
+            return
+        if path in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        self._drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._drain.leave()
+
+
+# ---------------------------------------------------------------------- metrics
+
+# Latencies of an LLM request span milliseconds (a cached one-token answer) to minutes.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+ExtraMetrics = Callable[[], Awaitable[str]]
+
+
+class GatewayMetrics:
+    def __init__(self, endpoints: frozenset[str]) -> None:
+        # Only known paths become labels: a scanner must not grow the label set without bound.
+        self.endpoints = endpoints
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "nori_gateway_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "nori_gateway_requests_in_flight",
+            "HTTP requests being served now, by endpoint.",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "nori_gateway_prompt_tokens",
+            "Prompt tokens of requests handed to the backend.",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "nori_gateway_generation_tokens",
+            "Tokens generated for clients.",
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "nori_gateway_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "nori_gateway_e2e_request_latency_seconds",
+            "From request arrival to the last generated token, for completed generations.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def endpoint_label(self, path: str) -> str:
+        return path if path in self.endpoints else "other"
+
+    async def render(self, extra: ExtraMetrics | None) -> str:
+        text = generate_latest(self.registry).decode()
+        if extra is not None:
+            try:
+                extra_text = await extra()
+            except Exception:
+                logger.exception("extra_metrics hook failed")
+            else:
+                if extra_text:
+                    text += extra_text if extra_text.endswith("\n") else extra_text + "\n"
+        return text
+
+
+class RequestMetricsMiddleware:
+    """Counts requests by endpoint and status, and those in flight until their last byte (plain
+    ASGI: `receive` is not wrapped, so handlers still see the client's disconnect)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = self.metrics.endpoint_label(scope.get("path", ""))
+        status = 500  # if the app fails before starting a response
+
+        async def send_recording_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        gauge = self.metrics.in_flight.labels(endpoint)
+        gauge.inc()
+        try:
+            await self.app(scope, receive, send_recording_status)
+        finally:
+            gauge.dec()
+            self.metrics.requests.labels(endpoint, str(status)).inc()

@@ -10,23 +10,27 @@ name, never ignored: ignoring them would answer a different question.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
-from nori.gateway.backend import Backend
+from starlette.types import Scope
+
+from nori.gateway.backend import Backend, GenerationRequest
 from nori.gateway.errors import APIError, bad_request
-from nori.gateway.metrics import GatewayMetrics
+from nori.gateway.middleware import GatewayMetrics
 from nori.gateway.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     SamplingFields,
     TextContentPart,
+    TokenizeRequest,
 )
 from nori.sampling.chat_template import TemplateLimits
-from nori.sampling.params import SamplingParams, choice_params
+from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
 
 
@@ -152,20 +156,7 @@ def _message_for_template(message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
-class ChatInput(Protocol):
-    """What a chat completion and a /tokenize body share for the template."""
-
-    @property
-    def messages(self) -> Sequence[ChatMessage] | None: ...
-    @property
-    def add_generation_prompt(self) -> bool: ...
-    @property
-    def chat_template(self) -> str | None: ...
-    @property
-    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
-
-
-def chat_prompt(ctx: ServingContext, request: ChatInput) -> list[int]:
+def chat_prompt(ctx: ServingContext, request: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """Chat messages through the template (the request's, else the model's), as token ids."""
     messages = request.messages or ()
     if (
@@ -210,11 +201,6 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 # Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.
 MAX_N = 64
-
-
-def sample_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """A prompt's n independent choices' parameters: with a seed, choice i's is seed + i."""
-    return choice_params(params, n)
 
 
 def check_common(request: SamplingFields) -> None:
@@ -365,3 +351,49 @@ def _build(
         first_word = message.split(" ", 1)[0]
         param = first_word if first_word in _PARAM_NAMES else None
         raise bad_request(message, param) from error
+
+
+# ---------------------------------------------------------------------- backend requests
+
+# A non-streamed request's outputs come from the decode worker at most this often.
+COALESCE_MS = 1000
+
+
+def generation_requests(
+    ctx: ServingContext,
+    scope: Scope,
+    body: SamplingFields,
+    request_ids: Sequence[str],
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+) -> list[GenerationRequest]:
+    """One backend request per choice (`prompts[i]`: choice i's; each prompt stands n times in a
+    row), one admission group per HTTP request; not streamed, outputs come merged."""
+    group = request_ids[0] if len(prompts) > 1 else None
+    client, streamed = client_identity(scope), bool(body.stream)
+    return [
+        GenerationRequest(
+            request_id,
+            prompt,
+            p,
+            admission_group=group,
+            client=client,
+            group_size=len(prompts),
+            num_choices=body.n,
+            priority=body.priority,
+            coalesce_ms=0 if streamed else COALESCE_MS,
+            stream_interval=ctx.stream_interval if streamed else 1,
+        )
+        for request_id, prompt, p in zip(request_ids, prompts, params, strict=True)
+    ]
+
+
+def client_identity(scope: Scope) -> str:
+    """Who sent a request, for fair shares: a digest of its API key (never the key), else its
+    address (behind a proxy, one owner for every keyless client)."""
+    header = dict(scope.get("headers", [])).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() == b"bearer" and token.strip():
+        return "key:" + hashlib.sha256(token.strip()).hexdigest()[:16]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:unknown"

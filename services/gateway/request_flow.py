@@ -1,24 +1,20 @@
-"""The path of one admitted request through the workers, retries and migration included.
-
-`RequestFlow.run` is the whole of it: pick a decode worker (`worker_pool.Router`) and, on a
-disaggregated one, where the prompt is computed (`disaggregation.choose_path`); then either
-`prefill_then_decode` (reserve blocks on the decode worker, prefill on a prefill worker that
-sends the KV there and answers with token one, stream the rest from the decode worker) or
-`compute_and_decode` (one worker computes the prompt, on migration with what was streamed, and
-decodes). On a failure `worker_calls.RetryPolicy.after` decides whether and where to try again.
-The request's `RequestTicket` counts where it is; closing the iterator cancels the calls, which
-frees the request's blocks on those workers.
+"""One attempt of an admitted request on the workers (`cluster.py` retries it): on a
+disaggregated decode worker, the prompt's path (`disaggregation.py`), then `prefill_then_decode`
+(reserve blocks on the decode worker, prefill on a prefill worker that sends the KV there and
+answers with token one, stream the rest from the decode worker) or `compute_and_decode` (one
+worker computes the prompt, on migration with what was streamed, and decodes). The request's
+`RequestTicket` counts where it is; closing the iterator cancels the calls, which frees the
+request's blocks on those workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -35,29 +31,26 @@ from nori.gateway.errors import (
     WorkerFullError,
     WorkerLostError,
     WorkerUnreachableError,
+    error_from_rpc,
 )
-from nori.gateway.ticket import RequestTicket
-from nori.gateway.worker_calls import (
-    GroupWait,
-    RetryLimits,
-    RetryPolicy,
-    await_call,
-    chunk_from_delta,
-    messages,
-    read,
-    reservation,
-)
-from nori.gateway.worker_pool import Router, WorkerPool
+from nori.gateway.ledger import Ledger, RequestTicket
+from nori.gateway.worker_pool import WorkerPool, pick_prefill
 from nori.repeated_log import RepeatedFailureLog
-from nori.rpc.convert import params_to_proto
+from nori.rpc.convert import (
+    logprobs_from_proto,
+    params_to_proto,
+    prompt_logprobs_from_delta,
+    stop_reason_from_proto,
+)
 from nori.state.block_directory import BlockDirectory, prompt_block_hashes
 from nori.state.registry import WorkerInfo
 from nori.state.requests import StateRecorder
 from nori.telemetry.propagation import grpc_metadata
-from nori.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from nori.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from nori.v1.handoff_pb2 import KVDestination
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,75 +66,30 @@ class Resumed:
 
 
 class RequestFlow:
-    """One admitted request on the workers: `run`, and the two ways a worker serves it."""
+    """One attempt of an admitted request on the workers: the two ways a worker serves it."""
 
     def __init__(
         self,
         pool: WorkerPool,
-        router: Router,
+        ledger: Ledger,
         directory: BlockDirectory,
         states: StateRecorder | None,
         tracer: trace.Tracer | None = None,
         stall_timeout_s: float = 300.0,
         rpc_metadata: tuple[tuple[str, str], ...] = (),
-        limits: RetryLimits | None = None,
         policy: DisaggregationPolicy | None = None,
     ) -> None:
+        self._pool = pool
+        self._ledger = ledger
+        self._directory = directory
+        self._states = states
         self._tracer = tracer or trace.NoOpTracer()
-        self.disaggregation = policy or DisaggregationPolicy("always")
-        self._rpc_metadata = rpc_metadata
         self._stall_timeout_s = stall_timeout_s
+        self._rpc_metadata = rpc_metadata
+        self.disaggregation = policy or DisaggregationPolicy("always")
         self._lookup_failures = RepeatedFailureLog(
             logger, "the block directory lookup (routing by load meanwhile)"
         )
-        self._pool = pool
-        self._router = router
-        self._directory = directory
-        self._states = states
-        self._limits = limits or RetryLimits()
-
-    async def run(
-        self, request: GenerationRequest, ticket: RequestTicket
-    ) -> AsyncIterator[GenerationChunk]:
-        """The request on a decode worker; on another when that one is full, when the prefill
-        worker fails before token one, or (migration) when the decode worker dies."""
-        waits = request.admission_group is not None or request.priority > 0
-        policy = RetryPolicy(
-            self._limits,
-            GroupWait(self._limits.group_wait_s if waits else 0.0),
-            self._pool.mark_failed,
-        )
-        streamed = Resumed([])
-        renamed = 0
-        while True:
-            decode = self._router.pick_decode(self._pool.routable(), exclude=policy.tried)
-            if decode is None:
-                await policy.no_decode_worker(request.request_id, bool(streamed.token_ids))
-                continue
-            ticket.decoding_on(decode.worker_id)
-            try:
-                if streamed.token_ids:
-                    chunks = self.compute_and_decode(request, decode, ticket, resumed=streamed)
-                elif decode.role == "colocated":
-                    chunks = self.compute_and_decode(request, decode, ticket)
-                else:
-                    chunks = self.serve_disaggregated(request, decode, ticket)
-                async for chunk in chunks:
-                    streamed.add(chunk)
-                    yield chunk
-                return
-            except BackendError as error:
-                fresh_id = await policy.after(
-                    error, request.request_id, decode.worker_id, len(streamed.token_ids)
-                )
-                if fresh_id:
-                    # A fresh id per attempt ("~1", "~2", ...): the earlier one may still be
-                    # open on a worker a moment longer, which would refuse the id as in use.
-                    renamed += 1
-                    base_id = request.request_id.rsplit("~", 1)[0]
-                    request = dataclasses.replace(request, request_id=f"{base_id}~{renamed}")
-            finally:
-                ticket.decoding_off()
 
     async def compute_and_decode(
         self,
@@ -163,13 +111,10 @@ class RequestFlow:
                 answered = True
                 ticket.first_token(time.monotonic())
                 yield chunk_from_delta(message.delta)
-        except WorkerFullError as error:
-            raise DecodeFullError(str(error), error.retry_after_s) from None
-        except WorkerLostError as error:
-            if answered or not error.cancelled_by_server:
+        except (WorkerFullError, WorkerLostError) as error:
+            if answered and isinstance(error, WorkerLostError):
                 raise
-            # Dropped from its gRPC backlog unserved: nothing ran there.
-            raise DecodeFullError(str(error), retry_after_s=1.0) from None
+            raise took_nothing(error) from None
         finally:
             call.cancel()
 
@@ -189,7 +134,7 @@ class RequestFlow:
                 prefill,
                 cached,
                 PathQueues.counted(
-                    decode, prefill, self._router.in_flight, self._router.pending_prompt_tokens
+                    decode, prefill, self._ledger.in_flight, self._ledger.pending_prompt_tokens
                 ),
             )
             attributes = choice.span_attributes()
@@ -283,7 +228,9 @@ class RequestFlow:
             ),
             metadata=metadata,
         )
-        answer = asyncio.ensure_future(await_call(call, prefill.worker_id))
+        answer: asyncio.Future[prefill_pb2.PrefillResponse] = asyncio.ensure_future(
+            rpc(call, prefill.worker_id)
+        )
         try:
             either: set[asyncio.Future[Any]] = {answer, decode_next}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -326,8 +273,11 @@ class RequestFlow:
             self._lookup_failures.failed(error)
             cached = {}
         cached_tokens = {worker_id: n * block_size for worker_id, n in cached.items()}
-        num_tokens = len(request.prompt_token_ids)
-        chosen = self._router.pick_prefill(candidates, cached_tokens, num_tokens)
+        ledger, num_tokens = self._ledger, len(request.prompt_token_ids)
+        counts = (ledger.in_flight, ledger.pending_prompt_tokens)
+        chosen = pick_prefill(
+            candidates, *counts, cached_tokens, num_tokens, ledger.turn("prefill")
+        )
         assert chosen is not None
         span.set_attribute("nori.prefill.worker", chosen.worker_id)
         span.set_attribute("nori.prefix_hit_blocks", cached.get(chosen.worker_id, 0))
@@ -364,3 +314,86 @@ class RequestFlow:
     def _record(self, request_id: str, state: str, **fields: str) -> None:
         if self._states is not None:
             self._states.record(request_id, state, **fields)
+
+
+# ---------------------------------------------------------------------- gRPC calls
+
+
+def chunk_from_delta(delta: common_pb2.TokenDelta) -> GenerationChunk:
+    return GenerationChunk(
+        new_token_ids=list(delta.token_ids),
+        new_text=delta.text,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason or None,
+        stop_reason=stop_reason_from_proto(delta),
+        logprobs=[logprobs_from_proto(entry) for entry in delta.logprobs] or None,
+        num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_from_delta(delta),
+    )
+
+
+async def rpc(call: Awaitable[T], worker: str) -> T:
+    """Awaits a gRPC call; its failure becomes a BackendError. A call cancelled under us (its
+    channel closed) is one too: CancelledError passes only when this task is being cancelled."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(error, worker) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise WorkerLostError(f"the call to {worker} was cancelled") from None
+
+
+async def read(
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
+) -> decode_pb2.GenerateResponse | None:
+    """The stream's next message, None at its end. A worker silent for `stall_timeout_s` is
+    lost (WorkerLostError); keepalive only catches a peer that stops answering pings."""
+    try:
+        async with asyncio.timeout(stall_timeout_s):
+            message = await rpc(call.read(), worker)
+    except TimeoutError:
+        raise WorkerLostError(
+            f"{worker} sent nothing for {stall_timeout_s:g} s (stalled)"
+        ) from None
+    if message is grpc.aio.EOF:
+        return None
+    return message
+
+
+async def messages(
+    call: grpc.aio.UnaryStreamCall, worker: str, stall_timeout_s: float
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    while (message := await read(call, worker, stall_timeout_s)) is not None:
+        yield message
+        if message.delta.finished:
+            return
+    raise BackendError(f"{worker} ended the stream before the request finished")
+
+
+async def reservation(
+    decode_call: grpc.aio.UnaryStreamCall, decode: WorkerInfo, stall_timeout_s: float
+) -> KVDestination:
+    """The decode worker's reserved blocks, as the destination the prefill worker needs."""
+    try:
+        message = await read(decode_call, decode.worker_id, stall_timeout_s)
+    except (WorkerFullError, WorkerUnreachableError, WorkerLostError) as error:
+        raise took_nothing(error) from None
+    if message is None or not message.HasField("reservation"):
+        raise BackendError(f"{decode.worker_id} did not answer with a reservation")
+    destination = KVDestination()
+    destination.CopyFrom(message.reservation)
+    # The prefill worker renews the lease here while it holds the prompt.
+    destination.grpc_address = decode.grpc_address
+    return destination
+
+
+def took_nothing(error: BackendError) -> BackendError:
+    """A DecodeFullError (another decode worker may serve it) where the decode worker took
+    nothing of the request: full, unreachable, or its call dropped from the gRPC backlog
+    unserved; else `error`."""
+    if isinstance(error, WorkerLostError) and not error.cancelled_by_server:
+        return error
+    return DecodeFullError(str(error), error.retry_after_s or 1.0)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import get_args
 
 import uvicorn
@@ -16,9 +19,7 @@ from nori.batch.store import BatchStatus, BatchStore
 from nori.gateway.app import HEALTH_PATH, METRICS_PATH, create_app
 from nori.gateway.batch_api import FILES_PATH, batch_routes, batch_status_counts
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
-from nori.gateway.drain import Drain, DrainingServer
-from nori.gateway.metrics import refused_worker_entries_text
-from nori.gateway.middleware import instrument
+from nori.gateway.middleware import Drain, instrument
 from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
@@ -101,6 +102,59 @@ def worker_metrics_text(stats: list[common_pb2.WorkerStats]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def refused_worker_entries_text(counts: dict[str, int]) -> str:
+    """The refused worker registry entries by reason, in the Prometheus text format."""
+    name = "nori_gateway_refused_worker_entries_total"
+    lines = [
+        f"# HELP {name} Worker registry entries refused by their signature check, by reason.",
+        f"# TYPE {name} counter",
+    ]
+    lines += [f'{name}{{reason="{reason}"}} {count}' for reason, count in sorted(counts.items())]
+    return "\n".join(lines) + "\n"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining for at most `timeout_s` on its first SIGTERM or SIGINT."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._timeout_s = timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.force_exit or sig == signal.SIGINT
+            return
+        self._drain.draining = True
+        self._loop.call_soon_threadsafe(self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        logger.info(
+            "draining: %d request(s) in flight, new ones get 503 (at most %.0f s)",
+            self._drain.in_flight,
+            self._timeout_s,
+        )
+        if await self._drain.wait_idle(self._timeout_s):
+            logger.info("drained: no request in flight")
+        else:
+            logger.warning(
+                "drain timed out after %.0f s with %d request(s) in flight",
+                self._timeout_s,
+                self._drain.in_flight,
+            )
+        self.should_exit = True
+
+
 def gateway_tokenizer(model_dir: Path, chat_template: str | None) -> Tokenizer:
     """The model's tokenizer, with --chat-template (a file or a template) in place of its own."""
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -162,7 +216,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             + refused
             + batches
             + backend.disaggregation.metrics_text()
-            + worker_metrics_text(await backend.worker_stats())
+            + worker_metrics_text(await backend.pool.stats(metadata=backend.rpc_metadata))
         )
 
     batch_store = BatchStore(Path(options.batch_dir)) if options.batch_dir else None

@@ -9,10 +9,17 @@ longest-running worker's, so that a newcomer with other flags is refused, not ob
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nori.state.registry import WorkerInfo
+from nori.repeated_log import RepeatedFailureLog
+from nori.state.registry import RefusedEntry, WorkerInfo
+
+logger = logging.getLogger("nori.gateway.worker_pool")
+
+# Refused worker ids logged once each; past this many (forged entries) they are only counted.
+MAX_LOGGED_REFUSALS = 1024
 
 
 @dataclass(frozen=True)
@@ -66,3 +73,70 @@ def agree_on_speculation(workers: Sequence[WorkerInfo]) -> SpeculationAgreement:
 def describe_speculation(speculative_config: str | None) -> str:
     """A worker's speculative setting as a log line names it."""
     return speculative_config or "off"
+
+
+class RefusalLog:
+    """One log line per refused worker (again only if it leaves and comes back), and the
+    refused registry entries counted by reason."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._refused: set[tuple[str, int, str]] = set()
+        self._refused_speculation: set[tuple[str, str]] = set()
+        self._refused_versions: set[tuple[str, str]] = set()
+        self._logged_refusals: set[str] = set()
+        self._unlogged_refusals = RepeatedFailureLog(logger, "refusing unverified worker entries")
+
+    def entries(self, refused: list[RefusedEntry]) -> None:
+        """Counts each refused write once and logs each refused worker id once (a forged entry
+        stays in Redis and is read on every refresh)."""
+        versions = {(entry.worker_id, entry.version) for entry in refused}
+        for entry in refused:
+            if (entry.worker_id, entry.version) in self._refused_versions:
+                continue
+            self.counts[entry.reason] = self.counts.get(entry.reason, 0) + 1
+            if entry.worker_id in self._logged_refusals:
+                continue
+            if len(self._logged_refusals) >= MAX_LOGGED_REFUSALS:
+                self._unlogged_refusals.failed(ValueError(f"{entry.worker_id}: {entry.reason}"))
+                continue
+            self._logged_refusals.add(entry.worker_id)
+            logger.error(
+                "refusing worker entry %s: %s (not signed with this cluster's secret, or out "
+                "of date); nothing is routed to it",
+                entry.worker_id,
+                {
+                    "unsigned": "it carries no signature",
+                    "forged": "its signature does not verify",
+                    "expired": "it has expired",
+                }[entry.reason],
+            )
+        self._refused_versions = versions
+
+    def layouts(self, agreement: KVLayoutAgreement) -> None:
+        refused = {(w.worker_id, w.block_size, w.kv_cache_dtype) for w in agreement.refused}
+        for worker_id, size, dtype in sorted(refused - self._refused):
+            logger.error(
+                "refusing worker %s: its KV blocks are %d tokens of %s, the cluster's are %s "
+                "tokens of %s (every worker must run with the same --block-size, --dtype and "
+                "--kv-cache-dtype)",
+                worker_id,
+                size,
+                dtype or "an unstated dtype",
+                agreement.block_size,
+                agreement.kv_cache_dtype,
+            )
+        self._refused = refused
+
+    def speculation(self, agreement: SpeculationAgreement) -> None:
+        """One line per refused worker and setting (again only if it leaves and comes back)."""
+        refused = {(w.worker_id, w.speculative_config) for w in agreement.refused}
+        for worker_id, speculative_config in sorted(refused - self._refused_speculation):
+            logger.error(
+                "refusing worker %s: its speculative decoding is %s, the cluster's is %s (every "
+                "worker must run with the same --speculative-config)",
+                worker_id,
+                describe_speculation(speculative_config),
+                describe_speculation(agreement.speculative_config),
+            )
+        self._refused_speculation = refused

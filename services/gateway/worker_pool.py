@@ -5,37 +5,34 @@ size (the workers' stated one, or `--block-size`) and leaves out, with one log l
 worker whose block size, KV dtype or speculative decoding differs (`worker_agreement`), and any
 registry entry its signature check refused (counted in `refused_entries`).
 
-`Router` picks a request's workers from them and this gateway's own counts: registry load is up
-to a heartbeat old, so the in-flight counts, updated the moment it routes, spread a burst.
+`pick_decode` and `pick_prefill` choose a request's workers from them and the ledger's counts;
+`pool_capacity` sums a pool's figures for the fair shares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from nori.gateway.backend import BackendHealth
-from nori.gateway.worker_agreement import (
-    KVLayoutAgreement,
-    SpeculationAgreement,
-    agree_on_kv_layout,
-    agree_on_speculation,
-    describe_speculation,
-)
+from nori.gateway.worker_agreement import RefusalLog, agree_on_kv_layout, agree_on_speculation
 from nori.repeated_log import RepeatedFailureLog
 from nori.rpc.channels import ChannelCache
-from nori.state.registry import RefusedEntry, WorkerInfo, WorkerRegistry
+from nori.state.registry import WorkerInfo, WorkerRegistry
 from nori.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# Prompt slots per prompt worker shared out beside other owners (the rest wait in the gateway).
+PROMPT_SLOTS_SHARED_PER_WORKER = 32
 # How long a channel to a worker that left the registry stays open for calls still on it.
 CHANNEL_LINGER_S = 120.0
 # A worker whose call just failed gets no new request for this long (about the heartbeat TTL).
@@ -43,8 +40,6 @@ FAILED_WORKER_PAUSE_S = 3.0
 # How long workers missing from a registry read again after an outage (Redis restarted empty)
 # stay routable, while they re-register.
 REGISTRY_LOSS_GRACE_S = 3.0
-# Refused worker ids logged once each; past this many (forged entries) they are only counted.
-MAX_LOGGED_REFUSALS = 1024
 
 
 class WorkerPool:
@@ -53,16 +48,12 @@ class WorkerPool:
         registry: WorkerRegistry,
         block_size: int | None = None,
         refresh_s: float = 0.5,
-        on_refresh: Callable[[WorkerPool], None] | None = None,
     ) -> None:
         self._registry = registry
         self._expected_block_size = block_size
         self._refresh_s = refresh_s
-        self._on_refresh = on_refresh
         self.workers: list[WorkerInfo] = []
         self.block_size: int | None = block_size
-        self._refused: set[tuple[str, int, str]] = set()
-        self._refused_speculation: set[tuple[str, str]] = set()
         self._channels = ChannelCache()
         self._absent_since: dict[str, float] = {}
         self._failed_until: dict[str, float] = {}
@@ -70,11 +61,15 @@ class WorkerPool:
         self._kept: list[WorkerInfo] = []
         self._kept_until = 0.0
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
-        self.refused_entries: dict[str, int] = {}
-        self._refused_versions: set[tuple[str, str]] = set()
-        self._logged_refusals: set[str] = set()
-        self._unlogged_refusals = RepeatedFailureLog(logger, "refusing unverified worker entries")
+        self.refusals = RefusalLog()
+        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
+        self.capacity_figures: dict[str, tuple[int, int]] = {}
         self._refresher: asyncio.Task[None] | None = None
+
+    @property
+    def refused_entries(self) -> dict[str, int]:
+        """Refused registry entries by reason (unsigned, forged, expired)."""
+        return self.refusals.counts
 
     async def start(self) -> None:
         await self.refresh()
@@ -124,17 +119,15 @@ class WorkerPool:
         except Exception:
             self._unread = True  # Redis may come back empty: see _bridge_loss
             raise
-        self._note_refused(listing.refused)
+        self.refusals.entries(listing.refused)
         agreement = agree_on_kv_layout(
             self._bridge_loss(listing.workers), self._expected_block_size
         )
         speculation = agree_on_speculation(agreement.members)
         self.workers = speculation.members
         self.block_size = agreement.block_size
-        self._log_refusals(agreement)
-        self._log_speculation_refusals(speculation)
-        if self._on_refresh is not None:
-            self._on_refresh(self)
+        self.refusals.layouts(agreement)
+        self.refusals.speculation(speculation)
         await self._close_channels_of_departed()
 
     def _bridge_loss(self, listed: list[WorkerInfo]) -> list[WorkerInfo]:
@@ -160,60 +153,6 @@ class WorkerPool:
         if not missing:
             self._kept_until = 0.0  # all back
         return sorted([*listed, *missing], key=lambda w: w.worker_id)
-
-    def _note_refused(self, refused: list[RefusedEntry]) -> None:
-        """Counts each refused write once and logs each refused worker id once (a forged entry
-        stays in Redis and is read on every refresh)."""
-        versions = {(entry.worker_id, entry.version) for entry in refused}
-        for entry in refused:
-            if (entry.worker_id, entry.version) in self._refused_versions:
-                continue
-            self.refused_entries[entry.reason] = self.refused_entries.get(entry.reason, 0) + 1
-            if entry.worker_id in self._logged_refusals:
-                continue
-            if len(self._logged_refusals) >= MAX_LOGGED_REFUSALS:
-                self._unlogged_refusals.failed(ValueError(f"{entry.worker_id}: {entry.reason}"))
-                continue
-            self._logged_refusals.add(entry.worker_id)
-            logger.error(
-                "refusing worker entry %s: %s (not signed with this cluster's secret, or out "
-                "of date); nothing is routed to it",
-                entry.worker_id,
-                {
-                    "unsigned": "it carries no signature",
-                    "forged": "its signature does not verify",
-                    "expired": "it has expired",
-                }[entry.reason],
-            )
-        self._refused_versions = versions
-
-    def _log_refusals(self, agreement: KVLayoutAgreement) -> None:
-        refused = {(w.worker_id, w.block_size, w.kv_cache_dtype) for w in agreement.refused}
-        for worker_id, size, dtype in sorted(refused - self._refused):
-            logger.error(
-                "refusing worker %s: its KV blocks are %d tokens of %s, the cluster's are %s "
-                "tokens of %s (every worker must run with the same --block-size, --dtype and "
-                "--kv-cache-dtype)",
-                worker_id,
-                size,
-                dtype or "an unstated dtype",
-                agreement.block_size,
-                agreement.kv_cache_dtype,
-            )
-        self._refused = refused
-
-    def _log_speculation_refusals(self, agreement: SpeculationAgreement) -> None:
-        """One line per refused worker and setting (again only if it leaves and comes back)."""
-        refused = {(w.worker_id, w.speculative_config) for w in agreement.refused}
-        for worker_id, speculative_config in sorted(refused - self._refused_speculation):
-            logger.error(
-                "refusing worker %s: its speculative decoding is %s, the cluster's is %s (every "
-                "worker must run with the same --speculative-config)",
-                worker_id,
-                describe_speculation(speculative_config),
-                describe_speculation(agreement.speculative_config),
-            )
-        self._refused_speculation = refused
 
     async def _close_channels_of_departed(self) -> None:
         live = {worker.grpc_address for worker in self.workers}
@@ -269,92 +208,183 @@ class WorkerPool:
         results = await asyncio.gather(*(one(worker) for worker in self.workers))
         return [stats for stats in results if stats is not None]
 
+    async def read_capacity(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        """Each worker's (rows, calls), from its GetStats."""
+        for stats in await self.stats(metadata=metadata):
+            if stats.max_open_calls > 0:
+                self.capacity_figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
+        live = {w.worker_id for w in self.workers}
+        for gone in set(self.capacity_figures) - live:
+            del self.capacity_figures[gone]
 
-# ---------------------------------------------------------------------- routing
+    def capacities(
+        self, prompts_on_decode: bool
+    ) -> tuple[PoolCapacity | None, PoolCapacity | None]:
+        """The decode pool's and the prompt pool's: the prefill workers, else (or when
+        `prompts_on_decode`) the decode pool."""
+        serving = [w for w in self.workers if not w.draining]
+        decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
+        prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
+        if not prompt_pool or prompts_on_decode:
+            prompt_pool = decode_pool
+        decode = pool_capacity(self.capacity_figures, decode_pool, ASSUMED_FIGURES)
+        prompt = pool_capacity(self.capacity_figures, prompt_pool, ASSUMED_FIGURES)
+        if prompt is not None:
+            shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
+            prompt = dataclasses.replace(prompt, shared_rows=shared)
+        return decode, prompt
 
 
-@dataclass
-class Router:
-    """Picks a request's workers, and counts what this gateway has sent each."""
+# ---------------------------------------------------------------------- routing and capacity
+# Pure functions of the registry's figures and the ledger's counts (`Ledger.in_flight`,
+# `pending_prompt_tokens`, `turn`): registry load is up to a heartbeat old, the counts change the
+# moment the gateway routes, so they spread a burst.
 
-    in_flight: Counter[str] = field(default_factory=Counter)
-    # Prompt tokens sent to each worker to compute and not yet seen computed.
-    pending_prompt_tokens: Counter[str] = field(default_factory=Counter)
-    _decode_picks: int = 0
-    _prefill_picks: int = 0
 
-    def pick_decode(
-        self, workers: Iterable[WorkerInfo], exclude: Iterable[str] = ()
-    ) -> WorkerInfo | None:
-        """The decode or colocated worker with the fewest in-flight requests, then the most free
-        KV blocks."""
-        excluded = set(exclude)
-        candidates = [
-            worker
-            for worker in workers
-            if worker.role in ("decode", "colocated")
-            and not worker.draining
-            and worker.worker_id not in excluded
-        ]
-        if not candidates:
-            return None
-        # Equal workers take turns (the start rotates), so one-at-a-time requests spread too.
-        candidates.sort(key=lambda w: w.worker_id)
-        start = self._decode_picks % len(candidates)
-        self._decode_picks += 1
-        return min(
-            candidates[start:] + candidates[:start],
-            key=lambda w: (
-                self.in_flight[w.worker_id],
-                -round(_free_share(w), 2),
-                w.num_running + w.num_waiting,
-            ),
-        )
+def pick_decode(
+    workers: Iterable[WorkerInfo],
+    in_flight: Mapping[str, int],
+    turn: int,
+    exclude: Iterable[str] = (),
+) -> WorkerInfo | None:
+    """The decode or colocated worker with the fewest calls in flight, then the most free KV
+    blocks; equal workers take turns (`turn` rotates the start)."""
+    excluded = set(exclude)
+    candidates = [
+        w
+        for w in workers
+        if w.role in ("decode", "colocated") and not w.draining and w.worker_id not in excluded
+    ]
+    return _least(
+        candidates,
+        turn,
+        lambda w: (
+            in_flight.get(w.worker_id, 0),
+            -round(_free_share(w), 2),
+            w.num_running + w.num_waiting,
+        ),
+    )
 
-    def pick_prefill(
-        self,
-        workers: Iterable[WorkerInfo],
-        cached_tokens: Mapping[str, int],
-        num_prompt_tokens: int,
-    ) -> WorkerInfo | None:
-        """The prefill worker that would compute the fewest tokens before this prompt is done:
-        the prompt minus its cached prefix there, plus what is queued on it."""
-        candidates = [w for w in workers if w.role == "prefill" and not w.draining]
-        if not candidates:
-            return None
 
-        def cost(worker: WorkerInfo) -> tuple[int, int]:
-            cached = min(cached_tokens.get(worker.worker_id, 0), num_prompt_tokens)
-            queued = self.pending_prompt_tokens[worker.worker_id]
-            return (num_prompt_tokens - cached + queued, self.in_flight[worker.worker_id])
+def pick_prefill(
+    workers: Iterable[WorkerInfo],
+    in_flight: Mapping[str, int],
+    pending_prompt_tokens: Mapping[str, int],
+    cached_tokens: Mapping[str, int],
+    num_prompt_tokens: int,
+    turn: int,
+) -> WorkerInfo | None:
+    """The prefill worker that would compute the fewest tokens before this prompt is done: the
+    prompt minus its cached prefix there, plus what is queued on it."""
 
-        candidates.sort(key=lambda w: w.worker_id)
-        start = self._prefill_picks % len(candidates)
-        self._prefill_picks += 1
-        return min(candidates[start:] + candidates[:start], key=cost)
+    def cost(w: WorkerInfo) -> tuple[int, int]:
+        cached = min(cached_tokens.get(w.worker_id, 0), num_prompt_tokens)
+        queued = pending_prompt_tokens.get(w.worker_id, 0)
+        return (num_prompt_tokens - cached + queued, in_flight.get(w.worker_id, 0))
 
-    def started(self, worker_id: str, prompt_tokens: int = 0) -> None:
-        self.in_flight[worker_id] += 1
-        self.prompt_started(worker_id, prompt_tokens)
+    return _least([w for w in workers if w.role == "prefill" and not w.draining], turn, cost)
 
-    def ended(self, worker_id: str, prompt_tokens: int = 0) -> None:
-        self.in_flight[worker_id] -= 1
-        # Worker ids come and go: the counters must not grow with them.
-        if self.in_flight[worker_id] <= 0:
-            del self.in_flight[worker_id]
-        self.prompt_done(worker_id, prompt_tokens)
 
-    def prompt_started(self, worker_id: str, prompt_tokens: int) -> None:
-        """A prompt sent to `worker_id` to be computed (its request counted elsewhere)."""
-        self.pending_prompt_tokens[worker_id] += prompt_tokens
-
-    def prompt_done(self, worker_id: str, prompt_tokens: int) -> None:
-        self.pending_prompt_tokens[worker_id] -= prompt_tokens
-        if self.pending_prompt_tokens[worker_id] <= 0:
-            del self.pending_prompt_tokens[worker_id]
+def _least(
+    candidates: list[WorkerInfo], turn: int, key: Callable[[WorkerInfo], tuple[float, ...]]
+) -> WorkerInfo | None:
+    if not candidates:
+        return None
+    candidates.sort(key=lambda w: w.worker_id)
+    start = turn % len(candidates)
+    return min(candidates[start:] + candidates[:start], key=key)
 
 
 def _free_share(worker: WorkerInfo) -> float:
     if worker.num_total_blocks <= 0:
         return 0.0
     return worker.num_free_blocks / worker.num_total_blocks
+
+
+# (rows, calls) of a worker that has not stated its own: the workers' defaults.
+ASSUMED_FIGURES = (256, 320)
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """A pool's summed running rows (`--max-num-seqs`) and calls served at once (rows + queue);
+    `shared_rows`, when set, the rows owners share out beside others instead of `rows`."""
+
+    rows: int
+    calls: int
+    shared_rows: int | None = None
+
+
+def pool_capacity(
+    figures: Mapping[str, tuple[int, int]],
+    worker_ids: Sequence[str],
+    assumed: tuple[int, int] | None = None,
+) -> PoolCapacity | None:
+    """The pool's capacity; a silent worker counts as the others' mean, else as `assumed`."""
+    known = [figures[worker_id] for worker_id in worker_ids if worker_id in figures]
+    if not known:
+        if assumed is None or not worker_ids:
+            return None
+        known = [assumed]
+    scale = len(worker_ids) / len(known)
+    return PoolCapacity(
+        rows=round(sum(rows for rows, _ in known) * scale),
+        calls=round(sum(calls for _, calls in known) * scale),
+    )
+
+
+# ---------------------------------------------------------------------- admission and fair shares
+# Pure functions of the `Ledger`'s counts.
+
+MAX_RETRY_AFTER_S = 60.0
+
+
+def prompt_bound(max_tokens_per_worker: int, num_workers: int) -> int | None:
+    """The admission bound in prompt tokens; None: none (0, or no worker: routing says 503)."""
+    if max_tokens_per_worker == 0 or num_workers <= 0:
+        return None
+    return max_tokens_per_worker * num_workers
+
+
+def tokens_ahead(own: int, others: Iterable[int], share: int | None) -> int:
+    """What a client's new prompt waits behind: its own client's tokens, others' up to `share`."""
+    return own + sum(n if share is None else min(n, share) for n in others)
+
+
+def retry_after_s(excess_tokens: int, drain_rate: float | None) -> float:
+    """How long the pool needs to drain the excess at the recent rate, in [1, 60] s."""
+    if drain_rate is None:
+        return 1.0
+    return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(excess_tokens / drain_rate)))
+
+
+def owner_limit(
+    rows: int, max_share: float, others_active: bool, shared_rows: int | None = None
+) -> int:
+    """The most slots one owner may hold: every row alone, its share of `shared_rows` (else of
+    the rows) beside others."""
+    if not others_active:
+        return max(1, rows)
+    return max(1, math.floor(max_share * min(rows, shared_rows or rows)))
+
+
+@dataclass(frozen=True)
+class SlotCounts:
+    """One pool's counts as one ticket sees them (its priority's calls, its owners' holds)."""
+
+    held: int  # slots counted against `calls` (interactive: interactive ones only)
+    calls: int
+    group_held: int
+    client_held: int
+    group_alone: bool  # no other group holds or waits
+    client_alone: bool
+
+
+def may_hold(
+    counts: SlotCounts, rows: int, max_share: float, shared_rows: int | None = None
+) -> bool:
+    return (
+        counts.held < counts.calls
+        and counts.group_held < owner_limit(rows, max_share, not counts.group_alone, shared_rows)
+        and counts.client_held < owner_limit(rows, max_share, not counts.client_alone, shared_rows)
+    )

@@ -146,7 +146,7 @@ def test_every_nori_service_command_parses_with_the_real_cli() -> None:
 
 def test_the_grafana_dashboard_plots_only_metrics_that_exist() -> None:
     from nori.engine.outputs import EngineLoad
-    from nori.gateway.metrics import GatewayMetrics
+    from nori.gateway.middleware import GatewayMetrics
     from nori.worker.worker_metrics import WorkerMetrics
 
     worker = WorkerMetrics()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from nori.gateway.backend import GenerationRequest
-from nori.gateway.ledger import Ledger, PoolCapacity
-from nori.gateway.ticket import RequestTicket
+from nori.gateway.ledger import Ledger, RequestTicket
+from nori.gateway.worker_pool import PoolCapacity
 from nori.sampling.params import SamplingParams
 
 _ids = itertools.count()

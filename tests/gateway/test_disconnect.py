@@ -87,8 +87,7 @@ async def test_a_disconnect_queued_behind_the_first_chunk_ends_the_stream_quietl
     # The client leaves just as its first chunk comes: the watcher of `Session.first` queues the
     # disconnect behind that chunk, and the SSE body meets it on its next read. That is a
     # departure, not an error (the disconnect storm in tests/cluster logged it as one).
-    from nori.gateway.endpoints import _events
-    from nori.gateway.streams import ClientDisconnected
+    from nori.gateway.endpoints import ClientDisconnected, _events
 
     class Departed:
         cancelled = False

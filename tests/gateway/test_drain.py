@@ -24,7 +24,8 @@ SERVER = """
 import asyncio, logging, sys
 import uvicorn
 from nori.gateway.app import create_app
-from nori.gateway.drain import Drain, DrainingServer
+from nori.gateway.middleware import Drain
+from nori.gateway.server import DrainingServer
 from nori.sampling.tokenizer import Tokenizer
 from tests.gateway.helpers import FakeBackend, chunk
 

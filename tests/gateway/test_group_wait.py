@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from nori.gateway.worker_calls import MAX_DELAY_S, GroupWait
+from nori.gateway.cluster import MAX_DELAY_S, GroupWait
 
 
 class FakeClock:

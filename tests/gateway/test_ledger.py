@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from nori.gateway.errors import QueueFullError
-from nori.gateway.ledger import (
+from nori.gateway.ledger import Ledger
+from nori.gateway.worker_pool import (
     ASSUMED_FIGURES,
-    Ledger,
     PoolCapacity,
     SlotCounts,
     may_hold,
@@ -123,16 +123,16 @@ async def test_a_ticket_goes_queued_prompt_decoding_closed_and_closes_once() -> 
     ticket.decoding_on("decode-0")
     ticket.prompt_on("prefill-0")
     assert ticket.state == "prompt"
-    assert ledger.router.in_flight == {"decode-0": 1, "prefill-0": 1}
-    assert +ledger.router.pending_prompt_tokens == {"prefill-0": 40}
+    assert ledger.in_flight == {"decode-0": 1, "prefill-0": 1}
+    assert +ledger.pending_prompt_tokens == {"prefill-0": 40}
     ticket.first_token(2.0)
-    assert ticket.state == "decoding" and ledger.router.in_flight == {"decode-0": 1}
+    assert ticket.state == "decoding" and ledger.in_flight == {"decode-0": 1}
     assert (ledger.queued_tokens, ledger.num_prompting, ledger.num_held) == (0, 0, 1)
     ticket.close()
     ticket.close()
     assert ticket.state == "closed"
     assert (ledger.num_open, ledger.num_held) == (0, 0)
-    assert not ledger.router.in_flight and not ledger.held and not ledger.active
+    assert not ledger.in_flight and not ledger.held and not ledger.active
     assert ledger.drain_rate(2.0) == 40.0  # its prompt counts for Retry-After's drain rate
 
 
@@ -142,10 +142,10 @@ async def test_closing_a_ticket_mid_prompt_releases_every_hold() -> None:
     ticket.take_slot()
     ticket.decoding_on("decode-1")
     ticket.prompt_on("decode-1", whole_request=False)  # computed on its decode worker
-    assert ledger.router.in_flight == {"decode-1": 1}
-    assert ledger.router.pending_prompt_tokens == {"decode-1": 40}
+    assert ledger.in_flight == {"decode-1": 1}
+    assert ledger.pending_prompt_tokens == {"decode-1": 40}
     ticket.close()
-    assert not ledger.router.in_flight and not ledger.router.pending_prompt_tokens
+    assert not ledger.in_flight and not ledger.pending_prompt_tokens
     assert (ledger.queued_tokens, ledger.num_prompting, ledger.num_held, ledger.num_open) == (
         0, 0, 0, 0)  # fmt: skip
     assert not ledger.groups and not ledger.held and not ledger.prompting and not ledger.active

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nori.gateway.errors import QueueFullError
-from nori.gateway.ledger import ROOM_WAITERS_PRUNE_AT, Ledger, prompt_bound, retry_after_s
+from nori.gateway.ledger import ROOM_WAITERS_PRUNE_AT, Ledger
+from nori.gateway.worker_pool import prompt_bound, retry_after_s
 from tests.gateway.ledger_helpers import admit, request
 
 

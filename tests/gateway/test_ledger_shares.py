@@ -9,10 +9,15 @@ import pytest
 
 from nori.gateway.backend import GenerationRequest
 from nori.gateway.cluster import ClusterBackend, ClusterOptions
-from nori.gateway.endpoints import client_identity
-from nori.gateway.errors import InvalidRequestError, ShareRefusedError, WorkerLostError
-from nori.gateway.ledger import Ledger, PoolCapacity, pool_capacity
-from nori.gateway.worker_calls import error_from_rpc
+from nori.gateway.errors import (
+    InvalidRequestError,
+    ShareRefusedError,
+    WorkerLostError,
+    error_from_rpc,
+)
+from nori.gateway.ledger import Ledger
+from nori.gateway.prompts import client_identity
+from nori.gateway.worker_pool import PoolCapacity, pool_capacity
 from nori.sampling.params import SamplingParams
 from tests.gateway.ledger_helpers import request, shares, take, try_take
 

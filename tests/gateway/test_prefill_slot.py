@@ -44,8 +44,7 @@ async def test_a_failure_after_the_prefill_pick_releases_the_slot() -> None:
     # Lazy: nothing connects unless a call is made, and none is.
     channel = grpc.aio.insecure_channel("127.0.0.1:9")
     ledger = Ledger()
-    router = ledger.router
-    flow = RequestFlow(OnePrefillPool(channel), router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
+    flow = RequestFlow(OnePrefillPool(channel), ledger, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     # SamplingParams takes any int; the proto's int32 top_k does not (the gateway refuses it
     # with a 400 first, protocol.Int32: this is the path if anything else ever fails there).
     request = GenerationRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=4, top_k=2**31))
@@ -53,6 +52,6 @@ async def test_a_failure_after_the_prefill_pick_releases_the_slot() -> None:
     with pytest.raises(ValueError, match="out of range"):
         async for _ in flow.serve_disaggregated(request, DECODE, ticket):
             pass
-    assert router.pending_prompt_tokens == {}
-    assert router.in_flight == {}
+    assert ledger.pending_prompt_tokens == {}
+    assert ledger.in_flight == {}
     await channel.close()

@@ -15,8 +15,8 @@ import pytest
 from google.protobuf.message import Message
 
 from nori.gateway.backend import GenerationRequest
-from nori.gateway.endpoints import COALESCE_MS
 from nori.gateway.ledger import Ledger
+from nori.gateway.prompts import COALESCE_MS
 from nori.gateway.request_flow import RequestFlow, Resumed
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
@@ -162,7 +162,7 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
         answer=prefill_pb2.PrefillResponse(first=delta(7)),
     )
     ledger = Ledger()
-    flow = RequestFlow(Pool(channel), ledger.router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
+    flow = RequestFlow(Pool(channel), ledger, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     request = dataclasses.replace(REQUEST, stream_interval=3)
     ticket = ledger.admit(request, 1, 0.0)
     chunks = [c async for c in flow.serve_disaggregated(request, DECODE, ticket)]
@@ -177,7 +177,7 @@ async def test_the_disaggregated_calls_carry_the_priority() -> None:
 async def test_a_migrated_request_keeps_its_priority() -> None:
     channel = RecordingChannel(stream=[decode_pb2.GenerateResponse(delta=delta(9, finished=True))])
     ledger = Ledger()
-    flow = RequestFlow(Pool(channel), ledger.router, NoCachedPrefixes(), None)  # type: ignore[arg-type]
+    flow = RequestFlow(Pool(channel), ledger, NoCachedPrefixes(), None)  # type: ignore[arg-type]
     resumed = Resumed([7, 8], num_chars=2)
     ticket = ledger.admit(REQUEST, 1, 0.0)
     chunks = [c async for c in flow.compute_and_decode(REQUEST, DECODE, ticket, resumed)]

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from nori.gateway.errors import WorkerLostError
-from nori.gateway.worker_calls import read
+from nori.gateway.request_flow import read
 
 
 class _Call:
