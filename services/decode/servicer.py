@@ -17,7 +17,7 @@ import grpc
 from nori.decode.kv_sink import DecodeKVSink
 from nori.decode.lease import LeaseExpired
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
+from nori.engine.request import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
 from nori.state.state_recorder import StateRecorder
 from nori.transfer.address import parse_address

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVExport, KVToRemote
+from nori.engine.request import KVExport, KVToRemote
 from nori.prefill.export_arena import ExportArena, ExportCopy
 from nori.prefill.lease_keeper import LeaseKeeper
 from nori.transfer.base import KVSender, TransferError, TransferRejected

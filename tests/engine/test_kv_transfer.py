@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVFromRemote, KVToRemote
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
-from nori.engine.request import RequestStatus
+from nori.engine.request import KVFromRemote, KVToRemote, RequestStatus
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 
