@@ -1,8 +1,5 @@
-"""The engine loop: admit requests, step the batch, turn sampled tokens into outputs.
-
-A step is schedule -> execute -> update. Memory and batching are the scheduler's, tensors the
-model runner's, step costs and the auto prompt cap `StepCosts`'; this file owns the requests'
-text side (detokenizer, stop conditions) and the hand-off of their K/V between engines.
+"""The engine loop: admit requests, step the batch (schedule -> execute -> update), turn
+sampled tokens into outputs, and hand requests' K/V between engines.
 
 A remote-KV request's life (`abort_request` frees its blocks from any state):
 - decode side: `add_request(remote_kv=KVFromRemote())` reserves its blocks -> WAITING_FOR_KV
@@ -120,8 +117,6 @@ class LLMEngine:
             else Speculator(speculative, self._runner, self.model.max_model_len)
         )
 
-    # ------------------------------------------------------------------------ requests
-
     def add_request(
         self,
         request_id: str,
@@ -191,8 +186,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_unfinished > 0
 
-    # ------------------------------------------------------------------------ one step
-
     def step(self) -> list[StepOutput]:
         self._costs.before_schedule(self._scheduler)
         speculator = self._speculator
@@ -246,8 +239,6 @@ class LLMEngine:
         if output.finished:
             del self._requests[request.request_id]
         return output
-
-    # ------------------------------------------------------------- remote-KV hand-off
 
     def _reserve(self, request: Request) -> list[int]:
         """Blocks for the prompt's K/V, then for the first sampled token (computed right after
@@ -358,8 +349,6 @@ class LLMEngine:
         )
         return True
 
-    # ------------------------------------------------------------------------ internals
-
     def _track(self, request: Request) -> None:
         """Gives the request its text side and sampler, and keeps it until it ends."""
         params = request.sampling_params
@@ -369,8 +358,6 @@ class LLMEngine:
             self.model.tokenizer, params, request.prompt_token_ids
         )
         self._requests[request.request_id] = request
-
-    # ------------------------------------------------------------------ for workers and tests
 
     def load(self) -> EngineLoad:
         scheduler = self._scheduler

@@ -159,9 +159,8 @@ class ModelRunner:
     ) -> StepResult:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
         sampling = [s for s in output.scheduled if s.samples]
-        # Every logits the step needs, as batches of hidden rows: the prompt-logprob rows in
-        # chunks, then the sampled rows. Decided before the forward pass so that followers of a
-        # tensor-parallel engine compute (and gather) the same batches in the same order.
+        # The prompt-logprob rows in chunks, then the sampled rows: decided before the forward
+        # pass, so that tensor-parallel followers gather the same batches in the same order.
         prompt_chunks = self.sampling.prompt_logprob_chunks(inputs.prompt_logprob_rows)
         logits_rows = (*prompt_chunks, *([inputs.logits_indices] if sampling else []))
         if self.followers is not None:
@@ -202,8 +201,6 @@ class ModelRunner:
             self.read_blocks(command.block_ids)
         elif isinstance(command, WriteBlocks):
             self.write_blocks(command.block_ids, command.blocks)
-
-    # ------------------------------------------------------------ KV blocks in and out
 
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """A copy of the blocks (`KVCache.read_blocks`) with every kv head: each rank's heads

@@ -102,8 +102,7 @@ class ExpertRoutingCounts:
 
 
 def expert_imbalance(counts: tuple[int, ...]) -> float | None:
-    """The busiest expert's tokens over the mean per expert (1.0: even; E: all on one); None when
-    no token was routed."""
+    """The busiest expert's tokens over the mean per expert; None when no token was routed."""
     total = sum(counts)
     return max(counts) * len(counts) / total if total else None
 
@@ -220,7 +219,6 @@ def make_output(request: Request) -> StepOutput:
         finish_reason=status.value if finished else None,
         stop_reason=request.stop_reason,
         logprobs=list(request.logprobs) if request.logprobs is not None else None,
-        # Complete once a token is sampled, and never changed after: shared, not copied.
         prompt_logprobs=request.prompt_logprobs,
         num_cached_tokens=request.num_cached_tokens,
         prefilled=status is RequestStatus.PREFILLED,
