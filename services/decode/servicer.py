@@ -19,7 +19,7 @@ import grpc
 from nori.decode.kv_sink import DecodeKVSink, LeaseExpired
 from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks
+from nori.engine.request import KVFromRemote, NoFreeBlocks
 from nori.sampling.params import SamplingParams
 from nori.settings import DEFAULT_KV_LEASE_S
 from nori.state.requests import RequestStateStore, StateRecorder

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVExport, KVToRemote
+from nori.engine.request import KVExport, KVToRemote
 from nori.prefill.export_arena import ExportArena, ExportCopy
 from nori.rpc.channels import ChannelCache
 from nori.transfer.base import KVSender, TransferError, TransferRejected

@@ -10,11 +10,11 @@ the verification's mirror rewrites.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from nori.engine.attention_metadata import AttentionMetadata
-from nori.engine.batch_inputs import BatchInputs
 from nori.engine.config import EngineConfig
 from nori.engine.kv_cache import KVCache, bytes_per_block
 from nori.engine.paged_attention import PagedAttention
@@ -25,6 +25,9 @@ from nori.models.loader import load_model
 from nori.sampling.batch import RowState, SamplingBatch
 from nori.sampling.sampler import target_probs
 from nori.sampling.speculative import draw_tokens
+
+if TYPE_CHECKING:
+    from nori.engine.model_runner import BatchInputs
 
 
 class DraftModel:

@@ -1,8 +1,5 @@
-"""The engine loop: admit requests, step the batch, turn sampled tokens into outputs.
-
-A step is schedule -> execute -> update. Memory and batching are the scheduler's, tensors the
-model runner's, step costs and the auto prompt cap `StepCosts`'; this file owns the requests'
-text side (detokenizer, stop conditions) and the hand-off of their K/V between engines.
+"""The engine loop: admit requests, step the batch (schedule -> execute -> update), turn
+sampled tokens into outputs, and hand requests' K/V between engines.
 
 A remote-KV request's life (`abort_request` frees its blocks from any state):
 - decode side: `add_request(remote_kv=KVFromRemote())` reserves its blocks -> WAITING_FOR_KV
@@ -21,17 +18,7 @@ import torch
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import EngineConfig, SchedulerConfig
-from nori.engine.kv_cache_view import KVCacheView
-from nori.engine.kv_transfer import (
-    KVExport,
-    KVFromRemote,
-    KVToRemote,
-    NoFreeBlocks,
-    RemoteKV,
-    TransferState,
-    generator_state,
-    set_generator_state,
-)
+from nori.engine.kv_cache import KVCacheView
 from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import (
     EngineLoad,
@@ -39,15 +26,21 @@ from nori.engine.outputs import (
     ServedModel,
     SpecDecodeCounts,
     StepOutput,
-)
-from nori.engine.prompt_checks import validate_prompt
-from nori.engine.request import Request, RequestStatus
-from nori.engine.request_text import (
     aborted_output,
     add_known_tokens,
     check_stop,
     make_output,
     resume_text,
+)
+from nori.engine.request import (
+    KVExport,
+    KVFromRemote,
+    KVToRemote,
+    NoFreeBlocks,
+    RemoteKV,
+    Request,
+    RequestStatus,
+    TransferState,
 )
 from nori.engine.scheduler import Scheduler, SchedulerOutput
 from nori.engine.speculative import Speculator
@@ -57,6 +50,20 @@ from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
+
+
+def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError, saying why, for a prompt the engine can never serve."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; this model accepts at most "
+            f"{max_model_len - 1} (max_model_len {max_model_len} includes the output)"
+        )
 
 
 class LLMEngine:
@@ -109,8 +116,6 @@ class LLMEngine:
             if speculative is None
             else Speculator(speculative, self._runner, self.model.max_model_len)
         )
-
-    # ------------------------------------------------------------------------ requests
 
     def add_request(
         self,
@@ -181,8 +186,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_unfinished > 0
 
-    # ------------------------------------------------------------------------ one step
-
     def step(self) -> list[StepOutput]:
         self._costs.before_schedule(self._scheduler)
         speculator = self._speculator
@@ -236,8 +239,6 @@ class LLMEngine:
         if output.finished:
             del self._requests[request.request_id]
         return output
-
-    # ------------------------------------------------------------- remote-KV hand-off
 
     def _reserve(self, request: Request) -> list[int]:
         """Blocks for the prompt's K/V, then for the first sampled token (computed right after
@@ -293,7 +294,9 @@ class LLMEngine:
         add_known_tokens(request, list(output_token_ids))
         request.num_emitted_tokens = len(request.output_token_ids)
         request.num_emitted_chars = len(request.text)
-        set_generator_state(request.generator, generator_state)
+        if request.generator is not None and generator_state is not None:
+            state = torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
+            request.generator.set_state(state)
         self._scheduler.activate(request_id)
 
     def prefilled_kv(self, request_id: str) -> tuple[TransferState, list[int]]:
@@ -310,7 +313,9 @@ class LLMEngine:
             sampling_params=request.sampling_params,
             num_computed_tokens=request.num_computed_tokens,
             block_size=self.config.block_size,
-            generator_state=generator_state(request.generator),
+            generator_state=(
+                None if request.generator is None else bytes(request.generator.get_state().tolist())
+            ),
             priority=request.priority,
         )
         return state, list(request.block_ids[: state.num_blocks])
@@ -344,8 +349,6 @@ class LLMEngine:
         )
         return True
 
-    # ------------------------------------------------------------------------ internals
-
     def _track(self, request: Request) -> None:
         """Gives the request its text side and sampler, and keeps it until it ends."""
         params = request.sampling_params
@@ -355,8 +358,6 @@ class LLMEngine:
             self.model.tokenizer, params, request.prompt_token_ids
         )
         self._requests[request.request_id] = request
-
-    # ------------------------------------------------------------------ for workers and tests
 
     def load(self) -> EngineLoad:
         scheduler = self._scheduler

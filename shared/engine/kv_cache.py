@@ -1,13 +1,22 @@
-"""The paged KV cache tensors and how many blocks fit in a memory budget."""
+"""The paged KV cache tensors, how many blocks fit in a memory budget, and what the services see
+of an engine's cache (`KVCacheView`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from nori.engine.config import EngineConfig
 from nori.kernels.kv_quant import KV_CACHE_DTYPES, KV_SCALE_DTYPE
 from nori.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from nori.engine.block_manager import BlockEvent, BlockManager
+    from nori.engine.model_runner import ModelRunner
+    from nori.engine.request import Request
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -30,6 +39,44 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     if is_quantized(dtype):
         per_head += torch.empty((), dtype=KV_SCALE_DTYPE).element_size()
     return 2 * model.num_hidden_layers * model.num_key_value_heads * per_head * block_size
+
+
+def num_blocks_in_budget(
+    config: EngineConfig,
+    model: ModelConfig,
+    model_dtype: torch.dtype,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft_bytes_per_block: int = 0,
+) -> int:
+    """How many blocks (with a draft model's share) fit: `num_kv_blocks` when set, else the
+    GPU memory left at `gpu_memory_utilization` after activations, or `cpu_kv_cache_gib`."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(model, config.block_size, dtype) + draft_bytes_per_block
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        # Room for the activations of the largest step and the logits.
+        element = torch.empty((), dtype=model_dtype).element_size()
+        per_token = 4 * (model.hidden_size + model.intermediate_size * 2) * element
+        logits = config.max_num_seqs * model.vocab_size * 4 * 3
+        budget -= config.max_num_batched_tokens * per_token + logits + 512 * 2**20
+    else:
+        budget = config.cpu_kv_cache_gib * 2**30
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            "no memory left for the KV cache; lower the model size or raise "
+            "gpu_memory_utilization / cpu_kv_cache_gib"
+        )
+    if device.type != "cuda":
+        # Host memory is every process's: a small model takes no more than max_num_seqs
+        # full-length sequences can fill, rather than the whole --cpu-kv-cache-gib.
+        context = config.max_model_len or model.max_position_embeddings
+        blocks_per_seq = -(-context // config.block_size)
+        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_seq + 1)
+    return num_blocks
 
 
 @dataclass(frozen=True)
@@ -119,3 +166,59 @@ def read_blocks(
     index = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
     # Through bytes: index_select has no float8 implementation on CPU.
     return tuple(_bytes(tensor).index_select(2, index).view(tensor.dtype) for tensor in tensors)
+
+
+class KVCacheView:
+    """An engine's cache as the services see it (`LLMEngine.kv_cache`): its tensors and block
+    layouts for transfers, block reads, the prefix cache's events, and the bookkeeping check."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        requests_holding_blocks: Callable[[], Iterable[Request]],
+    ) -> None:
+        self._runner = runner
+        self._block_manager = block_manager
+        self._requests_holding_blocks = requests_holding_blocks
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The KV cache's tensors (the model's, then a draft model's), [layers, 2, blocks, ...]:
+        transfers land straight in them. Under tensor parallelism, rank 0's heads only (blocks
+        go in through `finish_kv_transfer(blocks=...)`)."""
+        return self._runner.kv_tensors
+
+    @property
+    def num_draft_tensors(self) -> int:
+        """How many of `tensors` (the last ones) are a draft model's; they travel too."""
+        return len(self.tensors) - len(self._runner.kv_cache.tensors)
+
+    def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """Each KV tensor's dtype and per-block shape with every kv head (a staging receiver's
+        layout)."""
+        world_size = 1 if self._runner.parallel is None else self._runner.parallel.world_size
+        layouts = []
+        for tensor in self.tensors:
+            shape = [*tensor.shape[:2], *tensor.shape[3:]]
+            shape[3] *= world_size
+            layouts.append((tensor.dtype, tuple(shape)))
+        return layouts
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
+        """A copy of these blocks with every kv head, one tensor per KV tensor."""
+        return self._runner.read_blocks(block_ids)
+
+    def record_block_events(self) -> None:
+        self._block_manager.record_events = True
+
+    def drain_block_events(self) -> list[BlockEvent]:
+        """The log since the last drain (empty unless `record_block_events` was called)."""
+        return self._block_manager.drain_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self._block_manager.cached_block_hashes()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the block bookkeeping is inconsistent (tests)."""
+        self._block_manager.check_invariants(self._requests_holding_blocks())

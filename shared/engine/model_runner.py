@@ -1,16 +1,17 @@
-"""Owns the model weights and the KV cache tensors; runs one scheduler step on them."""
+"""Owns the model weights and the KV cache tensors; runs one scheduler step on them, flattened
+into the tensors the model and kernels read (`build_batch_inputs`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from nori.engine.attention_metadata import AttentionMetadata
-from nori.engine.batch_inputs import build_batch_inputs
 from nori.engine.config import EngineConfig
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.draft_model import DraftModel
@@ -22,12 +23,17 @@ from nori.engine.follower_ranks import (
     WriteBlocks,
     rank_group,
 )
-from nori.engine.kv_cache import KVCache, bytes_per_block, kv_cache_dtype
+from nori.engine.kv_cache import KVCache, kv_cache_dtype, num_blocks_in_budget
 from nori.engine.outputs import ExpertRoutingCounts
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
-from nori.engine.step_sampling import SampledTokens, StepSampler
+from nori.engine.step_sampling import (
+    PromptLogprobRows,
+    SampledTokens,
+    StepSampler,
+    rows_to_score,
+)
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
 from nori.models.shard import local_model_config
@@ -81,25 +87,17 @@ class ModelRunner:
         self.generator = make_generator(config.seed, self.device)
         self.sampling = StepSampler(self.device, eos_token_ids, self.generator)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        parallel = ""
+        if self.parallel is not None:
+            expert = ", expert parallel" if self.parallel.expert_parallel else ""
+            parallel = f", rank {rank} of {config.tensor_parallel_size}{expert}"
+        quantized = f", {config.quantization} weights" if config.quantization else ""
+        kv_dtype = str(self.kv_cache_dtype).replace("torch.", "")
         logger.info(
-            "model %s on %s (%s%s%s, %s attention): %d KV blocks of %d tokens (%s, %.1f MiB), "
-            "max_model_len %d",
-            model_dir.name,
-            self.device,
-            self.dtype,
-            f", {config.quantization} weights" if config.quantization else "",
-            (
-                f", rank {rank} of {config.tensor_parallel_size}"
-                + (", expert parallel" if self.parallel.expert_parallel else "")
-            )
-            if self.parallel
-            else "",
-            self.attention_backend,
-            self.kv_cache.num_blocks,
-            config.block_size,
-            str(self.kv_cache_dtype).replace("torch.", ""),
-            self.kv_cache_bytes / 2**20,
-            self.max_model_len,
+            f"model {model_dir.name} on {self.device} ({self.dtype}{quantized}{parallel}, "
+            f"{self.attention_backend} attention): {self.kv_cache.num_blocks} KV blocks of "
+            f"{config.block_size} tokens ({kv_dtype}, {self.kv_cache_bytes / 2**20:.1f} MiB), "
+            f"max_model_len {self.max_model_len}"
         )
 
     def _load(self, config: EngineConfig, model_dir: Path) -> None:
@@ -132,7 +130,10 @@ class ModelRunner:
                 resolve_attention_backend(config.attention_backend, self.device),
                 self.eos_token_ids,
             )
-        num_blocks = self._num_kv_blocks()
+        draft_bytes = 0 if self.draft is None else self.draft.bytes_per_block(self.kv_cache_dtype)
+        num_blocks = num_blocks_in_budget(
+            config, self.model_config, self.dtype, self.kv_cache_dtype, self.device, draft_bytes
+        )
         if self.parallel is not None:
             num_blocks = self.parallel.min_int(num_blocks)  # every rank holds every block
         self.kv_cache = KVCache.allocate(
@@ -158,9 +159,8 @@ class ModelRunner:
     ) -> StepResult:
         inputs = build_batch_inputs(output, self.config.block_size, self.device)
         sampling = [s for s in output.scheduled if s.samples]
-        # Every logits the step needs, as batches of hidden rows: the prompt-logprob rows in
-        # chunks, then the sampled rows. Decided before the forward pass so that followers of a
-        # tensor-parallel engine compute (and gather) the same batches in the same order.
+        # The prompt-logprob rows in chunks, then the sampled rows: decided before the forward
+        # pass, so that tensor-parallel followers gather the same batches in the same order.
         prompt_chunks = self.sampling.prompt_logprob_chunks(inputs.prompt_logprob_rows)
         logits_rows = (*prompt_chunks, *([inputs.logits_indices] if sampling else []))
         if self.followers is not None:
@@ -202,8 +202,6 @@ class ModelRunner:
         elif isinstance(command, WriteBlocks):
             self.write_blocks(command.block_ids, command.blocks)
 
-    # ------------------------------------------------------------ KV blocks in and out
-
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """A copy of the blocks (`KVCache.read_blocks`) with every kv head: each rank's heads
         gathered on rank 0 under tensor parallelism, so the export has one layout whatever the
@@ -234,22 +232,6 @@ class ModelRunner:
             blocks = blocks[:num_target]
         self.kv_cache.write_blocks(block_ids, blocks)
 
-    def block_layouts(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-        """Each KV tensor's dtype and shape without its block dimension, with every kv head
-        ([layers, 2, block_size, heads, ...]): what `read_blocks` gives per block."""
-        world_size = 1 if self.parallel is None else self.parallel.world_size
-        layouts = []
-        for tensor in self.kv_tensors:
-            shape = [*tensor.shape[:2], *tensor.shape[3:]]
-            shape[3] *= world_size
-            layouts.append((tensor.dtype, tuple(shape)))
-        return layouts
-
-    @property
-    def num_draft_kv_tensors(self) -> int:
-        """How many of `kv_tensors` (the last ones) are a draft model's."""
-        return len(self.kv_tensors) - len(self.kv_cache.tensors)
-
     @property
     def kv_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor a request's blocks live in (`KVCache.tensors`): the model's, then a
@@ -260,16 +242,8 @@ class ModelRunner:
 
     def expert_routing_counts(self) -> ExpertRoutingCounts | None:
         """Tokens routed to each expert of each routed layer since the model loaded (None for a
-        dense model): a copy of the mixture-of-experts blocks' counters, for load-balance
-        metrics (a worker's /metrics, `nori bench offline`).
-
-        The counters live on the model's device and grow inside the forward pass; reading them
-        waits for the device (one copy of all layers at once), so it is done when asked (a
-        scrape, the end of a benchmark run), never per step. Under tensor or expert
-        parallelism every rank runs the router on every token identically and counts into a
-        full [num_experts] counter, so this rank's (the leader's) counts are the whole count.
-        Engines sharing this runner read the counts of all of them.
-        """
+        dense model). Waits for the device. Every rank counts every token, so rank 0's counts
+        are the whole count; engines sharing this runner read the counts of all of them."""
         blocks = self.model.moe_blocks()
         if not blocks:
             return None
@@ -295,42 +269,6 @@ class ModelRunner:
         """The KV pool's memory, scales included."""
         return sum(tensor.nbytes for tensor in self.kv_tensors)
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = bytes_per_block(self.model_config, self.config.block_size, self.kv_cache_dtype)
-        if self.draft is not None:
-            per_block += self.draft.bytes_per_block(self.kv_cache_dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_by_others = total - free
-            budget = total * self.config.gpu_memory_utilization - used_by_others
-            # Leave room for activations of the largest step and the logits.
-            budget -= self._activation_reserve_bytes()
-        else:
-            budget = self.config.cpu_kv_cache_gib * 2**30
-        num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise ValueError(
-                "no memory left for the KV cache; lower the model size or raise "
-                "gpu_memory_utilization / cpu_kv_cache_gib"
-            )
-        if self.device.type != "cuda":
-            # Host memory is every process's: a small model takes no more than max_num_seqs
-            # full-length sequences can fill, rather than the whole --cpu-kv-cache-gib.
-            context = self.config.max_model_len or self.model_config.max_position_embeddings
-            blocks_per_seq = -(-context // self.config.block_size)
-            num_blocks = min(num_blocks, self.config.max_num_seqs * blocks_per_seq + 1)
-        return num_blocks
-
-    def _activation_reserve_bytes(self) -> int:
-        tokens = self.config.max_num_batched_tokens
-        cfg = self.model_config
-        element = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 4 * (cfg.hidden_size + cfg.intermediate_size * 2) * element
-        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 3
-        return tokens * per_token + logits + 512 * 2**20
-
     def _max_model_len(self, num_blocks: int) -> int:
         positions = self.model_config.max_position_embeddings
         if self.config.max_model_len is not None and self.config.max_model_len > positions:
@@ -348,3 +286,79 @@ class ModelRunner:
             )
             limit = pool_tokens
         return limit
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # Rows of the flat token axis whose logits are sampled: a request's last token, or for a
+    # verification its last token and each draft (1 + num_spec_tokens consecutive rows).
+    logits_indices: torch.Tensor
+    # Requests that want prompt logprobs and computed some of their prompt in this step.
+    prompt_logprob_rows: list[PromptLogprobRows]
+
+
+def build_batch_inputs(
+    output: SchedulerOutput, block_size: int, device: torch.device
+) -> BatchInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    logits_indices: list[int] = []
+    num_decodes = 0
+    num_verifies = 0
+    max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
+    block_rows: list[list[int]] = []
+    prompt_logprob_rows: list[PromptLogprobRows] = []
+
+    for item in output.scheduled:
+        request = item.request
+        start = request.num_computed_tokens
+        end = start + item.num_new_tokens
+        input_ids.extend(request.token_ids[start:end])
+        if item.num_spec_tokens:
+            assert len(request.spec_token_ids) == item.num_spec_tokens, "drafts not proposed"
+            input_ids.extend(request.spec_token_ids)
+            num_verifies += 1
+        positions.extend(range(start, end))
+        block_ids = request.block_ids
+        slots.extend(
+            block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        seq_lens.append(end)
+        query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+        block_rows.append(block_ids + [0] * (max_blocks - len(block_ids)))
+        if item.num_new_tokens == 1:
+            num_decodes += 1
+        if item.samples:
+            first = query_start_loc[-1] - 1 - item.num_spec_tokens
+            logits_indices.extend(range(first, query_start_loc[-1]))
+        if request.prompt_logprobs is not None:
+            rows = rows_to_score(request, start, end, query_start_loc[-2])
+            if rows is not None:
+                prompt_logprob_rows.append(rows)
+
+    def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        num_decodes=num_decodes,
+        num_verifies=num_verifies,
+        num_verify_end_row=query_start_loc[num_decodes + num_verifies],
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        query_start_loc=as_tensor(query_start_loc, torch.int32),
+        block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
+        max_seq_len=max(seq_lens),
+    )
+    return BatchInputs(
+        input_ids=as_tensor(input_ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        attention=metadata,
+        logits_indices=as_tensor(logits_indices, torch.int64),
+        prompt_logprob_rows=prompt_logprob_rows,
+    )

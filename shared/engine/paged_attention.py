@@ -162,8 +162,7 @@ class PagedAttention:
             return self._verify
         meta = self.metadata
         first, end = meta.num_decodes, meta.num_decodes + meta.num_verifies
-        # Verifications start after the decodes' rows; their end is read from the device (once a
-        # step) only when prompt chunks follow.
+        # Their end is read from the device only when prompt chunks follow and it is unknown.
         if end == meta.seq_lens.shape[0]:
             end_row = num_rows
         elif meta.num_verify_end_row:

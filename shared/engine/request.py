@@ -6,6 +6,7 @@ cache); each step the scheduler gives it some of the difference. It samples a ne
 when a step brings `num_computed_tokens` up to `num_tokens`. This one rule covers chunked prefill,
 decode, recompute after preemption, and a decode worker taking over a request that a prefill worker
 computed.
+The hand-off types: `add_request`'s `remote_kv`, and what moves between two engines.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from nori.sampling.detokenizer import IncrementalDetokenizer
     from nori.sampling.logprobs import TokenLogprobs
     from nori.sampling.params import SamplingParams
@@ -80,7 +83,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: Any = field(default=None, repr=False)
 
-    # The engine's side (`request_text.py`; the scheduler never reads these): the text so far,
+    # The engine's side (`outputs.py`; the scheduler never reads these): the text so far,
     # what has been reported, why it stopped, and the seeded sampler's torch.Generator.
     detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False)
     generator: Any = field(default=None, repr=False)
@@ -126,3 +129,47 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass(frozen=True)
+class KVFromRemote:
+    """Decode side: the prompt's K/V lands in blocks `add_request` reserves (and returns) now;
+    the request waits (WAITING_FOR_KV) until `finish_kv_transfer` starts it decoding."""
+
+
+@dataclass(frozen=True)
+class KVToRemote:
+    """Prefill side: compute the prompt, sample the first token, then hold the blocks (PREFILLED)
+    until `finish_kv_transfer` frees them."""
+
+
+RemoteKV = KVFromRemote | KVToRemote
+
+
+class NoFreeBlocks(RuntimeError):
+    """A KVFromRemote request found no room, even after preempting less important requests."""
+
+
+@dataclass(frozen=True)
+class TransferState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Tokens whose K/V the blocks hold (the prompt); the last output token is not computed yet.
+    num_computed_tokens: int
+    block_size: int
+    # A seeded sampler's RNG state: it samples the same tokens after moving.
+    generator_state: bytes | None = None
+    priority: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_computed_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class KVExport:
+    state: TransferState
+    # One copy per KVCache.tensors, in the request's block order ([layers, 2, n, ...]).
+    blocks: tuple[torch.Tensor, ...]

@@ -90,8 +90,7 @@ class Scheduler:
     num_preemptions: int = field(default=0, init=False)
     # Prompt positions scheduled since the scheduler was made (a recompute counts again).
     num_prompt_tokens_computed: int = field(default=0, init=False)
-    # Steps since one with an interactive request (priority <= 0) about: it gates the cap on
-    # background prompt tokens. Starts past the linger: a batch alone is never capped.
+    # Steps since one with an interactive request (priority <= 0); starts past the linger.
     steps_since_interactive: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -113,8 +112,7 @@ class Scheduler:
 
     def activate(self, request_id: str) -> None:
         """A held request whose K/V has arrived: it runs from the next step when the batch has a
-        row for it, else it queues (READY) for one. The batch never grows past max_num_seqs, so
-        transfers arriving faster than streams finish cannot stretch every stream's step."""
+        row for it (never past max_num_seqs), else it queues (READY) for one."""
         request = self.held.pop(request_id)
         request.status = RequestStatus.READY
         _queue_behind_equals(self.ready, request)
@@ -244,10 +242,8 @@ class Scheduler:
         return cap if lingering else budget
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may carry: capped when it will also run decodes that someone
-        reads token by token. Background decodes (a priority above 0: batch lines, read whole
-        at the end) need no such care: beside them alone, prompts take the whole budget, as
-        offline, and the batch fills its rows sooner."""
+        """Prompt tokens this step may carry: capped when it also runs interactive decodes
+        (priority <= 0); beside background decodes alone, prompts take the whole budget."""
         cap = self.prefill_budget_with_decodes
         if cap is None:
             return budget

@@ -1,14 +1,10 @@
 """What a step costs, learnt from the steps the engine times: `fixed + per_row * decode rows +
-per_token * prompt tokens`, fitted together by least squares over every timed step, older steps
-weighing less (while prompts queue no step is decode-only, so no cost is fitted alone). No torch.
+per_token * prompt tokens`, fitted by least squares over every timed step, older steps weighing
+less. No torch.
 
-With `prefill_budget_with_decodes="auto"` the prompt part of a step is kept at most `ratio`
-times the decode part of the running batch, which keeps a stream's inter-token latency within
-(1 + ratio) decode steps on any model and hardware. The fit is also published (`StepCostFit`)
-for the gateway's conditional disaggregation; a kind of step never timed gets no cost (None).
-
-`StepCosts` is the engine's side: `before_schedule` sets the scheduler's prompt cap (with
-"auto"), `after_execute` times the step into the fit and refreshes the published `fit`.
+With `prefill_budget_with_decodes="auto"` a step's prompt part is kept at most `ratio` times the
+decode part of the running batch. The fit is published (`StepCostFit`) for the gateway's
+conditional disaggregation; a kind of step never timed gets no cost (None).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ _MIN_STEPS_OF_A_KIND = 4
 _RIDGE = 1e-9
 # The "auto" prompt cap before any step has been timed.
 AUTO_PREFILL_BUDGET_START = 256
-# Seconds between solves of the published fit (a 3x3 solve per step would cost more than it
-# tells; the registry hears of it once a second).
+# Seconds between solves of the published fit.
 _FIT_EVERY_S = 0.25
 
 
@@ -57,8 +52,7 @@ class StepCostModel:
         default_factory=lambda: [[0.0] * _NUM_FEATURES for _ in range(_NUM_FEATURES)]
     )
     _moment: list[float] = field(default_factory=lambda: [0.0] * _NUM_FEATURES)
-    # Steps timed with decode rows, with prompt tokens: `fit()` states a kind's cost only after
-    # a few (one step splits its time between the fixed part and its kind arbitrarily).
+    # Steps timed with decode rows, with prompt tokens.
     _num_decode_steps: int = 0
     _num_prompt_steps: int = 0
 
@@ -101,8 +95,6 @@ class StepCostModel:
         timed; None before any step."""
         if not (self._num_decode_steps or self._num_prompt_steps):
             return None
-        # A feature that was always 0 has only the ridge on its row: its coefficient is 0 and the
-        # others are the fit without it.
         solution = self._solve()
         if solution is None:
             return None
@@ -124,10 +116,8 @@ class StepCostModel:
         return fixed, per_row, per_token
 
     def _stated(self, feature: int, fitted: float, num_steps: int) -> float | None:
-        """A kind's fitted cost once enough steps of it were timed. Where noise left the fit no
-        positive cost for it (short prompts on a loaded host, a slow first step), the cost of
-        that kind through the origin instead (its steps' time over its units, the fixed part
-        included): dearer than the truth, never a cost of zero."""
+        """A kind's fitted cost once enough steps of it were timed; where the fit gives it no
+        positive cost, its steps' time over its units (the fixed part included), never zero."""
         if num_steps < _MIN_STEPS_OF_A_KIND:
             return None
         if fitted > 0:
@@ -154,10 +144,8 @@ class StepCostModel:
 
 
 class StepCosts:
-    """The engine's step costs: the model over every timed step, the fit it publishes
-    (`EngineLoad.step_cost_fit`, refreshed at most every `_FIT_EVERY_S` or when it gains a
-    kind), and with `prefill_budget_with_decodes="auto"` the scheduler's prompt cap, set from
-    the model before every step (`AUTO_PREFILL_BUDGET_START` until it is defined)."""
+    """The engine's side: `before_schedule` sets the scheduler's prompt cap (with "auto"),
+    `after_execute` times the step into the model and refreshes the published `fit`."""
 
     def __init__(self, budget: PrefillBudget, block_size: int, max_num_batched_tokens: int) -> None:
         self.model = StepCostModel()

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nori.engine.batch_inputs import PromptLogprobRows
 from nori.engine.request import Request
 from nori.engine.scheduler import ScheduledRequest
 from nori.kernels.argmax import argmax_rows
@@ -27,6 +26,37 @@ from nori.sampling.speculative import DraftProposal, verify_drafts
 # Prompt-logprob rows go through the LM head this many at a time: a long prompt's [rows, vocab]
 # logits would otherwise take as much memory as the KV of thousands of tokens.
 PROMPT_LOGPROB_ROWS = 512
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Consecutive rows of the flat token axis whose logits score a request's next prompt tokens
+    (the row of token i scores token i + 1), for SamplingParams.prompt_logprobs."""
+
+    request: Request
+    first_row: int
+    # The prompt tokens they score, in order; one per row.
+    target_token_ids: list[int]
+
+
+def rows_to_score(
+    request: Request, start: int, end: int, first_row: int
+) -> PromptLogprobRows | None:
+    """The rows of tokens [start, end) that score prompt tokens still without a logprob.
+
+    Token index i scores token i + 1; the prompt is tokens [0, P), and the request already holds
+    logprobs for its first `done` prompt tokens. A recompute after a preemption therefore adds
+    nothing twice.
+    """
+    assert request.prompt_logprobs is not None
+    done = len(request.prompt_logprobs)
+    low = max(start, done - 1)
+    high = min(end, len(request.prompt_token_ids) - 1)
+    if low >= high:
+        return None
+    return PromptLogprobRows(
+        request, first_row + low - start, request.token_ids[low + 1 : high + 1]
+    )
 
 
 @dataclass(frozen=True)

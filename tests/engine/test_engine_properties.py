@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVToRemote
 from nori.engine.llm import LLM
+from nori.engine.request import KVToRemote
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from nori.engine.engine import LLMEngine
-from nori.engine.kv_transfer import KVFromRemote, KVToRemote, NoFreeBlocks
 from nori.engine.llm import LLM
 from nori.engine.outputs import StepOutput
+from nori.engine.request import KVFromRemote, KVToRemote, NoFreeBlocks
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 from nori.settings import BATCH_PRIORITY

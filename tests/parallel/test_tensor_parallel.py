@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nori.engine.kv_transfer import KVExport, KVToRemote
 from nori.engine.llm import LLM
+from nori.engine.request import KVExport, KVToRemote
 from nori.models.init_checkpoint import init_checkpoint
 from nori.sampling.params import SamplingParams
 from tests.engine.reference import trace_engine

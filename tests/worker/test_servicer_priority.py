@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from nori.decode.servicer import DecodeServicer
-from nori.engine.kv_transfer import KVFromRemote, NoFreeBlocks, RemoteKV
 from nori.engine.outputs import StepOutput
+from nori.engine.request import KVFromRemote, NoFreeBlocks, RemoteKV
 from nori.prefill.servicer import PrefillServicer
 from nori.rpc.convert import params_to_proto
 from nori.sampling.params import SamplingParams
