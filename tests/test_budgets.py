@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 400
 MAX_PRODUCT_LINES = 30_000
 # The request path's ceiling: it may shrink, never grow (lower these as it does).
-MAX_PATH_FILES = 75
-MAX_PATH_LINES = 14_600
+MAX_PATH_FILES = 47
+MAX_PATH_LINES = 12_400
 
 
 def product_files() -> dict[str, int]:
