@@ -220,7 +220,8 @@ def engine_main(
     worker_pid: int,
 ) -> None:
     """The engine process: builds the engine, then applies operations and steps until told to
-    stop or its worker goes."""
+    stop or its worker goes. A stopped engine ends the process at once (`os._exit`): nothing it
+    holds needs the interpreter's teardown, which the worker's stop would wait for."""
     exit_with_parent(worker_pid, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -240,6 +241,8 @@ def engine_main(
         pass  # the worker went
     finally:
         engine.close()
+    logging.shutdown()
+    os._exit(0)
 
 
 def _serve(

@@ -106,7 +106,7 @@ def test_a_short_overload_of_a_real_cluster_is_shed_with_429(tmp_path: Path) -> 
     done = subprocess.run(
         [
             sys.executable, "-m", "nori.cli.main", "bench", "overload", "--factor", "5",
-            "--seconds", "8", "--calibrate-s", "4", "--input-len", "64", "--output-len", "32",
+            "--seconds", "5", "--calibrate-s", "3", "--input-len", "64", "--output-len", "32",
             "--worker-args", "--max-num-seqs 16", "--out-dir", str(tmp_path), "--json",
         ],
         capture_output=True,
@@ -118,7 +118,7 @@ def test_a_short_overload_of_a_real_cluster_is_shed_with_429(tmp_path: Path) -> 
     assert json.loads((tmp_path / "overload.json").read_text()) == report
     outcomes = report["outcomes"]
     # Shed at once with 429 and Retry-After; nothing else failed; no block lost. (TTFT and RSS
-    # are judged in the 60-second benchmark: 8 seconds on a shared CI machine are too noisy.)
+    # are judged in the 60-second benchmark: 5 seconds on a shared CI machine are too noisy.)
     assert outcomes["ok"] > 0 and outcomes["429"] > 0, outcomes
     assert report["ok"]["shed_with_429"] and report["ok"]["no_other_failures"], outcomes
     assert report["ok"]["blocks"], report["leaked_blocks"]

@@ -53,8 +53,8 @@ def test_a_short_run_compares_its_last_third_with_its_first() -> None:
 def test_a_short_soak_against_a_real_cluster(tmp_path: Path) -> None:
     done = subprocess.run(
         [
-            sys.executable, "-m", "nori.cli.main", "bench", "soak", "--minutes", "0.4",
-            "--window-s", "6", "--max-concurrency", "8", "--input-len", "64",
+            sys.executable, "-m", "nori.cli.main", "bench", "soak", "--minutes", "0.25",
+            "--window-s", "3", "--max-concurrency", "8", "--input-len", "64",
             "--output-len", "32", "--out-dir", str(tmp_path), "--json",
         ],
         capture_output=True,

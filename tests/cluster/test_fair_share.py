@@ -52,13 +52,14 @@ def model_name(base_url: str) -> str:
 
 
 async def first_token_s(client: httpx.AsyncClient, model: str, user: str) -> tuple[int, float]:
-    """A streamed single request of `user` (its own key): its status and time to first text."""
+    """A streamed single request of `user` (its own key): its status and time to first text
+    (an error's body is printed, for the test's captured output)."""
     started = time.monotonic()
     body = {"model": model, "prompt": f"user {user} asks", "max_tokens": 4, "stream": True}
     headers = {"Authorization": f"Bearer {user}"}
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
-            await response.aread()
+            print(user, response.status_code, (await response.aread()).decode()[:300])
             return response.status_code, float("inf")
         ttft = float("inf")
         async for line in response.aiter_lines():
