@@ -4,14 +4,13 @@
 slot under fair shares (429 for a single request without one, a wait for a batch member), then
 `_attempts`: each attempt on a decode worker (`request_flow.RequestFlow`), and after a failed one
 `RetryPolicy.after`: another worker, a migration, or the client's error. The pools' capacities
-come from the workers' GetStats every few seconds. Whatever path the request takes, `generate`'s
+come from the workers' registry entries. Whatever path the request takes, `generate`'s
 `finally` closes its ticket.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -48,9 +47,6 @@ from nori.state.registry import WorkerRegistry
 from nori.state.requests import RequestStateStore, StateRecorder
 
 logger = logging.getLogger(__name__)
-
-# How often the gateway reads the pools' capacities (GetStats) for its fair shares.
-CAPACITY_REFRESH_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,6 @@ class ClusterBackend:
         self.disaggregation = DisaggregationPolicy(
             options.disaggregation, options.max_local_compute_s
         )
-        self._capacity_watch: asyncio.Task[None] | None = None
         self._auth = ClusterAuth.from_text(options.cluster_secret)
         self.rpc_metadata = self._auth.rpc_metadata()
 
@@ -123,7 +118,6 @@ class ClusterBackend:
         except (RedisError, OSError) as error:
             raise unreachable(self.options.redis_url, error) from None
         await self._pool.start()
-        self._capacity_watch = asyncio.create_task(self._watch_capacity())
 
     @property
     def pool(self) -> WorkerPool:
@@ -131,10 +125,6 @@ class ClusterBackend:
         return self._pool
 
     async def close(self) -> None:
-        if self._capacity_watch is not None:
-            self._capacity_watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._capacity_watch
         if self._pool is not None:
             await self._pool.close()
         if self._states is not None:
@@ -165,7 +155,7 @@ class ClusterBackend:
         request_id, outcome, num_output_tokens = request.request_id, "cancelled", 0
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
         try:
-            self._refresh_capacity()
+            self.refresh_capacity()
             await ticket.take(self.options.group_wait_s if ticket.waits else 0.0)
             async for chunk in self._attempts(request, ticket):
                 num_output_tokens += len(chunk.new_token_ids)
@@ -244,21 +234,12 @@ class ClusterBackend:
                 if not await wait.turn(woken):
                     raise
 
-    def _refresh_capacity(self) -> None:
+    def refresh_capacity(self) -> None:
         """Tells the ledger the pools' capacities by the registry now (a worker that joined or
         left counts at once)."""
         capacities = self.pool.capacities(self.options.disaggregation == "never")
         if capacities != (self.ledger.capacity, self.ledger.prompt_capacity):
             self.ledger.set_capacity(*capacities)
-
-    async def _watch_capacity(self) -> None:
-        while True:
-            try:
-                await self.pool.read_capacity(self.rpc_metadata)
-                self._refresh_capacity()
-            except Exception as error:  # the next round tries again
-                logger.debug("reading the pools' capacity failed: %s", error)
-            await asyncio.sleep(CAPACITY_REFRESH_S)
 
     def _record(self, request_id: str, state: str, **fields: str | int | float) -> None:
         if self._states is not None:

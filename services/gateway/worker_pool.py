@@ -63,7 +63,6 @@ class WorkerPool:
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
         self.refusals = RefusalLog()
         # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
-        self.capacity_figures: dict[str, tuple[int, int]] = {}
         self._refresher: asyncio.Task[None] | None = None
 
     @property
@@ -208,27 +207,21 @@ class WorkerPool:
         results = await asyncio.gather(*(one(worker) for worker in self.workers))
         return [stats for stats in results if stats is not None]
 
-    async def read_capacity(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        """Each worker's (rows, calls), from its GetStats."""
-        for stats in await self.stats(metadata=metadata):
-            if stats.max_open_calls > 0:
-                self.capacity_figures[stats.worker_id] = (stats.max_num_seqs, stats.max_open_calls)
-        live = {w.worker_id for w in self.workers}
-        for gone in set(self.capacity_figures) - live:
-            del self.capacity_figures[gone]
-
     def capacities(
         self, prompts_on_decode: bool
     ) -> tuple[PoolCapacity | None, PoolCapacity | None]:
         """The decode pool's and the prompt pool's: the prefill workers, else (or when
-        `prompts_on_decode`) the decode pool."""
+        `prompts_on_decode`) the decode pool; each worker's figures as its registry entry states."""
         serving = [w for w in self.workers if not w.draining]
+        figures = {
+            w.worker_id: (w.max_num_seqs, w.max_open_calls) for w in serving if w.max_open_calls
+        }
         decode_pool = [w.worker_id for w in serving if w.role in ("decode", "colocated")]
         prompt_pool = [w.worker_id for w in serving if w.role == "prefill"]
         if not prompt_pool or prompts_on_decode:
             prompt_pool = decode_pool
-        decode = pool_capacity(self.capacity_figures, decode_pool, ASSUMED_FIGURES)
-        prompt = pool_capacity(self.capacity_figures, prompt_pool, ASSUMED_FIGURES)
+        decode = pool_capacity(figures, decode_pool, ASSUMED_FIGURES)
+        prompt = pool_capacity(figures, prompt_pool, ASSUMED_FIGURES)
         if prompt is not None:
             shared = PROMPT_SLOTS_SHARED_PER_WORKER * len(prompt_pool)
             prompt = dataclasses.replace(prompt, shared_rows=shared)
@@ -301,7 +294,7 @@ def _free_share(worker: WorkerInfo) -> float:
     return worker.num_free_blocks / worker.num_total_blocks
 
 
-# (rows, calls) of a worker that has not stated its own: the workers' defaults.
+# (rows, calls) of a worker whose entry states none (an older writer): the workers' defaults.
 ASSUMED_FIGURES = (256, 320)
 
 

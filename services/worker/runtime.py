@@ -201,6 +201,8 @@ class Worker(ABC):
             block_size=self.engine_config.block_size,
             kv_cache_dtype=str(dtype).removeprefix("torch."),
             speculative_config=speculative.as_json() if speculative is not None else "",
+            max_num_seqs=self.engine_config.max_num_seqs,
+            max_open_calls=self.options.max_open_calls(self.engine_config.max_num_seqs),
             **self.load_info(),
         )
 

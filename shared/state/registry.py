@@ -58,6 +58,10 @@ class WorkerInfo:
     kv_cache_dtype: str = ""
     # SpeculativeConfig.as_json(); "" (or absent, an older writer) when off.
     speculative_config: str = ""
+    # Its capacity: rows run at once (--max-num-seqs) and calls served at once (rows + bounded
+    # queue). 0: not stated (an older writer).
+    max_num_seqs: int = 0
+    max_open_calls: int = 0
     started_at: float = 0.0
     updated_at: float = 0.0  # stamped by the registry on every write
     # Past it the entry is stale (signed: refused); updated_at + the TTL.

@@ -42,8 +42,8 @@ def fair_cluster(
 
 
 def model_name(base_url: str) -> str:
-    """The served model's name, once the gateway knows the decode pool's size (it reads the
-    workers' figures every 2 s): before, it would not bound what it sends them."""
+    """The served model's name, once the gateway knows the decode pool's size (from the
+    workers' registry entries, as it reads them): before, it would not bound what it sends them."""
     deadline = time.monotonic() + 30
     while "nori_gateway_decode_pool_calls 80" not in httpx.get(f"{base_url}/metrics").text:
         assert time.monotonic() < deadline, "the gateway never learnt the decode pool's size"

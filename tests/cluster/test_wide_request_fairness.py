@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nori.gateway.cluster import CAPACITY_REFRESH_S
 from nori.launch.local_cluster import LocalCluster
 from tests.cluster.conftest import running_cluster
 from tests.cluster.test_fair_share import first_token_s, model_name
@@ -34,15 +33,11 @@ USERS = 6
 def small_bound_cluster(
     redis_url: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    for cluster in running_cluster(
+    # Sent at once after the start: the workers' registry entries state their rows and calls,
+    # so the gateway never overfills the 32-row prefill worker (its 429, "prefill-0 is full").
+    yield from running_cluster(
         redis_url, checkpoint, tmp_path_factory, max_queued_prompt_tokens=1024
-    ):
-        # The gateway reads the workers' rows and calls every CAPACITY_REFRESH_S; until then it
-        # assumes the defaults (256 rows), and a wide request overfills this 32-row prefill
-        # worker, which refuses the others (429, "prefill-0 is full"). This test is about the
-        # shares once the figures are known.
-        time.sleep(CAPACITY_REFRESH_S + 0.5)
-        yield cluster
+    )
 
 
 def test_other_clients_are_served_beside_a_wide_request(

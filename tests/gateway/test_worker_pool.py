@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from nori.gateway.worker_agreement import agree_on_kv_layout, agree_on_speculation
-from nori.gateway.worker_pool import WorkerPool
+from nori.gateway.worker_pool import PROMPT_SLOTS_SHARED_PER_WORKER, PoolCapacity, WorkerPool
 from nori.state.registry import WorkerInfo, WorkerListing
 
 
@@ -133,6 +133,25 @@ async def test_a_worker_that_speculates_otherwise_is_refused_with_one_line(
     assert await refreshed(pool, registry, [wrong_layout, first, second]) == ["d0", "p0"]
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("refusing worker d9: its KV blocks are 32 tokens")
+
+
+async def test_the_pools_capacities_are_the_registry_entries_figures() -> None:
+    """Known from the first read of the registry (no wait for a stats poll); an entry without
+    figures (an older writer) counts as the others' mean; a draining worker not at all."""
+    registry = ListedRegistry()
+    pool = WorkerPool(registry, block_size=16)  # type: ignore[arg-type]
+    entries = [
+        WorkerInfo(worker_id="p0", role="prefill", max_num_seqs=32, max_open_calls=40),
+        WorkerInfo(worker_id="d0", role="decode", max_num_seqs=64, max_open_calls=80),
+        WorkerInfo(worker_id="d1", role="decode"),
+        WorkerInfo(worker_id="d2", role="decode", max_num_seqs=8, max_open_calls=9, draining=True),
+    ]
+    await refreshed(pool, registry, entries)
+    decode, prompt = pool.capacities(prompts_on_decode=False)
+    assert decode == PoolCapacity(rows=128, calls=160)
+    assert prompt == PoolCapacity(rows=32, calls=40, shared_rows=PROMPT_SLOTS_SHARED_PER_WORKER)
+    decode, on_decode = pool.capacities(prompts_on_decode=True)
+    assert on_decode == PoolCapacity(128, 160, shared_rows=2 * PROMPT_SLOTS_SHARED_PER_WORKER)
 
 
 def test_a_failure_mark_steers_requests_away_but_never_leaves_none() -> None:

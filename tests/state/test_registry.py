@@ -31,6 +31,8 @@ def make_info(worker_id: str = "w1", role: WorkerRole = "prefill", **changes: An
         draining=False,
         started_at=1700000000.125,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+        max_num_seqs=32,
+        max_open_calls=40,
     )
     return dataclasses.replace(info, **changes)
 
