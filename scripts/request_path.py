@@ -4,11 +4,12 @@ Starts `nori up` (the demo model; `--colocated` for one worker) with a profiler 
 Python processes (a `sitecustomize` on PYTHONPATH: the gateway, the workers, their engine
 processes), sends warm-up requests, then measures three windows of the same length: idle, one
 `POST /v1/completions`, idle again. A file is on the request's path when the request window
-called its functions more often than either idle window (heartbeats, stats polls and other
-background calls happen in all three). Generated gRPC stubs (`*_pb2*.py`) are left out, as in
-the product's line count. Prints the files in the order the request first entered them, with
-their line counts, and the totals: all of them, and without the model's forward pass and
-sampling (the serving path proper).
+called its functions more often than either idle window; calls made by the cluster's periodic
+tasks (`BACKGROUND_TASKS`: heartbeats, the load log, registry reads) are not counted in any
+window, since their share of a window varies with when they fire. Generated gRPC stubs
+(`*_pb2*.py`) are left out, as in the product's line count. Prints the files in the order the
+request first entered them, with their line counts, and the totals: all of them, and without
+the model's forward pass and sampling (the serving path proper).
 
 Usage: python scripts/request_path.py [--colocated] [--stream] [--json FILE]
 """
@@ -33,6 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # The model's forward pass and sampling: the same for a request however it is served.
 MODEL_FORWARD = ("shared/models/", "shared/kernels/", "shared/sampling/")
 
+# The cluster's periodic tasks, whose calls are not the request's whatever window they fall in:
+# the workers' heartbeat and load log, the gateway's registry reads.
+BACKGROUND_TASKS = (
+    "Heartbeat._run",
+    "Worker._log_load_forever",
+    "WorkerPool._refresh_forever",
+)
+
 # Installed in every Python process of the cluster. SIGUSR1 starts a window; the next SIGUSR1
 # writes what the window called (file -> calls, and the order files were first entered).
 SITECUSTOMIZE = """
@@ -41,13 +50,20 @@ _dir = os.environ.get("NORI_PATH_TRACE_DIR")
 if _dir:
     _root = os.environ["NORI_PATH_TRACE_ROOT"]
     _venv = os.path.join(_root, ".venv")
+    _background = frozenset(os.environ["NORI_PATH_TRACE_BACKGROUND"].split(","))
     _state = {"on": False, "calls": {}, "first": {}, "window": 0}
     _tick = itertools.count()
+    def _in_background(frame):
+        while frame is not None:
+            if frame.f_code.co_qualname in _background:
+                return True
+            frame = frame.f_back
+        return False
     def _profile(frame, event, arg):
         if event != "call" or not _state["on"]:
             return
         name = frame.f_code.co_filename
-        if name.startswith(_root) and not name.startswith(_venv):
+        if name.startswith(_root) and not name.startswith(_venv) and not _in_background(frame):
             calls = _state["calls"]
             if name not in calls:
                 calls[name] = 0
@@ -127,6 +143,7 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site_dir), env.get("PYTHONPATH")]))
     env["NORI_PATH_TRACE_DIR"] = str(trace_dir)
     env["NORI_PATH_TRACE_ROOT"] = str(ROOT) + os.sep
+    env["NORI_PATH_TRACE_BACKGROUND"] = ",".join(BACKGROUND_TASKS)
     command = [
         str(ROOT / ".venv/bin/nori"),
         "up",
