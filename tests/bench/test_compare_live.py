@@ -18,8 +18,10 @@ pytestmark = pytest.mark.slow
 
 SIDES = ("colocated", "disaggregated", "conditional")
 # A handful of short requests; the mixed dataset's long prompts just fit the tiny context (1024).
+# 16 tokens each: a gateway that fell behind sends queued tokens as one event, and a request
+# needs two events with text for an inter-token gap (the tiny model's first token may be none).
 WORKLOAD = (
-    *("--num-prompts", "4", "--random-input-len", "24", "--random-output-len", "4"),
+    *("--num-prompts", "4", "--random-input-len", "24", "--random-output-len", "16"),
     *("--long-input-len", "1000", "--long-output-len", "2", "--long-request-rate", "1"),
     *("--ignore-eos", "--num-warmups", "1", "--repeats", "1"),
 )
