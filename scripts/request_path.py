@@ -152,7 +152,8 @@ def main() -> int:
         "--namespace",
         f"path{port}",
     ]
-    command += ["--colocated"] if args.colocated else ["--prefill", "1", "--decode", "1"]
+    disaggregated = ["--prefill", "1", "--decode", "1", "--disaggregation", "always"]
+    command += ["--colocated"] if args.colocated else disaggregated
     log = open(trace_dir / "up.log", "w")  # noqa: SIM115 (open for the cluster's lifetime)
     cluster = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"

@@ -20,6 +20,8 @@ WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 # Where a disaggregated cluster computes a prompt (--disaggregation; nori.gateway.disaggregation).
 DisaggregationMode = Literal["auto", "always", "never"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = get_args(DisaggregationMode)
+# Unless --disaggregation says otherwise: each prompt where it costs less, by measured costs.
+DEFAULT_DISAGGREGATION: DisaggregationMode = "auto"
 # --max-local-compute-s: the most decode-worker compute one prompt may take under auto.
 DEFAULT_MAX_LOCAL_COMPUTE_S = 0.1
 

@@ -39,7 +39,12 @@ from nori.gateway.errors import (
 from nori.gateway.ledger import Ledger, RequestTicket
 from nori.gateway.request_flow import RequestFlow, Resumed
 from nori.gateway.worker_pool import WorkerPool, pick_decode
-from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
+from nori.settings import (
+    DEFAULT_DISAGGREGATION,
+    DEFAULT_MAX_LOCAL_COMPUTE_S,
+    DisaggregationMode,
+    RoleSettings,
+)
 from nori.state.block_directory import BlockDirectory
 from nori.state.connection import connect, unreachable
 from nori.state.keys import Keys
@@ -65,7 +70,7 @@ class ClusterOptions(RoleSettings):
     max_n: int = 64
     max_request_members: int = 4096
     stream_stall_timeout_s: float = 300.0  # a worker stream silent this long is lost
-    disaggregation: DisaggregationMode = "always"  # where prompts are computed
+    disaggregation: DisaggregationMode = DEFAULT_DISAGGREGATION  # where prompts are computed
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S  # auto: the most on a decode worker
 
     def __post_init__(self) -> None:

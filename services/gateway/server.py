@@ -24,7 +24,12 @@ from nori.models.config import ModelConfig
 from nori.models.demo import resolve_model
 from nori.sampling.chat_template import load_chat_template
 from nori.sampling.tokenizer import Tokenizer
-from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DisaggregationMode, RoleSettings
+from nori.settings import (
+    DEFAULT_DISAGGREGATION,
+    DEFAULT_MAX_LOCAL_COMPUTE_S,
+    DisaggregationMode,
+    RoleSettings,
+)
 from nori.state.connection import connect
 from nori.state.keys import Keys
 from nori.telemetry.tracing import Tracing
@@ -48,7 +53,7 @@ class GatewayOptions(RoleSettings):
     # This and the cluster's settings below: see ClusterOptions.
     max_queued_prompt_tokens: int = 8192
     stream_interval: int = 1
-    disaggregation: DisaggregationMode = "always"
+    disaggregation: DisaggregationMode = DEFAULT_DISAGGREGATION
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     chat_template: str | None = None
     access_log: bool = True

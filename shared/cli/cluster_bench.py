@@ -110,14 +110,15 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
         "against the request rate, a line per side",
     )
     # The workload that shows what disaggregation is for; warm-ups before every timed run.
-    compare.set_defaults(handler=run_compare, dataset="mixed", num_warmups=2)
+    # No --disaggregation default: each side sets its own, and a given one is refused.
+    compare.set_defaults(handler=run_compare, dataset="mixed", num_warmups=2, disaggregation=None)
 
 
 def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     from nori.bench.compare import CompareSettings, parse_rates
     from nori.bench.compare_report import parse_sides
 
-    if args.disaggregation != "always":
+    if args.disaggregation is not None:
         raise ValueError(
             "--disaggregation: bench compare sets it per side (disaggregated: always, "
             "conditional: auto); choose the sides with --sides"

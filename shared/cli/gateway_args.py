@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from nori.cli.engine_args import positive_int
-from nori.settings import DEFAULT_MAX_LOCAL_COMPUTE_S, DISAGGREGATION_MODES
+from nori.settings import DEFAULT_DISAGGREGATION, DEFAULT_MAX_LOCAL_COMPUTE_S, DISAGGREGATION_MODES
 
 
 def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
@@ -114,7 +114,7 @@ def add_gateway_args(gateway: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--disaggregation",
         choices=DISAGGREGATION_MODES,
-        default="always",
+        default=DEFAULT_DISAGGREGATION,
         help="where a prompt is computed in a disaggregated cluster: always on a prefill worker, "
         "never (on the decode worker that decodes it), or auto: per request, by what each path "
         "would cost, from the workers' measured step costs, queues and transfer rate "

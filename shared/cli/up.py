@@ -18,6 +18,7 @@ from nori.cli.engine_args import (
 )
 from nori.launch.cpu_plan import PINNED_ROLES
 from nori.settings import (
+    DEFAULT_DISAGGREGATION,
     DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_LOCAL_COMPUTE_S,
     DEFAULT_NAMESPACE,
@@ -126,7 +127,7 @@ def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -
     group.add_argument(
         "--disaggregation",
         choices=DISAGGREGATION_MODES,
-        default="always",
+        default=DEFAULT_DISAGGREGATION,
         help="where prompts are computed: always on a prefill worker, never (on the decode "
         "worker), or auto: per request, by measured costs (default %(default)s)",
     )

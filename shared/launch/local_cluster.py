@@ -26,6 +26,7 @@ from pathlib import Path
 from nori.launch.cpu_plan import CpuPlan
 from nori.launch.role_process import RoleProcess, start_process
 from nori.settings import (
+    DEFAULT_DISAGGREGATION,
     DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_LOCAL_COMPUTE_S,
     DisaggregationMode,
@@ -67,7 +68,7 @@ class ClusterSpec(RoleSettings):
     # Gateway admission, per worker computing prompts; 0 = no bound.
     max_queued_prompt_tokens: int = 8192
     stream_interval: int = 1
-    disaggregation: DisaggregationMode = "always"
+    disaggregation: DisaggregationMode = DEFAULT_DISAGGREGATION
     max_local_compute_s: float = DEFAULT_MAX_LOCAL_COMPUTE_S
     # The workers' --max-model-len, which the gateway checks requests against too.
     max_model_len: int | None = None
@@ -119,7 +120,7 @@ class LocalCluster:
             options += ["--tokenizer", self.spec.tokenizer]
         if self.spec.stream_interval != 1:
             options += ["--stream-interval", str(self.spec.stream_interval)]
-        if self.spec.disaggregation != "always":
+        if self.spec.disaggregation != DEFAULT_DISAGGREGATION:
             options += ["--disaggregation", self.spec.disaggregation]
         if self.spec.max_local_compute_s != DEFAULT_MAX_LOCAL_COMPUTE_S:
             options += ["--max-local-compute-s", str(self.spec.max_local_compute_s)]

@@ -93,8 +93,8 @@ def test_each_pool_may_get_engine_options_of_its_own() -> None:
 
 
 def test_the_gateway_gets_the_disaggregation_options_of_up() -> None:
-    """`nori up --disaggregation auto --max-local-compute-s 0.3` reaches its gateway's command
-    line; left at their defaults, neither is passed (the gateway's defaults are the same)."""
+    """`nori up --disaggregation always --max-local-compute-s 0.3` reaches its gateway's command
+    line; left at their defaults (auto, 0.1 s), neither is passed (the gateway's are the same)."""
     from nori.launch.local_cluster import ClusterSpec, LocalCluster
     from nori.settings import settings_from
 
@@ -105,13 +105,15 @@ def test_the_gateway_gets_the_disaggregation_options_of_up() -> None:
         )
         return LocalCluster(spec)._gateway_options()
 
-    assert gateway_options(["--disaggregation", "auto", "--max-local-compute-s", "0.3"]) == [
+    assert gateway_options(["--disaggregation", "always", "--max-local-compute-s", "0.3"]) == [
         "--disaggregation",
-        "auto",
+        "always",
         "--max-local-compute-s",
         "0.3",
     ]
     assert gateway_options([]) == []
+    assert build_parser().parse_args(["up"]).disaggregation == "auto"
+    assert build_parser().parse_args(["serve", "gateway"]).disaggregation == "auto"
 
 
 def test_the_transport_is_ucx_or_tcp(capsys: pytest.CaptureFixture[str]) -> None:

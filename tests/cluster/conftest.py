@@ -55,6 +55,9 @@ def start_cluster(
         "namespace": f"test-{uuid.uuid4().hex[:12]}",
         "transport": os.environ.get("NORI_TEST_TRANSPORT") or ("ucx" if ucx_available() else "tcp"),
         "kv_lease_s": LEASE_S,
+        # Every prompt through a prefill worker: these tests follow the KV between workers
+        # (the conditional disaggregation test asks for `auto`, the default, itself).
+        "disaggregation": "always",
         "worker_args": WORKER_ARGS,
         "log_dir": log_dir,
     }
