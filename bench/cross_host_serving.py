@@ -173,7 +173,8 @@ def start_cluster(
     placement = plan.placement("gateway", "gateway")
     argv = _nori(
         "serve", "gateway", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--model", model,
-        "--max-queued-prompt-tokens", "8192", *placement.serve_args(),
+        "--max-queued-prompt-tokens", "8192", "--disaggregation", "always",
+        *placement.serve_args(),
     )  # fmt: skip
     cluster.spawn("gateway", gateway, argv, placement.threads)
 

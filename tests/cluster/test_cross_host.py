@@ -151,7 +151,9 @@ class CrossHostCluster:
             self._serve(name, ["-v", "serve", "decode", "--port", str(DECODE_PORT),
                                "--transfer-port", str(TRANSFER_PORT), "--worker-id", name,
                                *worker])  # fmt: skip
-        self._serve("gateway", ["serve", "gateway", "--port", str(GATEWAY_PORT), *common])
+        # Every prompt through the prefill host: these tests follow the KV across the link.
+        self._serve("gateway", ["serve", "gateway", "--port", str(GATEWAY_PORT),
+                                "--disaggregation", "always", *common])  # fmt: skip
         self.wait_for_workers({"prefill": 1, "decode": 2}, timeout_s)
 
     # ------------------------------------------------------------------ looking at it
