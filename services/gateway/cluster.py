@@ -106,7 +106,7 @@ class ClusterBackend:
         keys = Keys(self.options.namespace)
         self._redis = connect(self.options.redis_url)
         registry = WorkerRegistry(self._redis, keys, auth=self._auth)
-        self._pool = WorkerPool(registry, self.options.block_size)
+        self._pool = WorkerPool(registry, self.options.block_size, on_refresh=self._set_capacity)
         self._states = StateRecorder(RequestStateStore(self._redis, keys))
         self._flow = RequestFlow(
             self._pool,
@@ -160,7 +160,6 @@ class ClusterBackend:
         request_id, outcome, num_output_tokens = request.request_id, "cancelled", 0
         self._record(request_id, "queued", num_prompt_tokens=len(request.prompt_token_ids))
         try:
-            self.refresh_capacity()
             await ticket.take(self.options.group_wait_s if ticket.waits else 0.0)
             async for chunk in self._attempts(request, ticket):
                 num_output_tokens += len(chunk.new_token_ids)
@@ -239,10 +238,10 @@ class ClusterBackend:
                 if not await wait.turn(woken):
                     raise
 
-    def refresh_capacity(self) -> None:
-        """Tells the ledger the pools' capacities by the registry now (a worker that joined or
-        left counts at once)."""
-        capacities = self.pool.capacities(self.options.disaggregation == "never")
+    def _set_capacity(self, pool: WorkerPool) -> None:
+        """Tells the ledger the pools' capacities, after every read of the registry (a worker
+        that joined or left counts from then)."""
+        capacities = pool.capacities(self.options.disaggregation == "never")
         if capacities != (self.ledger.capacity, self.ledger.prompt_capacity):
             self.ledger.set_capacity(*capacities)
 

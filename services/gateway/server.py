@@ -197,7 +197,6 @@ async def serve_gateway(options: GatewayOptions) -> None:
     await backend.start()
 
     async def extra_metrics() -> str:
-        backend.refresh_capacity()
         ledger = backend.ledger
         admission = (
             "# TYPE nori_gateway_queued_prompt_tokens gauge\n"

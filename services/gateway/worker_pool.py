@@ -48,8 +48,11 @@ class WorkerPool:
         registry: WorkerRegistry,
         block_size: int | None = None,
         refresh_s: float = 0.5,
+        on_refresh: Callable[[WorkerPool], None] | None = None,
     ) -> None:
+        """`on_refresh` is called after every read of the registry, with the pool."""
         self._registry = registry
+        self._on_refresh = on_refresh
         self._expected_block_size = block_size
         self._refresh_s = refresh_s
         self.workers: list[WorkerInfo] = []
@@ -62,7 +65,6 @@ class WorkerPool:
         self._kept_until = 0.0
         self._read_failures = RepeatedFailureLog(logger, "reading the worker registry")
         self.refusals = RefusalLog()
-        # Each worker's last (rows, calls): one whose GetStats timed out (busy) keeps them.
         self._refresher: asyncio.Task[None] | None = None
 
     @property
@@ -127,6 +129,8 @@ class WorkerPool:
         self.block_size = agreement.block_size
         self.refusals.layouts(agreement)
         self.refusals.speculation(speculation)
+        if self._on_refresh is not None:
+            self._on_refresh(self)
         await self._close_channels_of_departed()
 
     def _bridge_loss(self, listed: list[WorkerInfo]) -> list[WorkerInfo]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from nori.cli.progress import add_progress_arg, show_progress
 
-# Lines `nori run-batch` takes in one file (OpenAI's 50,000 is a limit of its hosted API).
+# The most lines `nori run-batch` takes in one file (docs/serving.md, "Batch jobs").
 MAX_RUN_BATCH_LINES = 10_000_000
 
 
