@@ -25,7 +25,7 @@ from pathlib import Path
 # the first frame that matches any pattern decides the bucket, so nested calls stay with their
 # caller (the LM head inside execute is not "model forward").
 BUCKETS: list[tuple[str, re.Pattern[str]]] = [
-    ("inputs: build_batch_inputs", re.compile(r"^build_batch_inputs \(")),
+    ("inputs: StepInputs.build", re.compile(r"^(StepInputs\.)?build \(.*step_inputs\.py")),
     ("model forward (layers)", re.compile(r"^(\w+\.)?forward \(.*models/llama\.py")),
     ("lm head (compute_logits)", re.compile(r"^(\w+\.)?compute_logits \(")),
     ("sampling", re.compile(r"^(\w+\.)?sample \(.*model_runner\.py")),

@@ -105,6 +105,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     roofline.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(roofline)
     roofline.set_defaults(handler=run_roofline)
+    overhead = commands.add_parser(
+        "step-overhead",
+        help="the engine's host milliseconds per decode step outside the model's forward "
+        "(schedule, step inputs and sampling, update and outputs), by batch size",
+    )
+    overhead.add_argument(
+        "--model", default=None, help="a model folder or built-in name (default: the tiny preset)"
+    )
+    overhead.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    overhead.add_argument("--batch-sizes", default="64,256", metavar="B1,B2,...")
+    overhead.add_argument("--prompt-len", type=int, default=32)
+    overhead.add_argument("--steps", type=int, default=50, help="timed decode steps per window")
+    overhead.add_argument("--repeats", type=int, default=3, help="windows; the median is shown")
+    overhead.add_argument("--json", action="store_true", help="print one JSON object")
+    overhead.set_defaults(handler=run_step_overhead)
     spec = commands.add_parser(
         "spec-decode",
         help="decode tokens/s with and without speculative decoding (--speculative-config; "
@@ -267,6 +282,27 @@ def run_roofline(args: argparse.Namespace) -> int:
     report = run_roofline(
         engine_config_from_args(args), batch_sizes, args.context, args.prompt_len, args.steps
     )
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def run_step_overhead(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from nori.bench.step_overhead import default_config, format_report, run_step_overhead
+
+    try:
+        batch_sizes = [int(part) for part in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes takes integers like 64,256, got {args.batch_sizes!r}"
+        ) from None
+    if min(batch_sizes) < 1 or min(args.prompt_len, args.steps, args.repeats) < 1:
+        raise ValueError("--batch-sizes, --prompt-len, --steps and --repeats must be >= 1")
+    config = dataclasses.replace(default_config(), device=args.device)
+    if args.model is not None:
+        config = dataclasses.replace(config, model=args.model)
+    report = run_step_overhead(config, batch_sizes, args.prompt_len, args.steps, args.repeats)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 

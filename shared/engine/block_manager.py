@@ -181,7 +181,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free_queue[block_id] = None
-        del request.block_ids[keep:]
+        request.block_ids = request.block_ids[:keep]  # a new list: tables only grow in place
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks; ones reaching ref_count 0 join the queue's back, tail

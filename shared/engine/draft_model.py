@@ -27,7 +27,7 @@ from nori.sampling.sampler import target_probs
 from nori.sampling.speculative import draw_tokens
 
 if TYPE_CHECKING:
-    from nori.engine.model_runner import BatchInputs
+    from nori.engine.step_inputs import BatchInputs
 
 
 class DraftModel:

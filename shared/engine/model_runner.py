@@ -1,11 +1,10 @@
 """Owns the model weights and the KV cache tensors; runs one scheduler step on them, flattened
-into the tensors the model and kernels read (`build_batch_inputs`)."""
+into the tensors the model and kernels read (`StepInputs`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,11 +27,10 @@ from nori.engine.outputs import ExpertRoutingCounts
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
+from nori.engine.step_inputs import StepInputs
 from nori.engine.step_sampling import (
-    PromptLogprobRows,
     SampledTokens,
     StepSampler,
-    rows_to_score,
 )
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
@@ -83,6 +81,12 @@ class ModelRunner:
             self.close()  # the followers would otherwise wait for a rank 0 that is gone
             raise
         self.max_model_len = self._max_model_len(self.kv_cache.num_blocks)
+        self._inputs = StepInputs(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            -(-self.max_model_len // config.block_size),
+            self.device,
+        )
         # Unseeded requests' draws (plain sampling and speculative verification).
         self.generator = make_generator(config.seed, self.device)
         self.sampling = StepSampler(self.device, eos_token_ids, self.generator)
@@ -157,7 +161,7 @@ class ModelRunner:
     def execute(
         self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
     ) -> StepResult:
-        inputs = build_batch_inputs(output, self.config.block_size, self.device)
+        inputs = self._inputs.build(output, self.config.block_size)
         sampling = [s for s in output.scheduled if s.samples]
         # The prompt-logprob rows in chunks, then the sampled rows: decided before the forward
         # pass, so that tensor-parallel followers gather the same batches in the same order.
@@ -286,79 +290,3 @@ class ModelRunner:
             )
             limit = pool_tokens
         return limit
-
-
-@dataclass(frozen=True)
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: AttentionMetadata
-    # Rows of the flat token axis whose logits are sampled: a request's last token, or for a
-    # verification its last token and each draft (1 + num_spec_tokens consecutive rows).
-    logits_indices: torch.Tensor
-    # Requests that want prompt logprobs and computed some of their prompt in this step.
-    prompt_logprob_rows: list[PromptLogprobRows]
-
-
-def build_batch_inputs(
-    output: SchedulerOutput, block_size: int, device: torch.device
-) -> BatchInputs:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    query_start_loc = [0]
-    logits_indices: list[int] = []
-    num_decodes = 0
-    num_verifies = 0
-    max_blocks = max(len(s.request.block_ids) for s in output.scheduled)
-    block_rows: list[list[int]] = []
-    prompt_logprob_rows: list[PromptLogprobRows] = []
-
-    for item in output.scheduled:
-        request = item.request
-        start = request.num_computed_tokens
-        end = start + item.num_new_tokens
-        input_ids.extend(request.token_ids[start:end])
-        if item.num_spec_tokens:
-            assert len(request.spec_token_ids) == item.num_spec_tokens, "drafts not proposed"
-            input_ids.extend(request.spec_token_ids)
-            num_verifies += 1
-        positions.extend(range(start, end))
-        block_ids = request.block_ids
-        slots.extend(
-            block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
-        )
-        seq_lens.append(end)
-        query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
-        block_rows.append(block_ids + [0] * (max_blocks - len(block_ids)))
-        if item.num_new_tokens == 1:
-            num_decodes += 1
-        if item.samples:
-            first = query_start_loc[-1] - 1 - item.num_spec_tokens
-            logits_indices.extend(range(first, query_start_loc[-1]))
-        if request.prompt_logprobs is not None:
-            rows = rows_to_score(request, start, end, query_start_loc[-2])
-            if rows is not None:
-                prompt_logprob_rows.append(rows)
-
-    def as_tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    metadata = AttentionMetadata(
-        slot_mapping=as_tensor(slots, torch.int64),
-        num_decodes=num_decodes,
-        num_verifies=num_verifies,
-        num_verify_end_row=query_start_loc[num_decodes + num_verifies],
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        query_start_loc=as_tensor(query_start_loc, torch.int32),
-        block_tables=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
-        max_seq_len=max(seq_lens),
-    )
-    return BatchInputs(
-        input_ids=as_tensor(input_ids, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        attention=metadata,
-        logits_indices=as_tensor(logits_indices, torch.int64),
-        prompt_logprob_rows=prompt_logprob_rows,
-    )

@@ -1,0 +1,221 @@
+"""One step's model inputs, written into persistent buffers of fixed address.
+
+Every input (token ids, positions, slot mapping, sequence lengths, query starts, logits rows,
+block tables) has one host buffer, pinned on CUDA, and off CPU a device twin; `build` writes the
+step's rows with numpy and sends each used prefix in one non-blocking copy. Buffers only grow
+(rows past `max_num_seqs`, tokens past the step budget, a table wider than the longest request),
+and then keep their new address.
+
+Block tables: each request's row lives in a store, written only when the request gains blocks,
+and rewritten whole when its table was replaced (the block manager grows a table in place and
+replaces the list on every other change: a free, a trim); a step gathers its rows, in
+schedule order, into a table of fixed stride (every row `max_blocks` wide, zero past a request's
+blocks). The host buffers are rewritten by the next `build`: callers finish with a step's inputs
+(the device has read them) before building the next.
+
+`build_batch_inputs` (tests/engine/batch_inputs_oracle.py) is the reference these equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nori.engine.attention_metadata import AttentionMetadata
+from nori.engine.request import Request, RequestStatus
+from nori.engine.scheduler import ScheduledRequest, SchedulerOutput
+from nori.engine.step_sampling import PromptLogprobRows, rows_to_score
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # Rows of the flat token axis whose logits are sampled: a request's last token, or for a
+    # verification its last token and each draft (1 + num_spec_tokens consecutive rows).
+    logits_indices: torch.Tensor
+    # Requests that want prompt logprobs and computed some of their prompt in this step.
+    prompt_logprob_rows: list[PromptLogprobRows]
+
+
+class _Buffer:
+    """A host tensor (pinned on CUDA) and its device twin (the same tensor on CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+        self.array = self.host.numpy()
+        self.twin = (
+            self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        )
+
+    def send(self, count: int) -> torch.Tensor:
+        """The first `count` rows on the device, in one non-blocking copy."""
+        if self.twin is not self.host:
+            self.twin[:count].copy_(self.host[:count], non_blocking=True)
+        return self.twin[:count]
+
+
+@dataclass
+class _TableRow:
+    request: Request
+    index: int  # row of the store
+    block_ids: list[int]  # the table written (the request's list: replaced when it is freed)
+    num_written: int
+
+
+class StepInputs:
+    def __init__(
+        self, max_num_seqs: int, max_num_tokens: int, max_blocks: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self._max_seqs = max_num_seqs
+        self._max_tokens = max_num_tokens
+        self._max_blocks = max_blocks
+        self._allocate()
+        self._rows: dict[str, _TableRow] = {}
+        self._free_rows = list(range(2 * max_num_seqs))
+
+    def _allocate(self) -> None:
+        seqs, tokens, device = self._max_seqs, self._max_tokens, self.device
+        self._input_ids = _Buffer((tokens,), torch.int64, device)
+        self._positions = _Buffer((tokens,), torch.int64, device)
+        self._slots = _Buffer((tokens,), torch.int64, device)
+        self._logits_indices = _Buffer((tokens,), torch.int64, device)
+        self._seq_lens = _Buffer((seqs,), torch.int32, device)
+        self._query_start = _Buffer((seqs + 1,), torch.int32, device)
+        self._tables = _Buffer((seqs, self._max_blocks), torch.int32, device)
+        self._store = np.zeros((2 * seqs, self._max_blocks), dtype=np.int32)
+
+    def _grow(self, num_seqs: int, num_tokens: int, num_blocks: int) -> None:
+        """Larger buffers (new addresses); the store keeps its rows."""
+        store = self._store
+        self._max_seqs = max(self._max_seqs, num_seqs)
+        self._max_tokens = max(self._max_tokens, num_tokens)
+        self._max_blocks = max(self._max_blocks, num_blocks)
+        self._allocate()
+        self._store[: store.shape[0], : store.shape[1]] = store
+        self._free_rows.extend(range(store.shape[0], self._store.shape[0]))
+
+    def build(self, output: SchedulerOutput, block_size: int) -> BatchInputs:
+        scheduled = output.scheduled
+        num_seqs = len(scheduled)
+        num_tokens = output.num_batched_tokens
+        num_blocks = max(len(item.request.block_ids) for item in scheduled)
+        if (
+            num_seqs > self._max_seqs
+            or num_tokens > self._max_tokens
+            or num_blocks > self._max_blocks
+        ):
+            self._grow(num_seqs, num_tokens, num_blocks)
+        input_ids, positions = self._input_ids.array, self._positions.array
+        slots, logits = self._slots.array, self._logits_indices.array
+        seq_lens, query_start = self._seq_lens.array, self._query_start.array
+        store_rows = np.empty(num_seqs, dtype=np.int64)
+        prompt_logprob_rows: list[PromptLogprobRows] = []
+        num_decodes = num_verifies = num_logits = 0
+        row = 0
+        query_start[0] = 0
+        for index, item in enumerate(scheduled):
+            request = item.request
+            store_rows[index] = self._table_row(request)
+            start = request.num_computed_tokens
+            count = item.num_new_tokens
+            end = start + count
+            if count == 1:
+                num_decodes += 1
+                input_ids[row] = request.token_ids[start]
+                positions[row] = start
+            else:
+                known = count - item.num_spec_tokens
+                input_ids[row : row + known] = request.token_ids[start : start + known]
+                if item.num_spec_tokens:
+                    input_ids[row + known : row + count] = request.spec_token_ids
+                    num_verifies += 1
+                positions[row : row + count] = np.arange(start, end)
+            seq_lens[index] = end
+            if item.samples:
+                num_sampled = 1 + item.num_spec_tokens
+                logits[num_logits : num_logits + num_sampled] = np.arange(
+                    row + count - num_sampled, row + count
+                )
+                num_logits += num_sampled
+            if request.prompt_logprobs is not None:
+                rows = rows_to_score(request, start, end, row)
+                if rows is not None:
+                    prompt_logprob_rows.append(rows)
+            row += count
+            query_start[index + 1] = row
+        tables = self._tables.array[:num_seqs]
+        np.take(self._store, store_rows, axis=0, out=tables)
+        token_rows = self._token_rows(scheduled)
+        block_of = tables[token_rows, positions[:row] // block_size].astype(np.int64)
+        slots[:row] = block_of * block_size + positions[:row] % block_size
+        metadata = AttentionMetadata(
+            slot_mapping=self._slots.send(row),
+            num_decodes=num_decodes,
+            num_verifies=num_verifies,
+            num_verify_end_row=int(query_start[num_decodes + num_verifies]),
+            seq_lens=self._seq_lens.send(num_seqs),
+            query_start_loc=self._query_start.send(num_seqs + 1),
+            block_tables=self._tables.send(num_seqs),
+            max_seq_len=int(seq_lens[:num_seqs].max()),
+        )
+        return BatchInputs(
+            input_ids=self._input_ids.send(row),
+            positions=self._positions.send(row),
+            attention=metadata,
+            logits_indices=self._logits_indices.send(num_logits),
+            prompt_logprob_rows=prompt_logprob_rows,
+        )
+
+    @staticmethod
+    def _token_rows(scheduled: Sequence[ScheduledRequest]) -> np.ndarray:
+        """The sequence of each token row."""
+        counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
+        return np.repeat(np.arange(len(scheduled)), counts)
+
+    def _table_row(self, request: Request) -> int:
+        """The store row holding `request`'s block table, its new blocks written."""
+        entry = self._rows.get(request.request_id)
+        if entry is None or entry.request is not request:
+            if entry is not None:
+                self._release(entry)
+            if not self._free_rows:
+                self._sweep()
+            entry = _TableRow(request, self._free_rows.pop(), request.block_ids, 0)
+            self._rows[request.request_id] = entry
+        block_ids = request.block_ids
+        if entry.block_ids is not block_ids:
+            entry.block_ids, entry.num_written = block_ids, 0
+        row = self._store[entry.index]
+        count = len(block_ids)
+        if count > entry.num_written:
+            row[entry.num_written : count] = block_ids[entry.num_written :]
+        elif count < entry.num_written:
+            row[count : entry.num_written] = 0  # trimmed: rejected drafts' blocks
+        if entry.num_written == 0 and count < row.shape[0]:
+            row[count:] = 0
+        entry.num_written = count
+        return entry.index
+
+    def _release(self, entry: _TableRow) -> None:
+        del self._rows[entry.request.request_id]
+        self._free_rows.append(entry.index)
+
+    def _sweep(self) -> None:
+        """Frees the rows of requests that left the running batch (finished, preempted, held)."""
+        for entry in list(self._rows.values()):
+            request = entry.request
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.block_ids is not entry.block_ids
+            ):
+                self._release(entry)
+        if not self._free_rows:
+            raise RuntimeError("more running requests than step-input rows")
