@@ -1,19 +1,12 @@
 """One step's model inputs, written into persistent buffers of fixed address.
 
-Every input (token ids, positions, slot mapping, sequence lengths, query starts, logits rows,
-block tables) has one host buffer, pinned on CUDA, and off CPU a device twin; `build` writes the
-step's rows with numpy and sends each used prefix in one non-blocking copy. Buffers only grow
-(rows past `max_num_seqs`, tokens past the step budget, a table wider than the longest request),
-and then keep their new address.
-
-Block tables: each request's row lives in a store, written only when the request gains blocks,
-and rewritten whole when its table was replaced (the block manager grows a table in place and
-replaces the list on every other change: a free, a trim); a step gathers its rows, in
-schedule order, into a table of fixed stride (every row `max_blocks` wide, zero past a request's
-blocks). The host buffers are rewritten by the next `build`: callers finish with a step's inputs
-(the device has read them) before building the next.
-
-`build_batch_inputs` (tests/engine/batch_inputs_oracle.py) is the reference these equal.
+Each input has a host buffer (pinned on CUDA) and off CPU a device twin; `build` writes the step's
+rows with numpy and sends each used prefix in one non-blocking copy. Buffers only grow (then at a
+new address). A request's block-table row lives in a store, written when it gains blocks and
+rewritten when its list was replaced (the block manager grows a table in place and replaces the
+list on a free or a trim); a step gathers its rows into a fixed-stride table, zero past each
+request's blocks. The next `build` rewrites the host buffers: the device must be done with a
+step's inputs first. Equal to the oracle in tests/engine/batch_inputs_oracle.py.
 """
 
 from __future__ import annotations
