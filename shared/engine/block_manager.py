@@ -134,6 +134,10 @@ class BlockManager:
         num_computed_tokens. Returns False and changes nothing when the pool cannot supply it.
         """
         prefix = list(cached_prefix)
+        if not prefix and self.blocks_needed(request.num_computed_tokens + num_new_tokens) <= len(
+            request.block_ids
+        ):
+            return True  # its table covers them already (a decode inside its last block)
         if prefix and request.block_ids:
             raise ValueError("a cached prefix can only start an empty block table")
         if self.num_missing_blocks(request, num_new_tokens, prefix):
@@ -153,9 +157,9 @@ class BlockManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publishes the request's computed full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         num_full = request.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= request.num_published_blocks:
+            return
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
         for index in range(request.num_published_blocks, num_full):
             block = self.blocks[request.block_ids[index]]

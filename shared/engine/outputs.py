@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from nori.sampling.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,8 +60,7 @@ def rows_to_score(
     )
 
 
-@dataclass(frozen=True)
-class SampledTokens:
+class SampledTokens(NamedTuple):
     """What a step sampled for one request: one token, or for a verification (speculative
     decoding) its accepted drafts and then one token from the model."""
 

@@ -8,7 +8,7 @@ decoded window ends in U+FFFD. `flush()` releases what is held when the request 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from nori.sampling.params import SamplingParams
 from nori.sampling.stop_strings import find_stop
@@ -20,8 +20,7 @@ _CONTEXT_TOKENS = 6
 _MAX_CONTEXT_TOKENS = 24
 
 
-@dataclass(frozen=True)
-class DetokenizeResult:
+class DetokenizeResult(NamedTuple):
     new_text: str  # text safe to stream now
     stop_string: str | None = None  # set once a stop string ended the request
 
