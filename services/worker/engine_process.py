@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -232,6 +233,9 @@ def engine_main(
         for tensor in engine.kv_cache.tensors:
             tensor.share_memory_()  # in place: the engine's own views see the same memory
         turns.send(("ready", (EngineFacts.of(engine), load_of(engine))))
+        # What start-up made lives as long as the process: out of the collector's scans.
+        gc.collect()
+        gc.freeze()
     except BaseException:
         turns.send(("failed", traceback.format_exc()))
         return

@@ -94,6 +94,7 @@ class LLMEngine:
         )
         self._runner = runner or ModelRunner(config, model_dir, tokenizer.eos_token_ids)
         self.model = ServedModel(self._runner.model_config, tokenizer, self._runner.max_model_len)
+        self._eos_token_ids = tokenizer.eos_token_ids
         self._block_manager = BlockManager(
             self._runner.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -221,14 +222,13 @@ class LLMEngine:
         verification's later tokens are dropped, as a plain run would never sample them)."""
         request = sample.request
         finish = None
+        eos_token_ids, max_model_len = self._eos_token_ids, self.model.max_model_len
         for index, token_id in enumerate(sample.token_ids):
-            request.append_token(token_id)
+            request.token_ids.append(token_id)
             if sample.logprobs is not None:
                 request.logprobs = request.logprobs or []
                 request.logprobs.append(sample.logprobs[index])
-            finish = check_stop(
-                request, token_id, self.model.tokenizer.eos_token_ids, self.model.max_model_len
-            )
+            finish = check_stop(request, token_id, eos_token_ids, max_model_len)
             if finish is not None:
                 break
         if finish is not None:

@@ -166,7 +166,7 @@ def check_stop(
     params = request.sampling_params
     result = request.detokenizer.add_token(token_id)
     request.text += result.new_text
-    num_output = request.num_output_tokens
+    num_output = len(request.token_ids) - len(request.prompt_token_ids)
     if num_output >= params.min_tokens:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
@@ -176,7 +176,7 @@ def check_stop(
         if result.stop_string is not None:
             request.stop_reason = result.stop_string
             return RequestStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= params.max_tokens or len(request.token_ids) >= max_model_len:
         return _flush(request, RequestStatus.FINISHED_LENGTH)
     return None
 

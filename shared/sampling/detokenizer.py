@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        self._backend_decode = tokenizer.backend.decode
         self._skip_special = params.skip_special_tokens
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -80,7 +81,8 @@ class IncrementalDetokenizer:
         return []
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        # The backend's own call (Tokenizer.decode's, without its copy of `ids`).
+        return str(self._backend_decode(ids, skip_special_tokens=self._skip_special))
 
     @property
     def text(self) -> str:
