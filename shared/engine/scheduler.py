@@ -18,14 +18,14 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
+from typing import NamedTuple
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import SchedulerConfig
 from nori.engine.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     request: Request
     # Tokens computed in this step from request.num_computed_tokens, drafts included.
     num_new_tokens: int

@@ -106,64 +106,67 @@ class StepInputs:
             or num_blocks > self._max_blocks
         ):
             self._grow(num_seqs, num_tokens, num_blocks)
-        input_ids, positions = self._input_ids.array, self._positions.array
-        slots, logits = self._slots.array, self._logits_indices.array
-        seq_lens, query_start = self._seq_lens.array, self._query_start.array
-        store_rows = np.empty(num_seqs, dtype=np.int64)
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        logits: list[int] = []
+        store_rows: list[int] = []
         prompt_logprob_rows: list[PromptLogprobRows] = []
-        num_decodes = num_verifies = num_logits = 0
-        row = 0
-        query_start[0] = 0
-        for index, item in enumerate(scheduled):
+        num_decodes = num_verifies = 0
+        table_row = self._table_row
+        for item in scheduled:
             request = item.request
-            store_rows[index] = self._table_row(request)
+            store_rows.append(table_row(request))
             start = request.num_computed_tokens
             count = item.num_new_tokens
+            row = query_start[-1]
             end = start + count
             if count == 1:
                 num_decodes += 1
-                input_ids[row] = request.token_ids[start]
-                positions[row] = start
+                ids.append(request.token_ids[start])
+                positions.append(start)
             else:
-                known = count - item.num_spec_tokens
-                input_ids[row : row + known] = request.token_ids[start : start + known]
+                ids.extend(request.token_ids[start : end - item.num_spec_tokens])
                 if item.num_spec_tokens:
-                    input_ids[row + known : row + count] = request.spec_token_ids
+                    ids.extend(request.spec_token_ids)
                     num_verifies += 1
-                positions[row : row + count] = np.arange(start, end)
-            seq_lens[index] = end
+                positions.extend(range(start, end))
+            seq_lens.append(end)
+            query_start.append(row + count)
             if item.samples:
-                num_sampled = 1 + item.num_spec_tokens
-                logits[num_logits : num_logits + num_sampled] = np.arange(
-                    row + count - num_sampled, row + count
-                )
-                num_logits += num_sampled
+                logits.extend(range(row + count - 1 - item.num_spec_tokens, row + count))
             if request.prompt_logprobs is not None:
                 rows = rows_to_score(request, start, end, row)
                 if rows is not None:
                     prompt_logprob_rows.append(rows)
-            row += count
-            query_start[index + 1] = row
+        row = query_start[-1]
+        self._input_ids.array[:row] = ids
+        self._positions.array[:row] = positions
+        self._seq_lens.array[:num_seqs] = seq_lens
+        self._query_start.array[: num_seqs + 1] = query_start
+        self._logits_indices.array[: len(logits)] = logits
         tables = self._tables.array[:num_seqs]
         np.take(self._store, store_rows, axis=0, out=tables)
+        token_positions = self._positions.array[:row]
         token_rows = self._token_rows(scheduled)
-        block_of = tables[token_rows, positions[:row] // block_size].astype(np.int64)
-        slots[:row] = block_of * block_size + positions[:row] % block_size
+        block_of = tables[token_rows, token_positions // block_size].astype(np.int64)
+        self._slots.array[:row] = block_of * block_size + token_positions % block_size
         metadata = AttentionMetadata(
             slot_mapping=self._slots.send(row),
             num_decodes=num_decodes,
             num_verifies=num_verifies,
-            num_verify_end_row=int(query_start[num_decodes + num_verifies]),
+            num_verify_end_row=query_start[num_decodes + num_verifies],
             seq_lens=self._seq_lens.send(num_seqs),
             query_start_loc=self._query_start.send(num_seqs + 1),
             block_tables=self._tables.send(num_seqs),
-            max_seq_len=int(seq_lens[:num_seqs].max()),
+            max_seq_len=max(seq_lens),
         )
         return BatchInputs(
             input_ids=self._input_ids.send(row),
             positions=self._positions.send(row),
             attention=metadata,
-            logits_indices=self._logits_indices.send(num_logits),
+            logits_indices=self._logits_indices.send(len(logits)),
             prompt_logprob_rows=prompt_logprob_rows,
         )
 
@@ -184,10 +187,12 @@ class StepInputs:
             entry = _TableRow(request, self._free_rows.pop(), request.block_ids, 0)
             self._rows[request.request_id] = entry
         block_ids = request.block_ids
+        count = len(block_ids)
+        if entry.block_ids is block_ids and count == entry.num_written:
+            return entry.index  # a decode inside its last block: nothing to write
         if entry.block_ids is not block_ids:
             entry.block_ids, entry.num_written = block_ids, 0
         row = self._store[entry.index]
-        count = len(block_ids)
         if count > entry.num_written:
             row[entry.num_written : count] = block_ids[entry.num_written :]
         elif count < entry.num_written:

@@ -104,6 +104,10 @@ class IncrementalDetokenizer:
         if token_id not in self._invisible_ids:
             self._in_byte_run = token_id in self._byte_ids
         new_chars = "" if self._in_byte_run else self._advance(final=False)
+        if not self._stops:  # nothing held back: all of it is safe now
+            self._text += new_chars
+            self._emitted = len(self._text)
+            return DetokenizeResult(new_chars)
         return self._after_new_text(new_chars, final=False)
 
     def flush(self) -> DetokenizeResult:
@@ -113,11 +117,11 @@ class IncrementalDetokenizer:
         return self._after_new_text(self._advance(final=True), final=True)
 
     def _advance(self, final: bool) -> str:
-        window = self._ids[self._prefix_offset :]
-        full = self._decode(window)
+        decode, skip, ids = self._backend_decode, self._skip_special, self._ids
+        full: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if not final and full.endswith(REPLACEMENT_CHAR):
             return ""  # a character is split across tokens; wait for the rest
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix: str = decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
         if len(full) <= len(prefix):
             return ""
         self._prefix_offset = self._read_offset

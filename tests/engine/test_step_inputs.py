@@ -126,8 +126,9 @@ def test_a_decode_step_reuses_the_buffers() -> None:
         scheduler.add(make_request(f"r{index}", list(range(5 + index))))
     inputs = StepInputs(4, 64, 8, CPU)
     rng = random.Random(0)
-    _finish_step(scheduler, output := _step(scheduler, rng, 0), rng)
+    output = _step(scheduler, rng, 0)
     first = inputs.build(output, 4)
+    _finish_step(scheduler, output, rng)
     output = _step(scheduler, rng, 0)
     second = inputs.build(output, 4)
     assert second.attention.num_decodes == 3
