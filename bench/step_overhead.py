@@ -5,7 +5,8 @@ stepped until every one decodes; then `repeats` windows of `steps` pure decode s
 Per window: the step's wall time, the forward's (the model and its logits, the device waited for
 on both sides) and, outside it, the scheduler's `schedule`, the rest of `execute` (step inputs and
 sampling) and what follows (update, stop checks, outputs). Reported: the median window's
-milliseconds per step. The default model is the `tiny` preset, where the forward is small beside
+milliseconds per step, and on a GPU the step's floor (weights and KV read at the measured copy
+bandwidth). The default model is the `tiny` preset, where the forward is small beside
 the host's work, as an 8B model's is on a GPU.
 """
 
@@ -87,6 +88,31 @@ class StepOverhead:
     schedule_ms: float
     inputs_and_sampling_ms: float
     update_and_outputs_ms: float
+    # On a GPU: the step's floor, its weights and KV context read at the card's measured copy
+    # bandwidth (None elsewhere).
+    floor_ms: float | None = None
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), the best of `repeats`."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * nbytes / best
+
+
+def step_floor_ms(runner: ModelRunner, context_tokens: int, bandwidth: float) -> float:
+    """Milliseconds to read the weights once and `context_tokens` tokens' K/V at `bandwidth`."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_cache_bytes / (runner.kv_cache.num_blocks * runner.config.block_size)
+    return (weights + context_tokens * kv_per_token) / bandwidth * 1000
 
 
 def measure(
@@ -129,10 +155,17 @@ def measure(
         )
     if engine.load().num_running != batch:
         raise RuntimeError(f"the batch shrank below {batch} rows (KV pool too small?)")
+    floor = None
+    if runner.device.type == "cuda":
+        # The context each row read, on average over the timed windows.
+        context = prompt_len + 4 + repeats * steps // 2
+        floor = step_floor_ms(runner, batch * context, copy_bandwidth(runner.device))
     engine.close()
     median = sorted(windows, key=lambda w: w.host_ms)[len(windows) // 2]
-    per_step = {k: v / steps * 1000 for k, v in asdict(median).items() if k != "batch"}
-    return StepOverhead(batch=batch, **per_step)
+    per_step = {
+        k: v / steps * 1000 for k, v in asdict(median).items() if k not in ("batch", "floor_ms")
+    }
+    return StepOverhead(batch=batch, floor_ms=floor, **per_step)
 
 
 def default_config() -> EngineConfig:
@@ -161,12 +194,13 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"model {report['model']}, {report['steps']} decode steps per window, median of "
         f"{report['repeats']} windows, {report['torch_threads']} torch threads (ms per step)",
         f"{'batch':>6} {'step':>8} {'forward':>8} {'host':>8} {'schedule':>9} "
-        f"{'inputs+sampling':>16} {'update+outputs':>15}",
+        f"{'inputs+sampling':>16} {'update+outputs':>15} {'floor':>7}",
     ]
     for r in report["results"]:
         lines.append(
             f"{r['batch']:>6} {r['step_ms']:>8.2f} {r['forward_ms']:>8.2f} {r['host_ms']:>8.2f} "
             f"{r['schedule_ms']:>9.2f} {r['inputs_and_sampling_ms']:>16.2f} "
-            f"{r['update_and_outputs_ms']:>15.2f}"
+            f"{r['update_and_outputs_ms']:>15.2f} "
+            + ("" if r["floor_ms"] is None else f"{r['floor_ms']:>7.2f}")
         )
     return "\n".join(lines)

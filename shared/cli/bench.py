@@ -114,6 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=None, help="a model folder or built-in name (default: the tiny preset)"
     )
     overhead.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    overhead.add_argument(
+        "--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights"
+    )
     overhead.add_argument("--batch-sizes", default="64,256", metavar="B1,B2,...")
     overhead.add_argument("--prompt-len", type=int, default=32)
     overhead.add_argument("--steps", type=int, default=50, help="timed decode steps per window")
@@ -299,7 +302,7 @@ def run_step_overhead(args: argparse.Namespace) -> int:
         ) from None
     if min(batch_sizes) < 1 or min(args.prompt_len, args.steps, args.repeats) < 1:
         raise ValueError("--batch-sizes, --prompt-len, --steps and --repeats must be >= 1")
-    config = dataclasses.replace(default_config(), device=args.device)
+    config = dataclasses.replace(default_config(), device=args.device, load_format=args.load_format)
     if args.model is not None:
         config = dataclasses.replace(config, model=args.model)
     report = run_step_overhead(config, batch_sizes, args.prompt_len, args.steps, args.repeats)

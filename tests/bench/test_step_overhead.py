@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nori.bench.step_overhead import measure
+from nori.bench.step_overhead import measure, step_floor_ms
 from nori.engine.config import EngineConfig
+from nori.engine.model_runner import ModelRunner
 from nori.models.init_checkpoint import init_checkpoint
 
 
@@ -40,3 +41,16 @@ def test_the_cli_prints_one_json_object_and_refuses_bad_sizes(tmp_path: Path) ->
     report = json.loads(good.stdout)
     assert [r["batch"] for r in report["results"]] == [2, 3]
     assert all(r["host_ms"] > 0 for r in report["results"])
+
+
+def test_the_floor_reads_the_weights_once_and_the_context_kv(tmp_path: Path) -> None:
+    model = init_checkpoint(tmp_path / "tiny", "tiny")
+    config = EngineConfig(model=str(model), num_kv_blocks=64, dtype="float32")
+    runner = ModelRunner(config, model)
+    weights = sum(p.numel() * 4 for p in runner.model.parameters())
+    # tiny: 2 layers x (k and v) x 2 kv heads x 16 dims x 4 bytes per token
+    kv_per_token = 2 * 2 * 2 * 16 * 4
+    assert step_floor_ms(runner, 0, 1e9) == pytest.approx(weights / 1e9 * 1000)
+    assert step_floor_ms(runner, 100, 1e9) == pytest.approx(
+        (weights + 100 * kv_per_token) / 1e9 * 1000
+    )
