@@ -112,6 +112,15 @@ def clear_stale_build_lock(
     return True
 
 
+def wait_for_build_lock(
+    build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: float = 0.5
+) -> None:
+    """Returns once `build_dir` holds no lock: a build in progress released it, or it grew
+    stale (its build was killed, even after this wait began) and was removed."""
+    while (build_dir / "lock").exists() and not clear_stale_build_lock(build_dir, max_age_s):
+        time.sleep(poll_s)
+
+
 # The dtypes the per-layer C++ kernels serve; others take the PyTorch references.
 CPU_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
@@ -128,7 +137,7 @@ def cpu_kernels() -> Any | None:
         name = f"nori_cpu_kernels_{_build_tag(folder)}"
         build_dir = build_root(get_default_build_root()) / name
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_build_lock(build_dir)
+        wait_for_build_lock(build_dir)
         # Link the OpenMP runtime torch has loaded: one thread pool, sized by set_num_threads.
         torch_lib = Path(torch.__file__).resolve().parent / "lib"
         return load(

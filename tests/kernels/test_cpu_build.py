@@ -1,11 +1,13 @@
 """The C++ kernels' build: its units include every kernel file once; it goes under
 $TORCH_EXTENSIONS_DIR when set; a lock left by a build killed part-way is cleared (it would make
-every later start wait for ever), a lock of a build in progress is not."""
+every later start wait for ever), also when it went stale while a start waited on it; a lock of
+a build in progress is not."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from nori.kernels.cpu_build import (
     STALE_BUILD_LOCK_S,
     build_root,
     clear_stale_build_lock,
+    wait_for_build_lock,
     write_units,
 )
 
@@ -44,6 +47,25 @@ def test_a_build_in_progress_keeps_its_lock(tmp_path: Path) -> None:
     assert lock.exists()
     # The same lock is stale once the clock passes the limit.
     assert clear_stale_build_lock(tmp_path, now=time.time() + STALE_BUILD_LOCK_S)
+    assert not lock.exists()
+
+
+def test_a_start_waits_for_a_build_in_progress(tmp_path: Path) -> None:
+    lock = _lock(tmp_path, 1)
+    release = threading.Timer(0.3, lock.unlink)
+    release.start()
+    started = time.monotonic()
+    wait_for_build_lock(tmp_path, max_age_s=60, poll_s=0.05)
+    assert 0.25 < time.monotonic() - started < 5
+    assert not lock.exists()
+
+
+def test_a_lock_that_goes_stale_while_a_start_waits_is_removed(tmp_path: Path) -> None:
+    """The build holding it was killed just before this start: the lock is young at first."""
+    lock = _lock(tmp_path, 0)
+    started = time.monotonic()
+    wait_for_build_lock(tmp_path, max_age_s=0.5, poll_s=0.05)
+    assert 0.4 < time.monotonic() - started < 5
     assert not lock.exists()
 
 
