@@ -269,17 +269,20 @@ def run_moe_layer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_sizes(text: str, example: str) -> list[int]:
+    """`--batch-sizes` as integers; a ValueError (the CLI's one-line error) naming the flag."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes integers like {example}, got {text!r}") from None
+
+
 def run_roofline(args: argparse.Namespace) -> int:
     import json
 
     from nori.bench.roofline import format_report, run_roofline
 
-    try:
-        batch_sizes = [int(part) for part in args.batch_sizes.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--batch-sizes takes integers like 1,16,64, got {args.batch_sizes!r}"
-        ) from None
+    batch_sizes = _batch_sizes(args.batch_sizes, "1,16,64")
     if min(batch_sizes) < 1 or min(args.context, args.prompt_len, args.steps) < 1:
         raise ValueError("--batch-sizes, --context, --prompt-len and --steps must be >= 1")
     report = run_roofline(
@@ -294,12 +297,7 @@ def run_step_overhead(args: argparse.Namespace) -> int:
 
     from nori.bench.step_overhead import default_config, format_report, run_step_overhead
 
-    try:
-        batch_sizes = [int(part) for part in args.batch_sizes.split(",")]
-    except ValueError:
-        raise ValueError(
-            f"--batch-sizes takes integers like 64,256, got {args.batch_sizes!r}"
-        ) from None
+    batch_sizes = _batch_sizes(args.batch_sizes, "64,256")
     if min(batch_sizes) < 1 or min(args.prompt_len, args.steps, args.repeats) < 1:
         raise ValueError("--batch-sizes, --prompt-len, --steps and --repeats must be >= 1")
     config = dataclasses.replace(default_config(), device=args.device, load_format=args.load_format)

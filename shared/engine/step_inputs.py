@@ -39,7 +39,6 @@ class _Buffer:
     """A host tensor (pinned on CUDA) and its device twin (the same tensor on CPU)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.device = device
         pinned = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
         self.array = self.host.numpy()
@@ -193,10 +192,7 @@ class StepInputs:
         if entry.block_ids is not block_ids:
             entry.block_ids, entry.num_written = block_ids, 0
         row = self._store[entry.index]
-        if count > entry.num_written:
-            row[entry.num_written : count] = block_ids[entry.num_written :]
-        elif count < entry.num_written:
-            row[count : entry.num_written] = 0  # trimmed: rejected drafts' blocks
+        row[entry.num_written : count] = block_ids[entry.num_written :]
         if entry.num_written == 0 and count < row.shape[0]:
             row[count:] = 0
         entry.num_written = count
