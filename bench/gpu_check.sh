@@ -5,10 +5,11 @@
 # Llama-3-8B and Llama-3.2-1B shapes with random weights. Writes everything under $OUT.
 # `bench/gpu_check.sh tests` runs only the probe of the 8-bit KV store and both test suites, every
 # failure listed (about 3 minutes once the machine is up).
-# `bench/gpu_check.sh perf` (issue 50; run it first on a lent device; not yet run: every step at
-# its time limit makes 11 minutes, the expected run about 7): the host ms per decode step and each step against its floor on this card (tiny, 1B and 8B shapes at batch
-# 64 and 256), the step profile (phase ms, top ops by host and device time), offline throughput
-# on 1,024 prompts of 128/128 at the default KV pool (1B and 8B), and the engine tests.
+# `bench/gpu_check.sh perf` (issue 50; run it first on a lent device; every step at its time
+# limit makes 9.8 minutes): the host ms per decode step and each step against its floor on this
+# card (tiny, 1B and 8B shapes at batch 64 and 256; the 8B with decode CUDA graphs and with
+# --enforce-eager), the step profile (phase ms, top ops by host and device time), offline
+# throughput on 1,024 prompts of 128/128 at the default KV pool (1B and 8B), the engine tests.
 set -uo pipefail
 MODE="${1:-all}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,20 +37,25 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "$MODE" = perf ]; then
   nori model init /tmp/llama3-8b --preset llama3-8b --no-weights >/dev/null
   nori model init /tmp/llama3-1b --preset llama3-1b --no-weights >/dev/null
-  step step_overhead_tiny 45 python3 -m nori.cli.main bench step-overhead --json
-  for shape in 1b 8b; do
-    step "step_overhead_$shape" 105 python3 -m nori.cli.main bench step-overhead \
-      --model "/tmp/llama3-$shape" --load-format dummy --batch-sizes 64,256 --steps 20 --json
+  step step_overhead_tiny 30 python3 -m nori.cli.main bench step-overhead --steps 20 --json
+  step step_overhead_1b 75 python3 -m nori.cli.main bench step-overhead \
+    --model /tmp/llama3-1b --load-format dummy --batch-sizes 64,256 --steps 20 --json
+  for graphs in on off; do
+    flags=()
+    [ "$graphs" = off ] && flags=(--enforce-eager)
+    step "step_overhead_8b_graphs_$graphs" 90 python3 -m nori.cli.main bench step-overhead \
+      --model /tmp/llama3-8b --load-format dummy --batch-sizes 64,256 --steps 20 --json \
+      "${flags[@]}"
   done
-  step step_profile_8b 90 python3 bench/profile_steps.py /tmp/llama3-8b --load-format dummy \
+  step step_profile_8b 45 python3 bench/profile_steps.py /tmp/llama3-8b --load-format dummy \
     --num-requests 64 --prompt-len 128
   for shape in 1b 8b; do
-    step "offline_$shape" 105 python3 -m nori.cli.main bench offline --model "/tmp/llama3-$shape" \
+    step "offline_$shape" 90 python3 -m nori.cli.main bench offline --model "/tmp/llama3-$shape" \
       --load-format dummy --num-prompts 1024 --input-len-range 128:128 \
       --output-len-range 128:128 --json
   done
-  step engine_tests 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/engine \
-    tests/kernels/test_layer_ops_triton.py
+  step engine_tests 75 python3 -m pytest -q -p no:cacheprovider -rf --tb=line tests/engine \
+    tests/kernels/test_layer_ops_triton.py tests/kernels/test_decode_attention.py
   grep -h '^{' "$OUT"/step_overhead_*.log "$OUT"/offline_*.log >"$OUT/perf.jsonl" || true
   exit 0
 fi

@@ -91,6 +91,7 @@ class StepOverhead:
     # On a GPU: the step's floor, its weights and KV context read at the card's measured copy
     # bandwidth (None elsewhere).
     floor_ms: float | None = None
+    cuda_graphs: bool = False  # pure decode steps replayed CUDA graphs
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -163,9 +164,12 @@ def measure(
     engine.close()
     median = sorted(windows, key=lambda w: w.host_ms)[len(windows) // 2]
     per_step = {
-        k: v / steps * 1000 for k, v in asdict(median).items() if k not in ("batch", "floor_ms")
+        k: v / steps * 1000
+        for k, v in asdict(median).items()
+        if k not in ("batch", "floor_ms", "cuda_graphs")
     }
-    return StepOverhead(batch=batch, floor_ms=floor, **per_step)
+    graphs = runner.graphs is not None
+    return StepOverhead(batch=batch, floor_ms=floor, cuda_graphs=graphs, **per_step)
 
 
 def default_config() -> EngineConfig:

@@ -118,6 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--load-format", choices=["auto", "dummy"], default="auto", help="dummy: random weights"
     )
     overhead.add_argument("--batch-sizes", default="64,256", metavar="B1,B2,...")
+    overhead.add_argument(
+        "--enforce-eager", action="store_true", help="on CUDA, no decode CUDA graphs"
+    )
     overhead.add_argument("--prompt-len", type=int, default=32)
     overhead.add_argument("--steps", type=int, default=50, help="timed decode steps per window")
     overhead.add_argument("--repeats", type=int, default=3, help="windows; the median is shown")
@@ -300,7 +303,12 @@ def run_step_overhead(args: argparse.Namespace) -> int:
     batch_sizes = _batch_sizes(args.batch_sizes, "64,256")
     if min(batch_sizes) < 1 or min(args.prompt_len, args.steps, args.repeats) < 1:
         raise ValueError("--batch-sizes, --prompt-len, --steps and --repeats must be >= 1")
-    config = dataclasses.replace(default_config(), device=args.device, load_format=args.load_format)
+    config = dataclasses.replace(
+        default_config(),
+        device=args.device,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+    )
     if args.model is not None:
         config = dataclasses.replace(config, model=args.model)
     report = run_step_overhead(config, batch_sizes, args.prompt_len, args.steps, args.repeats)

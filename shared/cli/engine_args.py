@@ -167,6 +167,11 @@ def add_engine_args(
     group.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use"
     )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly instead of replaying decode CUDA graphs",
+    )
     group.add_argument("--max-num-seqs", type=int, default=256, help="most running sequences")
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step"
@@ -290,6 +295,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         "seed": args.seed,
         "attention_backend": args.attention_backend,
         "speculative_config": speculative_config_from_flag(args.speculative_config),
+        "enforce_eager": args.enforce_eager,
     }
     options.update(overrides)
     return EngineConfig(**options)  # type: ignore[arg-type]

@@ -153,6 +153,9 @@ class EngineConfig:
     seed: int = 0  # dummy weights and the sampler of unseeded requests
     attention_backend: AttentionBackend = "auto"
     speculative_config: SpeculativeConfig | None = None
+    # On CUDA, pure decode steps replay CUDA graphs captured at bucketed batch sizes; True keeps
+    # every step eager (vLLM's --enforce-eager). No effect on CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name, modes in _MODES.items():

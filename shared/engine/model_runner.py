@@ -12,6 +12,7 @@ import torch
 
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.config import EngineConfig
+from nori.engine.decode_graphs import DecodeGraphs, capture_sizes
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.draft_model import DraftModel
 from nori.engine.follower_ranks import (
@@ -91,6 +92,9 @@ class ModelRunner:
         self.generator = make_generator(config.seed, self.device)
         self.sampling = StepSampler(self.device, eos_token_ids, self.generator)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self._wants_graphs():
+            self.capture_graphs(DecodeGraphs(capture_sizes(config.max_num_seqs)))
         parallel = ""
         if self.parallel is not None:
             expert = ", expert parallel" if self.parallel.expert_parallel else ""
@@ -150,6 +154,31 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks, self.kv_cache_dtype)
 
+    def _wants_graphs(self) -> bool:
+        """Decode graphs run on one CUDA device with the Triton kernels, for dense models (a
+        MoE layer's routing counts would include the padding rows)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.followers is None
+            and self.parallel is None
+            and self.attention_backend == "triton"
+            and not self.model_config.is_moe
+        )
+
+    @torch.inference_mode()
+    def capture_graphs(self, graphs: DecodeGraphs) -> None:
+        """Captures `graphs` over the step-input buffers, which hold padding meanwhile."""
+        self._inputs.pad_decodes(0, graphs.sizes[-1])
+        graphs.capture(self._decode_forward, self.device)
+        self.graphs = graphs
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        """The model over the first `size` rows of the step-input buffers, all decodes."""
+        input_ids, positions, metadata = self._inputs.decode_batch(size, self.max_model_len)
+        attention = PagedAttention(self.kv_cache, metadata, self.attention_backend)
+        return self.model(input_ids, positions, attention)
+
     def make_generator(self, seed: int) -> torch.Generator:
         return make_generator(seed, self.device)
 
@@ -189,9 +218,18 @@ class ModelRunner:
         metadata: AttentionMetadata,
         logits_rows: Sequence[torch.Tensor],
     ) -> list[torch.Tensor]:
-        """The model over the step's tokens, then the logits of each batch of rows."""
-        attention = PagedAttention(self.kv_cache, metadata, self.attention_backend)
-        hidden = self.model(input_ids, positions, attention)
+        """The model over the step's tokens, then the logits of each batch of rows. A pure
+        decode step replays the graph of its padded size, if there is one."""
+        num_seqs, graphs = metadata.seq_lens.shape[0], self.graphs
+        size = None
+        if graphs is not None and metadata.num_decodes == num_seqs:
+            size = graphs.padded_size(num_seqs)
+        if graphs is None or size is None:
+            attention = PagedAttention(self.kv_cache, metadata, self.attention_backend)
+            hidden = self.model(input_ids, positions, attention)
+        else:
+            self._inputs.pad_decodes(num_seqs, size)
+            hidden = graphs.replay(size)
         return [self.model.compute_logits(hidden[rows]) for rows in logits_rows]
 
     @torch.inference_mode()

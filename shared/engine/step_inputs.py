@@ -52,6 +52,11 @@ class _Buffer:
             self.twin[:count].copy_(self.host[:count], non_blocking=True)
         return self.twin[:count]
 
+    def send_rows(self, start: int, stop: int) -> None:
+        """Rows [start, stop) to the device, in one non-blocking copy."""
+        if self.twin is not self.host:
+            self.twin[start:stop].copy_(self.host[start:stop], non_blocking=True)
+
 
 @dataclass
 class _TableRow:
@@ -70,6 +75,7 @@ class StepInputs:
         self._max_tokens = max_num_tokens
         self._max_blocks = max_blocks
         self._allocate()
+        self._captured = False  # set once a CUDA graph reads the buffers: they must stay put
         self._rows: dict[str, _TableRow] = {}
         self._free_rows = list(range(2 * max_num_seqs))
 
@@ -86,6 +92,8 @@ class StepInputs:
 
     def _grow(self, num_seqs: int, num_tokens: int, num_blocks: int) -> None:
         """Larger buffers (new addresses); the store keeps its rows."""
+        if self._captured:
+            raise RuntimeError("a step outgrew the input buffers that CUDA graphs read")
         store = self._store
         self._max_seqs = max(self._max_seqs, num_seqs)
         self._max_tokens = max(self._max_tokens, num_tokens)
@@ -168,6 +176,39 @@ class StepInputs:
             logits_indices=self._logits_indices.send(len(logits)),
             prompt_logprob_rows=prompt_logprob_rows,
         )
+
+    def pad_decodes(self, num_seqs: int, size: int) -> None:
+        """Rows [num_seqs, size) of a pure decode step become padding that changes nothing a
+        real row reads: token 0 at position 0, slot -1 (not stored), one token of block 0."""
+        pad = slice(num_seqs, size)
+        self._input_ids.array[pad] = 0
+        self._positions.array[pad] = 0
+        self._slots.array[pad] = -1
+        self._seq_lens.array[pad] = 1
+        self._query_start.array[num_seqs + 1 : size + 1] = np.arange(num_seqs + 1, size + 1)
+        self._tables.array[pad] = 0
+        for buffer in (self._input_ids, self._positions, self._slots, self._seq_lens):
+            buffer.send_rows(num_seqs, size)
+        self._query_start.send_rows(num_seqs + 1, size + 1)
+        self._tables.send_rows(num_seqs, size)
+
+    def decode_batch(
+        self, size: int, max_seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and metadata of a pure decode step of `size` rows, as views of
+        the device buffers at fixed addresses (what a CUDA graph reads); max_seq_len bounds
+        every row's context (it sizes the attention splits)."""
+        self._captured = self._captured or self.device.type == "cuda"
+        metadata = AttentionMetadata(
+            slot_mapping=self._slots.twin[:size],
+            num_decodes=size,
+            seq_lens=self._seq_lens.twin[:size],
+            query_start_loc=self._query_start.twin[: size + 1],
+            block_tables=self._tables.twin[:size],
+            max_seq_len=max_seq_len,
+            num_verify_end_row=size,
+        )
+        return self._input_ids.twin[:size], self._positions.twin[:size], metadata
 
     @staticmethod
     def _token_rows(scheduled: Sequence[ScheduledRequest]) -> np.ndarray:

@@ -96,7 +96,6 @@ def _decode_split_kernel(
     stride_q_b,
     stride_q_h,
     stride_bt_b,
-    tokens_per_split,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -119,6 +118,9 @@ def _decode_split_kernel(
     if ROW_SEQUENCES:
         seq = tl.load(row_sequences_ptr + row)
     seq_len = tl.load(seq_lens_ptr + row)
+    # Each row splits its own context into NUM_SPLITS runs of whole tiles: the split length is
+    # read from the device, so a captured CUDA graph stays right as contexts grow.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -243,8 +245,9 @@ def paged_decode_attention(
     """query [B, Hq, D] attends to seq_lens[b] (>= 1) cached tokens of its sequence -> [B, Hq, D].
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32; seq_lens [B]
-    int32. num_splits=None picks one. max_seq_len, if known, sizes the splits (else the table's
-    width does, without a device sync). k_scale/v_scale [num_blocks, block_size, Hkv] float16
+    int32. num_splits=None picks one from max_seq_len, if known (else from the table's width,
+    without a device sync); each row's split length is computed in the kernel from its own
+    length, so the launch depends only on shapes (CUDA-graph safe). k_scale/v_scale [num_blocks, block_size, Hkv] float16
     go with an 8-bit cache (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
@@ -296,7 +299,6 @@ def launch_decode(
     max_context = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device, block_n)
-    tokens_per_split = cdiv(cdiv(max_context, num_splits), block_n) * block_n
     block_d = max(next_power_of_2(head_dim), MIN_DOT_DIM)
 
     m = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -321,7 +323,6 @@ def launch_decode(
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
-        tokens_per_split,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
