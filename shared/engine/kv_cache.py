@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nori.engine.config import EngineConfig
+from nori.engine.memory_profile import MemoryProfile, kv_pool_bytes
 from nori.kernels.kv_quant import KV_CACHE_DTYPES, KV_SCALE_DTYPE
 from nori.models.config import ModelConfig
 
@@ -44,24 +45,21 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 def num_blocks_in_budget(
     config: EngineConfig,
     model: ModelConfig,
-    model_dtype: torch.dtype,
     dtype: torch.dtype,
     device: torch.device,
     draft_bytes_per_block: int = 0,
+    profile: MemoryProfile | None = None,
 ) -> int:
-    """How many blocks (with a draft model's share) fit: `num_kv_blocks` when set, else the
-    GPU memory left at `gpu_memory_utilization` after activations, or `cpu_kv_cache_gib`."""
+    """How many blocks (with a draft model's share) fit: `num_kv_blocks` when set, else on CUDA
+    the profiled pool at `gpu_memory_utilization` (`kv_pool_bytes`; the profile is required
+    there), or `cpu_kv_cache_gib`."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = bytes_per_block(model, config.block_size, dtype) + draft_bytes_per_block
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.gpu_memory_utilization - (total - free)
-        # Room for the activations of the largest step and the logits.
-        element = torch.empty((), dtype=model_dtype).element_size()
-        per_token = 4 * (model.hidden_size + model.intermediate_size * 2) * element
-        logits = config.max_num_seqs * model.vocab_size * 4 * 3
-        budget -= config.max_num_batched_tokens * per_token + logits + 512 * 2**20
+        if profile is None:
+            raise ValueError("a KV pool on CUDA is sized from a memory profile")
+        budget = float(kv_pool_bytes(profile, config.gpu_memory_utilization))
     else:
         budget = config.cpu_kv_cache_gib * 2**30
     num_blocks = int(budget // per_block)

@@ -15,6 +15,7 @@ from nori.engine.config import EngineConfig
 from nori.engine.decode_graphs import DecodeGraphs, capture_sizes
 from nori.engine.device import resolve_attention_backend, resolve_device, resolve_dtype
 from nori.engine.draft_model import DraftModel
+from nori.engine.dummy_step import profile_memory_budget
 from nori.engine.follower_ranks import (
     Command,
     FollowerRanks,
@@ -24,6 +25,7 @@ from nori.engine.follower_ranks import (
     rank_group,
 )
 from nori.engine.kv_cache import KVCache, kv_cache_dtype, num_blocks_in_budget
+from nori.engine.memory_profile import budget_summary, pool_summary
 from nori.engine.outputs import ExpertRoutingCounts
 from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
@@ -76,12 +78,14 @@ class ModelRunner:
             if rank == 0:
                 self.followers = FollowerRanks.start(config, model_dir, self.device.type)
             self.parallel = rank_group(config, rank)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         try:
             self._load(config, model_dir)
         except BaseException:
             self.close()  # the followers would otherwise wait for a rank 0 that is gone
             raise
         self.max_model_len = self._max_model_len(self.kv_cache.num_blocks)
+        logger.info(pool_summary(self.kv_cache.num_blocks, config.block_size, self.max_model_len))
         self._inputs = StepInputs(
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -91,7 +95,6 @@ class ModelRunner:
         # Unseeded requests' draws (plain sampling and speculative verification).
         self.generator = make_generator(config.seed, self.device)
         self.sampling = StepSampler(self.device, eos_token_ids, self.generator)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.graphs: DecodeGraphs | None = None
         if self._wants_graphs():
             self.capture_graphs(DecodeGraphs(capture_sizes(config.max_num_seqs)))
@@ -139,8 +142,16 @@ class ModelRunner:
                 self.eos_token_ids,
             )
         draft_bytes = 0 if self.draft is None else self.draft.bytes_per_block(self.kv_cache_dtype)
+        profile = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            graph_sizes = capture_sizes(config.max_num_seqs) if self._wants_graphs() else ()
+            profile = profile_memory_budget(
+                *(self.model, config, self.local_model_config, self.dtype, self.kv_cache_dtype),
+                *(self.attention_backend, graph_sizes),
+            )
+            logger.info(budget_summary(profile, config.gpu_memory_utilization))
         num_blocks = num_blocks_in_budget(
-            config, self.model_config, self.dtype, self.kv_cache_dtype, self.device, draft_bytes
+            config, self.model_config, self.kv_cache_dtype, self.device, draft_bytes, profile
         )
         if self.parallel is not None:
             num_blocks = self.parallel.min_int(num_blocks)  # every rank holds every block
