@@ -2,9 +2,9 @@
 
 One instance serves one step, whose rows are decodes, then speculative verifications, then
 prompt chunks (the first two take the decode kernels, chunks the prefill kernels); metadata-only
-work is done at the first layer and reused. With an 8-bit cache every attention reads K/V as
-stored, new prompt tokens included, so a token's result does not depend on where its prefix
-came from.
+work (every layer's cache views, the rows' slices of the metadata) is done at the first layer and
+reused. With an 8-bit cache every attention reads K/V as stored, new prompt tokens included, so a
+token's result does not depend on where its prefix came from.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class PagedAttention:
         self._decode_plan: ReferenceDecodePlan | None = None
         self._prefill_plan: CpuPrefillPlan | None = None
         self._verify: _VerifyRows | None = None
+        self._decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._caches: tuple[torch.Tensor, ...] = ()
+        self._scale_caches: tuple[torch.Tensor, ...] = ()
         self._scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def __call__(
@@ -59,8 +63,7 @@ class PagedAttention:
         scale: float,
     ) -> torch.Tensor:
         meta = self.metadata
-        k_cache, v_cache = self.kv_cache.layer(layer_index)
-        self._scales = self.kv_cache.layer_scales(layer_index)
+        k_cache, v_cache = self._layer_caches(layer_index)
         self._store(key, value, k_cache, v_cache)
         num_decodes, num_sequences = meta.num_decodes, meta.seq_lens.shape[0]
         if num_decodes == num_sequences:
@@ -93,6 +96,18 @@ class PagedAttention:
             )
         return output
 
+    def _layer_caches(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V caches (`KVCache.layer`), its scales into `_scales`; every layer's
+        views are made once, at the first layer."""
+        if not self._caches:
+            self._caches = self.kv_cache.data.flatten(0, 1).unbind(0)
+            if self.kv_cache.scales is not None:
+                self._scale_caches = self.kv_cache.scales.flatten(0, 1).unbind(0)
+        key, value = 2 * layer_index, 2 * layer_index + 1
+        if self._scale_caches:
+            self._scales = (self._scale_caches[key], self._scale_caches[value])
+        return self._caches[key], self._caches[value]
+
     def _store(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> None:
@@ -123,8 +138,12 @@ class PagedAttention:
     ) -> torch.Tensor:
         """Attention of the decode rows (the first query.shape[0] sequences, one token each)."""
         meta = self.metadata
-        rows = slice(query.shape[0])
-        tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
+        if self._decode_rows is None:
+            rows = query.shape[0]
+            self._decode_rows = (meta.block_tables, meta.seq_lens)
+            if rows != meta.seq_lens.shape[0]:
+                self._decode_rows = (meta.block_tables[:rows], meta.seq_lens[:rows])
+        tables, seq_lens = self._decode_rows
         k_scale, v_scale = self._scales
         if self.use_triton:
             return paged_decode_attention(
@@ -170,17 +189,18 @@ class PagedAttention:
         else:
             end_row = int(meta.query_start_loc[end])
         query_start_loc = meta.query_start_loc[first : end + 1] - first
-        rows = multi_query_rows(query_start_loc, meta.seq_lens[first:end], end_row - first)
+        seq_lens = meta.seq_lens[first:end]
+        rows = multi_query_rows(query_start_loc, seq_lens, end_row - first)
         tables = meta.block_tables[first:end]
         if self.use_triton:
-            self._verify = _VerifyRows(end_row, query_start_loc, rows, tables)
+            self._verify = _VerifyRows(end_row, query_start_loc, rows, tables, seq_lens)
             return self._verify
         # The CPU kernel and the reference take one decode row per verification row.
         row_tables = rows.expand(tables)
         plan = None
         if self.backend == "reference":
             plan = plan_reference_decode(row_tables, rows.seq_lens, self.kv_cache.block_size)
-        self._verify = _VerifyRows(end_row, query_start_loc, rows, row_tables, plan)
+        self._verify = _VerifyRows(end_row, query_start_loc, rows, row_tables, seq_lens, plan)
         return self._verify
 
     def _multi_query_decode(
@@ -194,12 +214,10 @@ class PagedAttention:
         """Attention of the verification rows, each a decode row over its visible context."""
         k_scale, v_scale = self._scales
         if self.use_triton:
-            meta = self.metadata
-            first, end = meta.num_decodes, meta.num_decodes + meta.num_verifies
             return paged_multi_query_decode_attention(
                 *(query, k_cache, v_cache, verify.block_tables, verify.query_start_loc),
-                *(meta.seq_lens[first:end], scale),
-                max_seq_len=meta.max_seq_len,
+                *(verify.seq_lens, scale),
+                max_seq_len=self.metadata.max_seq_len,
                 k_scale=k_scale,
                 v_scale=v_scale,
                 use_triton=True,
@@ -228,10 +246,13 @@ class PagedAttention:
     ) -> torch.Tensor:
         """The prefill kernel over sequences `first:`, whose rows start at `first_row`."""
         meta = self.metadata
-        query_start_loc = meta.query_start_loc[first:]
-        if first_row:
-            query_start_loc = query_start_loc - first_row
-        tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
+        if self._prefill_rows is None:
+            query_start_loc = meta.query_start_loc[first:]
+            if first_row:
+                query_start_loc = query_start_loc - first_row
+            tables, seq_lens = meta.block_tables[first:], meta.seq_lens[first:]
+            self._prefill_rows = (query_start_loc, tables, seq_lens)
+        query_start_loc, tables, seq_lens = self._prefill_rows
         k_scale, v_scale = self._scales
         if self.backend == "cpu":
             if self._prefill_plan is None:
@@ -267,6 +288,7 @@ class _VerifyRows:
     # Triton: the verifications' own block tables [V, M]; the CPU kernel and the reference: one
     # per row [R, M].
     block_tables: torch.Tensor
+    seq_lens: torch.Tensor  # [V], the verifications' context lengths
     reference_plan: ReferenceDecodePlan | None = None  # the reference's gather plan
 
 

@@ -53,11 +53,11 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm`'s contract over rows of x [..., N] with a weight of x's dtype; with a residual
     (both contiguous), x and residual are updated in place and returned."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = _as_rows(x)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = rows if residual is not None else torch.empty_like(rows)
-    residual_rows = rows if residual is None else residual.reshape(-1, x.shape[-1])
+    residual_rows = rows if residual is None else _as_rows(residual)
     jit(_rms_norm_kernel)[(rows.shape[0],)](
         rows,
         residual_rows,
@@ -72,8 +72,13 @@ def rms_norm_triton(
         BLOCK=next_power_of_2(rows.shape[1]),
     )
     if residual is None:
-        return out.view(x.shape), x
+        return (out if out.dim() == x.dim() else out.view(x.shape)), x
     return x, residual
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as rows [R, N]: itself when already 2-D."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

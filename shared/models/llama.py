@@ -67,17 +67,16 @@ class SelfAttention(nn.Module):
         self.k_norm = make.norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, attention: Attention) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        # One view of the fused projection as heads [T, Hq + 2 Hkv, D]; q, k, v are views of it.
+        heads = self.qkv_proj(x).view(tokens, num_heads + 2 * num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = rotary.apply(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))[0])
-            k = rotary.apply(self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))[0])
+            q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+            q = rotary.apply(self.q_norm(q)[0])
+            k = rotary.apply(self.k_norm(k)[0])
         else:
-            heads = self.num_heads + self.num_kv_heads
-            qk = rotary.apply(qkv[:, : self.q_size + self.kv_size].view(tokens, heads, -1))
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            qk, v = heads.split([num_heads + num_kv_heads, num_kv_heads], dim=1)
+            q, k = rotary.apply(qk).split([num_heads, num_kv_heads], dim=1)
         out = attention(self.layer_index, q, k, v, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 

@@ -1,14 +1,20 @@
 """`StepInputs` equals the oracle builder over random traffic: prompts in chunks, decodes,
 verifications with accepted and rejected drafts, prompt logprobs, preemption, aborts; and a pure
-decode step writes into the same buffers without making new ones."""
+decode step writes into the same buffers without making new ones (no aten call of its build
+returns a tensor of new storage)."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
+from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import Scheduler, SchedulerOutput
@@ -143,6 +149,55 @@ def test_a_decode_step_reuses_the_buffers() -> None:
         assert before.data_ptr() == after.data_ptr()
     assert second.attention.block_tables.stride(0) == 8
     _assert_equal(second, build_batch_inputs(output, 4, CPU))
+
+
+class _NewStorage(TorchDispatchMode):
+    """Counts every aten call, and apart those that make a tensor: a result whose storage none
+    of the tensor arguments has (factories, copies out of place, ...), or torch.tensor's lift
+    (its data is made before the call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.allocations: Counter[str] = Counter()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.calls[name] += 1
+        given = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        results = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if name.startswith("lift_fresh") or any(_storage(t) not in given for t in results):
+            self.allocations[name] += 1
+        return result
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+# "meta" stands in for a device: its buffers are twins apart from the host ones, as on CUDA.
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_decode_step_builds_its_inputs_without_a_new_tensor(device: str) -> None:
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_seqs=4, budget=64)
+    for index in range(3):
+        scheduler.add(make_request(f"r{index}", list(range(5 + index))))
+    inputs = StepInputs(4, 64, 8, torch.device(device))
+    rng = random.Random(0)
+    for _ in range(2):  # the prompts, then a decode step: every buffer and store row exists
+        output = _step(scheduler, rng, 0)
+        inputs.build(output, 4)
+        _finish_step(scheduler, output, rng)
+    for _ in range(4):  # decodes within a block and into a new one
+        output = _step(scheduler, rng, 0)
+        with _NewStorage() as counted:
+            built = inputs.build(output, 4)
+        assert built.attention.num_decodes == 3
+        assert counted.calls["slice"] >= 5, counted.calls  # the sent rows: views, counted
+        assert not counted.allocations, f"new tensors: {dict(counted.allocations)}"
+        _finish_step(scheduler, output, rng)
 
 
 def test_a_table_trimmed_and_grown_again_is_rewritten() -> None:
