@@ -2,13 +2,17 @@
 
 vLLM's two-offset scheme, so everything emitted, concatenated, equals `Tokenizer.decode` of the
 same ids: text is held back while the newest token is a byte-fallback piece, and while the
-decoded window ends in U+FFFD. `flush()` releases what is held when the request ends.
+decoded window ends in U+FFFD. `flush()` releases what is held when the request ends. A
+tokenizer without byte-fallback pieces (byte-level BPE) runs the scheme in tokenizers' own
+`DecodeStream`, one call per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from tokenizers.decoders import DecodeStream
 
 from nori.sampling.params import SamplingParams
 from nori.sampling.stop_strings import find_stop
@@ -44,6 +48,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend
         self._backend_decode = tokenizer.backend.decode
         self._skip_special = params.skip_special_tokens
         self._stops = params.stop
@@ -65,6 +70,11 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self._stop_floor = 0
         self._stop_string: str | None = None
+        self._stream: DecodeStream | None = None
+        if not self._byte_ids:
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+            for token_id in context:  # primes it: the first token keeps its space
+                self._stream.step(tokenizer.backend, token_id)
 
     def _choose_context(self, prompt: Sequence[int]) -> list[int]:
         # The context must start on a clean boundary (no byte run, no U+FFFD).
@@ -101,9 +111,12 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_token after the request stopped on a stop string")
         self._ids.append(token_id)
         self._num_tokens += 1
-        if token_id not in self._invisible_ids:
-            self._in_byte_run = token_id in self._byte_ids
-        new_chars = "" if self._in_byte_run else self._advance(final=False)
+        if self._stream is not None:
+            new_chars = self._stream.step(self._backend, token_id) or ""
+        else:
+            if token_id not in self._invisible_ids:
+                self._in_byte_run = token_id in self._byte_ids
+            new_chars = "" if self._in_byte_run else self._advance(final=False)
         if not self._stops:  # nothing held back: all of it is safe now
             self._text += new_chars
             self._emitted = len(self._text)
@@ -118,6 +131,11 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         decode, skip, ids = self._backend_decode, self._skip_special, self._ids
+        if self._stream is not None:  # at the end: what the stream holds back, if anything
+            full: str = decode(ids, skip_special_tokens=skip)
+            return full[len(decode(ids[: self._read_offset], skip_special_tokens=skip)) :][
+                len(self._text) :
+            ]
         full: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if not final and full.endswith(REPLACEMENT_CHAR):
             return ""  # a character is split across tokens; wait for the rest

@@ -167,3 +167,10 @@ def test_prompt_context_keeps_leading_space() -> None:
     assert detok.text == " there was a dog"
     plain, _ = stream(STORIES, output)
     assert "".join(plain) == STORIES.decode(output) == "there was a dog"
+
+
+def test_prompt_context_keeps_leading_space_byte_level(byte_level: Tokenizer) -> None:
+    prompt = byte_level.encode("Once upon a time", add_special_tokens=False)
+    output = byte_level.encode(" there was a dog 😀", add_special_tokens=False)
+    chunks, detok = stream(byte_level, output, prompt=prompt)
+    assert detok.text == "".join(chunks) == " there was a dog 😀"
