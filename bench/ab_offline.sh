@@ -5,7 +5,7 @@
 #   e.g. bench/ab_offline.sh 86e922a 3 --num-prompts 64 --input-len-range 128:128 \
 #        --output-len-range 128:128 --max-num-seqs 16
 #
-# The two trees take turns (before, after, before, ...) ROUNDS times, each run itself the median
+# The two trees take turns (before, after, after, before, ...) ROUNDS times, each run the median
 # of `--repeats 3`, so a slow spell of a shared machine hits both sides; the medians of the
 # rounds and their ratio are printed last. The earlier commit runs from a git worktree in
 # /tmp, laid out by scripts/source_tree.py, with this checkout's virtual environment.
@@ -32,8 +32,15 @@ run() {  # run SIDE: one median-of-3 offline run; prints its output tok/s
 
 declare -a a b
 for round in $(seq "$rounds"); do
-  a+=("$(run before "$@")")
-  b+=("$(run after "$@")")
+  # Odd rounds run the earlier commit first, even rounds this checkout: a machine that slows
+  # (or warms) from run to run favours neither side.
+  if ((round % 2)); then
+    a+=("$(run before "$@")")
+    b+=("$(run after "$@")")
+  else
+    b+=("$(run after "$@")")
+    a+=("$(run before "$@")")
+  fi
   echo "round $round: before ${a[-1]} tok/s, after ${b[-1]} tok/s"
 done
 "$python" - "${#a[@]}" "${a[@]}" "${b[@]}" <<'EOF'
