@@ -132,10 +132,9 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         decode, skip, ids = self._backend_decode, self._skip_special, self._ids
         if self._stream is not None:  # at the end: what the stream holds back, if anything
-            full: str = decode(ids, skip_special_tokens=skip)
-            return full[len(decode(ids[: self._read_offset], skip_special_tokens=skip)) :][
-                len(self._text) :
-            ]
+            output: str = decode(ids, skip_special_tokens=skip)
+            context: str = decode(ids[: self._read_offset], skip_special_tokens=skip)
+            return output[len(context) + len(self._text) :]
         full: str = decode(ids[self._prefix_offset :], skip_special_tokens=skip)
         if not final and full.endswith(REPLACEMENT_CHAR):
             return ""  # a character is split across tokens; wait for the rest
