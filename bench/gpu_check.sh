@@ -56,7 +56,7 @@ if [ "$MODE" = perf ]; then
   done
   # Graphs on (every CUDA engine captures its own): the graph and fidelity tests first.
   step engine_tests 75 python3 -m pytest -q -p no:cacheprovider -rf --tb=line \
-    tests/engine/test_decode_graphs.py tests/engine/test_fidelity.py \
+    tests/engine/test_decode_graphs.py tests/engine/test_overlapped_steps.py tests/engine/test_fidelity.py \
     tests/kernels/test_decode_attention.py tests/kernels/test_layer_ops_triton.py tests/engine
   grep -h '^{' "$OUT"/step_overhead_*.log "$OUT"/offline_*.log >"$OUT/perf.jsonl" || true
   exit 0

@@ -18,6 +18,7 @@ from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner, StepResult
 from nori.engine.scheduler import Scheduler, SchedulerOutput
+from nori.engine.step_sampling import SampledStep
 from nori.models.demo import resolve_model
 from nori.sampling.params import SamplingParams
 
@@ -40,11 +41,14 @@ class TimedRunner(ModelRunner):
     seconds = 0.0
 
     def execute(
-        self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
+        self,
+        output: SchedulerOutput,
+        generators: Mapping[str, torch.Generator],
+        previous: SampledStep | None = None,
     ) -> StepResult:
         self.synchronize()
         started = time.perf_counter()
-        result = super().execute(output, generators)
+        result = super().execute(output, generators, previous)
         self.synchronize()
         self.seconds += time.perf_counter() - started
         return result

@@ -24,6 +24,7 @@ from nori.engine.config import EngineConfig
 from nori.engine.engine import LLMEngine
 from nori.engine.model_runner import ModelRunner, StepResult
 from nori.engine.scheduler import Scheduler, SchedulerOutput
+from nori.engine.step_sampling import SampledStep
 from nori.models.demo import default_cache_dir, ensure_builtin_checkpoint, resolve_model
 from nori.sampling.params import SamplingParams
 
@@ -53,10 +54,13 @@ def _timed_classes(clock: _Clock) -> tuple[type[Scheduler], type[ModelRunner]]:
 
     class TimedRunner(ModelRunner):
         def execute(
-            self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
+            self,
+            output: SchedulerOutput,
+            generators: Mapping[str, torch.Generator],
+            previous: SampledStep | None = None,
         ) -> StepResult:
             started = time.perf_counter()
-            result = super().execute(output, generators)
+            result = super().execute(output, generators, previous)
             clock.add("execute", time.perf_counter() - started)
             return result
 

@@ -1,9 +1,8 @@
 """The cluster secret, and every credential the roles derive from it.
 
-One secret (`--cluster-secret`/`NORI_CLUSTER_SECRET`) is shared by a cluster's processes and
-never sent: each use gets its own key (HMAC-SHA256 of the secret over the use's name).
-`rpc_token()` authenticates internal gRPC calls (`nori.rpc.auth`); `sign()`/`verify()` sign
-registry entries. Without a secret the cluster is open: docs/operations.md, "Security".
+One secret (`--cluster-secret`/`NORI_CLUSTER_SECRET`), never sent: each use gets its own key
+(HMAC-SHA256 of the secret over the use's name). Without a secret the cluster is open:
+docs/operations.md, "Security".
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class ClusterAuth:
 
     @classmethod
     def from_text(cls, text: str | None) -> ClusterAuth:
-        """From --cluster-secret / NORI_CLUSTER_SECRET (whitespace stripped); None or empty: an
-        open cluster."""
+        """From --cluster-secret / NORI_CLUSTER_SECRET, stripped; None or empty: an open cluster."""
         text = (text or "").strip()
         return cls(text.encode()) if text else cls.open()
 

@@ -1,10 +1,8 @@
 """Roles that `nori up` (or a test) starts end when their launcher dies, even by SIGKILL.
 
 The launcher names itself in NORI_DIE_WITH_PARENT; the role, first thing at start, asks Linux
-for SIGTERM when its parent goes (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans:
-they drain and exit. It is done in the child at start rather than in a `preexec_fn`: that makes
-Python fork instead of spawn, and fork runs every library's pre-fork handlers in the launcher;
-gRPC's deadlocked there (a test run hung for 20 minutes in `fork()`).
+for SIGTERM when its parent goes (PR_SET_PDEATHSIG), so it drains and exits. Not in a
+`preexec_fn`: that makes Python fork, running every library's pre-fork handlers (gRPC deadlocks).
 """
 
 from __future__ import annotations

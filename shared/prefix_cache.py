@@ -1,11 +1,9 @@
-"""What identifies a cached prefix block across processes: its chained content hash, and the
-events that say a worker's cache gained or lost one.
+"""What identifies a cached prefix block across processes: its chained content hash (blake2b,
+the same in every process), and the events that say a worker's cache gained or lost one.
 
 The engine's BlockManager makes both; the block directory in Redis (nori.state.block_directory)
-mirrors the events, and the gateway hashes prompts the same way to find the worker that already
-holds the longest prefix. Pure Python (no torch, no Redis), so every role can import it.
-
-blake2b rather than Python's hash(): the value must be the same in every process.
+mirrors the events, and the gateway hashes prompts the same way to find the worker holding the
+longest prefix. Pure Python (no torch, no Redis), so every role can import it.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ ROOT_HASH = b"nori-prefix-root"
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """A full block's hash: its tokens chained onto its parent's hash, so it names the whole
-    prefix up to the block."""
+    """A full block's hash: its tokens chained onto its parent's hash, naming the whole prefix."""
     digest = hashlib.blake2b(parent_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()

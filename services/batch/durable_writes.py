@@ -1,8 +1,5 @@
 """Writes that survive a crash or a power loss: a file replaced whole (`write_atomically`) and
 an append-only log whose records count once fsync'd (`AppendLog`).
-
-The batch directory (`nori.batch.store`) writes every file with the first; the batch runners'
-result logs and `nori run-batch`'s output are the second.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ def fsync_dir(folder: Path) -> None:
 
 
 class AppendLog:
-    """An append-only JSON-lines log of results (a runner's, for one batch; `nori run-batch`'s
-    output). `append` returns once the record is fsync'd; records that arrive while a write is
-    under way share the next fsync."""
+    """An append-only JSON-lines log of results; `append` returns once the record is fsync'd
+    (records arriving during a write share the next fsync)."""
 
     def __init__(self, path: Path) -> None:
         new = not path.exists()

@@ -1,11 +1,8 @@
 """Checking a batch's input file: OpenAI's batch line format, one request per line.
 
-    {"custom_id": "q-1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-
-A malformed line (not JSON, a field missing or of the wrong type, another endpoint, `stream`)
-fails alone: it goes to the error file with its line number and the rest runs. What makes the
-whole batch meaningless fails it at validation instead, with the lines named in `errors`: a
-`custom_id` used twice (results are keyed by it), an empty file, too many lines.
+A malformed line (not JSON, a field missing or mistyped, another endpoint, `stream`) fails
+alone, in the error file with its line number. A duplicate `custom_id`, an empty file or too many
+lines fail the whole batch at validation, with the lines named in `errors`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Per batch, under `{namespace}:batch:{id}:`: `lines`, a stream (field `i`: index among valid
 lines) read by the group `runners`; `completed` and `failed` sets; `seeded`; `lock:WHAT`. A claim
-is a lease: an entry not renewed for `lease_ms` is taken over (XAUTOCLAIM). A line is
-acknowledged only after its result is fsync'd. Nothing here is the truth: `seed` rebuilds it.
+not renewed for `lease_ms` is taken over (XAUTOCLAIM). Nothing here is the truth: `seed` rebuilds.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""One batch line through the gateway: the same routing as an interactive request, at the
-lowest priority, retried until it gets an answer that is not transient.
-
-Transient: 429 (admission is full), 502/503/504 (no worker, a dead worker, the migration limit,
-a lease that ran out), and a connection that failed or dropped (the gateway restarting). Each
-retry waits 0.25, 0.5, 1, ... s, at most `MAX_BACKOFF_S`, or the answer's Retry-After when that is
-shorter; a line's retries stop at its deadline (the batch's expiry). Anything else is the line's
-answer, success or not: OpenAI's batch output records it with its status code and body.
-
-Shared by the batch runner (`nori serve batch`) and `nori run-batch`.
+"""One batch line through the gateway at the lowest priority (for `nori serve batch` and
+`nori run-batch`), retried until an answer that is not transient or its deadline (the batch's
+expiry). Transient: 429, 502/503/504 and a connection that failed or dropped. Each retry waits
+0.25, 0.5, 1, ... s, at most `MAX_BACKOFF_S`, or the answer's Retry-After when that is shorter.
+Anything else is the line's answer, success or not, recorded with its status code and body.
 """
 
 from __future__ import annotations

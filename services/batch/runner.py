@@ -1,9 +1,8 @@
 """The batch runner role (`nori serve batch`): runs the lines of every batch in the directory.
 
-Runners share the work through `nori.batch.jobs`. Each turn tends every unfinished batch, oldest
-first (`validate_finalize.py`), claims lines up to `max_in_flight`, sends each through the
-gateway (`line_client.py`) and renews its leases. A result is appended and fsync'd before it is
-acknowledged in Redis, so none is lost. The flow: docs/architecture.md.
+Runners share the work through `nori.batch.jobs`; each claims lines up to `max_in_flight`. A
+result is fsync'd before it is acknowledged in Redis, so none is lost. The flow:
+docs/architecture.md.
 """
 
 from __future__ import annotations

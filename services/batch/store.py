@@ -1,9 +1,8 @@
 """The batch directory (`--batch-dir`): uploaded files, batches and their results, on disk.
 
 The directory is the source of truth; Redis (`nori.batch.jobs`) holds only what can be rebuilt.
-Every file is written whole and atomically (`durable_writes`), except the runners' result logs
-(`batches/<id>/results/<runner>.jsonl`), fsync'd before a line counts as done. A line logged
-twice keeps its first record, so the output holds each line once. Layout: docs/architecture.md.
+Files are written whole and atomically, except the runners' result logs, fsync'd before a line
+counts as done; a line logged twice keeps its first record. Layout: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ class LineResult:
 
 
 class BatchStore:
-    """Files and batches under one directory, safe to share between processes and hosts on one
-    volume."""
+    """Files and batches in one directory, shareable by processes and hosts on one volume."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -247,8 +245,7 @@ class BatchStore:
         return self.batch_dir(batch_id) / "results" / f"{runner_id}.jsonl"
 
     def read_results(self, batch_id: str) -> dict[int, LineResult]:
-        """Every line's first durable result; a torn last line (its runner killed before the
-        fsync) is skipped."""
+        """Every line's first durable result; a torn last line (its runner killed) is skipped."""
         results: dict[int, LineResult] = {}
         folder = self.batch_dir(batch_id) / "results"
         with contextlib.suppress(FileNotFoundError):

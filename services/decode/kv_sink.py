@@ -1,12 +1,10 @@
-"""Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease.
+"""Where incoming KV blocks land: the decode worker's own cache blocks, reserved under a lease
+the prefill worker renews (`RenewLeases`, at least three times a lease) until its KV is sent.
 
-The prefill worker holding the prompt renews the lease (`RenewLeases`, at least three times per
-lease) until its KV is sent; a dead one frees the blocks one lease later. QUEUED ends at the
-last renewal + lease and at most `queue_timeout_s` after the reservation; COMPUTING at the last
-renewal + lease; RECEIVING `transfer_timeout_s` after the transfer's start; ARRIVED and FAILED
-are final. The sink runs on the event loop only (no locks) and accepts a transfer only for a
-live lease, carrying its transfer token, into exactly its reserved block ids with the expected
-byte sizes: a late, duplicate, forged or malformed transfer never touches another's blocks.
+QUEUED ends at the last renewal + lease and at most `queue_timeout_s` after the reservation;
+COMPUTING at the last renewal + lease; RECEIVING `transfer_timeout_s` after the transfer's start;
+ARRIVED and FAILED are final. Event loop only (no locks). A transfer is accepted only for a live
+lease with its transfer token, into exactly its reserved block ids with the expected byte sizes.
 """
 
 from __future__ import annotations
@@ -190,8 +188,7 @@ class DecodeKVSink:
 
     def expect(self, request_id: str, block_ids: list[int], lease_s: float) -> Lease:
         """Reserves `block_ids` for the request's KV under a lease; the sender's header must
-        carry its epoch and transfer token. Both are random: a late sender of an earlier
-        reservation never matches, and only the destination's holders know the token."""
+        carry its epoch and transfer token (both random)."""
         policy = LeasePolicy(lease_s, self._queue_timeout_s, self._transfer_timeout_s)
         lease = Lease.reserve(
             request_id,

@@ -2,9 +2,9 @@
 stream tokens out. `colocated` makes it the single-worker baseline: it computes prompts itself
 and takes no transfers (`nori up --colocated`).
 
-A Generate call's prompt K/V is either sent by a prefill worker (`_reserve_for_remote_kv`, the
-reservation being the call's first message, then `_finish_remote_kv`) or computed here. One call is one request's whole life here: cancelling it frees the
-request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`).
+A Generate call's prompt K/V is sent by a prefill worker (`_reserve_for_remote_kv`, then
+`_finish_remote_kv`) or computed here. One call is one request's whole life here: cancelling it
+frees the request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`).
 """
 
 from __future__ import annotations
@@ -249,9 +249,7 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 def kv_listen_host(host: str, advertise_host: str) -> str:
     """Where the KV receiver listens: `--host`, or, when that is a wildcard, the advertised
-    address if it is one of this machine's own. Senders only ever come to the advertised
-    address (it is what the reservation names), so nothing needs the other interfaces; an
-    advertised address this machine cannot bind (a NAT's, a load balancer's) keeps `--host`."""
+    address if it is one of this machine's own (senders only come to the advertised one)."""
     if host not in WILDCARD_HOSTS:
         return host
     try:

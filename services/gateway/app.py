@@ -1,6 +1,5 @@
 """The gateway's FastAPI app over any `Backend`: the OpenAI routes, /tokenize and /detokenize,
-health and metrics. `create_app` is all a launcher needs; the app owns the backend from then on
-and closes it at shutdown (unless told not to).
+health and metrics. The app owns the backend and closes it at shutdown (unless told not to).
 """
 
 from __future__ import annotations

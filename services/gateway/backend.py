@@ -1,8 +1,7 @@
 """What the HTTP layer needs from whatever runs the model: one streaming call per request.
 
-The OpenAI side (`endpoints.py`) knows no gRPC, Redis or routing: it hands a tokenised
-`GenerationRequest` to a `Backend` (the cluster's is `cluster.py`; tests may use a fake) and
-turns the chunks into OpenAI JSON or SSE. A backend that cannot serve raises `BackendError`.
+`endpoints.py` hands a tokenised `GenerationRequest` to a `Backend` (the cluster's is
+`cluster.py`). A backend that cannot serve raises `BackendError`.
 """
 
 from __future__ import annotations

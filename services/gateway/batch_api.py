@@ -1,13 +1,9 @@
 """OpenAI's Files and Batch API on the gateway (`--batch-dir`), as the `openai` client calls it.
 
-    POST /v1/files (multipart, purpose=batch)   GET /v1/files   GET /v1/files/{id}
-    GET /v1/files/{id}/content                  DELETE /v1/files/{id}
-    POST /v1/batches   GET /v1/batches/{id}   GET /v1/batches   POST /v1/batches/{id}/cancel
-
-The gateway only records: a file's bytes and a batch's request go to the directory
-(`nori.batch.store`), a cancel is a marker file there. The batch runners (`nori serve batch`)
-validate, run and finalize. The counts come from Redis while a batch runs (`nori.batch.jobs`),
-from the directory otherwise, so a Redis that restarts empty changes no answer here.
+The gateway only records (files, batch requests and cancel markers go to `nori.batch.store`'s
+directory); the batch runners (`nori serve batch`) validate, run and finalize. Counts come from
+Redis while a batch runs (`nori.batch.jobs`), from the directory otherwise, so a Redis that
+restarts empty changes no answer here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""The cluster backend: one `RequestTicket` per request, from admission to its one `close()`.
+"""The cluster backend: one `RequestTicket` per request, from admission to its one `close()`
+(in `generate`'s `finally`, whatever path the request takes).
 
-`generate` is the order of things: the fan-out caps (400), admission into the `Ledger` (429), a
-slot under fair shares (429 for a single request without one, a wait for a batch member), then
-`_attempts`: each attempt on a decode worker (`request_flow.RequestFlow`), and after a failed one
-`RetryPolicy.after`: another worker, a migration, or the client's error. The pools' capacities
-come from the workers' registry entries. Whatever path the request takes, `generate`'s
-`finally` closes its ticket.
+`generate` checks the fan-out caps (400), admits into the `Ledger` (429), takes a slot under fair
+shares (429 for a single request without one, a wait for a batch member), then runs attempts on
+decode workers (`request_flow.RequestFlow`), each failed one followed by `RetryPolicy.after`.
 """
 
 from __future__ import annotations
@@ -290,8 +288,7 @@ class GroupWait:
 @dataclass
 class RetryPolicy:
     """After each failed attempt of one request: another try (under a fresh id or not), or the
-    error the client gets; a batch member whose tries are used up waits (`GroupWait`) and tries
-    them all again while the client has seen nothing. Every counter of its tries is here.
+    client's error; a batch member out of tries waits (`GroupWait`), then tries them all again.
 
     | failure                                  | next try, while the limit allows            |
     |------------------------------------------|---------------------------------------------|

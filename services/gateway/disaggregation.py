@@ -1,13 +1,11 @@
 """Conditional disaggregation: per request, whether its prompt is computed on a prefill worker
-("prefill": its KV blocks then move to the decode worker) or on the decode worker, beside its
-running streams ("decode").
+("prefill": its KV blocks then move to the decode worker) or on the decode worker ("decode").
 
-`choose_path` is pure: it weighs each path's cost in request-seconds (the request's own wait for
-token one plus the delay it puts on the decode worker's streams) from figures measured in the
-cluster: the workers' step-cost fits, the prompt tokens queued on each worker, and this gateway's
-`PrefillPathMeter`. A prompt whose compute on the decode worker would exceed `max_local_compute_s`
-goes to the prefill worker; so does every prompt until all the figures are known. The cost model
-is in docs/architecture.md, "Conditional disaggregation".
+`choose_path` is pure: it picks the cheaper path in request-seconds (the wait for token one plus
+the delay on the decode worker's streams), from the workers' step-cost fits and queued prompt
+tokens and this gateway's `PrefillPathMeter`. Prompts over `max_local_compute_s` of decode-worker
+compute, and all prompts until every figure is known, go to a prefill worker. The cost model:
+docs/architecture.md, "Conditional disaggregation".
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ class PrefillPathFigures:
 @dataclass
 class PrefillPathMeter:
     """The prefill path as this gateway saw it: the hop as an exponential average, the transfer
-    time as a line in the prompt's length (it has a fixed cost beside its bytes), fitted by
-    least squares with older requests weighing less."""
+    time as a least-squares line in the prompt's length, older requests weighing less."""
 
     hop_s: float | None = None
     # Σw, Σw·tokens, Σw·tokens², Σw·seconds, Σw·tokens·seconds over the transfers.

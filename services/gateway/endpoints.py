@@ -1,9 +1,8 @@
 """`/v1/completions` and `/v1/chat/completions`, from the parsed body to the answer.
 
-An endpoint makes prompts and sampling parameters and one backend request per choice
-(`prompts.py`) and a format (`formats.py`); `respond`, one responder for both APIs, streaming or
-not, runs the backend streams in a `Session`. A stream waits for its first chunk before the 200,
-so a backend refusal is still an HTTP 429/503, not an error inside the stream.
+`respond`, one responder for both APIs, streaming or not, runs the backend streams in a
+`Session`. A stream waits for its first chunk before the 200, so a backend refusal is still an
+HTTP 429/503, not an error inside the stream.
 """
 
 from __future__ import annotations
@@ -235,12 +234,8 @@ _Event = tuple[int, GenerationChunk | _Done] | BaseException | _Disconnected
 
 class Session:
     """One HTTP request's backend streams, its choices' output so far, its metrics and span.
-    Each prompt's backend iterator is driven by a task of its own, its chunks merged into one
-    queue: prompts run concurrently, and closing is always possible (an async generator cannot
-    be `aclose()`d while another task is inside its `__anext__`; cancelling the owning task ends
-    the step and runs the backend's cleanup, outside any cancelled anyio scope). A task watching
-    ASGI `receive()` puts the client's disconnect into the same queue.
-    """
+    A task per prompt drives its backend iterator into one queue (with the client's disconnect),
+    so prompts run concurrently and closing is always possible."""
 
     def __init__(
         self,

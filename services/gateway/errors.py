@@ -2,9 +2,8 @@
 `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 Each `BackendError` kind is a direct subclass carrying its own `status_code`, `error_type` and
-`retry_after_s` (set: the answer has Retry-After; 429 is "you sent too much now", 503 "the
-workers cannot serve now"). Every failure reaches the client through `APIError`; an unexpected
-exception is logged with its traceback and answered with a generic 500.
+`retry_after_s` (set: the answer has Retry-After). Every failure reaches the client through
+`APIError`; an unexpected exception is logged with its traceback and answered with a generic 500.
 """
 
 from __future__ import annotations

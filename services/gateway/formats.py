@@ -1,7 +1,6 @@
-"""How each OpenAI API spells its answer: a whole response, or the SSE events of a stream and
-the response that carries them. `CompletionFormat` and `ChatFormat` turn chunks, and per choice
-the `Choice` they add up to, into the API's JSON, logprobs in vLLM's layout, and the usage;
-`endpoints.respond` decides when each is sent.
+"""How each OpenAI API spells its answer: a whole response, or the SSE events of a stream.
+`CompletionFormat` and `ChatFormat` turn chunks and choices into the API's JSON (logprobs in
+vLLM's layout) and the usage; `endpoints.respond` decides when each is sent.
 """
 
 from __future__ import annotations
@@ -361,9 +360,8 @@ async def close_iterator(iterator: object) -> None:
 
 
 class EventStreamResponse(StreamingResponse):
-    """`text/event-stream` that always closes its body iterator, whatever ends the stream: a
-    disconnect listener runs beside it on every ASGI spec version (Starlette's only below 2.4),
-    so the backend request is cancelled as soon as the client goes away."""
+    """`text/event-stream` that always closes its body iterator, whatever ends the stream, so
+    the backend request is cancelled as soon as the client goes away."""
 
     media_type = "text/event-stream"
 

@@ -2,9 +2,7 @@
 admission to `close()`: its place among the requests in flight, its prompt tokens until token one
 (admission: 429 past `max_queued_prompt_tokens` per prompt worker), its decode slot until close and
 prompt slot until token one (fair shares), and its calls and prompt tokens on each worker (what
-`worker_pool.pick_decode` and `pick_prefill` read). The decisions are pure functions of these
-counts, in `worker_pool.py`; docs/architecture.md, "The path of one request through the cluster",
-has the whole of it.
+`worker_pool.pick_decode` and `pick_prefill` read: their decisions are pure functions of them).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""What every HTTP request passes through before its endpoint, as plain ASGI middleware (a
-streamed response passes untouched; handlers still see the client's disconnect): API keys (else
-a 401; `/health` and `/metrics` stay open); a body bound per endpoint (a 413 before parsing, from
-the stated length or as a chunked body passes it); `x-request-id`, the client's id, which names
-the request and comes back on every response, and `x-trace-id`; the drain (`Drain`: while the
-gateway stops, new requests get 503 with `Retry-After`, those in flight run to their end); and
-the Prometheus figures (`GatewayMetrics`, in a registry per app).
+"""What every HTTP request passes through before its endpoint, as plain ASGI middleware: API keys
+(else a 401; `/health` and `/metrics` stay open); a body bound per endpoint (else a 413, before
+parsing); `x-request-id` and `x-trace-id`, returned on every response; the drain (`Drain`: 503
+with `Retry-After` for new requests while the gateway stops); and the Prometheus figures
+(`GatewayMetrics`, in a registry per app).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """From an OpenAI body to what the backend takes: the prompt as token ids and the engine's
 `SamplingParams`, with every check that needs them; bad input is a 400 (404 for an unknown model).
 
-Completions prompts go as sent (text tokenized, token ids checked), chat messages through the
-template (the request's, else the model's). A ValueError from `SamplingParams` becomes a 400 with
-its message. Features the protocol has and Nori lacks (`suffix`, `best_of`, tools) are refused by
-name, never ignored: ignoring them would answer a different question.
+Chat messages go through the template (the request's, else the model's). A ValueError from
+`SamplingParams` becomes a 400 with its message. Features Nori lacks (`suffix`, `best_of`, tools)
+are refused by name, never ignored.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (the subset Nori serves).
 
-Requests take what OpenAI and vLLM take, vLLM's sampling extensions included; unknown fields are
-ignored, as OpenAI does, and known ones Nori cannot honour are refused in `prompts.py`.
-Validation is strict (`"max_tokens": "16"` is a 400 naming the field, not a coercion): every
-integer is bounded by the proto type it travels to the workers as (`Int32`), so nothing a client
-sends fails in the proto conversion, and floats must be finite.
+Requests take what OpenAI and vLLM take; unknown fields are ignored, as OpenAI does, and known
+ones Nori cannot honour are refused in `prompts.py`. Validation is strict (no coercion; a 400
+names the field): integers are bounded by their proto type (`Int32`), floats must be finite.
 """
 
 from __future__ import annotations

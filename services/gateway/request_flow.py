@@ -1,9 +1,7 @@
-"""One attempt of an admitted request on the workers (`cluster.py` retries it): on a
-disaggregated decode worker, the prompt's path (`disaggregation.py`), then `prefill_then_decode`
-(reserve blocks on the decode worker, prefill on a prefill worker that sends the KV there and
-answers with token one, stream the rest from the decode worker) or `compute_and_decode` (one
-worker computes the prompt, on migration with what was streamed, and decodes). The request's
-`RequestTicket` counts where it is; closing the iterator cancels the calls, which frees the
+"""One attempt of an admitted request on the workers (`cluster.py` retries it): the prompt's path
+(`disaggregation.py`), then `prefill_then_decode` (the KV computed on a prefill worker, sent to
+the decode worker) or `compute_and_decode` (one worker computes the prompt and decodes). The
+`RequestTicket` counts where it is; closing the iterator cancels the calls, freeing the
 request's blocks on those workers.
 """
 

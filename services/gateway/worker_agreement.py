@@ -1,10 +1,8 @@
 """What every worker of a cluster must share with the others, and which workers do not (pure
 logic over registry entries; `WorkerPool` routes only to the members and logs the refused).
 
-KV blocks move between workers as stored, so all agree on the KV layout (block size, cache
-dtype), and they run the same speculative decoding (the decode side goes on from what the
-prefill side computed, a draft model's state included). The cluster's settings are its
-longest-running worker's, so that a newcomer with other flags is refused, not obeyed.
+All agree on the KV layout (block size, cache dtype) and speculative decoding. The cluster's
+settings are its longest-running worker's: a newcomer with other flags is refused, not obeyed.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ class KVLayoutAgreement:
 
 def agree_on_kv_layout(workers: Sequence[WorkerInfo], expected: int | None) -> KVLayoutAgreement:
     """The block size `expected` when given; else, as the KV cache dtype, what the
-    longest-running worker states. A worker that states neither (0 / "": an older version)
-    is taken to match."""
+    longest-running worker states. A worker stating neither (0 / "") is taken to match."""
     by_age = sorted(workers, key=lambda w: w.started_at)
     sizes = [w.block_size for w in by_age if w.block_size > 0]
     block_size = expected if expected is not None else (sizes[0] if sizes else None)

@@ -1,12 +1,8 @@
 """The workers the gateway can route to, reread from the registry every `refresh_s`, with a gRPC
-channel each. While Redis is away the pool keeps the workers it last read, and when Redis returns
-empty it keeps them a little longer while they re-register. It settles the cluster's KV block
-size (the workers' stated one, or `--block-size`) and leaves out, with one log line each, a
-worker whose block size, KV dtype or speculative decoding differs (`worker_agreement`), and any
-registry entry its signature check refused (counted in `refused_entries`).
-
-`pick_decode` and `pick_prefill` choose a request's workers from them and the ledger's counts;
-`pool_capacity` sums a pool's figures for the fair shares.
+channel each; kept while Redis is away, and a little longer when it returns empty. The KV block
+size is the workers' stated one, or `--block-size`. Left out, with one log line each: workers
+that disagree with the cluster (`worker_agreement`) and registry entries whose signature check
+failed (counted in `refused_entries`). `pick_decode` and `pick_prefill` choose from them.
 """
 
 from __future__ import annotations
@@ -234,8 +230,7 @@ class WorkerPool:
 
 # ---------------------------------------------------------------------- routing and capacity
 # Pure functions of the registry's figures and the ledger's counts (`Ledger.in_flight`,
-# `pending_prompt_tokens`, `turn`): registry load is up to a heartbeat old, the counts change the
-# moment the gateway routes, so they spread a burst.
+# `pending_prompt_tokens`, `turn`), which change the moment the gateway routes.
 
 
 def pick_decode(

@@ -1,9 +1,8 @@
 """Shared memory a prefill worker copies each prefilled request's KV blocks into, to send them.
 
-The blocks are copied out of the cache and freed at once. A copy in this arena (one segment for
-the worker's life) can be read by a same-host decode worker out of its mapping; one that does
-not fit (first-fit over ALIGN-aligned ranges) is a private copy sent as messages. Pages are kept
-once written. A range goes back when its transfer ends, never while a receiver may read it.
+A copy in this arena (one segment for the worker's life) can be read by a same-host decode worker
+out of its mapping; one that does not fit (first-fit over ALIGN-aligned ranges) is a private copy
+sent as messages. A range goes back when its transfer ends, never while a receiver may read it.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ class ByteRanges:
         return None
 
     def free(self, start: int, nbytes: int) -> None:
-        """Gives back what `allocate(nbytes)` returned as `start`; ValueError for a range not
-        wholly allocated."""
+        """Frees what `allocate(nbytes)` returned as `start`; ValueError unless wholly allocated."""
         size = _aligned(max(nbytes, 1))
         end = start + size
         index = bisect.bisect_left(self._free, (start, 0))
@@ -114,8 +112,7 @@ class ExportArena:
         )
 
     def _room_for(self, end: int) -> bool:
-        """Whether /dev/shm has room for the arena's pages up to `end` (past it a write is a
-        SIGBUS)."""
+        """Whether /dev/shm has room for the arena's pages to `end` (else a write is a SIGBUS)."""
         if end <= self._touched:
             return True
         try:
@@ -146,8 +143,7 @@ class ExportArena:
 
     def read_blocks(self, tensors: Sequence[torch.Tensor], block_ids: list[int]) -> ExportCopy:
         """A copy of the blocks (`kv_cache.read_blocks`' layout) in the arena where it fits, with
-        its release and the transfer checksum of its stream, taken as copied; else a private
-        copy alone."""
+        its release and its stream's transfer checksum; else a private copy alone."""
         shapes = [(*tensor.shape[:2], len(block_ids), *tensor.shape[3:]) for tensor in tensors]
         sizes = [
             _aligned(torch.Size(shape).numel() * tensor.element_size())

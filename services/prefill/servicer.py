@@ -1,11 +1,9 @@
 """PrefillService: compute a prompt, ship its KV blocks to the decode worker, return token one.
 
-The engine batches prefills from many calls; each call then copies its request's blocks out,
-frees them at once, and sends the copy. From a call's arrival until its KV is sent, the
+Each call copies its request's blocks out, frees them at once and sends the copy. Until then
 `LeaseKeeper` renews the decode worker's lease on the prompt's reserved blocks: one `RenewLeases`
-per decode worker, on arrival and every third of the shortest lease held, saying which prompts
-the engine has started. If the process stops or its engine wedges, renewals stop and the decode
-worker frees the blocks one lease later.
+per decode worker, on arrival and every third of the shortest lease held. If the process stops
+or its engine wedges, renewals stop and the decode worker frees the blocks one lease later.
 """
 
 from __future__ import annotations
@@ -265,8 +263,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
 
     async def _export(self, request_id: str) -> tuple[KVExport, ExportCopy]:
         """A copy of the prefilled request's state and blocks, which are then freed, with its
-        arena release and checksum. The cache is read here, off the event loop (an engine
-        process's is shared memory); under tensor parallelism the engine gathers the heads."""
+        arena release and checksum; read off the event loop (tensor parallel: heads gathered)."""
         facts = self._engine.facts
         if facts.tensor_parallel_size > 1:
             export = await self._engine.call(export_and_release, request_id)

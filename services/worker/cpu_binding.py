@@ -1,10 +1,9 @@
 """`nori serve --cpus LIST --threads N`: pin this process and size its thread pools, from inside
 (so a container gets the same binding as `nori up`).
 
-Affinity is per thread and inherited, so `bind_process` runs first in the role's handler; threads
-already there are pinned one by one. Without flags, a process whose CFS quota is below its
-affinity runs one thread per whole CPU of its quota. torch's intra-op count is set directly;
-OMP/MKL variables are set for what starts later (`nori up` also puts them in the environment).
+`bind_process` runs first in the role's handler (affinity is inherited); threads already there
+are pinned one by one. Without flags, a process whose CFS quota is below its affinity runs one
+thread per whole CPU of its quota. OMP/MKL variables are set for what starts later.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class CpuBinding:
 
 def cpu_quota(root: Path = Path("/sys/fs/cgroup"), own: str | None = None) -> float | None:
     """The CPUs this process's cgroup may use per period (cgroup v2 `cpu.max`, else v1 cfs
-    files), read in its own cgroup (`own`: /proc/self/cgroup's text), else at the root. None: no
-    quota."""
+    files) in its own cgroup (`own`: /proc/self/cgroup's text), else the root; None: no quota."""
     if own is None:
         try:
             own = Path("/proc/self/cgroup").read_text()

@@ -1,10 +1,9 @@
 """The engine core a worker's gRPC side drives: an LLMEngine on its own thread (`EngineThread`)
 or in its own process (`nori.worker.engine_process`), chosen by `--engine-core`.
 
-The engine is not thread-safe: one loop owns it, alternating queued operations and steps. The
-asyncio side never touches it; `call(function, *args)` queues a picklable function applied as
-`function(engine, *args)` between steps, outputs reach the event loop through `on_outputs`, and a
-`probe` run after each step reports to `on_probe`. In a process the KV cache is shared memory.
+The engine is not thread-safe: one loop owns it. `call(function, *args)` queues a picklable
+function applied as `function(engine, *args)` between steps; outputs reach the event loop through
+`on_outputs`, and a `probe` run after each step reports to `on_probe`.
 """
 
 from __future__ import annotations
@@ -110,8 +109,7 @@ class EngineCore(Protocol):
 
 
 def responsive(core: EngineCore, stall_s: float) -> bool:
-    """Alive, and idle or done with a step within `stall_s` (else the worker stops vouching for
-    its requests)."""
+    """Alive, and idle or stepped within `stall_s` (else its worker stops vouching for requests)."""
     load = core.load
     return core.alive and (not load.busy or time.monotonic() - load.taken_at < stall_s)
 
@@ -151,8 +149,7 @@ async def start_engine_core(
 def result_of_step(
     engine: LLMEngine, probe: StepProbe | None
 ) -> tuple[list[StepOutput], object | None]:
-    """One step's outputs and its probe; a step that raises fails its batch, and the engine
-    keeps serving."""
+    """One step's outputs and probe; a step that raises fails its batch, the engine serves on."""
     try:
         outputs = engine.step()
     except Exception:

@@ -1,11 +1,9 @@
 """The engine core in a process of its own (`--engine-core process`), as vLLM's V1 engine core.
 
-The worker keeps gRPC, transfers, Redis and metrics; the process keeps the model. Two pipes: to
-the engine `(call_id, function, args, kwargs)` (`call_id` None: nobody waits) or `None` to stop;
-to the worker `(answers, outputs, load, probed)` once per engine loop turn. The process is
-spawned before the gRPC server opens; its KV cache moves into shared memory so transfers land in
-it. It dies with its worker (PR_SET_PDEATHSIG); if it dies first, pending operations fail and
-the worker exits (`on_death`).
+Two pipes: to the engine `(call_id, function, args, kwargs)` (`call_id` None: nobody waits) or
+`None` to stop; to the worker `(answers, outputs, load, probed)` once per engine loop turn. The KV
+cache is in shared memory, so transfers land in it. The process dies with its worker
+(PR_SET_PDEATHSIG); if it dies first, pending operations fail and the worker exits (`on_death`).
 """
 
 from __future__ import annotations
@@ -221,8 +219,7 @@ def engine_main(
     worker_pid: int,
 ) -> None:
     """The engine process: builds the engine, then applies operations and steps until told to
-    stop or its worker goes. A stopped engine ends the process at once (`os._exit`): nothing it
-    holds needs the interpreter's teardown, which the worker's stop would wait for."""
+    stop or its worker goes, then ends at once (`os._exit`, no interpreter teardown)."""
     exit_with_parent(worker_pid, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the worker's to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -102,8 +102,7 @@ def load_line(
     prompt_tokens: float = 0.0,
     generated_tokens: float = 0.0,
 ) -> str:
-    """One worker's load in a line, as vLLM's periodic stats line: throughput over the interval,
-    queue and KV use."""
+    """One worker's load in a line, as vLLM's stats line: interval throughput, queue and KV use."""
     used = load.num_total_blocks - load.num_free_blocks
     share = used / load.num_total_blocks if load.num_total_blocks else 0.0
     return (

@@ -1,11 +1,9 @@
 """What the prefill and decode servicers share: engine calls from gRPC handlers, each request's
-output stream, the KV block buffers both sides of a transfer agree on, call admission and the
-figures every worker reports in GetStats.
+output stream, the KV block buffers of a transfer, call admission and GetStats' figures.
 
-The KV cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim] (plus its scales for an
-8-bit cache: `KVCache.tensors`). A run of consecutive block ids in one tensor, layer and half is
-one contiguous region: the receiver hands the transport views of its own cache, the sender slices
-its exported [layers, 2, n, ...] copies the same way. Codes and scales move as stored.
+The KV cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim] (plus scales for an 8-bit
+cache: `KVCache.tensors`); a run of consecutive block ids in one tensor, layer and half is one
+region, sliced the same way from the receiver's cache and the sender's exported copies.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ async def call_engine(
     **kwargs: Any,
 ) -> T:
     """Runs `function(engine, *args, **kwargs)` in the engine loop. The engine raises ValueError
-    only for input it can never serve (too long, ids out of range, a duplicate id): the caller's
-    error, not ours."""
+    only for input it can never serve (the caller's error)."""
     try:
         return await engine.call(function, *args, **kwargs)
     except ValueError as error:
@@ -83,9 +80,7 @@ async def next_output_coalesced(queue: OutputQueue, interval_s: float) -> StepOu
 
 
 class OutputStreams:
-    """One queue per open request, filled on the event loop; outputs for a request nobody waits
-    for any more are dropped.
-    """
+    """One queue per open request, filled on the event loop; outputs nobody waits for drop."""
 
     def __init__(self) -> None:
         self._queues: dict[str, OutputQueue] = {}

@@ -1,9 +1,8 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
-Counters and histograms are defined here and updated as requests pass, by their `CallRecord`
-(`request_telemetry.py`); state gauges and engine counters are read from the engine's last load
-snapshot at scrape time. Each worker has
-its own registry (not prometheus_client's global one), so one process may hold several workers.
+Counters and histograms are updated by each request's `CallRecord` (`request_telemetry.py`);
+gauges are read from the engine's last load snapshot at scrape time. Each worker has its own
+registry (not prometheus_client's global one).
 """
 
 from __future__ import annotations
@@ -90,9 +89,8 @@ class _EngineStateCollector(Collector):
 
 
 def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
-    """vLLM's spec_decode counters under Nori's prefix, and two ratios over the worker's life.
-    The counters are always there (zero without speculation); the ratios are omitted until the
-    first draft, since NaN poisons sums across workers.
+    """vLLM's spec_decode counters under Nori's prefix (always there), and two ratios over the
+    worker's life, omitted until the first draft (NaN poisons sums across workers).
     """
     for name, documentation, value in (
         (

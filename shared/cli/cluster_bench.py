@@ -109,7 +109,6 @@ def register_cluster_benchmarks(commands: argparse._SubParsersAction) -> None:
         help="the median runs side by side; with --sweep, effective throughput and p99 ITL "
         "against the request rate, a line per side",
     )
-    # The workload that shows what disaggregation is for; warm-ups before every timed run.
     # No --disaggregation default: each side sets its own, and a given one is refused.
     compare.set_defaults(handler=run_compare, dataset="mixed", num_warmups=2, disaggregation=None)
 

@@ -253,8 +253,7 @@ def speculative_config_from_flag(text: str | None) -> SpeculativeConfig | None:
 
 
 def changed_engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
-    """The engine options given on a launcher's command line that differ from the default, as
-    flags for its workers."""
+    """The engine options on a launcher's command line that differ from the default, as flags."""
     flags: list[str] = []
     for action in actions:
         value = getattr(args, action.dest)

@@ -43,13 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A native crash (a segfault in a kernel, a library) still leaves its Python stacks in the
-    # log, as the last thing the process writes.
+    # A native crash still leaves its Python stacks in the log.
     faulthandler.enable()
     die_with_parent()
     args = build_parser().parse_args(argv)
-    # Servers log their lifecycle, an access line per request and a periodic load line at INFO,
-    # as vLLM does; one-shot commands keep the terminal to their results unless -v.
+    # Servers log at INFO, as vLLM does; one-shot commands keep to their results unless -v.
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

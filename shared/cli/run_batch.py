@@ -2,10 +2,9 @@
 `run-batch` takes it, with resume and the throughput the job reached.
 
 `--url` sends the lines to a running gateway; without it, `--model` (and `nori up`'s flags)
-starts a local cluster for the job and stops it after. Lines go out at the batch priority, up
-to `--max-in-flight` at once, each retried on transient failures (`nori.batch.line_client`).
-Each result is appended to the output and fsync'd as it comes: Ctrl-C or a crash leaves a valid
-partial output, and `--resume` runs only the `custom_id`s it lacks.
+starts a local cluster for the job. Lines go at the batch priority, `--max-in-flight` at once
+(`nori.batch.line_client`); each result is appended and fsync'd as it comes, so an interrupted run
+leaves a valid partial output and `--resume` runs only the `custom_id`s it lacks.
 """
 
 from __future__ import annotations

@@ -94,10 +94,9 @@ def _bind(
     default_threads: int | None = None,
     uses_torch: bool = True,
 ) -> None:
-    """Applies --cpus/--threads before anything else starts a thread (see
-    nori.worker.cpu_binding), then logs what the process got. A role that does no tensor math
-    (`uses_torch=False`, the gateway) never loads torch: its thread count only goes into the
-    environment, for whatever it starts."""
+    """Applies --cpus/--threads before anything else starts a thread (nori.worker.cpu_binding),
+    then logs what the process got. With `uses_torch=False` torch is never loaded: the thread
+    count only goes into the environment."""
     from nori.worker.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
 
     binding = CpuBinding.from_flags(args.cpus, args.threads, default_threads)
@@ -298,8 +297,7 @@ def run_batch_runner(args: argparse.Namespace) -> int:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    # One thread by default: the gateway does no tensor math, so an OpenMP pool would only be
-    # more threads to schedule.
+    # One thread by default: the gateway does no tensor math.
     _bind(args, "gateway", default_threads=1, uses_torch=False)
     import asyncio
 

@@ -344,9 +344,8 @@ def _build_cpu_kernels() -> None:
 
 
 class RedisSupervisor:
-    """Starts `nori up`'s private Redis again when it dies (same port and credentials, empty).
-    Every role rides out the gap: the workers re-register once it answers. A failed restart is
-    tried again at every check, and said once.
+    """Starts `nori up`'s private Redis again when it dies (same port and credentials, empty);
+    the workers re-register once it answers. A failed restart is retried at every check.
     """
 
     def __init__(self, server: RedisServer) -> None:

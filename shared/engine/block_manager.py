@@ -157,7 +157,9 @@ class BlockManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publishes the request's computed full blocks in the prefix cache."""
-        num_full = request.num_computed_tokens // self.block_size
+        # Pending tokens (a step in flight) may be computed before they are known.
+        num_known = min(request.num_computed_tokens, len(request.token_ids))
+        num_full = num_known // self.block_size
         if not self.enable_prefix_caching or num_full <= request.num_published_blocks:
             return
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)

@@ -11,7 +11,6 @@ A remote-KV request's life (`abort_request` frees its blocks from any state):
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import EngineConfig, SchedulerConfig
 from nori.engine.kv_cache import KVCacheView
+from nori.engine.launched_step import LaunchedStep
 from nori.engine.model_runner import ModelRunner
 from nori.engine.outputs import (
     EngineLoad,
@@ -41,8 +41,9 @@ from nori.engine.request import (
     Request,
     RequestStatus,
     TransferState,
+    validate_prompt,
 )
-from nori.engine.scheduler import Scheduler, SchedulerOutput
+from nori.engine.scheduler import Scheduler
 from nori.engine.speculative import Speculator
 from nori.engine.step_cost import StepCosts
 from nori.engine.step_sampling import SampledTokens
@@ -50,20 +51,6 @@ from nori.models.demo import resolve_model
 from nori.sampling.detokenizer import IncrementalDetokenizer
 from nori.sampling.params import SamplingParams
 from nori.sampling.tokenizer import Tokenizer
-
-
-def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
-    """Raises ValueError, saying why, for a prompt the engine can never serve."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
-    if len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens; this model accepts at most "
-            f"{max_model_len - 1} (max_model_len {max_model_len} includes the output)"
-        )
 
 
 class LLMEngine:
@@ -111,6 +98,8 @@ class LLMEngine:
         # The requests this engine knows, from add until they finish or leave.
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        # The step launched last, until its tokens are resolved (see `step`).
+        self._launched: LaunchedStep | None = None
         speculative = config.speculative_config
         self._speculator = (
             None
@@ -179,6 +168,7 @@ class LLMEngine:
         """Ends every running and waiting request; one finished (aborted) output each."""
         scheduler = self._scheduler
         outputs = []
+        self._launched = None
         for request in [*scheduler.running, *scheduler.waiting, *scheduler.ready]:
             self.abort_request(request.request_id)
             outputs.append(aborted_output(request))
@@ -188,34 +178,49 @@ class LLMEngine:
         return self._scheduler.num_unfinished > 0
 
     def step(self) -> list[StepOutput]:
+        """Schedules and launches a step, then turns the step before into outputs.
+
+        A step's tokens stay on the device while the next step is scheduled and launched (it
+        reads them there), unless what follows needs them on the host (`LaunchedStep.defers`).
+        A stop is thus seen a step late and the token sampled past it dropped: the outputs are
+        those of resolving every step at once.
+        """
         self._costs.before_schedule(self._scheduler)
         speculator = self._speculator
         running = self._scheduler.running
         output = self._scheduler.schedule(None if speculator is None else speculator.plan(running))
         if output.is_empty:
-            return []
+            return self._resolve()
         if speculator is not None:
             speculator.propose(output, self._scheduler.running)
-        started = time.perf_counter()
-        sampled, prompt_logprobs = self._runner.execute(output, self._generators(output))
-        self._costs.after_execute(output, time.perf_counter() - started)
-        num_rejected = None if speculator is None else speculator.accept(sampled)
-        self._scheduler.update(output, num_rejected)
-        if speculator is not None:
-            speculator.record(sampled)
+        step = LaunchedStep(output, self._runner.device)
+        previous = None if self._launched is None else self._launched.sampled
+        sampled, prompt_logprobs = self._runner.execute(output, output.generators, previous)
         for request, entries in prompt_logprobs:
             assert request.prompt_logprobs is not None
             request.prompt_logprobs.extend(entries)
-        return [self._postprocess(result) for result in sampled]
+        if speculator is None:
+            self._scheduler.update(output)
+        else:
+            verified = [] if sampled is None else sampled.resolve()
+            self._scheduler.update(output, speculator.accept(verified))
+            speculator.record(verified)
+        step.launched(sampled)
+        outputs = self._resolve()
+        self._launched = step
+        if not step.defers(speculating=speculator is not None):
+            outputs += self._resolve()
+        return outputs
 
-    @staticmethod
-    def _generators(output: SchedulerOutput) -> dict[str, torch.Generator]:
-        """The seeded requests' samplers."""
-        return {
-            item.request.request_id: item.request.generator
-            for item in output.scheduled
-            if item.request.generator is not None
-        }
+    def _resolve(self) -> list[StepOutput]:
+        """The launched step's outputs (waits for its tokens); requests that ended meanwhile (a
+        stop in the step before, an abort) drop theirs."""
+        step, self._launched = self._launched, None
+        if step is None:
+            return []
+        results = step.resolve()
+        self._costs.after_execute(step.output, step.seconds())
+        return [self._postprocess(r) for r in results if not r.request.status.is_finished]
 
     def _postprocess(self, sample: SampledTokens) -> StepOutput:
         """The step's tokens for one request, one at a time: the first that ends it ends it (a

@@ -4,7 +4,7 @@ of an engine's cache (`KVCacheView`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,10 +79,26 @@ def num_blocks_in_budget(
 
 @dataclass(frozen=True)
 class KVCache:
+    """The paged cache; every layer's K/V views are made once, here, so a step takes them
+    without an aten call."""
+
     # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]: one tensor.
     data: torch.Tensor
     # An 8-bit cache's float16 scales [num_layers, 2, num_blocks, block_size, num_kv_heads].
     scales: torch.Tensor | None = None
+    _layers: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(init=False, repr=False)
+    _layer_scales: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...] = field(
+        init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_layers", tuple((k, v) for k, v in self.data.unbind(0)))
+        scales = (
+            [(None, None)] * self.data.shape[0]
+            if self.scales is None
+            else [(k, v) for k, v in self.scales.unbind(0)]
+        )
+        object.__setattr__(self, "_layer_scales", tuple(scales))
 
     @classmethod
     def allocate(
@@ -124,12 +140,10 @@ class KVCache:
         return (self.data,) if self.scales is None else (self.data, self.scales)
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[layer_index, 0], self.data[layer_index, 1]
+        return self._layers[layer_index]
 
     def layer_scales(self, layer_index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.scales is None:
-            return None, None
-        return self.scales[layer_index, 0], self.scales[layer_index, 1]
+        return self._layer_scales[layer_index]
 
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, ...]:
         """A copy of the given blocks for every layer, one per `tensors`: [layers, 2, n, ...]."""

@@ -31,10 +31,7 @@ from nori.engine.paged_attention import PagedAttention
 from nori.engine.request import Request
 from nori.engine.scheduler import SchedulerOutput
 from nori.engine.step_inputs import StepInputs
-from nori.engine.step_sampling import (
-    SampledTokens,
-    StepSampler,
-)
+from nori.engine.step_sampling import SampledStep, StepSampler
 from nori.models.config import ModelConfig
 from nori.models.loader import load_model
 from nori.models.shard import local_model_config
@@ -46,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepResult(NamedTuple):
-    sampled: list[SampledTokens]
+    # None when no request samples in the step.
+    sampled: SampledStep | None
     # Requests that want prompt logprobs and computed prompt tokens in the step: the log-probs of
     # the prompt tokens they scored, in order, to append to `Request.prompt_logprobs`.
     prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]]
@@ -199,9 +197,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, output: SchedulerOutput, generators: Mapping[str, torch.Generator]
+        self,
+        output: SchedulerOutput,
+        generators: Mapping[str, torch.Generator],
+        previous: SampledStep | None = None,
     ) -> StepResult:
-        inputs = self._inputs.build(output, self.config.block_size)
+        """Runs the step. `previous`: the step before, if its tokens are still pending; the
+        rows that continue from them read their input ids from its device tensor."""
+        inputs = self._inputs.build(output, self.config.block_size, previous)
         sampling = [s for s in output.scheduled if s.samples]
         # The prompt-logprob rows in chunks, then the sampled rows: decided before the forward
         # pass, so that tensor-parallel followers gather the same batches in the same order.
@@ -218,7 +221,7 @@ class ModelRunner:
             logits[: len(prompt_chunks)], inputs.prompt_logprob_rows
         )
         if not sampling:
-            return StepResult([], prompt_logprobs)
+            return StepResult(None, prompt_logprobs)
         sampled = self.sampling.sample(sampling, logits[-1], generators)
         return StepResult(sampled, prompt_logprobs)
 

@@ -2,9 +2,9 @@
 
 One instance serves one step, whose rows are decodes, then speculative verifications, then
 prompt chunks (the first two take the decode kernels, chunks the prefill kernels); metadata-only
-work (every layer's cache views, the rows' slices of the metadata) is done at the first layer and
-reused. With an 8-bit cache every attention reads K/V as stored, new prompt tokens included, so a
-token's result does not depend on where its prefix came from.
+work (the rows' slices of the metadata) is done at the first layer and reused. With an 8-bit
+cache every attention reads K/V as stored, new prompt tokens included, so a token's result does
+not depend on where its prefix came from.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ class PagedAttention:
         self._verify: _VerifyRows | None = None
         self._decode_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prefill_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._caches: tuple[torch.Tensor, ...] = ()
-        self._scale_caches: tuple[torch.Tensor, ...] = ()
         self._scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def __call__(
@@ -97,16 +95,9 @@ class PagedAttention:
         return output
 
     def _layer_caches(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V caches (`KVCache.layer`), its scales into `_scales`; every layer's
-        views are made once, at the first layer."""
-        if not self._caches:
-            self._caches = self.kv_cache.data.flatten(0, 1).unbind(0)
-            if self.kv_cache.scales is not None:
-                self._scale_caches = self.kv_cache.scales.flatten(0, 1).unbind(0)
-        key, value = 2 * layer_index, 2 * layer_index + 1
-        if self._scale_caches:
-            self._scales = (self._scale_caches[key], self._scale_caches[value])
-        return self._caches[key], self._caches[value]
+        """The layer's K and V caches (`KVCache.layer`), its scales into `_scales`."""
+        self._scales = self.kv_cache.layer_scales(layer_index)
+        return self.kv_cache.layer(layer_index)
 
     def _store(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -6,12 +6,15 @@ cache); each step the scheduler gives it some of the difference. It samples a ne
 when a step brings `num_computed_tokens` up to `num_tokens`. This one rule covers chunked prefill,
 decode, recompute after preemption, and a decode worker taking over a request that a prefill worker
 computed.
+With overlapped steps a sampled token may still be on the device: `num_pending_tokens` counts
+those, in `num_tokens` but not yet in `token_ids`; the engine resolves them a step later.
 The hand-off types: `add_request`'s `remote_kv`, and what moves between two engines.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +68,8 @@ class Request:
     max_new_tokens: int = 0
 
     token_ids: list[int] = field(init=False)
+    # Sampled tokens not in `token_ids` yet (a step still in flight); `num_tokens` counts them.
+    num_pending_tokens: int = 0
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache when the request was (last) admitted.
     num_cached_tokens: int = 0
@@ -113,7 +118,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def reached_length_limit(self) -> bool:
+        """Its tokens, pending ones included, already make its longest output: nothing more to
+        compute (its last token only waits to be resolved)."""
+        return 0 < self.max_new_tokens <= self.num_output_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -129,6 +140,20 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """Raises ValueError, saying why, for a prompt the engine can never serve."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; this model accepts at most "
+            f"{max_model_len - 1} (max_model_len {max_model_len} includes the output)"
+        )
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nori.engine.block_manager import BlockManager
 from nori.engine.config import SchedulerConfig
@@ -52,6 +52,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def generators(self) -> dict[str, Any]:
+        """The seeded requests' samplers (torch.Generator), by request id."""
+        return {
+            item.request.request_id: item.request.generator
+            for item in self.scheduled
+            if item.request.generator is not None
+        }
 
 
 def _queue_behind_equals(queue: MutableSequence[Request], request: Request) -> None:
@@ -172,6 +181,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_pending_tokens and request.reached_length_limit:
+                index += 1  # it ends when its last token is resolved
+                continue
             num_new = min(request.num_uncomputed_tokens, budget)
             # Drafts take what is left once every running request has one token of the budget.
             num_spec = min(

@@ -5,8 +5,10 @@ rows with numpy and sends each used prefix in one non-blocking copy. Buffers onl
 new address). A request's block-table row lives in a store, written when it gains blocks and
 rewritten when its list was replaced (the block manager grows a table in place and replaces the
 list on a free or a trim); a step gathers its rows into a fixed-stride table, zero past each
-request's blocks. The next `build` rewrites the host buffers: the device must be done with a
-step's inputs first. Equal to the oracle in tests/engine/batch_inputs_oracle.py.
+request's blocks. The next `build` rewrites the host buffers only once the device has taken
+the last step's copies (an event on CUDA). A decode row whose last token is still pending (the
+step before is in flight) takes its input id on the device from that step's sampled tokens.
+Equal to the oracle in tests/engine/batch_inputs_oracle.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from nori.engine.attention_metadata import AttentionMetadata
 from nori.engine.request import Request, RequestStatus
 from nori.engine.scheduler import ScheduledRequest, SchedulerOutput
-from nori.engine.step_sampling import PromptLogprobRows, rows_to_score
+from nori.engine.step_sampling import PromptLogprobRows, SampledStep, rows_to_score
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class StepInputs:
         self._max_blocks = max_blocks
         self._allocate()
         self._captured = False  # set once a CUDA graph reads the buffers: they must stay put
+        # Recorded after a step's copies to the device (CUDA): the host buffers are free again.
+        self._sent: torch.cuda.Event | None = None
         self._rows: dict[str, _TableRow] = {}
         self._free_rows = list(range(2 * max_num_seqs))
 
@@ -88,6 +92,8 @@ class StepInputs:
         self._seq_lens = _Buffer((seqs,), torch.int32, device)
         self._query_start = _Buffer((seqs + 1,), torch.int32, device)
         self._tables = _Buffer((seqs, self._max_blocks), torch.int32, device)
+        self._gather_to = _Buffer((seqs,), torch.int64, device)
+        self._gather_from = _Buffer((seqs,), torch.int64, device)
         self._store = np.zeros((2 * seqs, self._max_blocks), dtype=np.int32)
 
     def _grow(self, num_seqs: int, num_tokens: int, num_blocks: int) -> None:
@@ -102,7 +108,12 @@ class StepInputs:
         self._store[: store.shape[0], : store.shape[1]] = store
         self._free_rows.extend(range(store.shape[0], self._store.shape[0]))
 
-    def build(self, output: SchedulerOutput, block_size: int) -> BatchInputs:
+    def build(
+        self, output: SchedulerOutput, block_size: int, previous: SampledStep | None = None
+    ) -> BatchInputs:
+        """`previous`: the step before, when its sampled tokens are still pending."""
+        if self._sent is not None:
+            self._sent.synchronize()
         scheduled = output.scheduled
         num_seqs = len(scheduled)
         num_tokens = output.num_batched_tokens
@@ -122,6 +133,10 @@ class StepInputs:
         prompt_logprob_rows: list[PromptLogprobRows] = []
         num_decodes = num_verifies = 0
         table_row = self._table_row
+        pending_rows = (
+            {} if previous is None else {id(r): i for i, r in enumerate(previous.requests)}
+        )
+        gather_to: list[int] = []
         for item in scheduled:
             request = item.request
             store_rows.append(table_row(request))
@@ -131,7 +146,12 @@ class StepInputs:
             end = start + count
             if count == 1:
                 num_decodes += 1
-                ids.append(request.token_ids[start])
+                if start < len(request.token_ids):
+                    ids.append(request.token_ids[start])
+                else:  # sampled by the step in flight
+                    self._gather_from.array[len(gather_to)] = pending_rows[id(request)]
+                    gather_to.append(row)
+                    ids.append(0)
                 positions.append(start)
             else:
                 ids.extend(request.token_ids[start : end - item.num_spec_tokens])
@@ -169,8 +189,16 @@ class StepInputs:
             block_tables=self._tables.send(num_seqs),
             max_seq_len=max(seq_lens),
         )
+        input_ids = self._input_ids.send(row)
+        if gather_to:
+            assert previous is not None and previous.tokens is not None
+            count = len(gather_to)
+            self._gather_to.array[:count] = gather_to
+            source = previous.tokens.index_select(0, self._gather_from.send(count))
+            input_ids.index_copy_(0, self._gather_to.send(count), source)
+        self._mark_sent()
         return BatchInputs(
-            input_ids=self._input_ids.send(row),
+            input_ids=input_ids,
             positions=self._positions.send(row),
             attention=metadata,
             logits_indices=self._logits_indices.send(len(logits)),
@@ -191,6 +219,12 @@ class StepInputs:
             buffer.send_rows(num_seqs, size)
         self._query_start.send_rows(num_seqs + 1, size + 1)
         self._tables.send_rows(num_seqs, size)
+        self._mark_sent()
+
+    def _mark_sent(self) -> None:
+        if self.device.type == "cuda":
+            self._sent = self._sent or torch.cuda.Event()
+            self._sent.record()
 
     def decode_batch(
         self, size: int, max_seq_len: int

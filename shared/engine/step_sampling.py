@@ -76,6 +76,40 @@ class SampledTokens(NamedTuple):
         return self.num_drafts - (len(self.token_ids) - 1)
 
 
+class SampledStep:
+    """A step's sampled tokens in the order of its sampling items. Plain rows leave their ids on
+    the device (`tokens`, one per request; a later step may read them there) while a copy to the
+    host runs; `resolve` waits for it once. A step with verifications is resolved when made."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        tokens: torch.Tensor | None,
+        logprobs: list[TokenLogprobs | None] | None = None,
+        resolved: list[SampledTokens] | None = None,
+    ) -> None:
+        self.requests, self.tokens, self._logprobs = requests, tokens, logprobs
+        self._resolved = resolved
+        # A non-blocking copy to the host (pinned), done when the event is.
+        self._host = None if tokens is None else tokens.to("cpu", non_blocking=True)
+        self._ready = torch.cuda.Event() if tokens is not None and tokens.is_cuda else None
+        if self._ready is not None:
+            self._ready.record()
+
+    def resolve(self) -> list[SampledTokens]:
+        if self._resolved is None:
+            assert self._host is not None
+            if self._ready is not None:
+                self._ready.synchronize()
+            token_ids: list[int] = self._host.tolist()
+            logprobs = self._logprobs or [None] * len(token_ids)
+            self._resolved = [
+                SampledTokens(request, [token_id], None if entry is None else [entry])
+                for request, token_id, entry in zip(self.requests, token_ids, logprobs, strict=True)
+            ]
+        return self._resolved
+
+
 class StepSampler:
     def __init__(
         self, device: torch.device, eos_token_ids: frozenset[int], generator: torch.Generator
@@ -128,7 +162,7 @@ class StepSampler:
         items: list[ScheduledRequest],
         logits: torch.Tensor,
         generators: Mapping[str, torch.Generator],
-    ) -> list[SampledTokens]:
+    ) -> SampledStep:
         """One token per plain request; a verification's kept tokens (`verify_drafts`). The rows
         of `logits` are the items' in order: one each, 1 + drafts for a verification."""
         if all(item.num_spec_tokens == 0 for item in items):
@@ -145,32 +179,29 @@ class StepSampler:
         plain = [item.request for item in items if not item.num_spec_tokens]
         if plain:
             rows_tensor = torch.tensor(plain_rows, device=logits.device)
-            for result in self._sample_rows(plain, logits[rows_tensor], generators):
+            for result in self._sample_rows(plain, logits[rows_tensor], generators).resolve():
                 results[index[id(result.request)]] = result
         verified = [item for item in items if item.num_spec_tokens]
         rows_tensor = torch.tensor(spec_rows, device=logits.device)
         for result in self._verify(verified, logits[rows_tensor], generators):
             results[index[id(result.request)]] = result
-        assert all(result is not None for result in results)
-        return [result for result in results if result is not None]
+        kept = [result for result in results if result is not None]
+        assert len(kept) == len(items)
+        return SampledStep([result.request for result in kept], None, resolved=kept)
 
     def _sample_rows(
         self,
         requests: list[Request],
         logits: torch.Tensor,
         generators: Mapping[str, torch.Generator],
-    ) -> list[SampledTokens]:
+    ) -> SampledStep:
         if all(
             r.sampling_params.is_plain_greedy
             and r.num_output_tokens >= r.sampling_params.min_tokens
             for r in requests
         ):
             # The common benchmark and evaluation case: one argmax, no per-row tensors.
-            token_ids: list[int] = argmax_rows(logits).tolist()
-            return [
-                SampledTokens(request, [token_id], None)
-                for request, token_id in zip(requests, token_ids, strict=True)
-            ]
+            return SampledStep(requests, argmax_rows(logits))
         rows = [
             RowState(
                 params=r.sampling_params,
@@ -182,11 +213,7 @@ class StepSampler:
         ]
         batch = SamplingBatch.build(rows, self.device, self.eos_token_ids)
         result = self.sampler(logits, batch)
-        logprobs = result.logprobs or [None] * len(requests)
-        return [
-            SampledTokens(request, [token_id], None if entry is None else [entry])
-            for request, token_id, entry in zip(requests, result.token_ids, logprobs, strict=True)
-        ]
+        return SampledStep(requests, result.token_tensor, result.logprobs)
 
     def _verify(
         self,

@@ -1,7 +1,5 @@
-"""Attention and KV-cache kernels: Triton on GPU, C++ for CPU decode, PyTorch references.
-
-Importing this package never imports Triton nor builds the C++ kernels, so the CPU engine runs
-where Triton is absent (and, on the references, where no C++ compiler is).
+"""Attention and KV-cache kernels: Triton on GPU, C++ for CPU decode, PyTorch references;
+importing this package never imports Triton nor builds the C++ kernels.
 """
 
 from nori.kernels.decode_attention import paged_decode_attention

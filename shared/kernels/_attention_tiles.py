@@ -42,8 +42,7 @@ def kv_tile(
 
 @device_function
 def load_dot_operand(ptr, offsets, mask, UPCAST_DOT: tl.constexpr):
-    """A tile for tl.dot, zero where masked, in float32 where the dtype needs it (see
-    `upcast_dot_operands`)."""
+    """A tile for tl.dot, zero where masked, in float32 where needed (`upcast_dot_operands`)."""
     tile = tl.load(ptr + offsets, mask=mask, other=0.0)
     if UPCAST_DOT:
         tile = tile.to(tl.float32)

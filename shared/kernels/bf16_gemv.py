@@ -1,11 +1,10 @@
 """bfloat16 weights times a few bfloat16 token rows: the CPU decode step's GEMV in bf16.
 
-oneDNN's prepacked bf16 GEMM has a fixed cost per call that, at a few rows, is more than the
-product (docs/benchmarks.md#cpu-kernels-and-weight-layouts). This C++ kernel (`bf16_gemv_cpu.cpp`) reads a weight packed once
-by `pack_bf16_gemv_weight`: panels of 16 outputs, each line two K positions of those 16
-outputs, the operand of AVX-512 BF16's dpbf16. Every line streams once per call, for all the
-rows, and the sums are float32. The reference computes the same in PyTorch over the plain
-weight: float32 products of the bf16 values, rounded to bf16 once at the end.
+The C++ kernel (`bf16_gemv_cpu.cpp`; why: docs/benchmarks.md#cpu-kernels-and-weight-layouts)
+reads a weight packed once by `pack_bf16_gemv_weight` (panels of 16 outputs, each line two K
+positions of those 16 outputs: dpbf16's operand) once per call for all rows, summing in float32.
+The reference computes the same in PyTorch over the plain weight: float32 products of the bf16
+values, rounded to bf16 once at the end.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def pack_bf16_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 def bf16_gemv(
     x: torch.Tensor, packed_weight: torch.Tensor, outputs: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, K] bfloat16 (few rows) times the [N, K] weight packed by `pack_bf16_gemv_weight`
-    -> [M, N] bfloat16."""
+    """x [M, K] bf16 (few rows) @ the [N, K] weight `pack_bf16_gemv_weight` made -> [M, N] bf16."""
     kernels = cpu_kernels()
     if kernels is not None and x.device.type == "cpu":
         result: torch.Tensor = kernels.bf16_gemv(

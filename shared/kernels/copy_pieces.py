@@ -1,9 +1,8 @@
 """Copies of raw memory pieces, (destination address, source address, byte count) each, with
 C++ kernels on CPU (copy_pieces_cpu.cpp) beside ctypes memmove references.
 
-A kernel copies a whole chunk in one call with the GIL released, so the receiver's copy threads
-run in parallel (`nori.transfer.cross_memory_receiver`). `copy_and_hash_pieces` also returns the
-chunk's digest, hashing each stretch right after it is copied, while it is in cache.
+A kernel copies a whole chunk in one call with the GIL released. `copy_and_hash_pieces` also
+returns the chunk's digest, hashing each stretch right after it is copied.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Builds the C++ CPU kernels on first use (torch.utils.cpp_extension), once per machine.
 
-The kernel files compile as two translation units (`_UNITS`) built in parallel, so files in one
-unit must not define the same internal names. Needs a C++ compiler and ninja; cached by torch
-($TORCH_EXTENSIONS_DIR). Where it cannot be built, the PyTorch references run (one warning).
+Files in one translation unit (`_UNITS`) must not define the same internal names. Needs a C++
+compiler and ninja; where it cannot be built, the PyTorch references run (one warning).
 """
 
 from __future__ import annotations
@@ -81,8 +80,7 @@ def write_units(folder: Path, build_dir: Path) -> list[Path]:
 
 
 def build_root(default_root: str) -> Path:
-    """$TORCH_EXTENSIONS_DIR (torch's `get_default_build_root` does not read it), else torch's
-    default."""
+    """$TORCH_EXTENSIONS_DIR (torch's `get_default_build_root` ignores it), else torch's default."""
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root)
 
 

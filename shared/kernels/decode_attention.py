@@ -53,11 +53,8 @@ def token_scale_offsets(
 
 @device_function
 def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: tl.constexpr):
-    """q @ K^T for a tile of 8-bit K codes whose per-token scales are k_scale [tokens].
-
-    A token's scale factors out of the dot product and scales the score column instead; the
-    codes are exact in every float dtype the query may have.
-    """
+    """q @ K^T for a tile of 8-bit K codes whose per-token scales are k_scale [tokens]: each
+    scale multiplies its score column (the codes are exact in every float dtype)."""
     # Masked codes must be zeros: a stray fp8 byte 0x7F is NaN, and NaN * 0 is NaN.
     k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -67,9 +64,7 @@ def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: t
 @device_function
 def quantized_softmax_step(scores, m_i, l_i, acc, v, v_scale, DOT_PRECISION: tl.constexpr):
     """`online_softmax_step` for a tile of 8-bit V codes v [tokens, BLOCK_D] (already in the
-    dot dtype) with per-token scales v_scale [tokens].
-
-    The V scale folds into the probabilities (p * scale @ codes); l_i takes the unscaled ones.
+    dot dtype) and per-token scales v_scale [tokens], folded into p (l_i sums the unscaled p).
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -246,9 +241,8 @@ def paged_decode_attention(
 
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32; seq_lens [B]
     int32. num_splits=None picks one from max_seq_len, if known (else from the table's width,
-    without a device sync); each row's split length is computed in the kernel from its own
-    length, so the launch depends only on shapes (CUDA-graph safe). k_scale/v_scale [num_blocks, block_size, Hkv] float16
-    go with an 8-bit cache (nori.kernels.kv_quant).
+    without a device sync); the launch depends only on shapes (CUDA-graph safe).
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (kv_quant.py).
     """
     args = check_paged_attention_args(
         query,

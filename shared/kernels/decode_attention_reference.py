@@ -1,6 +1,5 @@
-"""Decode attention without Triton: the PyTorch reference (ground truth for the Triton and C++
-kernels, and the CPU engine's fallback) and the C++ CPU entry point. The reference batches
-sequences of similar context length, planned once per step (`plan_reference_decode`).
+"""Decode attention without Triton: the PyTorch reference (ground truth, and the CPU engine's
+fallback, batching sequences of similar length: `plan_reference_decode`) and the C++ entry point.
 """
 
 from __future__ import annotations
@@ -98,10 +97,8 @@ def run_reference_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D].
-
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache.
-    """
+    """query [B, Hq, D] over the contexts `plan` describes -> [B, Hq, D]; k_scale/v_scale
+    [num_blocks, block_size, Hkv] float16 go with an 8-bit cache."""
     batch, num_heads, head_dim = query.shape
     if batch == 0:
         return torch.empty_like(query)
@@ -153,10 +150,8 @@ def paged_decode_attention_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding.
-
-    Sequences are processed in groups of similar length; an 8-bit cache's blocks are
-    dequantized to float32 first.
+    """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding, in groups
+    of similar length; an 8-bit cache's blocks are dequantized to float32 first.
     """
     plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1])
     return run_reference_decode(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
@@ -172,8 +167,7 @@ def paged_decode_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU kernel (decode_attention_cpu.cpp): reads each context in place, no copy.
-
+    """The C++ CPU kernel (decode_attention_cpu.cpp), reading each context in place:
     `paged_decode_attention_reference`'s contract for CPU tensors; the kernel checks shapes,
     dtypes and block ids. Raises RuntimeError where it cannot be built.
     """

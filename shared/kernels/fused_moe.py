@@ -1,12 +1,11 @@
-"""A mixture-of-experts layer's experts: each token through its top-k experts' gated MLPs,
-weighted by its routing weights and summed.
+"""A mixture-of-experts layer's experts, each token through its top-k experts' gated MLPs:
 
     out[t] = sum_j weight[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
 
 `w13` [E, 2I, H] stacks gate then up rows, `w2` [E, H, I] is down, any strides; `w13_scale`
 [E, 2I] / `w2_scale` [E, H] go with int8 weights. An id outside [0, E) is skipped (expert
-parallelism passes shifted ids). Three paths, one contract: `fused_experts_reference`, the C++
-CPU kernel (`fused_moe_cpu.cpp`) and the Triton kernel (`fused_moe_triton.py`).
+parallelism passes shifted ids). Paths: `fused_experts_reference`, C++ (`fused_moe_cpu.cpp`) and
+Triton (`fused_moe_triton.py`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The fused mixture-of-experts layer in Triton: a grouped GEMM over expert-sorted tokens.
 
-Same contract as `fused_experts_reference` (fused_moe.py); the design is vLLM's and SGLang's.
-The T*k (token, slot) pairs are sorted by expert and padded to a multiple of BLOCK_M, so an
-M-block belongs to one expert, with no host sync. `_grouped_gemm_kernel` runs twice (gate/up,
-then down, routing-weighted); silu(gate) * up runs between and the sum over slots at the end.
+Same contract as `fused_experts_reference` (fused_moe.py). The T*k (token, slot) pairs are sorted
+by expert and padded to a multiple of BLOCK_M, so an M-block belongs to one expert, with no host
+sync; `_grouped_gemm_kernel` runs for gate/up, then for down.
 """
 
 from __future__ import annotations
@@ -78,10 +77,8 @@ def align_pairs_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> ExpertAlignment:
     """Sorts the pairs of topk_ids [T, k] by expert and pads each group to block_m; pairs whose
-    id is outside [0, num_experts) are dropped.
-
-    No host synchronisation: the buffer holds the largest padded total the shapes allow, and
-    the blocks past the actual total are marked -1.
+    id is outside [0, num_experts) are dropped. No host synchronisation: blocks past the actual
+    total are marked -1.
     """
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
@@ -156,10 +153,8 @@ def _grouped_gemm_kernel(
     UPCAST_DOT: tl.constexpr,
 ) -> None:
     """c[pair, cols] = a[pair // divisor, :] @ b[expert, cols, :]^T (* scale[expert, cols])
-    (* routing_weight[pair]) for the BLOCK_M pairs of this M-block, all of one expert.
-
-    One program per (M-block, N-block); the weight is read through its strides, so [out, in]
-    and [in, out] memory orders both work.
+    (* routing_weight[pair]) for the BLOCK_M pairs of this M-block, all of one expert; one
+    program per (M-block, N-block), the weight read through its strides (any memory order).
     """
     block = tl.program_id(0)
     expert = tl.load(block_expert_ids_ptr + block)
@@ -269,9 +264,8 @@ def fused_experts_triton(
     """hidden [T, H] -> [T, H] in hidden's dtype: `fused_experts_reference`'s contract, as two
     grouped GEMMs over expert-sorted pairs (always Triton; the caller picks the path).
 
-    w13 [E, 2I, H] and w2 [E, H, I] in any strides; float, or int8/float8_e4m3fn with
-    w13_scale [E, 2I] / w2_scale [E, H] (float32). Accumulates in float32. `tiles` overrides
-    the tile sizes.
+    w13 [E, 2I, H] and w2 [E, H, I] in any strides; float, or int8/float8_e4m3fn with w13_scale
+    [E, 2I] / w2_scale [E, H] (float32). Accumulates in float32. `tiles`: the tile sizes.
     """
     _check_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape

@@ -1,9 +1,8 @@
 """int8 weights times a few token rows quantized to int8 per row: the CPU decode step's GEMV.
 
-The C++ kernel (`int8_gemv_cpu.cpp`) makes one pass over a weight packed by
-`pack_int8_gemv_weight` (AVX-512 VNNI operands); rows are quantized symmetrically, products
-summed exactly in int32 and scaled back. The reference computes the same over the plain weight.
-Why: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
+The C++ kernel (`int8_gemv_cpu.cpp`) reads a weight packed by `pack_int8_gemv_weight`; rows are
+quantized symmetrically, products summed exactly in int32 and scaled back. The reference computes
+the same over the plain weight. Why: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
 """
 
 from __future__ import annotations

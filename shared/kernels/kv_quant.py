@@ -1,9 +1,8 @@
 """A paged KV cache stored in 8 bits: int8 or fp8 (e4m3) codes with one float16 scale per
 (token slot, kv head).
 
-k_cache [num_blocks, block_size, Hkv, D] goes with k_scale [num_blocks, block_size, Hkv]
-float16 (the same for V); a row dequantizes to code.float() * scale.float(), the scale being
-amax(|row|) / limit rounded to float16. The store kernel quantizes as it writes.
+k_cache [num_blocks, block_size, Hkv, D] goes with k_scale [num_blocks, block_size, Hkv] float16
+(the same for V); a row is code.float() * scale.float(), scale = amax(|row|) / limit in float16.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ def store_quantized_kv_cache_cpu(
 
 @device_function
 def round_to_e4m3(x):
-    """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even.
-
-    Triton's interpreter drops the carry when rounding up crosses a power of two; rounding
-    here first leaves the cast nothing to round, so GPU and interpreter give the same bits.
+    """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, so the
+    cast has nothing to round (Triton's interpreter drops the carry across a power of two).
     """
     bits = x.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
@@ -273,10 +270,9 @@ def store_quantized_kv_cache(
     *,
     use_triton: bool | None = None,
 ) -> None:
-    """Quantizes key/value [T, Hkv, D] (any float dtype) into the 8-bit caches at
-    slot_mapping [T], writing each token-head's float16 scale beside it; slot -1 is skipped.
-
-    Slots must be distinct (apart from -1) and in range; unchecked (it would need a sync).
+    """Quantizes key/value [T, Hkv, D] (any float dtype) into the 8-bit caches at slot_mapping
+    [T], each token-head's float16 scale beside it; slot -1 is skipped. Slots must be distinct
+    (apart from -1) and in range; unchecked (it would need a sync).
     """
     _check_store_args(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     if not should_use_triton(use_triton, [key]):

@@ -2,9 +2,8 @@
 themselves (speculative verification: the last sampled token and its k drafts).
 
 Row i of q_len new rows over seq_len context tokens (new rows included) sees positions
-[0, seq_len - (q_len - 1 - i)): a decode row with that context. So every path is decode
-attention with a length per row: Triton's decode kernel in ROW_SEQUENCES mode, or for C++ and
-the reference one decode row per query row, its block table row repeated.
+[0, seq_len - (q_len - 1 - i)): a decode row with that context, so every path is decode attention
+with a length per row.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ class MultiQueryRows:
 def multi_query_rows(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_rows: int
 ) -> MultiQueryRows:
-    """From query_start_loc [B + 1] int32 and seq_lens [B] int32, on their device without a
-    host sync."""
+    """From query_start_loc [B + 1] and seq_lens [B] (int32), on their device, no host sync."""
     device = seq_lens.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     sequences = torch.repeat_interleave(
@@ -110,8 +108,7 @@ def paged_multi_query_decode_attention(
     query_start_loc[b + 1] (int32 [B + 1]) and has seq_lens[b] (int32 [B]) cached tokens, its
     new rows included (q_len <= seq_lens[b]); row i sees [0, seq_lens[b] - (q_len - 1 - i)).
 
-    Other arguments as `paged_decode_attention`'s. rows: `multi_query_rows` of these arguments,
-    when the caller keeps it across calls.
+    Other arguments as `paged_decode_attention`'s; rows: `multi_query_rows` of them, if kept.
     """
     args = check_paged_attention_args(
         query,

@@ -216,10 +216,9 @@ def paged_prefill_attention(
     """Causal attention of the T new tokens query [T, Hq, D] -> [T, Hq, D].
 
     Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1], 0 to
-    T); seq_lens[b] (int32 [B]) counts its whole context, new tokens included, whose K/V must be
-    cached. New token i of b sits at position seq_lens[b] - q_len_b + i, attending causally.
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache
-    (nori.kernels.kv_quant).
+    T); seq_lens[b] (int32 [B]) counts its whole context, new tokens (whose K/V must be cached)
+    included, new token i at position seq_lens[b] - q_len_b + i. k_scale/v_scale
+    [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (nori.kernels.kv_quant).
     """
     args = check_paged_attention_args(
         query,

@@ -1,9 +1,8 @@
 """Prefill attention on CPU: whole new prompts batched, chunks one by one.
 
-Prompts whose every token is new attend to the layer's fresh keys and values: equal lengths
-share one causal scaled_dot_product_attention call (`enable_gqa`). Chunks continuing a prefix
-gather their context from the cache, one call each (docs/benchmarks.md#cpu-prefill-attention).
-An 8-bit cache takes the reference. Planned once per step.
+Wholly new prompts of equal length share one causal SDPA call; chunks continuing a prefix gather
+their context from the cache, one call each (docs/benchmarks.md#cpu-prefill-attention). An 8-bit
+cache takes the reference.
 """
 
 from __future__ import annotations

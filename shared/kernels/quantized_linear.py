@@ -1,8 +1,6 @@
 """Weight-only quantized linear layers: int8 or fp8 (e4m3) weights, one float32 scale per output
-channel, activations and output in the model's float dtype.
-
-The Triton kernel reads the quantized bytes and widens them in registers; the PyTorch reference
-dequantizes in float32 and serves the CPU engine.
+channel, activations and output in the model's float dtype; a PyTorch reference (dequantizing in
+float32) for the CPU engine, a Triton kernel for the GPU.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ MAX_DECODE_ROWS = 64
 
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (qweight [out, in], scale [out] float32), symmetric per output row.
-
+    """weight [out, in] -> (qweight [out, in], scale [out] float32), symmetric per output row:
     qweight * scale[:, None] approximates weight; int8 rounds to nearest, fp8 casts. All-zero
     rows get scale 1.
     """
@@ -105,9 +102,8 @@ def _weight_only_linear_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ) -> None:
-    """out[rows, cols] = (x[rows, :] @ w[cols, :]^T) * scale[cols] + bias[cols].
-
-    One program per output tile; the weight is read in its stored [N, K] layout.
+    """out[rows, cols] = (x[rows, :] @ w[cols, :]^T) * scale[cols] + bias[cols]; one program per
+    output tile, the weight read in its stored [N, K] layout.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,8 +164,7 @@ def weight_only_linear(
     bias: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
-    """x [T, in] @ (qweight [out, in] * scale [out])^T + bias [out] -> [T, out] in x.dtype.
-
+    """x [T, in] @ (qweight [out, in] * scale [out])^T + bias [out] -> [T, out] in x.dtype, with
     qweight as `quantize_weight` makes it; accumulates in float32. use_triton None: Triton
     for CUDA tensors.
     """

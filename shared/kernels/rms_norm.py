@@ -1,9 +1,7 @@
 """RMSNorm, alone or fused with the residual add before it: C++ on CPU, Triton on GPU.
 
 The reference is Hugging Face's arithmetic (the residual add rounded to the input dtype,
-statistics in float32, back to the input dtype before the weight multiply), which the model must
-match; the C++ kernel (rms_norm_cpu.cpp) and the Triton one do the same in one pass per row and
-are tested against it.
+statistics in float32, back to the input dtype before the weight multiply); the kernels match it.
 """
 
 from __future__ import annotations
@@ -89,8 +87,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _kernels_for(x: torch.Tensor) -> object | None:
-    """The C++ module for contiguous float32/bfloat16 CPU rows, None where the reference must
-    run."""
+    """The C++ module for contiguous float32/bfloat16 CPU rows; None: the reference runs."""
     if x.device.type != "cpu" or x.dtype not in CPU_KERNEL_DTYPES or not x.is_contiguous():
         return None
     return cpu_kernels()
@@ -99,9 +96,8 @@ def _kernels_for(x: torch.Tensor) -> object | None:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (norm(h) * weight, h) where h = x + residual, or h = x without a residual.
-
-    With a residual, the C++ and Triton paths update `x` and `residual` in place (vLLM's
+    """Returns (norm(h) * weight, h) where h = x + residual, or h = x without a residual. With a
+    residual, the C++ and Triton paths update `x` and `residual` in place (vLLM's
     fused_add_rms_norm): callers pass tensors they own and use only the returned ones.
     """
     in_place_ok = residual is None or (

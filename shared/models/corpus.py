@@ -1,7 +1,5 @@
-"""A small built-in English corpus for training the checkpoint tokenizer without downloads.
-
-Hand-written paragraphs give natural word shapes and punctuation; sentences drawn from a word
-list by a fixed-seed generator add enough distinct words and pairs for a few thousand merges.
+"""A small built-in English corpus for training the checkpoint tokenizer without downloads:
+hand-written paragraphs, and fixed-seed sentences drawn from a word list.
 """
 
 from __future__ import annotations

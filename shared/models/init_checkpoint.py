@@ -1,7 +1,5 @@
-"""Writes random-weight checkpoints in Hugging Face layout (`nori model init DIR --preset NAME`).
-
-Everything written is a pure function of (preset, seed, shard size): the same inputs give
-byte-identical files, so checkpoints can be regenerated instead of shipped.
+"""Writes random-weight checkpoints in Hugging Face layout (`nori model init DIR --preset NAME`),
+byte-identical for the same (preset, seed, shard size).
 """
 
 from __future__ import annotations
@@ -30,10 +28,9 @@ def init_checkpoint(
     write_weights: bool = True,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Writes a preset (its name, or a shape of its own) into `directory`, created if needed.
-
-    Returns the folder's path. With `write_weights=False` only config and tokenizer are written,
-    enough for `load_model(..., load_format="dummy")` on shapes too big to be worth writing out.
+    """Writes a preset (its name, or a shape of its own) into `directory`, created if needed,
+    and returns the folder's path. With `write_weights=False` only config and tokenizer are
+    written, enough for `load_model(..., load_format="dummy")`.
     """
     config = get_preset(preset) if isinstance(preset, str) else preset
     folder = Path(directory)

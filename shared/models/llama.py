@@ -2,8 +2,7 @@
 Qwen3-MoE (routed MLPs from `nori.models.moe`); config flags select the differences.
 
 Tokens of all sequences are flattened into one axis T; only the `attention` callable knows which
-belong together. q/k/v and gate/up are fused into one matmul each; `hf_weight_targets` maps
-Hugging Face's separate tensors onto their row slices.
+belong together. q/k/v and gate/up are fused (`hf_weight_targets` maps the checkpoint's tensors).
 """
 
 from __future__ import annotations
@@ -203,9 +202,8 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def store_weights_transposed(self) -> None:
-        """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]):
-        CPU GEMMs of small batches run faster, bit-identical
-        (docs/benchmarks.md#cpu-kernels-and-weight-layouts). Called once after loading on CPU.
+        """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]),
+        bit-identical (docs/benchmarks.md#cpu-kernels-and-weight-layouts). On CPU, after loading.
         """
         with torch.no_grad():
             for module in self.modules():

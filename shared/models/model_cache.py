@@ -9,11 +9,9 @@ from pathlib import Path
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """`target`, built by `build(folder)` unless it already holds a config.json.
-
-    Built in a temporary sibling folder, then renamed: concurrent first uses each build their own
-    copy, one rename wins and the others discard theirs, so no reader ever sees a half-written
-    folder, and a failed build leaves nothing behind.
+    """`target`, built by `build(folder)` unless it already holds a config.json: built in a
+    temporary sibling folder, then renamed (concurrent builds: one rename wins), so no reader
+    sees a half-written folder and a failed build leaves nothing behind.
     """
     if (target / "config.json").is_file():
         return target

@@ -2,9 +2,8 @@
 top-k experts, the fused kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds a
 shared expert behind a sigmoid gate.
 
-Routing follows transformers exactly (float32 softmax, top-k, renormalised for Mixtral or with
-`norm_topk_prob`). Ranks hold expert slices (tensor parallel) or whole experts (expert parallel,
-`nori.models.shard`); one all-reduce adds their partial sums. `routed_tokens` counts per expert.
+Routing follows transformers exactly. Ranks hold expert slices or whole experts
+(`nori.models.shard`); one all-reduce adds their partial sums. `routed_tokens` counts per expert.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ GEMV_MAX_ROWS = 8
 
 
 class PackedBf16Linear(nn.Module):
-    """A bfloat16 layer on CPU with its weight prepacked for oneDNN's bf16 GEMM (F.linear would
-    re-lay it out on every call); results are identical. A decode step's few rows take the C++
-    GEMV over its own packed copy instead (without AMX; with AMX only a single row does).
+    """A bfloat16 CPU layer, its weight prepacked for oneDNN's bf16 GEMM (identical results); up
+    to GEMV_MAX_ROWS rows (one with AMX) take the C++ GEMV over its own packed copy.
     """
 
     packed_weight: torch.Tensor

@@ -70,8 +70,7 @@ _DEMO = ModelConfig(
     torch_dtype="float32",
 )
 
-# 24M parameters: big enough on a CPU that a long prompt's prefill (hundreds of milliseconds)
-# visibly stalls decode steps of a few milliseconds; the serving benchmarks' second shape.
+# 24M parameters: a long prompt's prefill visibly stalls CPU decode steps.
 _SMALL = replace(
     _DEMO,
     hidden_size=512,
@@ -101,9 +100,8 @@ _QWEN3_06B = ModelConfig(
     torch_dtype="bfloat16",
 )
 
-# Mixture-of-experts shapes. `small-moe` is `small` with each MLP made 8 experts of half its
-# width, 2 per token: the same parameters active per token (the MoE decode benchmark's pair),
-# four times the MLP parameters in all. Mixtral's attention is `small`'s Llama attention.
+# `small-moe`: `small` with each MLP made 8 experts of half its width, 2 per token (the same
+# parameters active per token, four times the MLP parameters in all).
 _SMALL_MOE = replace(
     _SMALL,
     architecture="MixtralForCausalLM",

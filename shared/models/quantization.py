@@ -1,9 +1,7 @@
 """Weight-only quantization of a loaded model's linear layers (`--quantization int8|fp8`).
 
 Every decoder projection (and with `--quantize-lm-head` the head) becomes 8-bit weights with one
-float32 scale per output channel; the embedding table stays. CPU int8: torch's x86 int8 GEMM
-over per-row quantized activations, or the C++ GEMV up to `GEMV_MAX_ROWS` rows. GPU int8/fp8:
-the Triton kernel (`nori.kernels.quantized_linear`); CPU fp8 its exact PyTorch reference.
+float32 scale per output channel; the embedding table stays.
 """
 
 from __future__ import annotations
@@ -63,8 +61,8 @@ GEMV_MAX_ROWS = 8
 
 class CpuInt8Linear(nn.Module):
     """int8 weights per output channel on torch's x86 int8 GEMM, prepacked once; activations are
-    quantized to uint8 per call after bringing rows to one magnitude (`nori.kernels.row_scale`),
-    so one row's outliers cannot take the others' bits. Up to GEMV_MAX_ROWS rows: the C++ GEMV.
+    quantized to uint8 per call, rows first brought to one magnitude (`nori.kernels.row_scale`);
+    up to GEMV_MAX_ROWS rows take the C++ GEMV.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -1,7 +1,5 @@
-"""Rotary position embedding in the Hugging Face "rotate_half" layout.
-
-Each token carries its own position, so tokens of many sequences flattened into one axis get the
-right rotation without the model knowing where one sequence ends.
+"""Rotary position embedding in the Hugging Face "rotate_half" layout; each token carries its own
+position, so tokens of many sequences flattened into one axis are rotated right.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """One rank's shard of a model, Megatron-style: its shapes (`local_model_config`) and the cut
 itself, in place (`shard_model`).
 
-Attention keeps the rank's heads (qkv column-, o_proj row-parallel); the MLP its share of gate/up
-and down's matching columns; a MoE MLP every expert's share, or whole experts under expert
-parallelism; embedding and head their vocabulary share. Norms and rotary stay whole. Runs before
-8-bit quantization or prepacking, which then see plain nn.Linear shards.
+Attention keeps the rank's heads, the MLP its share of gate/up and down's matching columns, a MoE
+MLP every expert's share (or whole experts under expert parallelism), embedding and head their
+vocabulary share; norms and rotary stay whole. Runs before 8-bit quantization or prepacking.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A real byte-level BPE tokenizer for random-weight checkpoints, trained on the built-in corpus.
 
-Byte-level BPE round-trips any text. Its vocabulary is padded with `<|reserved_N|>` entries up to
-the model's vocab size so that every id the model can emit decodes. The padding entries are
-plain vocabulary (no merge produces them, so encoding never yields them) rather than added
-special tokens, which `transformers.AutoTokenizer` loads far more slowly by the hundred thousand.
+Its vocabulary is padded with `<|reserved_N|>` entries up to the model's vocab size, so every id
+the model can emit decodes; they are plain vocabulary that no merge produces, not special tokens.
 """
 
 from __future__ import annotations

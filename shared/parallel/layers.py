@@ -11,8 +11,7 @@ from nori.parallel.group import TensorParallelGroup
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split across the ranks (o_proj, down_proj): partial sums added over the
-    ranks, then the bias once."""
+    """Input features split over ranks (o_proj, down_proj): partial sums added, then the bias."""
 
     def __init__(
         self, inner: nn.Module, bias: torch.Tensor | None, group: TensorParallelGroup

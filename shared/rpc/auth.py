@@ -34,8 +34,7 @@ async def _deny(request_or_iterator: object, context: grpc.aio.ServicerContext) 
 
 
 def denying_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that only aborts with UNAUTHENTICATED (gRPC needs the
-    method's own kind)."""
+    """A handler of `handler`'s kind (gRPC needs it) that only aborts with UNAUTHENTICATED."""
     options: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,

@@ -6,13 +6,11 @@ MAX_MESSAGE_BYTES = 64 << 20
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Keepalive while calls are open: a peer that stops answering HTTP/2 pings for 5 s (a hung
-    # or frozen process, a cut network, where no TCP reset ever comes) fails its calls with
-    # UNAVAILABLE, so the gateway moves the request on instead of waiting on it forever.
+    # Keepalive while calls are open: a peer that stops answering pings (hung, frozen, cut off)
+    # fails its calls with UNAVAILABLE, so the gateway moves the request on.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    # gRPC core (1.85) times a ping out by this one (default 60 s), whatever keepalive_timeout
-    # says: without it a frozen peer goes unnoticed for over a minute.
+    # gRPC core times a ping out by this one (default 60 s), whatever keepalive_timeout says.
     ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 0),
     # A stream that waits for a long prompt carries no data for a while; keep pinging it.

@@ -76,8 +76,7 @@ def exponential_race(
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]
-    token_tensor: torch.Tensor  # the same ids on the logits' device, to feed the next step
+    token_tensor: torch.Tensor  # one id per row, on the logits' device (not copied out)
     logprobs: list[TokenLogprobs | None] | None  # None when no row asked for logprobs
 
 
@@ -105,4 +104,4 @@ class Sampler:
         logprobs = None
         if batch.max_logprobs >= 0:
             logprobs = compute_logprobs(logits, tokens, batch.logprobs, batch.max_logprobs)
-        return SamplerOutput(tokens.tolist(), tokens, logprobs)
+        return SamplerOutput(tokens, logprobs)

@@ -1,8 +1,7 @@
 """The prefix-block directory: for each cached KV block (by content hash), which workers hold it.
 
-Workers publish their BlockManager's STORED/REMOVED events; the gateway asks which worker holds
-the longest prefix of a prompt. Entries are hints: a dead worker's expire (callers pass the live
-workers), and a lapsed entry only costs a missed cache hit.
+Workers publish their BlockManager's STORED/REMOVED events. Entries are hints: a dead worker's
+expire (callers pass the live workers), and a lapsed entry only costs a missed cache hit.
 """
 
 from __future__ import annotations

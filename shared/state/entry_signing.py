@@ -19,8 +19,7 @@ RefusalReason = Literal["unsigned", "forged", "expired"]
 
 
 def entry_message(mapping: Mapping[str, str]) -> bytes:
-    """What an entry's signature covers: every field but the signature (known or not), as
-    canonical JSON."""
+    """What a signature covers: every field but the signature (known or not), as canonical JSON."""
     covered = {name: value for name, value in mapping.items() if name != SIGNATURE_FIELD}
     return json.dumps(covered, sort_keys=True, separators=(",", ":")).encode()
 

@@ -1,7 +1,5 @@
-"""Every Redis key the cluster state uses, built in one place.
-
-All keys live under `{namespace}:` so that several clusters (or test runs) can share one Redis
-without seeing each other's state, and so that one SCAN pattern finds everything a cluster owns.
+"""Every Redis key the cluster state uses, built in one place, all under `{namespace}:` so that
+clusters sharing one Redis never see each other's state and one SCAN pattern finds a cluster's.
 """
 
 from __future__ import annotations

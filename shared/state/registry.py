@@ -1,9 +1,8 @@
 """The worker registry: who is in the cluster, what it serves, and how loaded it is.
 
-Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat, so a dead worker
-drops out by itself. With a cluster secret every entry is signed over all of its fields
-(`nori.state.entry_signing`) and the gateway routes only to entries that verify and have not
-expired; without one nothing is signed or checked.
+Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat. With a cluster
+secret every entry is signed over all of its fields (`nori.state.entry_signing`) and the gateway
+routes only to entries that verify; without one nothing is signed or checked.
 """
 
 from __future__ import annotations
@@ -90,9 +89,8 @@ class WorkerInfo:
 
     @classmethod
     def from_mapping(cls, mapping: RawMapping) -> WorkerInfo:
-        """Parses a hash written by `to_mapping`, possibly by another version of Nori: unknown
-        fields are ignored, missing ones take defaults; worker_id and role are required, and a
-        malformed value raises ValueError."""
+        """Parses a hash written by `to_mapping` (perhaps by another Nori version): unknown fields
+        ignored, missing ones defaulted; worker_id and role required; ValueError if malformed."""
         raw = as_str_mapping(mapping)
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
@@ -145,8 +143,7 @@ def _fields(mapping: dict[str, str]) -> dict[EncodableT, EncodableT]:
 
 
 class WorkerRegistry(RedisStore):
-    """The registry; with a secret in `auth`, writes are signed and reads list only entries that
-    verify."""
+    """The registry; with a secret in `auth`, writes are signed and reads list verified entries."""
 
     default_ttl_s = 5.0
 
@@ -198,10 +195,8 @@ class WorkerRegistry(RedisStore):
         return [w for w in listing.workers if role is None or w.role == role]
 
     async def list_entries(self) -> WorkerListing:
-        """Live workers, sorted by worker_id, and the entries refused by their check.
-
-        SCAN, not a members set: expired hashes simply vanish. A record that does not parse is
-        logged and skipped, so one bad worker cannot hide the others.
+        """Live workers, sorted by worker_id, and the entries refused by their check. A record
+        that does not parse is logged and skipped, so one bad worker cannot hide the others.
         """
         keys: set[str] = set()  # SCAN may return a key more than once
         async for key in self._redis.scan_iter(
@@ -252,10 +247,8 @@ FAILING_RETRY_S = 0.25
 
 
 class Heartbeat:
-    """Keeps one worker registered by re-writing its record every `interval_s`.
-
-    `info` is called on every beat. Any failure is logged and retried, so a worker re-joins
-    whenever Redis comes back.
+    """Keeps one worker registered by re-writing its record (`info()`, called every beat) every
+    `interval_s`. Failures are logged and retried, so a worker re-joins when Redis comes back.
     """
 
     def __init__(

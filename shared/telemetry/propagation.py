@@ -1,7 +1,5 @@
-"""A trace's context across process boundaries: gRPC metadata and the KV hand-off.
-
-W3C Trace Context (`traceparent`, `tracestate`) through OpenTelemetry's configured propagator
-(`OTEL_PROPAGATORS`, W3C by default), so any OpenTelemetry client can start the trace.
+"""A trace's context across process boundaries (gRPC metadata, the KV hand-off), through
+OpenTelemetry's configured propagator (`OTEL_PROPAGATORS`, W3C Trace Context by default).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Each role's tracer: spans exported over OTLP/gRPC when an endpoint is set, none otherwise.
 
-Configuration is OpenTelemetry's own: `--otlp-traces-endpoint` (as vLLM names it) or the
-standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`
-over the role's default name, and the exporter's and batch processor's other `OTEL_*` variables.
-With no endpoint the tracer is OpenTelemetry's no-op one: no provider, no exporter thread, and a
-span costs a few attribute-free calls. Nothing is installed globally: each role passes its
-tracer to what needs it, so one process can hold several roles (the tests do).
+Configured as OpenTelemetry is: `--otlp-traces-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
+/ `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME` over the role's default name, and the other
+`OTEL_*` variables. With no endpoint the tracer is OpenTelemetry's no-op one. Nothing is installed
+globally: each role passes its tracer to what needs it.
 """
 
 from __future__ import annotations

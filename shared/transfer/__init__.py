@@ -1,13 +1,9 @@
 """Transports that move KV blocks between workers: UCX (ucxx) and a plain TCP fallback.
 
-A decode worker implements `KVSink` and runs a receiver; a prefill worker sends with a sender:
-
-    receiver = make_receiver(None, sink)         # UCX where ucxx imports, TCP otherwise
-    address = await receiver.start(advertise_host=my_ip)
-    sender = make_sender(None)                   # dispatches on the address scheme
-    await sender.send(address, TransferHeader.of(...), buffers)
-
-Importing this package does not import ucxx; `make_*(None|"ucx")` and `ucx_available()` do.
+A decode worker implements `KVSink` and runs `make_receiver(None, sink)` (UCX where ucxx
+imports, TCP otherwise); a prefill worker sends with `make_sender(None)`, which dispatches on the
+address scheme. Importing this package does not import ucxx; `make_*(None|"ucx")` and
+`ucx_available()` do.
 """
 
 from nori.transfer.base import (

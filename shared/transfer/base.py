@@ -1,7 +1,6 @@
 """The transport-neutral interface: errors, the sink, the endpoints and a transport's `Channel`
-(the header is `handoff.py`'s). A prefill worker (`KVSender`) pushes one request's KV blocks into a decode
-worker's (`KVReceiver`) paged cache; the decode worker's `KVSink.destinations` decides where the
-bytes land, so the receiver writes straight into the cache tensors.
+(the header is `handoff.py`'s). A `KVSender` pushes one request's KV blocks straight into a
+`KVReceiver`'s paged cache, where its `KVSink.destinations` says.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class Channel(Protocol):
     async def send_buffers(
         self, views: list[torch.Tensor], hasher: TransferHasher | None = None
     ) -> None:
-        """Sends flat uint8 views, all in flight at once, feeding `hasher` (if given) every byte
-        in order."""
+        """Sends flat uint8 views, all in flight at once, feeding `hasher` (if any) every byte."""
         ...
 
     async def recv_buffers(

@@ -1,10 +1,8 @@
 """The per-transfer conversation, the same over UCX and TCP; a transport only provides a
 `Channel` (framed messages both ways, one transfer at a time).
 
-The sender's header is answered by accept or reject; the bytes then move as messages, one per
-joint run of adjacent buffers, or are copied out of the sender's shared memory on one host; a
-checksum (or trailer) follows; the receiver acknowledges with `done` only after the sink took
-the bytes. The message sequence: docs/architecture.md.
+A header, accepted or rejected; the bytes; a checksum or trailer; `done` only after the sink
+took the bytes. The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -335,11 +333,9 @@ class ConnectionPool(Generic[C]):
         self._closed = False
 
     async def run(self, address: str, transfer: Callable[[C], Awaitable[T]]) -> T:
-        """Runs `transfer` on a connection to `address`.
-
-        The connection goes back to the pool after success or a rejection (the conversation is
-        still in step) and is closed after any other failure. A pooled connection that broke
-        before the receiver answered the header is replaced once, transparently.
+        """Runs `transfer` on a connection to `address`. The connection goes back to the pool
+        after success or a rejection and is closed after any other failure; a pooled one that
+        broke before the header's answer is replaced once, transparently.
         """
         if self._closed:
             raise TransferError("the sender is closed")

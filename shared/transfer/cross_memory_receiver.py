@@ -1,11 +1,10 @@
 """The receiver's side of a transfer it copies out of the sender's shared memory.
 
-`PullReader.can_pull` takes up an offer only where it maps every offered segment here (the
-sender's abstract socket answers with the offer's probe), else logs why once and the bytes go
-as messages. `pull` copies the regions into the receiver's destinations in stream order, out of
-read-only mappings, hashing each chunk as it lands; it touches no byte outside the offered
-segments. Mappings are kept per sender (LRU) and unmapped once the sender leaves and no copy
-uses them. The message sequence: docs/architecture.md.
+`PullReader.can_pull` takes up an offer only where it maps every offered segment here (else it
+logs why once and the bytes go as messages). `pull` copies the regions into their destinations in
+stream order, out of read-only mappings, hashing each chunk as it lands, touching no byte outside
+the offered segments. Mappings are kept per sender (LRU) until it leaves and no copy uses them.
+The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -285,8 +284,7 @@ class PullReader:
             self._evict(name)
 
     def close(self) -> None:
-        """Unmaps every sender's segments (an ongoing copy unmaps its own when done) and stops
-        the copy threads."""
+        """Unmaps all senders' segments (an ongoing copy's when done) and stops the copy threads."""
         for name in list(self._senders):
             self._evict(name)
         if self._executor is not None:

@@ -1,10 +1,9 @@
 """The sender's side of a transfer that the receiver copies out of the sender's shared memory.
 
-`PullSource.offer` describes a transfer's bytes only when all lie in shared memory (KV caches,
-the prefill export arena); else the bytes go as messages. The offer names an abstract Unix
-socket (`SegmentServer`) that hands read-only segment descriptors to a process of this user,
-answering first with the offer's random probe bytes. Invariant: the buffers stay unchanged until
-the trailer, sent only after the receiver's `pulled`. The message sequence: docs/architecture.md.
+`PullSource.offer` describes a transfer's bytes only when all lie in shared memory, else they go
+as messages. The offer names an abstract Unix socket (`SegmentServer`) that hands read-only
+segment descriptors to a process of this user. Invariant: the buffers stay unchanged until the
+trailer, sent only after the receiver's `pulled`. The message sequence: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ def extend_regions(regions: list[Region], address: int, nbytes: int) -> None:
 
 @dataclass(frozen=True)
 class Segment:
-    """A stretch of shared memory: its start in the sender, its length, and its key (the
-    shared-memory file's inode)."""
+    """Shared memory: its start in the sender, length and key (the shared-memory file's inode)."""
 
     address: int
     nbytes: int

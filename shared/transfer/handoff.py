@@ -1,10 +1,6 @@
-"""The prefill-to-decode hand-off on the wire: one typed message, one codec, both sides.
+"""The prefill-to-decode hand-off on the wire (`proto/nori/v1/handoff.proto`), its only codec.
 
-Protobuf (`proto/nori/v1/handoff.proto`): `KVDestination` (the decode worker's reserved blocks),
-`HandOff` (destination, first token, sampler RNG state) and the transfer's `KVTransferHeader`
-and `KVTransferReply`. Only this module encodes them and checks what a peer sent; a header
-starts with a magic and a version, so a foreign or older peer is refused, not misread.
-
+A header starts with a magic and a version: a foreign or older peer is refused, not misread.
 Receiver addresses: "ucx://host:port" or "tcp://host:port" (IPv6 hosts in brackets), or
 "ucx://host/PEER" for a UCX receiver reached by its worker address (no listening socket): PEER
 is the receiver's hello tag (16 hex digits), a dash, and its UCX worker address in hex.
@@ -47,9 +43,8 @@ class TransferHeader:
     source_runs: tuple[int, ...] = ()
     # The sender's shared-memory offer (`cross_memory_sender`); None: it sends the bytes.
     pull_offer: CrossMemoryOffer | None = None
-    # Not on the wire (nor compared) from here on. The sender's checksum, and the one the
-    # receiving transport took as the bytes landed, set by the receiving conversation for the
-    # sink to compare; how the bytes came.
+    # Not on the wire (nor compared) from here on: the sender's and the receiving transport's
+    # checksums, set by the receiving conversation for the sink to compare; how the bytes came.
     buffer_checksums: tuple[int, ...] = field(default=(), compare=False)
     received_checksums: tuple[int, ...] = field(default=(), compare=False)
     bulk: KVBulk = field(default="messages", compare=False)
@@ -69,8 +64,7 @@ class TransferHeader:
         checksums_follow: bool = False,
         sender: str = "",
     ) -> TransferHeader:
-        """A header for `block_ids` of `destination` (a bare one when None); `sender` names the
-        sending worker."""
+        """A header for `block_ids` of `destination` (bare when None), from the `sender` worker."""
         where = KVDestination()
         if destination is not None:
             where.CopyFrom(destination)
@@ -112,8 +106,7 @@ class TransferHeader:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TransferHeader:
-        """Parses and checks a header; ValueError saying what is wrong on anything foreign or
-        malformed."""
+        """Parses and checks a header; ValueError saying what is wrong if foreign or malformed."""
         if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 1:
             raise ValueError(
                 "not a Nori KV transfer header (a different program, or a Nori older than "
@@ -217,8 +210,7 @@ def worker_peer(hello_tag: int, worker_address: bytes) -> str:
 
 
 def parse_address(address: str) -> Address:
-    """Raises ValueError for anything but "<scheme>://<host>:<port>" with a known scheme, or
-    "ucx://<host>/<peer>"."""
+    """ValueError unless "<scheme>://<host>:<port>" (a known scheme) or "ucx://<host>/<peer>"."""
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in SCHEMES:
         raise ValueError(f"transfer address {address!r} must start with ucx:// or tcp://")

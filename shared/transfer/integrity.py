@@ -1,9 +1,8 @@
 """A transfer's bytes: flat views of its tensors, the checks both ends make on them, their runs
 of adjacent buffers, and checksums, so the receiver decodes only the bytes the sender sent.
 
-A `checksums_follow` transfer ends with one checksum of its byte stream (`TransferHasher`),
-taken by the sender as it copies and by the receiver as the bytes land. A transfer without one
-is refused (fail-closed), as is one whose bytes differ. Costs: docs/benchmarks.md#kv-integrity-checksums.
+A `checksums_follow` transfer ends with one checksum of its byte stream (`TransferHasher`); one
+without it, or whose bytes differ, is refused (fail-closed). Costs: docs/benchmarks.md#kv-integrity-checksums.
 """
 
 from __future__ import annotations
@@ -123,8 +122,7 @@ def _run_ends(runs: tuple[int, ...]) -> list[int]:
 
 
 def merge_runs(views: list[torch.Tensor], runs: tuple[int, ...]) -> list[torch.Tensor]:
-    """One flat byte view per run, spanning its views' memory (no copy); `runs` must be runs
-    of adjacent views."""
+    """One flat byte view (no copy) per run; `runs` must be runs of adjacent views."""
     if sum(runs) != len(views):
         raise ValueError(f"runs over {sum(runs)} buffers for {len(views)}")
     merged: list[torch.Tensor] = []

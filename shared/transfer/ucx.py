@@ -1,9 +1,8 @@
 """The UCX transport (ucxx): shared memory between workers on one host, the network across.
 
 `UcxReceiver` lands transfers in the sink's tensors; `UcxSender` sends over pooled connections
-(`UcxChannel`: a listener's endpoint pair, or two one-way endpoints between worker addresses,
-`ucx_worker`). The sender posts every buffer at once; the receiver lands each run in place.
-Importing applies `ucx_env`'s settings before ucxx initialises; ImportError without ucxx.
+(`UcxChannel`). Importing applies `ucx_env`'s settings before ucxx initialises; ImportError
+without ucxx.
 """
 
 from __future__ import annotations

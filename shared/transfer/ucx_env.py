@@ -47,9 +47,8 @@ def is_loopback(host: str) -> bool:
 
 
 def confine_ucx_to(host: str) -> None:
-    """Keeps UCX's own sockets on `lo` (UCX_NET_DEVICES) for a worker bound to loopback; KV
-    between workers on one host still moves through shared memory. An operator's
-    UCX_NET_DEVICES wins. Call before UCX starts.
+    """Keeps UCX's own sockets on `lo` (UCX_NET_DEVICES) for a worker bound to loopback, unless
+    the operator set UCX_NET_DEVICES. Call before UCX starts.
     """
     names = {name for _, name in socket.if_nameindex()}
     if is_loopback(host) and LOOPBACK_DEVICE in names:

@@ -1,11 +1,10 @@
 """This process's UCX worker driven from asyncio, and connections to a UCX worker address.
 
-ucxx runs in "blocking" mode: `wait_all` progresses the worker every loop turn while data moves;
-a connection waiting for a message sleeps on the worker's event fd (through its own epoll). Bulk
-data is posted straight on the endpoint (ucxx's private `Endpoint._ep` and `_tags`). A loopback
-receiver is reached by its worker address: a hello on its tag, answered by a welcome; UCX reports
-no close or death there, so each end says bye on close and watches the other's process in /proc
-(`PeerWatch`). Why: docs/benchmarks.md#ucx-progress-from-asyncio.
+ucxx runs in "blocking" mode; a waiting connection sleeps on the worker's event fd. Bulk data is
+posted straight on the endpoint (ucxx's private `Endpoint._ep` and `_tags`). A loopback receiver
+is reached by its worker address (a hello on its tag, answered by a welcome); UCX reports no close
+or death there, so each end says bye on close and watches the other's process (`PeerWatch`).
+Why: docs/benchmarks.md#ucx-progress-from-asyncio.
 """
 
 from __future__ import annotations
@@ -135,8 +134,7 @@ class UcxProgress:
 
     async def _sleep(self, timeout_s: float, request: UcxRequest | None = None) -> None:
         """Sleeps until the worker has an event (or `request`, a future, is done), at most
-        `timeout_s`; returns at once if events are pending (progressing first and then arming
-        could swallow the very event the caller waits for)."""
+        `timeout_s`; returns at once if events are pending."""
         if not self._worker.arm():
             self._worker.progress()
             await asyncio.sleep(0)
@@ -172,8 +170,7 @@ class UcxProgress:
         self, requests: Sequence[UcxRequest], peer_left: Callable[[], bool] | None = None
     ) -> None:
         """Waits for every request in order; raises the first failure, ConnectionError once
-        `peer_left` says so. A turn without progress yields the CPU; it sleeps on the worker's
-        fd only after `_QUIET_SLEEP_S` without progress (UCX does not signal every step)."""
+        `peer_left` says so; sleeps on the worker's fd after `_QUIET_SLEEP_S` without progress."""
         quiet_since: float | None = None
         for request in requests:
             while not request.done():
@@ -195,8 +192,7 @@ class UcxProgress:
             request.result()
 
     def _take(self, tag: int) -> tuple[_Posted, np.ndarray] | None:
-        """Receives a message that came on `tag` (from any endpoint) into a buffer of its size;
-        None when none came."""
+        """A message that came on `tag` (any endpoint), in a buffer of its size; None if none."""
         probe = self._worker.tag_probe(Tag(tag), TagMaskFull, True)
         if not probe.matched:
             return None

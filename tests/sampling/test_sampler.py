@@ -46,7 +46,7 @@ def kept(logits: torch.Tensor) -> list[int]:
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
     out = run(logits, [SamplingParams(temperature=0.0)] * 8)
-    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_tensor.tolist() == logits.argmax(-1).tolist()
     assert out.logprobs is None
 
 
@@ -55,7 +55,7 @@ def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.5, top_k=5) for i in range(6)]
     out = run(logits, params)
     for i in range(1, 6, 2):
-        assert out.token_ids[i] == int(logits[i].argmax())
+        assert out.token_tensor.tolist()[i] == int(logits[i].argmax())
 
 
 def test_top_k_keeps_k_most_likely() -> None:
@@ -102,9 +102,9 @@ def test_min_p_relative_to_top_token() -> None:
 def test_truncation_limits_sampled_tokens() -> None:
     logits = logits_of([0.1, 0.4, 0.05, 0.3, 0.15]).repeat(200, 1)
     out = run(logits, [SamplingParams(top_k=2)] * 200)
-    assert set(out.token_ids) == {1, 3}
+    assert set(out.token_tensor.tolist()) == {1, 3}
     out = run(logits, [SamplingParams(min_p=0.3)] * 200)
-    assert set(out.token_ids) == {1, 3, 4}
+    assert set(out.token_tensor.tolist()) == {1, 3, 4}
 
 
 def test_repetition_penalty_hand_computed() -> None:
@@ -133,7 +133,7 @@ def test_frequency_and_presence_hand_computed() -> None:
 def test_penalties_change_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     out = run(logits, [SamplingParams(temperature=0, presence_penalty=1.0)], outputs=[[0]])
-    assert out.token_ids == [1]
+    assert out.token_tensor.tolist() == [1]
 
 
 def test_min_tokens_bans_eos_and_stop_ids() -> None:
@@ -144,7 +144,11 @@ def test_min_tokens_bans_eos_and_stop_ids() -> None:
         SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3], ignore_eos=True),
     ]
     out = run(logits, params, outputs=[[4], [4, 4], [4]], eos=(1,))
-    assert out.token_ids == [4, 1, 1]  # banned below min_tokens; free after; ignore_eos: no ban
+    assert out.token_tensor.tolist() == [
+        4,
+        1,
+        1,
+    ]  # banned below min_tokens; free after; ignore_eos: no ban
 
 
 def test_seeded_rows_independent_of_batch_mates_and_position() -> None:
@@ -169,7 +173,7 @@ def test_seeded_rows_independent_of_batch_mates_and_position() -> None:
                 generators=gens,
                 sampler=Sampler(torch.Generator().manual_seed(mate_seed)),
             )
-            tokens.append(out.token_ids[position])
+            tokens.append(out.token_tensor.tolist()[position])
         return tokens
 
     reference = draw(1, 0, 0)
@@ -185,7 +189,7 @@ def test_temperature_sampling_frequencies() -> None:
     n = 20000
     logits = probs.log().repeat(n, 1)
     out = run(logits, [SamplingParams(temperature=temperature)] * n)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).float() / n
+    counts = torch.bincount(torch.tensor(out.token_tensor.tolist()), minlength=4).float() / n
     # 5 standard deviations of a binomial proportion: fails by chance ~1e-6, yet catches a
     # missing temperature (0.5 vs 0.62 for the top token) many times over.
     sigma = (expected * (1 - expected) / n).sqrt()
@@ -207,7 +211,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
     for row in (0, 1, 3):
         entry = out.logprobs[row]
         assert entry is not None
-        token = out.token_ids[row]
+        token = out.token_tensor.tolist()[row]
         assert entry.token_id == token
         assert entry.logprob == pytest.approx(float(reference[row, token]), abs=1e-5)
         assert entry.rank == int((reference[row] > reference[row, token]).sum()) + 1
@@ -231,7 +235,7 @@ def test_masked_tokens_never_sampled_with_neg_inf_logits() -> None:
     logits = torch.full((500, 10), NEG)
     logits[:, 7] = 0.0
     out = run(logits, [SamplingParams(top_p=0.5, min_p=0.1)] * 500)
-    assert set(out.token_ids) == {7}
+    assert set(out.token_tensor.tolist()) == {7}
 
 
 def test_shape_mismatch_is_rejected() -> None:

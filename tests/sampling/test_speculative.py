@@ -48,7 +48,7 @@ def plain_greedy_token(
     logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
 ) -> int:
     batch = SamplingBatch.build([RowState(params, prompt, output)], "cpu", eos_token_ids=(0,))
-    return Sampler()(logits[None], batch).token_ids[0]
+    return int(Sampler()(logits[None], batch).token_tensor[0])
 
 
 def test_greedy_keeps_exactly_the_plain_greedy_tokens() -> None:
