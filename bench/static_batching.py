@@ -69,7 +69,7 @@ class StaticBatchScheduler(Scheduler):
         """A member's next tokens; a left pad's up to its last (which it never computes, so it
         never samples); a finished row's next pad token, one a step."""
         if request.request_id not in self.pad_rows:
-            if request.num_pending_tokens and request.reached_length_limit:
+            if request.awaits_last_token:
                 return 0  # it ends when its last token is resolved
             return min(request.num_uncomputed_tokens, budget)
         if request.request_id in self.left_pads:

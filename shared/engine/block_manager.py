@@ -133,11 +133,13 @@ class BlockManager:
         `cached_prefix` (only for a request holding no blocks) starts its table, advancing
         num_computed_tokens. Returns False and changes nothing when the pool cannot supply it.
         """
-        prefix = list(cached_prefix)
-        if not prefix and self.blocks_needed(request.num_computed_tokens + num_new_tokens) <= len(
-            request.block_ids
+        if (
+            not cached_prefix
+            and request.num_computed_tokens + num_new_tokens
+            <= len(request.block_ids) * self.block_size
         ):
             return True  # its table covers them already (a decode inside its last block)
+        prefix = list(cached_prefix)
         if prefix and request.block_ids:
             raise ValueError("a cached prefix can only start an empty block table")
         if self.num_missing_blocks(request, num_new_tokens, prefix):

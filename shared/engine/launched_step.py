@@ -30,8 +30,9 @@ class LaunchedStep:
         if self._events is not None:
             self._events[1].record()
         self.sampled = sampled
-        for request in [] if sampled is None else sampled.requests:
+        for row, request in enumerate([] if sampled is None else sampled.requests):
             request.num_pending_tokens += 1
+            request.pending_row = row
 
     def defers(self, speculating: bool) -> bool:
         """Whether the tokens may stay pending through the next step: plain rows only (no

@@ -162,21 +162,24 @@ def check_stop(
 ) -> RequestStatus | None:
     """Feeds the sampled token (already appended to the request) to the detokenizer; the finish
     status when it ends the request, else None."""
-    assert request.detokenizer is not None
+    detokenizer = request.detokenizer
+    assert detokenizer is not None
     params = request.sampling_params
-    result = request.detokenizer.add_token(token_id)
-    request.text += result.new_text
-    num_output = len(request.token_ids) - len(request.prompt_token_ids)
+    new_text, stop_string = detokenizer.add_token(token_id)
+    if new_text:
+        request.text += new_text
+    num_tokens = len(request.token_ids)
+    num_output = num_tokens - len(request.prompt_token_ids)
     if num_output >= params.min_tokens:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return _flush(request, RequestStatus.FINISHED_STOPPED)
-        if not params.ignore_eos and token_id in eos_token_ids:
+        if token_id in eos_token_ids and not params.ignore_eos:
             return _flush(request, RequestStatus.FINISHED_STOPPED)
-        if result.stop_string is not None:
-            request.stop_reason = result.stop_string
+        if stop_string is not None:
+            request.stop_reason = stop_string
             return RequestStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or len(request.token_ids) >= max_model_len:
+    if num_output >= params.max_tokens or num_tokens >= max_model_len:
         return _flush(request, RequestStatus.FINISHED_LENGTH)
     return None
 
@@ -206,26 +209,28 @@ def _flush(request: Request, status: RequestStatus) -> RequestStatus:
 def make_output(request: Request) -> StepOutput:
     """What is new since the last output (the whole text so far, too); marks it reported."""
     status = request.status
-    output_ids = request.output_token_ids
+    token_ids = request.token_ids
+    num_prompt = len(request.prompt_token_ids)
+    text = request.text
     finished = status.is_finished
     result = StepOutput(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
-        token_ids=output_ids,
-        text=request.text,
-        new_token_ids=output_ids[request.num_emitted_tokens :],
-        new_text=request.text[request.num_emitted_chars :],
+        token_ids=token_ids[num_prompt:],
+        text=text,
+        new_token_ids=token_ids[num_prompt + request.num_emitted_tokens :],
+        new_text=text[request.num_emitted_chars :],
         finished=finished,
         finish_reason=status.value if finished else None,
         stop_reason=request.stop_reason,
-        logprobs=list(request.logprobs) if request.logprobs is not None else None,
+        logprobs=None if request.logprobs is None else list(request.logprobs),
         prompt_logprobs=request.prompt_logprobs,
         num_cached_tokens=request.num_cached_tokens,
         prefilled=status is RequestStatus.PREFILLED,
         scheduled_at=request.first_scheduled_at,
     )
-    request.num_emitted_tokens = len(output_ids)
-    request.num_emitted_chars = len(request.text)
+    request.num_emitted_tokens = len(token_ids) - num_prompt
+    request.num_emitted_chars = len(text)
     return result
 
 

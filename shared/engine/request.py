@@ -41,14 +41,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
+    def __init__(self, value: str) -> None:
+        # An attribute, not a property: read for every request in every step.
+        self.is_finished = value in ("stop", "length", "abort")
 
 
 @dataclass(eq=False)
@@ -70,6 +65,8 @@ class Request:
     token_ids: list[int] = field(init=False)
     # Sampled tokens not in `token_ids` yet (a step still in flight); `num_tokens` counts them.
     num_pending_tokens: int = 0
+    # Its row in the sampled tokens of the step in flight, while a token is pending.
+    pending_row: int = 0
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache when the request was (last) admitted.
     num_cached_tokens: int = 0
@@ -125,6 +122,11 @@ class Request:
         """Its tokens, pending ones included, already make its longest output: nothing more to
         compute (its last token only waits to be resolved)."""
         return 0 < self.max_new_tokens <= self.num_output_tokens
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its last token by length is pending: nothing to schedule, it ends once resolved."""
+        return self.num_pending_tokens > 0 and self.reached_length_limit
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -181,13 +181,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_pending_tokens and request.reached_length_limit:
+            if request.awaits_last_token:
                 index += 1  # it ends when its last token is resolved
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             # Drafts take what is left once every running request has one token of the budget.
-            num_spec = min(
-                spec_lengths.get(request.request_id, 0), budget - len(self.running) + index
+            num_spec = (
+                min(spec_lengths.get(request.request_id, 0), budget - len(self.running) + index)
+                if spec_lengths
+                else 0
             )
             if num_new == 1 and num_spec > 0 and self.block_manager.allocate(request, 1 + num_spec):
                 scheduled.append(ScheduledRequest(request, 1 + num_spec, num_spec))
@@ -224,7 +226,8 @@ class Scheduler:
                 min(budget, prefill_budget), background_budget, scheduled, preempted
             )
 
-        scheduled.sort(key=lambda s: (s.num_new_tokens > 1, s.num_spec_tokens == 0))
+        if any(item.num_new_tokens > 1 for item in scheduled):
+            scheduled.sort(key=lambda s: (s.num_new_tokens > 1, s.num_spec_tokens == 0))
         self._count(scheduled)
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
 
@@ -236,9 +239,11 @@ class Scheduler:
             request = item.request
             if request.first_scheduled_at is None:
                 request.first_scheduled_at = now
-            prompt_end = min(request.num_prompt_tokens, request.num_tokens)
-            step_end = min(prompt_end, request.num_computed_tokens + item.num_new_tokens)
-            self.num_prompt_tokens_computed += max(step_end - request.num_computed_tokens, 0)
+            computed = request.num_computed_tokens
+            if computed < len(request.prompt_token_ids):
+                prompt_end = min(request.num_prompt_tokens, request.num_tokens)
+                step_end = min(prompt_end, computed + item.num_new_tokens)
+                self.num_prompt_tokens_computed += max(step_end - computed, 0)
 
     def _background_budget(self, budget: int) -> int:
         """Background prompt tokens this step may carry: capped while interactive work is about

@@ -133,9 +133,6 @@ class StepInputs:
         prompt_logprob_rows: list[PromptLogprobRows] = []
         num_decodes = num_verifies = 0
         table_row = self._table_row
-        pending_rows = (
-            {} if previous is None else {id(r): i for i, r in enumerate(previous.requests)}
-        )
         gather_to: list[int] = []
         for item in scheduled:
             request = item.request
@@ -149,7 +146,7 @@ class StepInputs:
                 if start < len(request.token_ids):
                     ids.append(request.token_ids[start])
                 else:  # sampled by the step in flight
-                    self._gather_from.array[len(gather_to)] = pending_rows[id(request)]
+                    self._gather_from.array[len(gather_to)] = request.pending_row
                     gather_to.append(row)
                     ids.append(0)
                 positions.append(start)

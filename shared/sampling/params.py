@@ -135,7 +135,7 @@ class SamplingParams:
         """Greedy, no penalties, no logprobs: only an argmax (once past min_tokens)."""
         return self.is_greedy and not self.has_penalties and self.logprobs is None
 
-    @property
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
