@@ -29,6 +29,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 # Redis keys of one cluster start with it: clusters can share a Redis.
 DEFAULT_NAMESPACE = "nori"
 DEFAULT_BLOCK_SIZE = 16
+# What `nori up`, `generate`, `run-batch` and `bench` serve without --model (a PyPI package's GGUF).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 # How long a decode worker holds blocks reserved for a prompt without word from its prefill
 # worker (renewals extend it).
 DEFAULT_KV_LEASE_S = 10.0

@@ -15,7 +15,7 @@ from nori.engine.config import (
     Quantization,
     SpeculativeConfig,
 )
-from nori.settings import DEFAULT_BLOCK_SIZE
+from nori.settings import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 
 
 def prefill_budget(text: str) -> PrefillBudget:
@@ -89,11 +89,11 @@ def add_engine_args(
     if with_model:
         group.add_argument(
             "--model",
-            default="demo",
-            help="a local Hugging Face checkpoint folder, or a built-in random-weight model "
-            "created on first use: 'demo' (3.7M parameters), 'small' (24M) or 'small-moe' (75M, "
-            "8 experts, 2 active: small's active parameters); their text is "
-            "meaningless",
+            default=DEFAULT_MODEL,
+            help="a local Hugging Face checkpoint folder, a .gguf file, "
+            "'smollm2-135m-instruct' (SmolLM2-135M-Instruct, installed by scripts/bootstrap), or a built-in random-weight model for tests, created on first "
+            "use: 'demo' (3.7M parameters), 'small' (24M) or 'small-moe' (75M, 8 experts, 2 "
+            "active); their text is meaningless",
         )
     group.add_argument(
         "--tokenizer",
@@ -106,7 +106,9 @@ def add_engine_args(
         "--dtype",
         default="auto",
         choices=get_args(Dtype),
-        help="auto: float32 on CPU, the checkpoint's half type on GPU",
+        help="auto: the checkpoint's half type on GPU (else bfloat16); on CPU bfloat16 for a "
+        "half-type checkpoint where the CPU has bf16 instructions (AVX-512 BF16 or AMX), else "
+        "float32",
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument(

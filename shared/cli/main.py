@@ -10,6 +10,7 @@ from typing import Any
 
 from nori.cli import bench, generate, health, model, run_batch, serve, up
 from nori.parent_death import die_with_parent
+from nori.settings import DEFAULT_MODEL
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if getattr(args, "model", None) == DEFAULT_MODEL and getattr(args, "model_tag", None) is None:
+        from nori.models.demo import default_model
+
+        args.model = default_model()  # `demo` where its package is missing, said in one line
     try:
         return int(args.handler(args))
     except ValueError as error:

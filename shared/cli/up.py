@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from nori.cli.engine_args import (
@@ -16,11 +17,13 @@ from nori.cli.engine_args import (
     positive_int,
     prefill_budget_by_role,
 )
+from nori.cli.up_phases import curl_line, prepare_model_and_kernels, say
 from nori.launch.cpu_plan import PINNED_ROLES
 from nori.settings import (
     DEFAULT_DISAGGREGATION,
     DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_LOCAL_COMPUTE_S,
+    DEFAULT_MODEL,
     DEFAULT_NAMESPACE,
     DISAGGREGATION_MODES,
     Environment,
@@ -119,7 +122,10 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
 def add_cluster_args(group: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """What `nori up` and both sides of `nori bench compare` share."""
     group.add_argument(
-        "--model", default="demo", help="model folder, or a built-in model: demo, small"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model folder, .gguf file or built-in name (demo and small: random weights, for "
+        "tests)",
     )
     group.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     group.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
@@ -208,10 +214,9 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     from nori.cluster_auth import generate_secret
     from nori.launch.local_cluster import ClusterSpec, check_port_free
     from nori.launch.redis_server import redis_for_cluster
-    from nori.models.demo import resolve_model
 
     if args.model_tag is not None:
-        if args.model not in ("demo", args.model_tag):
+        if args.model not in (DEFAULT_MODEL, args.model_tag):
             raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
     if args.prefill < 1 or args.decode < 1:
@@ -226,10 +231,11 @@ def prepare_cluster(args: argparse.Namespace) -> tuple[ClusterSpec, RedisServer 
     prefill_args = worker_args(args.prefill_args, "--prefill-args")
     decode_args = worker_args(args.decode_args, "--decode-args")
     _check_pools_speculate_alike(args, extra_worker_args, prefill_args, decode_args)
-    resolve_model(args.model)
-    if args.tokenizer is not None:
-        resolve_model(args.tokenizer)
-    _build_cpu_kernels()
+    from nori.kernels.cpu_build import cpu_kernels
+
+    # Before the pinned workers start: each would build the kernels on one CPU.
+    build = cpu_kernels if Environment.read().cpu_kernels else None
+    prepare_model_and_kernels(args.model, args.tokenizer, build)
     redis_url, redis_server = redis_for_cluster(args.namespace)
     role_redis_urls = redis_server.role_urls() if redis_server is not None else {}
     spec = settings_from(
@@ -282,8 +288,10 @@ def _check_pools_speculate_alike(
 
 def run(args: argparse.Namespace) -> int:
     from nori.launch.local_cluster import LocalCluster
+    from nori.models.demo import resolve_model
     from nori.state.connection import redacted
 
+    started = time.monotonic()
     spec, redis_server = prepare_cluster(args)
     redis_url = spec.redis_url
     stop = threading.Event()
@@ -296,15 +304,22 @@ def run(args: argparse.Namespace) -> int:
             f"nori: Redis at {redacted(redis_url)} ({where}); starting the cluster...", flush=True
         )
         print(_describe_plan(spec.cpu_plan), flush=True)
-        cluster.start(timeout_s=args.startup_timeout_s)
-        name = spec.served_model_name
-        print(
-            f"nori: serving {name!r} at {cluster.url}/v1 "
-            f"({'colocated' if args.colocated else f'{args.prefill} prefill, {args.decode} decode'})"
-            f"\n  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 32}}'"""
-            f"\n  logs: {cluster.processes[0].log_path.parent}; Ctrl-C stops everything",
-            flush=True,
+        roles_started = time.monotonic()
+        cluster.start(
+            timeout_s=args.startup_timeout_s,
+            on_healthy=lambda role: say(
+                f"{role} healthy ({time.monotonic() - roles_started:.1f} s after starting)"
+            ),
+        )
+        name = spec.served_model_name or spec.model
+        pools = "colocated" if args.colocated else f"{args.prefill} prefill, {args.decode} decode"
+        # A key from --api-key is on the command line already; one from the environment is not.
+        bearer = None if spec.api_key is None else (args.api_key or "$NORI_API_KEY")
+        curl = curl_line(cluster.url, name, resolve_model(spec.model), bearer)
+        say(
+            f"serving {name!r} at {cluster.url}/v1 ({pools}), "
+            f"{time.monotonic() - started:.1f} s after `nori up` began\n  {curl}"
+            f"\n  logs: {cluster.processes[0].log_path.parent}; Ctrl-C stops everything"
         )
         redis_supervisor = RedisSupervisor(redis_server) if redis_server is not None else None
         while not stop.wait(0.5):
@@ -331,16 +346,6 @@ def default_batch_dir(flag: str | None) -> Path:
         return Path(flag).expanduser()
     cache = Environment.read().cache_dir
     return (cache / "batches") if cache else Path.home() / ".cache" / "nori" / "batches"
-
-
-def _build_cpu_kernels() -> None:
-    """Builds the C++ CPU kernels once here, on every CPU, before the pinned workers start
-    (each would build them on one CPU, past the startup timeout)."""
-    from nori.kernels.cpu_build import cpu_kernels
-
-    if Environment.read().cpu_kernels:
-        print("nori: loading the C++ CPU kernels (built on first use: about a minute)", flush=True)
-        cpu_kernels()
 
 
 class RedisSupervisor:

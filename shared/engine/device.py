@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
 from nori.models.config import ModelConfig
@@ -24,15 +27,26 @@ def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.
             # x86 has bf16 GEMMs (AVX-512 BF16, AMX) but no fast float16 ones.
             raise ValueError("dtype float16 is not supported on CPU; use bfloat16 or float32")
         return dtype
-    if device.type == "cpu":
-        # Exact against float32 references, and every CPU kernel's native type; bfloat16 is
-        # the faster choice on CPUs with bf16 GEMMs (--dtype bfloat16).
-        return torch.float32
     stored = checkpoint_dtype(model)
+    if device.type == "cpu":
+        # bfloat16 where the CPU computes in it; emulated it is slower than float32.
+        half = stored in (torch.float16, torch.bfloat16)
+        return torch.bfloat16 if half and cpu_has_bf16() else torch.float32
     if stored in (torch.float16, torch.bfloat16):
         return stored
     # A float32 checkpoint is served in bfloat16 on GPU, as vLLM does by default.
     return torch.bfloat16
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

@@ -66,6 +66,14 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        if config.dtype == "auto" and self.device.type == "cpu" and rank == 0:
+            logger.info(
+                "dtype %s (auto: %s)",
+                str(self.dtype).removeprefix("torch."),
+                "this CPU has bf16 instructions"
+                if self.dtype is torch.bfloat16
+                else "a float32 checkpoint, or a CPU without bf16 instructions",
+            )
         self.parallel: TensorParallelGroup | None = None
         self.followers: FollowerRanks | None = None
         if config.enable_expert_parallel and rank == 0 and not model_config.is_moe:

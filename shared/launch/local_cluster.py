@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,7 +125,11 @@ class LocalCluster:
             options += ["--max-local-compute-s", str(self.spec.max_local_compute_s)]
         return options
 
-    def start(self, timeout_s: float = 120.0) -> LocalCluster:
+    def start(
+        self, timeout_s: float = 120.0, on_healthy: Callable[[str], None] | None = None
+    ) -> LocalCluster:
+        """Spawns every role and waits until all are healthy; `on_healthy` hears each role's
+        name once it is (the gateway first)."""
         self._log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="nori-up-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         if self.spec.colocated:
@@ -161,7 +165,7 @@ class LocalCluster:
             if self.spec.colocated
             else {"prefill": self.spec.num_prefill, "decode": self.spec.num_decode}
         )
-        self.wait_healthy(expected, timeout_s)
+        self.wait_healthy(expected, timeout_s, on_healthy)
         return self
 
     def add_worker(
@@ -275,15 +279,32 @@ class LocalCluster:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
-    def wait_healthy(self, expected: dict[WorkerRole, int], timeout_s: float = 120.0) -> None:
+    def wait_healthy(
+        self,
+        expected: dict[WorkerRole, int],
+        timeout_s: float = 120.0,
+        on_healthy: Callable[[str], None] | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
+        told: set[str] = set()
+
+        def tell(name: str) -> None:
+            if on_healthy is not None and name not in told:
+                told.add(name)
+                on_healthy(name)
+
         while time.monotonic() < deadline:
             self.check_alive()
             health = self.health()
+            if health is not None:
+                tell("gateway")
             workers = health.get("workers", {}) if health else {}
-            if isinstance(workers, dict) and all(
-                int(workers.get(role, 0)) >= count for role, count in expected.items()
-            ):
+            if not isinstance(workers, dict):
+                workers = {}
+            for role, count in expected.items():
+                if int(workers.get(role, 0)) >= count:
+                    tell(f"{count} {role} worker{'s' if count > 1 else ''}")
+            if all(int(workers.get(role, 0)) >= count for role, count in expected.items()):
                 return
             time.sleep(0.2)
         raise TimeoutError(

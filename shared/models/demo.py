@@ -1,11 +1,13 @@
 """Turns a `--model` argument into a model folder, creating a built-in checkpoint on first use.
 
-Built-in models are random-weight presets with a real tokenizer: `demo` (the default), `small`
-(24M parameters) and `small-moe` (`small` with 8 experts of half its MLP, 2 active per token).
+The commands' default is SmolLM2-135M-Instruct (`DEFAULT_MODEL`). Built-in models are
+random-weight presets with a real tokenizer, for tests: `demo`, `small` (24M parameters) and
+`small-moe` (`small` with 8 experts of half its MLP, 2 active per token).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from nori.models.errors import ModelLoadError
@@ -16,10 +18,21 @@ from nori.models.gguf_checkpoint import (
     packaged_gguf,
 )
 from nori.models.model_cache import build_once
-from nori.settings import Environment
+from nori.settings import DEFAULT_MODEL, Environment
 
 DEMO_NAME = "demo"
 BUILTIN_MODELS: tuple[str, ...] = (DEMO_NAME, "small", "small-moe")
+
+
+def default_model() -> str:
+    """What a command serves without `--model`: SmolLM2-135M-Instruct where its package is
+    installed, else `demo` (random weights), said in one line on stderr."""
+    try:
+        packaged_gguf(DEFAULT_MODEL)
+    except ModelLoadError as error:
+        print(f"nori: {error}; serving 'demo' (random weights) instead", file=sys.stderr)
+        return DEMO_NAME
+    return DEFAULT_MODEL
 
 
 def default_cache_dir() -> Path:

@@ -67,10 +67,12 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
     except ImportError as error:
         raise ModelLoadError(
             f"converting {gguf_file} needs the models extra (pip install 'nori[models]'): {error}"
         ) from error
+    transformers_logging.disable_progress_bar()  # the caller reports the conversion
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         model = AutoModelForCausalLM.from_pretrained(

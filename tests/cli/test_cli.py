@@ -146,7 +146,17 @@ def test_bench_offline_refuses_requests_the_model_would_cut_short(tiny_model: Pa
 
 
 def test_demo_model_is_created_on_first_use(tmp_path: Path) -> None:
-    result = nori("generate", "--prompt", "hello", "--max-tokens", "3", "--json", cache=tmp_path)
+    result = nori(
+        "generate",
+        "--model",
+        "demo",
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "3",
+        "--json",
+        cache=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["token_ids"]) <= 3
     assert any(tmp_path.rglob("config.json"))

@@ -11,12 +11,14 @@ import importlib.metadata
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from nori.models.demo import resolve_model
+from nori.models.demo import default_model, resolve_model
 from nori.models.errors import ModelLoadError
 from nori.models.gguf_checkpoint import (
     SMOLLM2_INSTALL,
@@ -154,7 +156,7 @@ def test_smollm2_gguf_is_token_exact_against_transformers(smollm2_folder: Path) 
     expected = _reference_greedy(gguf, prompts)
 
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    with LLM(str(smollm2_folder), num_kv_blocks=128, max_num_seqs=8) as llm:
+    with LLM(str(smollm2_folder), dtype="float32", num_kv_blocks=128, max_num_seqs=8) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         got = [list(output.outputs[0].token_ids) for output in outputs]
         for question, want, have in zip(QUESTIONS, expected, got, strict=True):
@@ -169,3 +171,32 @@ def test_smollm2_gguf_is_token_exact_against_transformers(smollm2_folder: Path) 
         [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False
     )
     assert answer.outputs[0].text.strip() == "The capital of France is Paris."
+
+
+def test_without_its_package_the_default_model_is_demo_said_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def not_installed(distribution: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(distribution)
+
+    monkeypatch.setattr(importlib.metadata, "files", not_installed)
+    assert default_model() == "demo"
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and SMOLLM2_INSTALL in lines[0] and "'demo'" in lines[0]
+
+
+def test_the_commands_default_model_answers_a_first_question(smollm2_folder: Path) -> None:
+    """`nori generate` with no --model: SmolLM2-135M-Instruct, in the dtype `auto` picks here."""
+    assert default_model() == SMOLLM2
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "nori.cli.main", "generate", "--chat", "--temperature", "0"),
+            *("--prompt", QUESTIONS[0], "--max-tokens", "16", "--num-kv-blocks", "64"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NORI_CACHE_DIR": str(smollm2_folder.parent)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
