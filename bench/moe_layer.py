@@ -6,7 +6,7 @@ intermediate 688). By default (`weight_order="each-best"`) each path gets the we
 layout it runs fastest on: the reference loop PyTorch's [out, in] rows (as transformers stores
 them), the C++ kernel the panels of 16 outputs the model stores on CPU (`pack_expert_panels`).
 `"in-out"` and `"out-in"` give both paths the same tensors (the reference is much slower on
-[in, out] bfloat16 weights; "out-in" times the C++ kernel's library-GEMM route); `"panels"`
+[in, out] bfloat16 weights; "out-in" times the C++ kernel with its copy to [in, out]); `"panels"`
 gives the reference [out, in] as well (it cannot read panels). On a shared or
 small machine `threads=1` gives steadier figures than torch's default thread count.
 
@@ -37,7 +37,8 @@ from nori.kernels.fused_moe import (
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Each expert's matrices as stored: "in-out" has the output dimension contiguous
 # (`w.transpose(1, 2).contiguous().transpose(1, 2)`, the C++ kernel's streamed route and the
-# order the model should use), "out-in" is PyTorch's [out, in] row-major (library GEMMs).
+# order the model should use), "out-in" is PyTorch's [out, in] row-major (the C++ kernel copies it
+# to [in, out] first).
 # "each-best" (and "panels"): the reference on "out-in", the C++ kernel on panels.
 WeightOrder = Literal["each-best", "panels", "in-out", "out-in"]
 

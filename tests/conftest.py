@@ -34,10 +34,8 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built() -> None:
-    """Builds the C++ CPU kernels once, in this process, before any test starts workers: on a
-    fresh machine (an empty torch extensions folder) every worker of a test cluster would build
-    them at start, one waiting on another's lock, past the cluster's startup timeout. Built
-    already, this only loads them (as `nori up` does before it starts its workers)."""
+    """Builds the C++ CPU kernels once, in this process, before any test starts workers, which
+    then load them rather than each building its own copy. Built already, this only loads them."""
     from nori.kernels.cpu_build import cpu_kernels
 
     cpu_kernels()

@@ -21,6 +21,5 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     ):
         kernels = cpu_kernels()
         if kernels is not None:
-            result: torch.Tensor = kernels.argmax_rows(logits)
-            return result
+            return kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -3,11 +3,7 @@
 // a few percent of a decode step. Same answer as torch.argmax: the first index of the maximum,
 // and a NaN counts as the maximum (tested against it).
 
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
-
-#include <cstdint>
-#include <cstring>
+#include "cpu_common.h"
 
 namespace {
 
@@ -21,18 +17,17 @@ inline bool is_nan(float value) {
 
 }  // namespace
 
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == torch::kFloat32,
-              "logits must be contiguous float32 [B, V]");
-  const int64_t rows = logits.size(0);
-  const int64_t width = logits.size(1);
-  TORCH_CHECK(width > 0, "logits must have at least one column");
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
-  const float* data = logits.data_ptr<float>();
-  int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+// logits [rows, width] (dims, contiguous: its rank and flag) float32 -> out [rows] int64.
+NORI_SIGNATURE(argmax_rows, "PPPPPPPP");
+extern "C" int nori_argmax_rows(int64_t dtype, const float* logits, int64_t dims,
+                                int64_t contiguous, int64_t rows, int64_t width, int64_t* out,
+                                int64_t threads) {
+  NORI_REQUIRE(dtype == nori::kFloat32 && dims == 2 && contiguous,
+               "logits must be contiguous float32 [B, V]");
+  NORI_REQUIRE(width >= 1, "logits must have at least one column");
+  nori::parallel_for(0, rows, 4, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = data + r * width;
+      const float* row = logits + r * width;
       // Vectorisable pass for the maximum; a NaN anywhere is the answer at its first index.
       float best = row[0];
       bool any_nan = false;
@@ -46,8 +41,8 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
       } else {
         while (row[index] != best) ++index;
       }
-      result[r] = index;
+      out[r] = index;
     }
   });
-  return out;
+  return 0;
 }

@@ -34,9 +34,6 @@ def bf16_gemv(
     """x [M, K] bf16 (few rows) @ the [N, K] weight `pack_bf16_gemv_weight` made -> [M, N] bf16."""
     kernels = cpu_kernels()
     if kernels is not None and x.device.type == "cpu":
-        result: torch.Tensor = kernels.bf16_gemv(
-            x.bfloat16().contiguous(), packed_weight, outputs, bias
-        )
-        return result
+        return kernels.bf16_gemv(x.bfloat16().contiguous(), packed_weight, outputs, bias)
     weight = unpack_weight_panels(packed_weight, outputs, x.shape[-1])
     return bf16_gemv_reference(x, weight, bias)

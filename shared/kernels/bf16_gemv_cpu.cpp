@@ -10,9 +10,7 @@
 // re-laid out first as [block of 16 rows][pair][16] so that one pair of all rows is one line.
 // Tested against float32 products of the same bf16 values (bf16_gemv.py).
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
@@ -21,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_common.h"
+
+// A namespace of its own: its names repeat int8_gemv_cpu.cpp's in the unity build.
+namespace nori::bf16_gemv {
 namespace {
 
 constexpr int kLanes = 16;    // outputs in a panel: one 512-bit register of float32 sums
@@ -112,62 +114,50 @@ constexpr auto kPanelTimes = panel_functions(std::make_integer_sequence<int, kBl
 
 }  // namespace
 
-torch::Tensor bf16_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
-                        int64_t outputs, const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(input.dim() == 2 && input.is_contiguous() && input.scalar_type() == at::kBFloat16,
-              "input must be a contiguous bfloat16 [M, K] tensor");
-  const int64_t rows = input.size(0);
-  const int64_t width = input.size(1);
+// input [rows, width] (dims, contiguous: its rank and flag) bfloat16 times the [outputs,
+// width] weight packed as [ceil(outputs/16), ceil(width/2), 16, 2] (+ bias [outputs] float32,
+// or nullptr) -> out [rows, outputs] bfloat16.
+NORI_SIGNATURE(bf16_gemv, "PPPPPPPPPPP");
+extern "C" int nori_bf16_gemv(int64_t dtype, const uint16_t* input, int64_t dims,
+                              int64_t contiguous, int64_t rows, int64_t width,
+                              const uint16_t* packed_weight, const float* bias, uint16_t* out,
+                              int64_t outputs, int64_t threads) {
+  NORI_REQUIRE(dtype == kBFloat16 && dims == 2 && contiguous,
+               "input must be a contiguous bfloat16 [M, K] tensor");
+  if (rows == 0 || outputs == 0) return 0;
   const int64_t num_pairs = (width + 1) / 2;
   const int64_t panels = (outputs + kLanes - 1) / kLanes;
-  TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.is_contiguous() &&
-                  packed_weight.scalar_type() == at::kBFloat16 &&
-                  packed_weight.size(0) == panels && packed_weight.size(1) == num_pairs &&
-                  packed_weight.size(2) == kLanes && packed_weight.size(3) == 2,
-              "packed_weight must be pack_bf16_gemv_weight's [N/16, ceil(K/2), 16, 2] of a "
-              "[N, K] weight with the input's K");
-  torch::Tensor bias_float;
-  const float* add = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == outputs, "bias must have N elements");
-    bias_float = bias->to(torch::kFloat32).contiguous();
-    add = bias_float.data_ptr<float>();
-  }
-  auto out = torch::empty({rows, outputs}, input.options());
-  if (rows == 0 || outputs == 0) return out;
 
   // The rows as [block][pair][kBlockRows]: the pair p of every row of a block is one line. An
   // odd K's last pair is (x[K-1], +0), against a packed weight padded with +0.
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   std::vector<uint32_t> row_pairs(static_cast<size_t>(blocks * num_pairs * kBlockRows), 0u);
-  const auto* x = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
   for (int64_t m = 0; m < rows; ++m) {
     uint32_t* dst = row_pairs.data() + (m / kBlockRows) * num_pairs * kBlockRows + m % kBlockRows;
-    const uint16_t* row = x + m * width;
+    const uint16_t* row = input + m * width;
     for (int64_t p = 0; p < width / 2; ++p) std::memcpy(dst + p * kBlockRows, row + 2 * p, 4);
     if (width % 2 != 0) dst[(width / 2) * kBlockRows] = row[width - 1];
   }
 
-  const auto* w = reinterpret_cast<const uint16_t*>(packed_weight.data_ptr<at::BFloat16>());
-  auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t panel_elements = num_pairs * 2 * kLanes;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  nori::parallel_for(0, panels, 1, threads, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t lanes = std::min<int64_t>(kLanes, outputs - panel * kLanes);
       // Within this thread's panels: the next thread's are its own to fetch.
       const char* ahead =
           panel + kPrefetchPanels < end
-              ? reinterpret_cast<const char*>(w + (panel + kPrefetchPanels) * panel_elements)
+              ? reinterpret_cast<const char*>(packed_weight + (panel + kPrefetchPanels) * panel_elements)
               : nullptr;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);
         kPanelTimes[block_rows - 1](row_pairs.data() + block * num_pairs * kBlockRows,
-                                    w + panel * panel_elements, num_pairs,
-                                    add != nullptr ? add + panel * kLanes : nullptr,
-                                    y + block * kBlockRows * outputs + panel * kLanes, outputs,
+                                    packed_weight + panel * panel_elements, num_pairs,
+                                    bias != nullptr ? bias + panel * kLanes : nullptr,
+                                    out + block * kBlockRows * outputs + panel * kLanes, outputs,
                                     lanes, ahead);
       }
     }
-  });
-  return out;
+  });  return 0;
 }
+
+}  // namespace nori::bf16_gemv

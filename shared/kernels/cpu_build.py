@@ -1,154 +1,302 @@
-"""Builds the C++ CPU kernels on first use (torch.utils.cpp_extension), once per machine.
-
-Files in one translation unit (`_UNITS`) must not define the same internal names. Needs a C++
-compiler and ninja; where it cannot be built, the PyTorch references run (one warning).
+"""Builds the C++ CPU kernels (plain C++, no torch headers) with the system g++ on first use, once
+per machine and checkout, linked against torch's libgomp (one OpenMP pool for both), and loads
+them with ctypes (`CpuKernels`). A build lands by renaming a finished library into place: no
+builder loads a partial one, and a killed build blocks nothing. Without g++ the PyTorch
+references run (one warning). Each CpuKernels method allocates outputs and calls a C function
+(GIL released) with pointers, dtype codes, sizes, strides and the layout facts only Python sees;
+C checks them (RuntimeError). Integers travel as c_void_p, which ctypes converts fastest (C reads
+int64_t: one register on LP64); `threads` is torch.get_num_threads(), as at::parallel_for's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
-import time
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from nori.settings import Environment
 
 logger = logging.getLogger(__name__)
 
-_UNITS = (
-    (
-        "cpu_module.cpp",
-        "argmax_cpu.cpp",
-        "bf16_gemv_cpu.cpp",
-        "copy_pieces_cpu.cpp",
-        "decode_attention_cpu.cpp",
-        "fused_moe_cpu.cpp",
-        "rms_norm_cpu.cpp",
-        "rotary_cpu.cpp",
-        "row_scale_cpu.cpp",
-        "silu_and_mul_cpu.cpp",
-        "store_kv_cpu.cpp",
-    ),
-    ("int8_gemv_cpu.cpp", "store_kv_quant_cpu.cpp"),
-)
-_SOURCES = tuple(source for unit in _UNITS for source in unit)
-# -march=native: built where it runs. -ffast-math vectorises the float sums (the kernels promise
-# float32 rounding, not bit-exactness; they never produce infinities).
-_CFLAGS = [
-    "-O3",
-    "-fopenmp",
-    "-march=native",
-    "-ffast-math",
-]
-
-
-def _build_tag(folder: Path) -> str:
-    """Tells builds apart in a shared cache: the machine, the flags, the sources and their
-    folder, so checkouts never load each other's module nor take turns rebuilding one."""
-    try:
-        flags = next(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        flags = "unknown"
-    digest = hashlib.sha256(flags.encode())
-    digest.update(" ".join(_CFLAGS).encode())
-    digest.update(str(folder).encode())
-    for source in _SOURCES:
-        digest.update((folder / source).read_bytes())
-    return digest.hexdigest()[:10]
-
-
-def write_units(folder: Path, build_dir: Path) -> list[Path]:
-    """The translation units `unit_N.cpp` in `build_dir`, each including its kernel files by
-    absolute path (rewritten only when changed, so ninja does not rebuild)."""
-    units = []
-    for number, sources in enumerate(_UNITS):
-        unit = build_dir / f"unit_{number}.cpp"
-        text = "".join(f'#include "{folder / source}"\n' for source in sources)
-        if not unit.exists() or unit.read_text() != text:
-            unit.write_text(text)
-        units.append(unit)
-    return units
-
-
-def build_root(default_root: str) -> Path:
-    """$TORCH_EXTENSIONS_DIR (torch's `get_default_build_root` ignores it), else torch's default."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root)
-
-
-# A lock this old was left by a killed build (torch would wait on it for ever).
-STALE_BUILD_LOCK_S = 5 * 60
-
-
-def clear_stale_build_lock(
-    build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S, now: float | None = None
-) -> bool:
-    """Removes `build_dir/lock` when older than `max_age_s`; returns whether it did (a younger
-    one is a build in progress)."""
-    lock = build_dir / "lock"
-    try:
-        age_s = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age_s < max_age_s:
-        return False
-    logger.warning(
-        "removing a stale lock of the C++ kernels' build (%s, %.0f s old): a build that was "
-        "killed part-way left it",
-        lock,
-        age_s,
-    )
-    lock.unlink(missing_ok=True)
-    return True
-
-
-def wait_for_build_lock(
-    build_dir: Path, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: float = 0.5
-) -> None:
-    """Returns once `build_dir` holds no lock: a build in progress released it, or it grew
-    stale (its build was killed, even after this wait began) and was removed."""
-    while (build_dir / "lock").exists() and not clear_stale_build_lock(build_dir, max_age_s):
-        time.sleep(poll_s)
-
-
+# -march=native: built where it runs. -ffast-math vectorises float sums (float32 rounding is the
+# promise, not bit-exactness); not when linking, where it adds crtfastmath.o (flush-to-zero).
+CFLAGS = ("-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+TORCH_LIB = Path(torch.__file__).resolve().parent / "lib"
+LINK_FLAGS: tuple[str, ...] = (f"-L{TORCH_LIB}", "-l:libgomp.so.1", f"-Wl,-rpath,{TORCH_LIB}")
+if not (TORCH_LIB / "libgomp.so.1").exists():  # a torch on the system's OpenMP runtime
+    LINK_FLAGS = ("-fopenmp",)
+# Compiled beside one unit that includes all the other files: the two take about as long.
+SEPARATE = "decode_attention_cpu.cpp"
 # The dtypes the per-layer C++ kernels serve; others take the PyTorch references.
 CPU_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
+def build_root() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
+
+
+def build_tag(folder: Path) -> str:
+    """Of the machine, flags, sources and folder: no two checkouts or machines share a build."""
+    flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line]
+    digest = hashlib.sha256(" ".join([*flags[:1], *CFLAGS, *LINK_FLAGS, str(folder)]).encode())
+    for path in sorted([*folder.glob("*.cpp"), *folder.glob("*.h"), *folder.glob("*/*/*.h")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def build_library(folder: Path, root: Path) -> Path:
+    """`folder`'s kernels under `root`, built unless there; RuntimeError with g++'s first error."""
+    compiler, target = shutil.which("g++"), root / f"nori_cpu_kernels_{build_tag(folder)}.so"
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on the PATH")
+    if target.exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.stem}_", dir=root) as scratch:
+        others = [path for path in sorted(folder.glob("*.cpp")) if path.name != SEPARATE]
+        Path(scratch, "others.cpp").write_text("".join(f'#include "{p}"\n' for p in others))
+        units = {folder / SEPARATE: f"{scratch}/0.o", Path(scratch, "others.cpp"): f"{scratch}/1.o"}
+        compiles = [[compiler, *CFLAGS, "-c", str(unit), "-o", obj] for unit, obj in units.items()]
+        with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+            list(pool.map(_run, compiles))
+        _run([compiler, "-shared", *units.values(), "-o", f"{scratch}/lib.so", *LINK_FLAGS])
+        os.replace(f"{scratch}/lib.so", target)
+    return target
+
+
+def _run(command: list[str]) -> None:
+    """Runs a compiler command; RuntimeError with its first error line if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        lines = done.stderr.splitlines()
+        raise RuntimeError(([line for line in lines if "error" in line] or lines or ["failed"])[0])
+
+
+# Element type codes (cpu_common.h's `Dtype`); -1 for the others, which the C side refuses.
+_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+_CODE.update({torch.float8_e4m3fn: 4, torch.int32: 5, torch.int64: 6}.items())
+_code, _threads, _F32, _I64 = _CODE.get, torch.get_num_threads, torch.float32, torch.int64
+_F16, _SCALES = torch.float16, " [num_blocks, block_size, Hkv] of an 8-bit cache"
+
+
+def _ptr(x: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> int | None:
+    """The data pointer of x, a contiguous `shape` tensor of `dtype`; None for None."""
+    if x is None:
+        return None
+    if x.dtype != dtype or x.shape != shape or not x.is_contiguous():
+        raise RuntimeError(f"{name} must be a contiguous {dtype} tensor of shape {list(shape)}")
+    return x.data_ptr()
+
+
+class CpuKernels:
+    """A method per kernel with the contract of its C function (`_name`, in its .cpp file): 0, or
+    1 for a failure whose message nori_last_error() holds. References: in the kernel modules."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        kinds = {"P": ctypes.c_void_p, "F": ctypes.c_float}
+        for name in ("signatures", "last_error"):  # the kernels' ctypes signatures; messages
+            getattr(library, "nori_" + name).restype = ctypes.c_char_p
+            getattr(library, "nori_" + name).argtypes = []
+        for signature in library.nori_signatures().decode().split():
+            name, arguments = signature.split(":")
+            function = getattr(library, "nori_" + name)
+            function.restype, function.argtypes = ctypes.c_int, [kinds[a] for a in arguments]
+            setattr(self, "_" + name, function)
+        self._error = library.nori_last_error
+
+    def __getattr__(self, name: str) -> Any:  # the C functions, set in __init__
+        raise AttributeError(name)
+
+    def _raise(self, status: int = 1) -> None:
+        if status:
+            raise RuntimeError(self._error().decode())
+
+    def rms_norm(self, input: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out = torch.empty_like(input)
+        self._raise(self._rms_norm(
+            _code(input.dtype, -1), _code(weight.dtype, -2), input.data_ptr(),
+            input.is_contiguous(), input.numel(), input.shape[-1], weight.data_ptr(),
+            weight.numel(), weight.dim() == 1 and weight.is_contiguous(), out.data_ptr(), eps,
+            _threads()))  # fmt: skip
+        return out
+
+    def fused_add_rms_norm(self, input: Tensor, residual: Tensor, weight: Tensor,
+                           eps: float) -> None:  # fmt: skip
+        self._raise(self._fused_add_rms_norm(
+            _code(input.dtype, -1), _code(weight.dtype, -2), input.data_ptr(),
+            input.is_contiguous(), input.numel(), input.shape[-1], weight.data_ptr(),
+            weight.numel(), weight.dim() == 1 and weight.is_contiguous(), residual.data_ptr(),
+            residual.shape == input.shape and residual.dtype == input.dtype
+            and residual.is_contiguous(), eps, _threads()))  # fmt: skip
+
+    def silu_and_mul(self, input: Tensor) -> Tensor:
+        tokens, width = input.shape[0], input.shape[-1]
+        out = input.new_empty((tokens, width // 2))
+        self._raise(self._silu_and_mul(_code(input.dtype, -1), input.data_ptr(), input.dim(),
+                                       input.is_contiguous(), tokens, width, out.data_ptr(),
+                                       _threads()))  # fmt: skip
+        return out
+
+    def rotary_inplace(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        if x.dim() != 3:
+            raise RuntimeError("x must be [T, H, D]")
+        angles = (x.shape[0], x.shape[2] // 2)
+        self._raise(self._rotary_inplace(_code(x.dtype, -1), x.data_ptr(), *x.shape, *x.stride(),
+                                         _ptr(cos, angles, x.dtype, "cos [T, D / 2]"),
+                                         _ptr(sin, angles, x.dtype, "sin [T, D / 2]"), _threads()))  # fmt: skip
+
+    def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 slots: Tensor) -> None:  # fmt: skip
+        self.store_kv_quantized(key, value, k_cache, v_cache, None, None, slots)
+
+    def store_kv_quantized(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                           k_scale: Tensor | None, v_scale: Tensor | None,
+                           slots: Tensor) -> None:  # fmt: skip
+        if key.dim() != 3 or k_cache.dim() != 4:
+            raise RuntimeError("key and value must be [T, Hkv, D], the caches 4-D")
+        self._raise(self._store_kv(
+            _code(key.dtype, -1), key.data_ptr(), value.data_ptr(), *key.shape, *key.stride(),
+            value.stride(0), value.shape == key.shape and value.dtype == key.dtype
+            and value.stride()[1:] == key.stride()[1:], _code(k_cache.dtype, -1),
+            k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, v_cache.shape == k_cache.shape
+            and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous(), slots.data_ptr(), slots.dtype == _I64
+            and slots.shape == key.shape[:1] and slots.is_contiguous(),
+            _ptr(k_scale, k_cache.shape[:3], _F16, "k_scale" + _SCALES),
+            _ptr(v_scale, k_cache.shape[:3], _F16, "v_scale" + _SCALES),
+            _threads()))  # fmt: skip
+
+    def copy_pieces(self, pieces: Tensor) -> None:
+        rows = _ptr(pieces, (len(pieces), 3), _I64, "pieces (int64 [n, 3])")
+        self._raise(self._copy_pieces(rows, len(pieces)))
+
+    def copy_and_hash_pieces(self, pieces: Tensor) -> int:
+        rows = _ptr(pieces, (len(pieces), 3), _I64, "pieces (int64 [n, 3])")
+        digest = ctypes.c_uint64()
+        self._raise(self._copy_and_hash_pieces(rows, len(pieces), ctypes.byref(digest)))
+        return digest.value
+
+    def argmax_rows(self, logits: Tensor) -> Tensor:
+        out = torch.empty(len(logits), dtype=_I64)
+        self._raise(self._argmax_rows(_code(logits.dtype, -1), logits.data_ptr(), logits.dim(),
+                                      logits.is_contiguous(), len(logits), logits.shape[-1],
+                                      out.data_ptr(), _threads()))  # fmt: skip
+        return out
+
+    def rows_to_unit(self, input: Tensor, smallest_max: float) -> tuple[Tensor, Tensor]:
+        scaled, row_max = torch.empty_like(input), input.new_empty((len(input), 1))
+        self._raise(self._rows_to_unit(_code(input.dtype, -1), input.data_ptr(), input.dim(),
+                                       input.is_contiguous(), len(input), input.shape[-1],
+                                       scaled.data_ptr(), row_max.data_ptr(), smallest_max,
+                                       _threads()))  # fmt: skip
+        return scaled, row_max
+
+    def scale_rows_back(self, output: Tensor, row_max: Tensor, bias: Tensor | None) -> None:
+        rows, width = len(output), output.shape[-1]
+        maxima, add = _ptr(row_max, (rows, 1), _F32, "row_max"), _ptr(bias, (width,), _F32, "bias")
+        self._raise(self._scale_rows_back(_code(output.dtype, -1), output.data_ptr(),
+                                          output.dim(), output.is_contiguous(), rows, width,
+                                          maxima, add, _threads()))  # fmt: skip
+
+    def bf16_gemv(self, input: Tensor, packed_weight: Tensor, outputs: int,
+                  bias: Tensor | None) -> Tensor:  # fmt: skip
+        (rows, width), bias = (len(input), input.shape[-1]), bias if bias is None else bias.float().contiguous()  # fmt: skip
+        panels = ((outputs + 15) // 16, (width + 1) // 2, 16, 2)
+        weight = _ptr(
+            packed_weight, panels, torch.bfloat16, "packed_weight (pack_bf16_gemv_weight)"
+        )
+        add, out = _ptr(bias, (outputs,), _F32, "bias"), input.new_empty((rows, outputs))
+        self._raise(self._bf16_gemv(_code(input.dtype, -1), input.data_ptr(), input.dim(),
+                                    input.is_contiguous(), rows, width, weight, add,
+                                    out.data_ptr(), outputs, _threads()))  # fmt: skip
+        return out
+
+    def int8_gemv(self, input: Tensor, packed_weight: Tensor, outputs: int, weight_scale: Tensor,
+                  row_sums: Tensor, bias: Tensor | None) -> Tensor:  # fmt: skip
+        rows, width = len(input), input.shape[-1]
+        panels = ((outputs + 15) // 16, (width + 3) // 4, 16, 4)
+        weight = _ptr(packed_weight, panels, torch.int8, "packed_weight (pack_int8_gemv_weight)")
+        scale = _ptr(weight_scale, (outputs,), _F32, "weight_scale")
+        sums = _ptr(row_sums, (outputs,), torch.int32, "row_sums")
+        add, out = _ptr(bias, (outputs,), _F32, "bias"), input.new_empty((rows, outputs))
+        self._raise(self._int8_gemv(_code(input.dtype, -1), input.data_ptr(), input.dim(),
+                                    input.is_contiguous(), rows, width, weight, scale, sums, add,
+                                    out.data_ptr(), outputs, _threads()))  # fmt: skip
+        return out
+
+    def fused_experts(self, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
+                      topk_ids: Tensor, w13_scale: Tensor | None,
+                      w2_scale: Tensor | None) -> Tensor:  # fmt: skip
+        """Weights neither in panels nor [in, out] (outputs contiguous) are copied to [in, out]."""
+        panels = w13.dim() == 4
+        if hidden.dim() != 2 or topk_ids.dim() != 2 or w13.dim() != w2.dim() or w2.dim() < 3:
+            raise RuntimeError("hidden must be [T, H], topk_ids [T, k], w13 [E, 2I, H] and w2 "
+                               "[E, H, I] (or both packed in panels of 16)")  # fmt: skip
+        if not panels and not (w13.stride(1) == 1 and w2.stride(1) == 1):
+            w13, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
+        hidden, ids = hidden.contiguous(), topk_ids.contiguous()
+        routing, (tokens, size) = topk_weights.float().contiguous(), hidden.shape
+        s13, s2 = (None if s is None else s.float().contiguous() for s in (w13_scale, w2_scale))
+        out, experts, inner = hidden.new_empty(hidden.shape), len(w13), w2.shape[2]
+        self._raise(self._fused_experts(
+            _code(hidden.dtype, -1), hidden.data_ptr(), tokens, size, _code(w13.dtype, -1),
+            _code(w2.dtype, -1), panels, w13.data_ptr(), *w13.shape[:3], w13.shape[-1],
+            w13.stride(0), w13.stride(2), w13.is_contiguous(), w2.data_ptr(), *w2.shape[:3],
+            w2.shape[-1], w2.stride(0), w2.stride(2), w2.is_contiguous(),
+            _ptr(s13, (experts, 2 * inner), _F32, "w13_scale [E, 2I]"),
+            _ptr(s2, (experts, size), _F32, "w2_scale [E, H]"), _code(ids.dtype, -1),
+            ids.data_ptr(), *ids.shape, routing.data_ptr(), routing.shape == ids.shape,
+            out.data_ptr(), _threads()))  # fmt: skip
+        return out
+
+    def paged_decode_attention(self, query: Tensor, k_cache: Tensor, v_cache: Tensor,
+                               block_tables: Tensor, seq_lens: Tensor, scale: float,
+                               k_scale: Tensor | None = None,
+                               v_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+        """For a float32, bfloat16 or float16 query; computed in float32, out in its dtype."""
+        if (query.dim(), k_cache.dim(), block_tables.dim(), seq_lens.dim()) != (3, 4, 2, 1):
+            raise RuntimeError("query must be [B, Hq, D], the caches [num_blocks, block_size, Hkv,"
+                               " D], block_tables [B, M] and seq_lens [B]")  # fmt: skip
+        tables, lengths, shape = block_tables.contiguous(), seq_lens.contiguous(), k_cache.shape
+        out = query.new_empty(query.shape)
+        self._raise(self._paged_decode_attention(
+            _code(query.dtype, -1), query.data_ptr(), *query.shape, *query.stride(),
+            _code(k_cache.dtype, -1), k_cache.data_ptr(), v_cache.data_ptr(), *shape,
+            v_cache.shape == shape and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
+            and v_cache.is_contiguous(), _ptr(k_scale, shape[:3], _F16, "k_scale" + _SCALES),
+            _ptr(v_scale, shape[:3], _F16, "v_scale" + _SCALES), _code(tables.dtype, -1),
+            tables.data_ptr(), *tables.shape, _code(lengths.dtype, -1), lengths.data_ptr(),
+            len(lengths), out.data_ptr(), scale, _threads()))  # fmt: skip
+        return out
+
+
+def required_cpu_kernels() -> CpuKernels:
+    """cpu_kernels(), or RuntimeError where they are not built (see the log) or disabled."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("the C++ CPU kernels are not built here (see the log, NORI_CPU_KERNELS)")
+    return kernels
+
+
 @functools.cache
-def cpu_kernels() -> Any | None:
-    """The compiled module; None where it cannot be built (logged once) or NORI_CPU_KERNELS=0."""
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels; None where they cannot be built (logged once) or NORI_CPU_KERNELS=0."""
     if not Environment.read().cpu_kernels:
         return None
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
-
-        folder = Path(__file__).resolve().parent
-        name = f"nori_cpu_kernels_{_build_tag(folder)}"
-        build_dir = build_root(get_default_build_root()) / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        wait_for_build_lock(build_dir)
-        # Link the OpenMP runtime torch has loaded: one thread pool, sized by set_num_threads.
-        torch_lib = Path(torch.__file__).resolve().parent / "lib"
-        return load(
-            name=name,
-            sources=[str(path) for path in write_units(folder, build_dir)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=[f"-L{torch_lib}", "-lgomp", f"-Wl,-rpath,{torch_lib}"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as error:  # no compiler, no ninja, an unsupported platform, ...
-        logger.warning(
-            "the C++ CPU kernels could not be built (%s); using the PyTorch references",
-            str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__,
-        )
+        library = build_library(Path(__file__).resolve().parent, build_root())
+        return CpuKernels(ctypes.CDLL(str(library)))
+    except Exception as error:  # no compiler, an unsupported platform, ...
+        logger.warning("the C++ CPU kernels could not be built (%s); the references run", error)
         return None

@@ -6,51 +6,24 @@
 // computed. Here each (sequence, kv head) task reads its K and V rows once, in place, for all the
 // query heads that share the kv head. Tested against the reference (tests/kernels).
 //
-// Layouts: query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
-// [B, M] int32; seq_lens [B] int32.
+// Layouts: query [B, Hq, D] (last dim contiguous, rows strided); k_cache, v_cache [num_blocks,
+// block_size, Hkv, D] contiguous; block_tables [B, M] int32 (rows strided); seq_lens [B] int32;
+// out [B, Hq, D] contiguous in the query's dtype (computed in float32).
 // An 8-bit cache (int8 or float8_e4m3fn codes, kv_quant.py) comes with k_scale, v_scale
 // [num_blocks, block_size, Hkv] float16; its codes are read in place, never dequantized to a copy.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
-// Reads a cache element as float.
-template <typename cache_t>
-struct CodeReader {
-  float operator()(cache_t x) const { return static_cast<float>(x); }
-};
-
-// float8_e4m3fn -> float in plain integer arithmetic, which the compiler vectorises: a 256-entry
-// table (or c10's conversion, with its branch) keeps the inner loops scalar; with a table, fp8
-// decode ran 2.5x slower than float32. Exact for every code but NaN (0x7f, 0xff), which the store
-// never writes. No float subnormal is formed, so it holds whatever the denormals-are-zero mode.
-template <>
-struct CodeReader<c10::Float8_e4m3fn> {
-  float operator()(c10::Float8_e4m3fn x) const {
-    const uint32_t bits = x.x;
-    const uint32_t magnitude = bits & 0x7f;
-    // Normal codes: the 4 exponent and 3 mantissa bits moved into float's, the exponent bias
-    // raised from 7 to 127. Subnormal codes (exponent 0) are mantissa * 2^-9.
-    const float normal = __builtin_bit_cast(float, (magnitude << 20) + (120u << 23));
-    const float value = magnitude < 8 ? static_cast<float>(magnitude) * 0x1p-9f : normal;
-    return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, value) | ((bits & 0x80) << 24));
-  }
-};
-
-template <typename T>
-struct Tag {
-  using type = T;
-};
+using namespace nori;
 
 // The cache slot (block * block_size + offset) holding a sequence's token at `position`.
 inline int64_t slot_of(const int32_t* block_table, int64_t position, int64_t block_size) {
@@ -85,11 +58,11 @@ inline std::vector<float> softmax_weights(float* scores, int64_t stride, int64_t
 // element; as a template argument it costs the float caches nothing.
 template <typename scalar_t, int HEAD_DIM, bool QUANTIZED>
 void decode_task(
-    const float* query,  // this sequence's rows [Hq, D], float32
+    const float* query,  // this task's query rows [rows, D], float32
     const scalar_t* k_cache,
     const scalar_t* v_cache,
-    const c10::Half* k_scales,  // [num_blocks * block_size * Hkv] when QUANTIZED, else unused
-    const c10::Half* v_scales,
+    const Half* k_scales,  // [num_blocks * block_size * Hkv] when QUANTIZED, else unused
+    const Half* v_scales,
     const int32_t* block_table,
     int64_t length,  // context tokens
     int64_t head_begin,
@@ -100,14 +73,13 @@ void decode_task(
     int64_t block_size,
     float scale,
     std::vector<float>& scores,  // scratch, reused across tasks of one thread
-    float* out) {                // this sequence's output rows [Hq, D], float32
+    float* out) {                // this task's output rows [rows, D], float32
   const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t rows = (head_end - head_begin) * group;  // query heads of this task
   scores.resize(static_cast<size_t>(rows * length));
   const int64_t token_stride = num_kv_heads * head_dim;
-  const float* q = query + head_begin * group * dim;
-  const CodeReader<scalar_t> read;
-
+  const float* q = query;
+  
   // Pass 1: the scores of every visible token for each query head, and each head's maximum.
   // Built with -ffast-math (vectorised exp), which assumes no infinities: start the running
   // maximum at the lowest finite value instead of -inf.
@@ -119,7 +91,7 @@ void decode_task(
       const scalar_t* __restrict__ k = k_token + (head_begin + r / group) * dim;
       const float* __restrict__ qr = q + r * dim;
       float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * read(k[d]);
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * static_cast<float>(k[d]);
       dot *= scale;
       if constexpr (QUANTIZED) {
         dot *= static_cast<float>(k_scales[slot * num_kv_heads + head_begin + r / group]);
@@ -131,7 +103,7 @@ void decode_task(
   const std::vector<float> inverse_sum =
       softmax_weights(scores.data(), length, rows, length, row_max);
   // Pass 2: the weighted sum of V rows.
-  float* o = out + head_begin * group * dim;
+  float* o = out;
   std::fill(o, o + rows * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
     const int64_t slot = slot_of(block_table, t, block_size);
@@ -143,7 +115,7 @@ void decode_task(
         p *= static_cast<float>(v_scales[slot * num_kv_heads + head_begin + r / group]);
       }
       float* __restrict__ orow = o + r * dim;
-      for (int64_t d = 0; d < dim; ++d) orow[d] += p * read(v[d]);
+      for (int64_t d = 0; d < dim; ++d) orow[d] += p * static_cast<float>(v[d]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -257,7 +229,7 @@ inline void prefetch_tile(const uint16_t* cache, const int64_t* offsets, int64_t
 // in the task are read together, so a cache block streams front to back once.
 template <int KC>
 void decode_task_bf16(
-    const uint16_t* query,  // this sequence's rows [Hq, D], bfloat16
+    const uint16_t* query,  // this task's query rows [rows, D], bfloat16
     const uint16_t* k_cache,
     const uint16_t* v_cache,
     const int32_t* block_table,
@@ -270,7 +242,7 @@ void decode_task_bf16(
     float scale,
     std::vector<float>& scores,      // scratch, reused across tasks of one thread
     std::vector<int64_t>& offsets,   // scratch
-    float* out) {                    // this sequence's output rows [Hq, D], float32
+    float* out) {                    // this task's output rows [rows, D], float32
   constexpr int64_t kDim = 32 * KC;
   constexpr int kHeadTile = 8 / KC;  // output rows kept in registers in the weighted sum
   const int64_t padded = (length + 15) / 16 * 16;
@@ -287,8 +259,8 @@ void decode_task_bf16(
     for (int64_t i = 0; i < run; ++i) offsets[t + i] = first + i * token_stride;
     t += run;
   }
-  const uint16_t* q_task = query + head_begin * group * kDim;
-  float* o_task = out + head_begin * group * kDim;
+  const uint16_t* q_task = query;
+  float* o_task = out;
   const __m512 scale_v = _mm512_set1_ps(scale);
 
   // Pass 1: scores, and each query head's maximum.
@@ -370,127 +342,165 @@ void decode_task_bf16(
 }
 #endif
 
+
+// Per-thread scratch, reused across the tasks of one thread.
+struct Scratch {
+  std::vector<float> scores, query, out;
+  std::vector<int64_t> offsets;
+  std::vector<uint16_t> query_bf16;
+};
+
+// `rows` query rows (`stride` elements apart) of `dtype` into float32 [rows, dim].
+void query_to_float(int dtype, const void* query, int64_t stride, int64_t rows, int64_t dim,
+                    float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dst + r * dim;
+    if (dtype == kFloat32) {
+      std::memcpy(d, static_cast<const float*>(query) + r * stride, dim * sizeof(float));
+    } else if (dtype == kBFloat16) {
+      const BFloat16* q = static_cast<const BFloat16*>(query) + r * stride;
+      for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<float>(q[i]);
+    } else {
+      const Half* q = static_cast<const Half*>(query) + r * stride;
+      for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<float>(q[i]);
+    }
+  }
+}
+
+// `count` float32 values into `dtype` (bfloat16 or float16).
+void float_to(int dtype, const float* src, int64_t count, void* dst) {
+  if (dtype == kBFloat16) {
+    BFloat16* d = static_cast<BFloat16*>(dst);
+    for (int64_t i = 0; i < count; ++i) d[i] = BFloat16(src[i]);
+  } else {
+    Half* d = static_cast<Half*>(dst);
+    for (int64_t i = 0; i < count; ++i) d[i] = static_cast<Half>(src[i]);
+  }
+}
+
 }  // namespace
 
-torch::Tensor paged_decode_attention(
-    const torch::Tensor& query,
-    const torch::Tensor& k_cache,
-    const torch::Tensor& v_cache,
-    const torch::Tensor& block_tables,
-    const torch::Tensor& seq_lens,
-    double scale,
-    const std::optional<torch::Tensor>& k_scale,
-    const std::optional<torch::Tensor>& v_scale) {
-  TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
-              "block_tables and seq_lens must be int32");
-  const auto cache_dtype = k_cache.scalar_type();
-  const bool quantized =
-      cache_dtype == torch::kInt8 || cache_dtype == at::ScalarType::Float8_e4m3fn;
-  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(),
-              "k_scale and v_scale must be given together");
-  if (quantized) {
-    TORCH_CHECK(k_scale.has_value(), "an ", cache_dtype,
-                " cache needs k_scale and v_scale (float16 [num_blocks, block_size, Hkv])");
-    for (const auto* s : {&*k_scale, &*v_scale}) {
-      TORCH_CHECK(s->scalar_type() == torch::kHalf, "k_scale and v_scale must be float16, got ",
-                  s->scalar_type());
-      TORCH_CHECK(s->sizes() == k_cache.sizes().slice(0, 3),
-                  "k_scale and v_scale must be [num_blocks, block_size, Hkv] = ",
-                  k_cache.sizes().slice(0, 3), ", got ", s->sizes());
-      TORCH_CHECK(s->is_contiguous(), "k_scale and v_scale must be contiguous");
+// query [batch, num_heads, head_dim] (strides in elements, rows contiguous) of query_dtype
+// (kFloat32, kBFloat16 or kFloat16; also out's, contiguous); k_cache, v_cache [num_blocks,
+// block_size, num_kv_heads, cache_head_dim] of cache_dtype (caches_ok: contiguous, of one shape
+// and dtype), 8-bit ones (kInt8, kFloat8E4M3) with k_scale, v_scale (contiguous float16
+// [num_blocks, block_size, num_kv_heads]; else nullptr); block_tables [table_rows,
+// table_width] and seq_lens [num_seq_lens], contiguous, of tables_dtype and lengths_dtype (int32).
+// Checks every size, seq_len and block id before reading anything.
+NORI_SIGNATURE(paged_decode_attention, "PPPPPPPPPPPPPPPPPPPPPPPPPPFP");
+extern "C" int nori_paged_decode_attention(
+    int64_t query_dtype, const void* query, int64_t batch, int64_t num_heads, int64_t head_dim,
+    int64_t query_stride_b, int64_t query_stride_h, int64_t query_stride_d, int64_t cache_dtype,
+    const void* k_cache, const void* v_cache, int64_t num_blocks, int64_t block_size,
+    int64_t num_kv_heads, int64_t cache_head_dim, int64_t caches_ok, const void* k_scale,
+    const void* v_scale, int64_t tables_dtype, const int32_t* block_tables,
+    int64_t table_rows, int64_t table_width, int64_t lengths_dtype, const int32_t* seq_lens,
+    int64_t num_seq_lens, void* out, float scale, int64_t threads) {
+  NORI_REQUIRE(is_float(query_dtype) && query_stride_d == 1,
+               "query must be float32, bfloat16 or float16 [B, Hq, D] with contiguous rows");
+  NORI_REQUIRE(caches_ok && (is_float(cache_dtype) || cache_dtype == kInt8 ||
+                             cache_dtype == kFloat8E4M3),
+               "k_cache and v_cache must both be contiguous [num_blocks, block_size, Hkv, D] of "
+               "one float or 8-bit dtype");
+  NORI_REQUIRE(tables_dtype == kInt32 && lengths_dtype == kInt32,
+               "block_tables and seq_lens must be int32");
+  const bool quantized = cache_dtype == kInt8 || cache_dtype == kFloat8E4M3;
+  NORI_REQUIRE((k_scale == nullptr) == (v_scale == nullptr),
+               "k_scale and v_scale must be given together");
+  NORI_REQUIRE(!quantized || k_scale != nullptr,
+               "an 8-bit cache needs k_scale and v_scale (float16 [num_blocks, block_size, Hkv])");
+  NORI_REQUIRE(quantized || k_scale == nullptr,
+               "k_scale and v_scale go with an int8 or float8_e4m3fn cache only");
+  NORI_REQUIRE(cache_head_dim == head_dim, "query and cache head_dim differ");
+  NORI_REQUIRE(num_kv_heads >= 1 && num_heads % num_kv_heads == 0,
+               "query heads must be a multiple of kv heads");
+  NORI_REQUIRE(table_rows == batch && num_seq_lens == batch,
+               "block_tables must be [B, M] and seq_lens [B] for a query of B rows");
+  const int64_t table_stride = table_width;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t seq_len = seq_lens[b];
+    if (seq_len < 1 || seq_len > table_width * block_size)
+      return fail("row %lld: seq_len %lld outside its block table", static_cast<long long>(b),
+                  static_cast<long long>(seq_len));
+    const int32_t* table = block_tables + b * table_stride;
+    for (int64_t j = 0; j * block_size < seq_len; ++j) {
+      if (table[j] < 0 || table[j] >= num_blocks)
+        return fail("row %lld: block id %d outside the cache", static_cast<long long>(b),
+                    table[j]);
     }
-  } else {
-    TORCH_CHECK(!k_scale.has_value(),
-                "k_scale and v_scale go with an int8 or float8_e4m3fn cache, not a ", cache_dtype,
-                " one");
   }
-  const int64_t batch = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim, "query and cache head_dim differ");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
-                  seq_lens.dim() == 1 && seq_lens.size(0) == query.size(0),
-              "block_tables must be [B, M] and seq_lens [B] for a query of B rows");
-
-  const auto q32 = query.to(torch::kFloat32).contiguous();
-  const auto tables = block_tables.contiguous();
-  const auto lens = seq_lens.contiguous();
-  auto out = torch::empty({batch, num_heads, head_dim}, q32.options());
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = tables.size(1);
-  const int64_t num_blocks = k_cache.size(0);
-  const float* q_ptr = q32.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int32_t* table_ptr = tables.data_ptr<int32_t>();
-  const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  const c10::Half* k_scale_ptr = quantized ? k_scale->data_ptr<c10::Half>() : nullptr;
-  const c10::Half* v_scale_ptr = quantized ? v_scale->data_ptr<c10::Half>() : nullptr;
+  const auto* k_scales = static_cast<const Half*>(k_scale);
+  const auto* v_scales = static_cast<const Half*>(v_scale);
 
   // One task per sequence keeps each block's reads sequential; a small batch is cut further by
-  // kv head so that every thread still gets work. `run_task(b, head_begin, head_end, seq_len,
-  // table, scratch)` computes one task once its row is checked.
-  const int64_t splits = batch >= 4 * at::get_num_threads() ? 1 : num_kv_heads;
+  // kv head so that every thread still gets work. `run_task(query_rows, b, head_begin, head_end,
+  // table, scratch, out_rows)` computes one task into float32 output rows.
+  const int64_t splits = batch >= 4 * threads ? 1 : num_kv_heads;
   const auto for_each_task = [&](auto run_task) {
-    at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<int64_t> offsets;
+    parallel_for(0, batch * splits, 1, threads, [&](int64_t begin, int64_t end) {
+      Scratch scratch;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / splits;
         const int64_t part = task % splits;
         const int64_t head_begin = part * num_kv_heads / splits;
         const int64_t head_end = (part + 1) * num_kv_heads / splits;
-        const int64_t seq_len = len_ptr[b];
-        TORCH_CHECK(seq_len >= 1 && seq_len <= table_width * block_size, "row ", b, ": seq_len ",
-                    seq_len, " outside its block table");
-        const int32_t* table = table_ptr + b * table_width;
-        for (int64_t j = 0; j * block_size < seq_len; ++j) {
-          TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "row ", b, ": block id ",
-                      table[j], " outside the cache");
+        const int64_t first = head_begin * group;  // the task's first query head
+        const int64_t count = (head_end - head_begin) * group * head_dim;
+        const int64_t out_offset = (b * num_heads + first) * head_dim;
+        float* out_rows = static_cast<float*>(out) + out_offset;
+        if (query_dtype != kFloat32) {
+          scratch.out.resize(count);
+          out_rows = scratch.out.data();
         }
-        run_task(b, head_begin, head_end, seq_len, table, scores, offsets);
+        const char* query_rows = static_cast<const char*>(query) +
+                                 (b * query_stride_b + first * query_stride_h) *
+                                     (query_dtype == kFloat32 ? 4 : 2);
+        run_task(query_rows, b, head_begin, head_end, block_tables + b * table_stride, scratch,
+                 out_rows);
+        if (query_dtype != kFloat32) {
+          float_to(query_dtype, out_rows, count, static_cast<char*>(out) + 2 * out_offset);
+        }
       }
     });
   };
 
 #ifdef NORI_BF16_DECODE
-  if (cache_dtype == at::kBFloat16 && query.scalar_type() == at::kBFloat16 &&
+  if (cache_dtype == kBFloat16 && query_dtype == kBFloat16 &&
       (head_dim == 64 || head_dim == 128)) {
-    const auto q16 = query.contiguous();
-    const auto* q_bf16 = reinterpret_cast<const uint16_t*>(q16.data_ptr<at::BFloat16>());
-    const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-    const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-    for_each_task([&](int64_t b, int64_t head_begin, int64_t head_end, int64_t seq_len,
-                      const int32_t* table, std::vector<float>& scores,
-                      std::vector<int64_t>& offsets) {
+    const auto* k_ptr = static_cast<const uint16_t*>(k_cache);
+    const auto* v_ptr = static_cast<const uint16_t*>(v_cache);
+    for_each_task([&](const char* query_rows, int64_t b, int64_t head_begin, int64_t head_end,
+                      const int32_t* table, Scratch& scratch, float* out_rows) {
+      const int64_t rows = (head_end - head_begin) * group;
+      scratch.query_bf16.resize(rows * head_dim);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(scratch.query_bf16.data() + r * head_dim,
+                    query_rows + 2 * r * query_stride_h, 2 * head_dim);
       const auto task = head_dim == 64 ? decode_task_bf16<2> : decode_task_bf16<4>;
-      task(q_bf16 + b * num_heads * head_dim, k_ptr, v_ptr, table, seq_len, head_begin,
-           head_end, num_kv_heads, group, block_size, static_cast<float>(scale), scores, offsets,
-           out_ptr + b * num_heads * head_dim);
+      task(scratch.query_bf16.data(), k_ptr, v_ptr, table, seq_lens[b], head_begin, head_end,
+           num_kv_heads, group, block_size, scale, scratch.scores, scratch.offsets, out_rows);
     });
-    return out.to(query.scalar_type());
+    return 0;
   }
 #endif
 
   const auto launch = [&](auto cache_tag, auto quantized_constant) {
-    using cache_t = typename decltype(cache_tag)::type;
+    using cache_t = decltype(cache_tag);
     constexpr bool kQuantized = decltype(quantized_constant)::value;
-    const cache_t* k_ptr = static_cast<const cache_t*>(k_cache.data_ptr());
-    const cache_t* v_ptr = static_cast<const cache_t*>(v_cache.data_ptr());
-    for_each_task([&](int64_t b, int64_t head_begin, int64_t head_end, int64_t seq_len,
-                      const int32_t* table, std::vector<float>& scores, std::vector<int64_t>&) {
+    const auto* k_ptr = static_cast<const cache_t*>(k_cache);
+    const auto* v_ptr = static_cast<const cache_t*>(v_cache);
+    for_each_task([&](const char* query_rows, int64_t b, int64_t head_begin, int64_t head_end,
+                      const int32_t* table, Scratch& scratch, float* out_rows) {
+      const int64_t rows = (head_end - head_begin) * group;
+      scratch.query.resize(rows * head_dim);
+      query_to_float(query_dtype, query_rows, query_stride_h, rows, head_dim,
+                     scratch.query.data());
       const auto run = [&](auto head_dim_constant) {
         decode_task<cache_t, decltype(head_dim_constant)::value, kQuantized>(
-            q_ptr + b * num_heads * head_dim, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, table,
-            seq_len, head_begin, head_end, num_kv_heads, group, head_dim, block_size,
-            static_cast<float>(scale), scores, out_ptr + b * num_heads * head_dim);
+            scratch.query.data(), k_ptr, v_ptr, k_scales, v_scales, table, seq_lens[b],
+            head_begin, head_end, num_kv_heads, group, head_dim, block_size, scale,
+            scratch.scores, out_rows);
       };
       switch (head_dim) {
         case 32: run(std::integral_constant<int, 32>{}); break;
@@ -501,13 +511,12 @@ torch::Tensor paged_decode_attention(
     });
   };
 
-  if (cache_dtype == torch::kInt8) {
-    launch(Tag<int8_t>{}, std::true_type{});
-  } else if (cache_dtype == at::ScalarType::Float8_e4m3fn) {
-    launch(Tag<c10::Float8_e4m3fn>{}, std::true_type{});
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, cache_dtype,
-                                    "decode", [&] { launch(Tag<scalar_t>{}, std::false_type{}); });
+  switch (cache_dtype) {
+    case kInt8: launch(int8_t{}, std::true_type{}); break;
+    case kFloat8E4M3: launch(Float8E4M3{}, std::true_type{}); break;
+    case kFloat32: launch(float{}, std::false_type{}); break;
+    case kBFloat16: launch(BFloat16{}, std::false_type{}); break;
+    default: launch(Half{}, std::false_type{}); break;
   }
-  return out.to(query.scalar_type());
+  return 0;
 }

@@ -11,7 +11,7 @@ import torch
 from nori.kernels._common import (
     cdiv,
 )
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import required_cpu_kernels
 from nori.kernels.kv_quant import dequantize_kv_reference
 
 # Rows join a group while its padding stays small: a context at least this share of the group's
@@ -169,12 +169,7 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:
     """The C++ CPU kernel (decode_attention_cpu.cpp), reading each context in place:
     `paged_decode_attention_reference`'s contract for CPU tensors; the kernel checks shapes,
-    dtypes and block ids. Raises RuntimeError where it cannot be built.
+    dtypes and block ids. Raises RuntimeError where it is not built.
     """
-    module = cpu_kernels()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
-    output: torch.Tensor = module.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
-    )
-    return output
+    arguments = (query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return required_cpu_kernels().paged_decode_attention(*arguments)

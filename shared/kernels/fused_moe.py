@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nori.kernels.cpu_build import CPU_KERNEL_DTYPES, cpu_kernels
+from nori.kernels.cpu_build import CPU_KERNEL_DTYPES, cpu_kernels, required_cpu_kernels
 
 
 def fused_experts_reference(
@@ -60,21 +60,13 @@ def fused_experts_cpu(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU kernel; RuntimeError where it is not built. `hidden` float32 or bfloat16, the
-    weights in its dtype or int8 with scales. Weights stored [in, out] or in panels
-    (`pack_expert_panels`) take the streamed kernel; other strides one GEMM per expert group.
-    Costs: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
+    """The C++ CPU kernel (no fallback: RuntimeError where it is not built). `hidden` float32 or
+    bfloat16, the weights in its dtype or int8 with scales, packed in panels (`pack_expert_panels`)
+    or stored [in, out]; other strides are copied to [in, out] first. Costs:
+    docs/benchmarks.md#cpu-kernels-and-weight-layouts.
     """
-    kernels = cpu_kernels()
-    if kernels is None:
-        raise RuntimeError(
-            "the C++ CPU kernels are not built (or NORI_CPU_KERNELS=0): "
-            "fused_experts_cpu has no fallback, call fused_experts or fused_experts_reference"
-        )
-    result: torch.Tensor = kernels.fused_experts(
-        hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale
-    )
-    return result
+    arguments = (hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    return required_cpu_kernels().fused_experts(*arguments)
 
 
 PANEL_WIDTH = 16

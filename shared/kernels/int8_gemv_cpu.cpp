@@ -14,9 +14,7 @@
 // float32 rounding of the scaling. Plain C++ over the same layout where the build machine has
 // no AVX-512 VNNI.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
@@ -26,6 +24,10 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_common.h"
+
+// A namespace of its own: its names repeat bf16_gemv_cpu.cpp's in the unity build.
+namespace nori::int8_gemv {
 namespace {
 
 constexpr int kLanes = 16;      // outputs in a panel: one 512-bit register of int32 sums
@@ -174,75 +176,55 @@ constexpr auto kPanelTimes = panel_functions(std::make_integer_sequence<int, kBl
 
 }  // namespace
 
-torch::Tensor int8_gemv(const torch::Tensor& input, const torch::Tensor& packed_weight,
-                        int64_t outputs, const torch::Tensor& weight_scale,
-                        const torch::Tensor& row_sums, const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(input.dim() == 2 && input.is_contiguous() && input.scalar_type() == at::kFloat,
-              "input must be a contiguous float32 [M, K] tensor");
-  const int64_t rows = input.size(0);
-  const int64_t width = input.size(1);
+// input [rows, width] (dims, contiguous: its rank and flag) float32, each row quantized to
+// int8, times the int8 [outputs, width] weight packed as [ceil(outputs/16), ceil(width/4), 16, 4]
+// with its weight_scale [outputs] float32 and row_sums [outputs] int32 (+ bias [outputs]
+// float32, or nullptr) -> out [rows, outputs] float32.
+NORI_SIGNATURE(int8_gemv, "PPPPPPPPPPPPP");
+extern "C" int nori_int8_gemv(int64_t dtype, const float* input, int64_t dims, int64_t contiguous,
+                              int64_t rows, int64_t width, const int8_t* packed_weight,
+                              const float* weight_scale, const int32_t* row_sums,
+                              const float* bias, float* out, int64_t outputs, int64_t threads) {
+  NORI_REQUIRE(dtype == kFloat32 && dims == 2 && contiguous,
+               "input must be a contiguous float32 [M, K] tensor");
+  if (rows == 0 || outputs == 0) return 0;
   const int64_t num_groups = (width + kGroup - 1) / kGroup;
   const int64_t panels = (outputs + kLanes - 1) / kLanes;
-  TORCH_CHECK(packed_weight.dim() == 4 && packed_weight.is_contiguous() &&
-                  packed_weight.scalar_type() == at::kChar && packed_weight.size(0) == panels &&
-                  packed_weight.size(1) == num_groups && packed_weight.size(2) == kLanes &&
-                  packed_weight.size(3) == kGroup,
-              "packed_weight must be pack_int8_gemv_weight's [N/16, ceil(K/4), 16, 4] of an "
-              "int8 [N, K] weight with the input's K");
-  TORCH_CHECK(weight_scale.numel() == outputs && weight_scale.is_contiguous() &&
-                  weight_scale.scalar_type() == at::kFloat,
-              "weight_scale must hold one float32 per output");
-  TORCH_CHECK(row_sums.numel() == outputs && row_sums.is_contiguous() &&
-                  row_sums.scalar_type() == at::kInt,
-              "row_sums must hold one int32 per output (qweight.sum(1))");
-  const float* add = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == outputs && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "bias must be a contiguous float32 [N] tensor");
-    add = bias->data_ptr<float>();
-  }
-  auto out = torch::empty({rows, outputs}, input.options());
-  if (rows == 0 || outputs == 0) return out;
 
   // Quantize each row (symmetric, its largest magnitude to 127) straight into the block
   // layout [block][group][kBlockRows]: one group of every row of a block is one line.
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   std::vector<uint32_t> groups(static_cast<size_t>(blocks * num_groups * kBlockRows), 0u);
   std::vector<float> row_scale(static_cast<size_t>(blocks * kBlockRows), 1.f);
-  const float* x = input.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     auto* dst = reinterpret_cast<uint8_t*>(groups.data() +
                                            (r / kBlockRows) * num_groups * kBlockRows +
                                            r % kBlockRows);
-    row_scale[r] = quantize_row(x + r * width, width, dst);
+    row_scale[r] = quantize_row(input + r * width, width, dst);
   }
 
-  const int8_t* w = packed_weight.data_ptr<int8_t>();
-  const float* w_scale = weight_scale.data_ptr<float>();
-  const int32_t* w_sums = row_sums.data_ptr<int32_t>();
-  float* y = out.data_ptr<float>();
   const int64_t panel_elements = num_groups * kGroup * kLanes;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  nori::parallel_for(0, panels, 1, threads, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t first = panel * kLanes;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);
-        const PanelOutput target{w_sums + first,
-                                 w_scale + first,
-                                 add != nullptr ? add + first : nullptr,
+        const PanelOutput target{row_sums + first,
+                                 weight_scale + first,
+                                 bias != nullptr ? bias + first : nullptr,
                                  row_scale.data() + block * kBlockRows,
-                                 y + block * kBlockRows * outputs + first,
+                                 out + block * kBlockRows * outputs + first,
                                  outputs,
                                  std::min<int64_t>(kLanes, outputs - first),
                                  panel + kPrefetchPanels < end
                                      ? reinterpret_cast<const char*>(
-                                           w + (panel + kPrefetchPanels) * panel_elements)
+                                           packed_weight + (panel + kPrefetchPanels) * panel_elements)
                                      : nullptr};
         kPanelTimes[block_rows - 1](groups.data() + block * num_groups * kBlockRows,
-                                    w + panel * panel_elements, num_groups, target);
+                                    packed_weight + panel * panel_elements, num_groups, target);
       }
     }
-  });
-  return out;
+  });  return 0;
 }
+
+}  // namespace nori::int8_gemv

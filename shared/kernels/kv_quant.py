@@ -22,7 +22,7 @@ from nori.kernels._common import (
     next_power_of_2,
     should_use_triton,
 )
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import required_cpu_kernels
 
 with contextlib.suppress(ImportError):
     import triton.language as tl
@@ -99,11 +99,9 @@ def store_quantized_kv_cache_cpu(
     slot_mapping: torch.Tensor,
 ) -> None:
     """The C++ CPU kernel (store_kv_quant_cpu.cpp): `store_quantized_kv_cache_reference`'s
-    contract for float32/bfloat16 key/value; RuntimeError where the kernel cannot be built."""
-    module = cpu_kernels()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
-    module.store_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    contract for float32/bfloat16 key/value; RuntimeError where the kernel is not built."""
+    kernels = required_cpu_kernels()
+    kernels.store_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 
 @device_function

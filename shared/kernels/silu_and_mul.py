@@ -56,6 +56,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ):
         kernels = cpu_kernels()
         if kernels is not None:
-            result: torch.Tensor = kernels.silu_and_mul(x)
-            return result
+            return kernels.silu_and_mul(x)
     return silu_and_mul_reference(x)

@@ -17,7 +17,7 @@ from nori.kernels._common import (
     next_power_of_2,
     should_use_triton,
 )
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import required_cpu_kernels
 
 with contextlib.suppress(ImportError):
     import triton.language as tl
@@ -82,11 +82,8 @@ def store_kv_cache_cpu(
     slot_mapping: torch.Tensor,
 ) -> None:
     """The C++ CPU kernel (store_kv_cpu.cpp): `store_kv_cache_reference`'s contract (int64
-    slots); RuntimeError where it cannot be built."""
-    module = cpu_kernels()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels are not available here (see the log)")
-    module.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    slots); RuntimeError where it is not built."""
+    required_cpu_kernels().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def store_kv_cache(

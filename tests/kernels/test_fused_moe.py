@@ -4,8 +4,7 @@ written here, and the C++ kernel (`fused_experts_cpu`) against the reference.
 The routings cover what a grouping by expert can get wrong: experts that no token chose, that
 exactly one token chose and that every token chose, one token, ids outside [0, E) (expert
 parallelism), int32 and int64 ids, weights stored in [in, out] memory order, int8 weights, and
-enough rows per expert that the kernel's GEMMs switch from running side by side to one after
-another. The tolerances are tight enough that a token's output landing on another token (a
+many rows per expert (many tiles of rows in one expert's product). The tolerances are tight enough that a token's output landing on another token (a
 wrong permutation or scatter index) fails them: `test_a_swapped_routing_is_caught` shows the
 error such a mix-up makes is at least ten times past them.
 """
@@ -84,7 +83,7 @@ def _dense_experts(
     return out
 
 
-# How the weights are stored: PyTorch's [out, in] rows (the library-GEMM route), each expert's
+# How the weights are stored: PyTorch's [out, in] rows (the kernel copies them to [in, out]), each expert's
 # matrix [in, out] (the streamed route), or packed in panels of 16 outputs (the streamed route
 # over contiguous blocks; what the CPU model keeps).
 LAYOUTS = ["out-in", "in-out", "panels"]
@@ -260,8 +259,8 @@ def test_a_swapped_routing_is_caught(layout: str) -> None:
 
 @needs_cpu_kernels
 def test_cpu_kernel_under_inference_mode() -> None:
-    """The model runs under torch.inference_mode; the experts' GEMMs run on the pool's threads
-    (few rows per expert) and must see it too."""
+    """The model runs under torch.inference_mode, where the kernel (and its copy of [out, in]
+    weights to [in, out]) runs as well."""
     w13, w2 = _layer(8)
     weights, ids = _routing(8, 8, 2)
     hidden = _hidden(8)
