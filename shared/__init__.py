@@ -1,8 +1,7 @@
 """Nori: throughput-first LLM serving with disaggregated prefill and decode.
 
 `from nori import LLM, SamplingParams, RequestOutput, CompletionOutput, EngineConfig` is the
-offline API, as vLLM's; the names load lazily (the pure-Python parts import without torch).
-"""
+offline API, as vLLM's; the names load lazily (the pure-Python parts import without torch)."""
 
 from __future__ import annotations
 

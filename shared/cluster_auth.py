@@ -1,9 +1,7 @@
 """The cluster secret, and every credential the roles derive from it.
 
 One secret (`--cluster-secret`/`NORI_CLUSTER_SECRET`), never sent: each use gets its own key
-(HMAC-SHA256 of the secret over the use's name). Without a secret the cluster is open:
-docs/operations.md, "Security".
-"""
+(HMAC-SHA256 of the secret over the use's name). No secret: an open cluster (docs/operations.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Roles that `nori up` (or a test) starts end when their launcher dies, even by SIGKILL.
 
-The launcher names itself in NORI_DIE_WITH_PARENT; the role, first thing at start, asks Linux
-for SIGTERM when its parent goes (PR_SET_PDEATHSIG), so it drains and exits. Not in a
-`preexec_fn`: that makes Python fork, running every library's pre-fork handlers (gRPC deadlocks).
-"""
+The launcher names itself in NORI_DIE_WITH_PARENT; first thing at start, the role asks Linux for
+SIGTERM when its parent goes (PR_SET_PDEATHSIG; never in a `preexec_fn`: gRPC deadlocks)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ the same in every process), and the events that say a worker's cache gained or l
 
 The engine's BlockManager makes both; the block directory in Redis (nori.state.block_directory)
 mirrors the events, and the gateway hashes prompts the same way to find the worker holding the
-longest prefix. Pure Python (no torch, no Redis), so every role can import it.
-"""
+longest prefix. Pure Python (no torch, no Redis), so every role can import it."""
 
 from __future__ import annotations
 

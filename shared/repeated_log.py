@@ -1,7 +1,6 @@
 """A failure that repeats (Redis away, a peer down) logged once with a count, not per request:
 the first with its traceback; later ones within `interval_s` are only counted, and the next log
-line says how many there were and the last error.
-"""
+line says how many there were and the last error."""
 
 from __future__ import annotations
 

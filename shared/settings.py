@@ -1,9 +1,7 @@
 """What every role shares: the roles, each default in one place, the settings base, and the
 environment (`Environment.read`): REDIS_URL, NORI_ADVERTISE_HOST (`auto`: this host's address),
-NORI_CACHE_DIR (built-in models), NORI_CPU_KERNELS=0 (PyTorch references instead of the C++
-kernels), NORI_API_KEY, NORI_CLUSTER_SECRET and NORI_REDIS_PASSWORD; each secret may instead
-come from the file its `*_FILE` variable names.
-"""
+NORI_CACHE_DIR (built-in models), NORI_CPU_KERNELS=0 (PyTorch references, not the C++ kernels),
+NORI_API_KEY, NORI_CLUSTER_SECRET and NORI_REDIS_PASSWORD (or the file each `*_FILE` names)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ DEFAULT_NAMESPACE = "nori"
 DEFAULT_BLOCK_SIZE = 16
 # What `nori up`, `generate`, `run-batch` and `bench` serve without --model (a PyPI package's GGUF).
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# How long a decode worker holds blocks reserved for a prompt without word from its prefill
-# worker (renewals extend it).
+# How long a decode worker holds a prompt's blocks without a renewal from its prefill worker.
 DEFAULT_KV_LEASE_S = 10.0
 # Batch lines' priority (lower is served first; 0 is interactive).
 BATCH_PRIORITY = 1000
@@ -94,8 +91,7 @@ def settings_from(
 ) -> SettingsT:
     """A settings dataclass from the attributes of `source` (an argparse namespace or other
     settings) named like its fields; `overrides` give the fields named or shaped differently,
-    and fields `source` lacks, or in `exclude`, keep their defaults.
-    """
+    and fields `source` lacks, or in `exclude`, keep their defaults."""
     values = {
         field.name: getattr(source, field.name)
         for field in fields(cls)  # type: ignore[arg-type]

@@ -1,6 +1,5 @@
 """Writes that survive a crash or a power loss: a file replaced whole (`write_atomically`) and
-an append-only log whose records count once fsync'd (`AppendLog`).
-"""
+an append-only log whose records count once fsync'd (`AppendLog`)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class AppendLog:
         if new:
             fsync_dir(path.parent)
         elif self._file.tell() > 0:
-            # A torn last record (a writer killed mid-write before): end it, so the next
-            # record starts on a line of its own.
+            # A torn last record (a writer killed mid-write): end it, so the next starts a line.
             with path.open("rb") as log:
                 log.seek(-1, os.SEEK_END)
                 if log.read(1) != b"\n":

@@ -2,8 +2,7 @@
 
 A malformed line (not JSON, a field missing or mistyped, another endpoint, `stream`) fails
 alone, in the error file with its line number. A duplicate `custom_id`, an empty file or too many
-lines fail the whole batch at validation, with the lines named in `errors`.
-"""
+lines fail the whole batch at validation, with the lines named in `errors`."""
 
 from __future__ import annotations
 

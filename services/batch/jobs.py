@@ -2,8 +2,7 @@
 
 Per batch, under `{namespace}:batch:{id}:`: `lines`, a stream (field `i`: index among valid
 lines) read by the group `runners`; `completed` and `failed` sets; `seeded`; `lock:WHAT`. A claim
-not renewed for `lease_ms` is taken over (XAUTOCLAIM). Nothing here is the truth: `seed` rebuilds.
-"""
+not renewed for `lease_ms` is taken over (XAUTOCLAIM). Not the truth: `seed` rebuilds it all."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 `nori run-batch`), retried until an answer that is not transient or its deadline (the batch's
 expiry). Transient: 429, 502/503/504 and a connection that failed or dropped. Each retry waits
 0.25, 0.5, 1, ... s, at most `MAX_BACKOFF_S`, or the answer's Retry-After when that is shorter.
-Anything else is the line's answer, success or not, recorded with its status code and body.
-"""
+Anything else is the line's answer, success or not, recorded with its status code and body."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The batch runner role (`nori serve batch`): runs the lines of every batch in the directory.
 
 Runners share the work through `nori.batch.jobs`; each claims lines up to `max_in_flight`. A
-result is fsync'd before it is acknowledged in Redis, so none is lost. The flow:
-docs/architecture.md.
-"""
+result is fsync'd before it is acknowledged, so none is lost. Flow: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -225,8 +223,7 @@ class BatchRunner:
                 if claim.entry_id in batch.tasks:
                     continue
                 if claim.reclaimed:
-                    # Another runner held it: it may have made its result durable and died
-                    # before acknowledging it.
+                    # Its holder may have made its result durable and died before acknowledging.
                     done = done if done is not None else self.store.read_results(batch.batch_id)
                     if line.line in done:
                         await self.jobs.done(

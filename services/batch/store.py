@@ -2,8 +2,7 @@
 
 The directory is the source of truth; Redis (`nori.batch.jobs`) holds only what can be rebuilt.
 Files are written whole and atomically, except the runners' result logs, fsync'd before a line
-counts as done; a line logged twice keeps its first record. Layout: docs/architecture.md.
-"""
+counts as done; a line logged twice keeps its first record. Layout: docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A runner's two whole-batch steps, each by one runner under the batch's Redis lock and written
 atomically: `validate_batch` and `finalize_batch` (output and error files in input order, then
-final.json). File ids derive from the batch's, so a redo writes the same files.
-"""
+final.json). File ids derive from the batch's, so a redo writes the same files."""
 
 from __future__ import annotations
 

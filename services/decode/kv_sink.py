@@ -4,8 +4,7 @@ the prefill worker renews (`RenewLeases`, at least three times a lease) until it
 QUEUED ends at the last renewal + lease and at most `queue_timeout_s` after the reservation;
 COMPUTING at the last renewal + lease; RECEIVING `transfer_timeout_s` after the transfer's start;
 ARRIVED and FAILED are final. Event loop only (no locks). A transfer is accepted only for a live
-lease with its transfer token, into exactly its reserved block ids with the expected byte sizes.
-"""
+lease with its transfer token, into exactly its reserved block ids with the expected byte sizes."""
 
 from __future__ import annotations
 

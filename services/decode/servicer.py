@@ -1,11 +1,9 @@
 """The decode worker process and its DecodeService: reserve blocks under a lease, take the KV in,
-stream tokens out. `colocated` makes it the single-worker baseline: it computes prompts itself
-and takes no transfers (`nori up --colocated`).
+stream tokens out; `colocated` (`nori up --colocated`) computes prompts itself, no transfers.
 
 A Generate call's prompt K/V is sent by a prefill worker (`_reserve_for_remote_kv`, then
 `_finish_remote_kv`) or computed here. One call is one request's whole life here: cancelling it
-frees the request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`).
-"""
+frees the request's blocks. RenewLeases keeps a reservation alive (`kv_sink.py`)."""
 
 from __future__ import annotations
 
@@ -99,8 +97,7 @@ class DecodeServicer(EngineServicer, decode_pb2_grpc.DecodeServiceServicer):
             coalesce_s = request.coalesce_ms / 1000
             first = True
             while not finished:
-                # The first output at once (it ends the gateway's admission wait); the rest
-                # merged as the caller asked.
+                # The first output at once (it ends admission's wait); the rest merged as asked.
                 if coalesce_s > 0 and not first:
                     output = await next_output_coalesced(queue, coalesce_s)
                 elif request.stream_interval > 1 and not first:

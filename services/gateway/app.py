@@ -1,6 +1,5 @@
 """The gateway's FastAPI app over any `Backend`: the OpenAI routes, /tokenize and /detokenize,
-health and metrics. The app owns the backend and closes it at shutdown (unless told not to).
-"""
+health and metrics. The app owns the backend and closes it at shutdown (unless told not to)."""
 
 from __future__ import annotations
 
@@ -87,11 +86,9 @@ def create_app(
     """The OpenAI-compatible app for one served model.
 
     `max_model_len`: the longest prompt + output accepted (longer: a 400). `vocab_size`: prompt
-    token ids must be below it (default: the tokenizer's). `extra_metrics`: Prometheus text
-    appended to GET /metrics. `routers`: more routes (the Batch API) behind the same middleware,
-    with `path_body_limits`. `stream_interval`: tokens per streamed event. `drain`: while it
-    drains, new requests get 503.
-    """
+    token ids must be below it (default: the tokenizer's). `extra_metrics`: Prometheus text for
+    GET /metrics. `routers`: more routes (the Batch API) behind the same middleware, with
+    `path_body_limits`. `stream_interval`: tokens per event. `drain`: 503 while it drains."""
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     if stream_interval < 1:

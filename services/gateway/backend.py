@@ -1,8 +1,7 @@
 """What the HTTP layer needs from whatever runs the model: one streaming call per request.
 
 `endpoints.py` hands a tokenised `GenerationRequest` to a `Backend` (the cluster's is
-`cluster.py`). A backend that cannot serve raises `BackendError`.
-"""
+`cluster.py`). A backend that cannot serve raises `BackendError`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """OpenAI's Files and Batch API on the gateway (`--batch-dir`), as the `openai` client calls it.
 
-The gateway only records (files, batch requests and cancel markers go to `nori.batch.store`'s
-directory); the batch runners (`nori serve batch`) validate, run and finalize. Counts come from
-Redis while a batch runs (`nori.batch.jobs`), from the directory otherwise, so a Redis that
-restarts empty changes no answer here.
-"""
+The gateway only records: files, batch requests and cancel markers go to `nori.batch.store`'s
+directory; batch runners (`nori serve batch`) validate, run and finalize. Counts come from Redis
+while a batch runs (`nori.batch.jobs`), else the directory: a Redis restarted empty changes none."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 
 `generate` checks the fan-out caps (400), admits into the `Ledger` (429), takes a slot under fair
 shares (429 for a single request without one, a wait for a batch member), then runs attempts on
-decode workers (`request_flow.RequestFlow`), each failed one followed by `RetryPolicy.after`.
-"""
+decode workers (`request_flow.RequestFlow`), each failed one followed by `RetryPolicy.after`."""
 
 from __future__ import annotations
 
@@ -344,8 +343,7 @@ class RetryPolicy:
                 self.full_prefills = 0
             return True
         if isinstance(error, PrefillFailedError | TransferFailedError):
-            # Its decode reservation is already released: start over while the client has
-            # seen nothing.
+            # Its decode reservation is released: start over while the client has seen nothing.
             if isinstance(error, PrefillFailedError) and error.unreachable:
                 self.mark_failed(error.worker_id)
             self.failed_prefills += 1

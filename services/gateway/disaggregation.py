@@ -1,12 +1,10 @@
 """Conditional disaggregation: per request, whether its prompt is computed on a prefill worker
 ("prefill": its KV blocks then move to the decode worker) or on the decode worker ("decode").
 
-`choose_path` is pure: it picks the cheaper path in request-seconds (the wait for token one plus
-the delay on the decode worker's streams), from the workers' step-cost fits and queued prompt
-tokens and this gateway's `PrefillPathMeter`. Prompts over `max_local_compute_s` of decode-worker
-compute, and all prompts until every figure is known, go to a prefill worker. The cost model:
-docs/architecture.md, "Conditional disaggregation".
-"""
+`choose_path` is pure: the cheaper path in request-seconds (the wait for token one plus the delay
+on the decode worker's streams), from the workers' step-cost fits, queued prompt tokens and this
+gateway's `PrefillPathMeter`. Prompts over `max_local_compute_s` of decode-worker compute, and all
+prompts until every figure is known, go to a prefill worker. Cost model: docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`/v1/completions` and `/v1/chat/completions`, from the parsed body to the answer.
 
-`respond`, one responder for both APIs, streaming or not, runs the backend streams in a
-`Session`. A stream waits for its first chunk before the 200, so a backend refusal is still an
-HTTP 429/503, not an error inside the stream.
-"""
+`respond` (both APIs, streaming or not) runs the backend streams in a `Session`. A stream waits
+for its first chunk before the 200, so a backend refusal is still an HTTP 429/503."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 
 Each `BackendError` kind is a direct subclass carrying its own `status_code`, `error_type` and
 `retry_after_s` (set: the answer has Retry-After). Every failure reaches the client through
-`APIError`; an unexpected exception is logged with its traceback and answered with a generic 500.
-"""
+`APIError`; an unexpected exception is logged with its traceback and answered with a generic 500."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """How each OpenAI API spells its answer: a whole response, or the SSE events of a stream.
 `CompletionFormat` and `ChatFormat` turn chunks and choices into the API's JSON (logprobs in
-vLLM's layout) and the usage; `endpoints.respond` decides when each is sent.
-"""
+vLLM's layout) and the usage; `endpoints.respond` decides when each is sent."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 admission to `close()`: its place among the requests in flight, its prompt tokens until token one
 (admission: 429 past `max_queued_prompt_tokens` per prompt worker), its decode slot until close and
 prompt slot until token one (fair shares), and its calls and prompt tokens on each worker (what
-`worker_pool.pick_decode` and `pick_prefill` read: their decisions are pure functions of them).
-"""
+`worker_pool.pick_decode` and `pick_prefill` read: their decisions are pure functions of them)."""
 
 from __future__ import annotations
 
@@ -180,8 +179,7 @@ class Ledger:
         self.background_tokens = 0  # of those, background (batch) ones
         self.client_tokens: Counter[str] = Counter()  # interactive ones, per client
         self.groups: Counter[str] = Counter()  # group -> tickets before their first token
-        # Slots per owner key: decode (until close), prompt (until the first token); "active":
-        # owners holding or waiting.
+        # Slots per owner: decode (until close), prompt (to token one); "active": holders, waiters.
         self.held: Counter[str] = Counter()
         self.prompting: Counter[str] = Counter()
         self.active: Counter[str] = Counter()

@@ -1,9 +1,7 @@
 """What every HTTP request passes through before its endpoint, as plain ASGI middleware: API keys
 (else a 401; `/health` and `/metrics` stay open); a body bound per endpoint (else a 413, before
-parsing); `x-request-id` and `x-trace-id`, returned on every response; the drain (`Drain`: 503
-with `Retry-After` for new requests while the gateway stops); and the Prometheus figures
-(`GatewayMetrics`, in a registry per app).
-"""
+parsing); `x-request-id` and `x-trace-id` on every response; the drain (`Drain`: new requests
+get 503 with `Retry-After` while the gateway stops); Prometheus figures (`GatewayMetrics`)."""
 
 from __future__ import annotations
 

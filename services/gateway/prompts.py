@@ -1,10 +1,8 @@
 """From an OpenAI body to what the backend takes: the prompt as token ids and the engine's
 `SamplingParams`, with every check that needs them; bad input is a 400 (404 for an unknown model).
 
-Chat messages go through the template (the request's, else the model's). A ValueError from
-`SamplingParams` becomes a 400 with its message. Features Nori lacks (`suffix`, `best_of`, tools)
-are refused by name, never ignored.
-"""
+Chat messages go through the template (the request's, else the model's). A `SamplingParams`
+ValueError is a 400 with its message; `suffix`, `best_of` and tools are refused by name."""
 
 from __future__ import annotations
 
@@ -182,8 +180,7 @@ def chat_prompt(ctx: ServingContext, request: ChatCompletionRequest | TokenizeRe
             **extra,
         )
     except (ValueError, TypeError) as error:
-        # ChatTemplateError is a ValueError; a TypeError: a chat_template_kwargs key the
-        # renderer takes itself.
+        # ChatTemplateError is a ValueError; a TypeError: a chat_template_kwargs key it takes.
         param = "chat_template" if request.chat_template is not None else "messages"
         raise bad_request(str(error), param) from error
     refuse_hopeless_text(ctx, text, "messages")
@@ -194,8 +191,7 @@ def chat_prompt(ctx: ServingContext, request: ChatCompletionRequest | TokenizeRe
 # ---------------------------------------------------------------------- sampling parameters
 
 _PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
-# repetition_penalty divides or multiplies logits: a tiny one makes them infinite (vLLM takes
-# any value > 0).
+# repetition_penalty divides or multiplies logits: a tiny one makes them infinite.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 # Choices per prompt: each is a request of its own in the cluster, so bound the fan-out.

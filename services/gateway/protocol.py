@@ -2,8 +2,7 @@
 
 Requests take what OpenAI and vLLM take; unknown fields are ignored, as OpenAI does, and known
 ones Nori cannot honour are refused in `prompts.py`. Validation is strict (no coercion; a 400
-names the field): integers are bounded by their proto type (`Int32`), floats must be finite.
-"""
+names the field): integers are bounded by their proto type (`Int32`), floats must be finite."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """One attempt of an admitted request on the workers (`cluster.py` retries it): the prompt's path
-(`disaggregation.py`), then `prefill_then_decode` (the KV computed on a prefill worker, sent to
-the decode worker) or `compute_and_decode` (one worker computes the prompt and decodes). The
-`RequestTicket` counts where it is; closing the iterator cancels the calls, freeing the
-request's blocks on those workers.
-"""
+(`disaggregation.py`), then `prefill_then_decode` (KV computed on a prefill worker, sent to the
+decode worker) or `compute_and_decode` (one worker does both). The `RequestTicket` counts where
+it is; closing the iterator cancels the calls, freeing the request's blocks on those workers."""
 
 from __future__ import annotations
 
@@ -389,9 +387,8 @@ async def reservation(
 
 
 def took_nothing(error: BackendError) -> BackendError:
-    """A DecodeFullError (another decode worker may serve it) where the decode worker took
-    nothing of the request: full, unreachable, or its call dropped from the gRPC backlog
-    unserved; else `error`."""
+    """A DecodeFullError (another decode worker may serve it) if the decode worker took nothing
+    of the request (full, unreachable, or the call dropped from its gRPC backlog), else `error`."""
     if isinstance(error, WorkerLostError) and not error.cancelled_by_server:
         return error
     return DecodeFullError(str(error), error.retry_after_s or 1.0)

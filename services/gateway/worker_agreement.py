@@ -2,8 +2,7 @@
 logic over registry entries; `WorkerPool` routes only to the members and logs the refused).
 
 All agree on the KV layout (block size, cache dtype) and speculative decoding. The cluster's
-settings are its longest-running worker's: a newcomer with other flags is refused, not obeyed.
-"""
+settings are its longest-running worker's: a newcomer with other flags is refused, not obeyed."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 channel each; kept while Redis is away, and a little longer when it returns empty. The KV block
 size is the workers' stated one, or `--block-size`. Left out, with one log line each: workers
 that disagree with the cluster (`worker_agreement`) and registry entries whose signature check
-failed (counted in `refused_entries`). `pick_decode` and `pick_prefill` choose from them.
-"""
+failed (counted in `refused_entries`). `pick_decode` and `pick_prefill` choose from them."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ PROMPT_SLOTS_SHARED_PER_WORKER = 32
 CHANNEL_LINGER_S = 120.0
 # A worker whose call just failed gets no new request for this long (about the heartbeat TTL).
 FAILED_WORKER_PAUSE_S = 3.0
-# How long workers missing from a registry read again after an outage (Redis restarted empty)
-# stay routable, while they re-register.
+# How long workers missing after an outage (Redis restarted empty) stay routable to re-register.
 REGISTRY_LOSS_GRACE_S = 3.0
 
 
@@ -229,8 +227,7 @@ class WorkerPool:
 
 
 # ---------------------------------------------------------------------- routing and capacity
-# Pure functions of the registry's figures and the ledger's counts (`Ledger.in_flight`,
-# `pending_prompt_tokens`, `turn`), which change the moment the gateway routes.
+# Pure functions of the registry's figures and the ledger's counts, which change as it routes.
 
 
 def pick_decode(

@@ -2,8 +2,7 @@
 
 A copy in this arena (one segment for the worker's life) can be read by a same-host decode worker
 out of its mapping; one that does not fit (first-fit over ALIGN-aligned ranges) is a private copy
-sent as messages. A range goes back when its transfer ends, never while a receiver may read it.
-"""
+sent as messages. A range goes back when its transfer ends, never while a receiver may read it."""
 
 from __future__ import annotations
 

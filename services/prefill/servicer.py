@@ -3,8 +3,7 @@
 Each call copies its request's blocks out, frees them at once and sends the copy. Until then
 `LeaseKeeper` renews the decode worker's lease on the prompt's reserved blocks: one `RenewLeases`
 per decode worker, on arrival and every third of the shortest lease held. If the process stops
-or its engine wedges, renewals stop and the decode worker frees the blocks one lease later.
-"""
+or its engine wedges, renewals stop and the decode worker frees the blocks one lease later."""
 
 from __future__ import annotations
 
@@ -326,8 +325,7 @@ class PrefillServicer(EngineServicer, prefill_pb2_grpc.PrefillServiceServicer):
             if release is None:
                 await transfer
             else:
-                # A receiver may read the arena's copy until the transfer ends, even after this
-                # call's client left.
+                # A receiver may read the arena's copy until the transfer ends, client gone or not.
                 transfer.add_done_callback(_release_after(release))
                 await asyncio.shield(transfer)
         except TransferRejected as error:

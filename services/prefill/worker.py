@@ -1,8 +1,7 @@
 """The prefill worker process: batched prompt computation, KV blocks out over the transport.
 
 Its prefix cache is mirrored into the Redis block directory; after each engine step it hears
-which prompts the engine has started (for their decode leases, `servicer.LeaseKeeper`).
-"""
+which prompts the engine has started (for their decode leases, `servicer.LeaseKeeper`)."""
 
 from __future__ import annotations
 

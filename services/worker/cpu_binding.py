@@ -3,8 +3,7 @@
 
 `bind_process` runs first in the role's handler (affinity is inherited); threads already there
 are pinned one by one. Without flags, a process whose CFS quota is below its affinity runs one
-thread per whole CPU of its quota. OMP/MKL variables are set for what starts later.
-"""
+thread per whole CPU of its quota. OMP/MKL variables are set for what starts later."""
 
 from __future__ import annotations
 

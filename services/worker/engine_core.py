@@ -3,8 +3,7 @@ or in its own process (`nori.worker.engine_process`), chosen by `--engine-core`.
 
 The engine is not thread-safe: one loop owns it. `call(function, *args)` queues a picklable
 function applied as `function(engine, *args)` between steps; outputs reach the event loop through
-`on_outputs`, and a `probe` run after each step reports to `on_probe`.
-"""
+`on_outputs`, and a `probe` run after each step reports to `on_probe`."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def resolve_engine_core(
     mode: EngineCoreMode, config: EngineConfig, num_cpus: int
 ) -> Literal["process", "thread"]:
     """`auto`: a process of its own on CPU with one rank and at least two CPUs (`num_cpus`: its
-    affinity), else a thread. Why: docs/benchmarks.md#engine-core-thread-or-process.
-    """
+    affinity), else a thread. Why: docs/benchmarks.md#engine-core-thread-or-process."""
     if mode != "auto":
         return mode
     on_cpu = resolve_device(config.device).type == "cpu"

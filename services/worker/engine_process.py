@@ -3,8 +3,7 @@
 Two pipes: to the engine `(call_id, function, args, kwargs)` (`call_id` None: nobody waits) or
 `None` to stop; to the worker `(answers, outputs, load, probed)` once per engine loop turn. The KV
 cache is in shared memory, so transfers land in it. The process dies with its worker
-(PR_SET_PDEATHSIG); if it dies first, pending operations fail and the worker exits (`on_death`).
-"""
+(PR_SET_PDEATHSIG); if it dies first, pending operations fail and the worker exits (`on_death`)."""
 
 from __future__ import annotations
 

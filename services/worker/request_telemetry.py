@@ -1,8 +1,7 @@
 """One call's record on a worker: its metrics as it goes, and its spans when it ends.
 
 The servicer marks a call's moments and how it ended; this file turns them into Prometheus
-figures and one server span with a child per phase, written after the fact with real times.
-"""
+figures and one server span with a child per phase, written after the fact with real times."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The life of a worker process: serve gRPC, stay registered in Redis, drain on SIGTERM.
 
-Roles (prefill, decode, colocated) supply their servicers and load figures; this file owns the
-grpc.aio server with its health service, the heartbeat, and the shutdown order: announce
-draining, finish running requests, deregister, stop.
-"""
+Roles supply servicers and load figures; this file owns the grpc.aio server and health service,
+the heartbeat, and the shutdown order: announce draining, finish requests, deregister, stop."""
 
 from __future__ import annotations
 

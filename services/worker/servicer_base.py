@@ -3,8 +3,7 @@ output stream, the KV block buffers of a transfer, call admission and GetStats' 
 
 The KV cache is [layers, 2, num_blocks, block_size, kv_heads, head_dim] (plus scales for an 8-bit
 cache: `KVCache.tensors`); a run of consecutive block ids in one tensor, layer and half is one
-region, sliced the same way from the receiver's cache and the sender's exported copies.
-"""
+region, sliced the same way from the receiver's cache and the sender's exported copies."""
 
 from __future__ import annotations
 
@@ -282,9 +281,8 @@ class EngineServicer:
     async def _open(
         self, request: _PromptRequest, context: grpc.aio.ServicerContext, span_name: str
     ) -> OpenedRequest:
-        """Checks the call's parameters and opens its output stream (the caller closes it).
-        INVALID_ARGUMENT for bad parameters or a reused id; RESOURCE_EXHAUSTED when the queue
-        is full, before any work."""
+        """Checks the call's parameters and opens its output stream (the caller closes it):
+        INVALID_ARGUMENT for bad parameters or a reused id; a full queue: RESOURCE_EXHAUSTED."""
         is_background = request.priority > 0
         num_background = len(self._background_request_ids)
         # An interactive call counts against interactive calls only (the engine runs it first).

@@ -1,9 +1,7 @@
 """Prometheus figures of one worker, served on its own /metrics (`--metrics-port`).
 
 Counters and histograms are updated by each request's `CallRecord` (`request_telemetry.py`);
-gauges are read from the engine's last load snapshot at scrape time. Each worker has its own
-registry (not prometheus_client's global one).
-"""
+gauges come from the engine's last load snapshot at scrape time, in a registry per worker."""
 
 from __future__ import annotations
 
@@ -90,8 +88,7 @@ class _EngineStateCollector(Collector):
 
 def _spec_decode_families(counts: SpecDecodeCounts) -> Iterator[Metric]:
     """vLLM's spec_decode counters under Nori's prefix (always there), and two ratios over the
-    worker's life, omitted until the first draft (NaN poisons sums across workers).
-    """
+    worker's life, omitted until the first draft (NaN poisons sums across workers)."""
     for name, documentation, value in (
         (
             "nori_spec_decode_num_drafts",
@@ -137,8 +134,7 @@ class _ExpertLoadCollector(Collector):
 
     `nori_moe_expert_tokens_total{layer, expert}` counts tokens routed since the engine loaded;
     `nori_moe_expert_imbalance{layer}` is max/mean tokens per expert over the tokens routed since
-    the latest scrape at least IMBALANCE_WINDOW_S old (no sample for a layer that routed none).
-    """
+    the latest scrape at least IMBALANCE_WINDOW_S old (no sample for a layer that routed none)."""
 
     def __init__(
         self,

@@ -125,8 +125,7 @@ def compare_settings_from_args(args: argparse.Namespace) -> CompareSettings:
     sides = parse_sides(args.sides)
     rates = parse_rates(args.sweep) if args.sweep is not None else ()
     if rates:
-        # The sweep sets the rate of every run; the workload is checked at the first one (a
-        # --duration needs a finite rate).
+        # The sweep sets each run's rate; the workload is checked at the first (for --duration).
         args = argparse.Namespace(**{**vars(args), "request_rate": rates[0]})
     return CompareSettings(
         workload=workload_settings_from_args(args),

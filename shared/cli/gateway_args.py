@@ -1,6 +1,5 @@
-"""The gateway's own flags (`nori serve gateway`), beside the cluster flags every role takes
-(nori.cli.serve): its model and tokenizer, admission and fairness limits, request size limits,
-streaming, and the Batch API."""
+"""The gateway's own flags (`nori serve gateway`) beside every role's (nori.cli.serve): model and
+tokenizer, admission and fairness limits, request size limits, streaming, and the Batch API."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`nori health TARGET`: is a role up? The container health check of every Nori service.
 
 TARGET is an HTTP(S) URL (healthy on a 2xx answer) or a worker's gRPC HOST:PORT (healthy when
-its gRPC health service says SERVING). Exit 0 when healthy, 1 when not.
-"""
+its gRPC health service says SERVING). Exit 0 when healthy, 1 when not."""
 
 from __future__ import annotations
 

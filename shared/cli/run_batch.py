@@ -1,11 +1,9 @@
 """`nori run-batch -i IN -o OUT`: an OpenAI batch file through a whole cluster, as vLLM's
 `run-batch` takes it, with resume and the throughput the job reached.
 
-`--url` sends the lines to a running gateway; without it, `--model` (and `nori up`'s flags)
-starts a local cluster for the job. Lines go at the batch priority, `--max-in-flight` at once
-(`nori.batch.line_client`); each result is appended and fsync'd as it comes, so an interrupted run
-leaves a valid partial output and `--resume` runs only the `custom_id`s it lacks.
-"""
+`--url` sends the lines to a running gateway, else `--model` (and `nori up`'s flags) starts a
+local cluster. Lines go at the batch priority, `--max-in-flight` at once; each result is fsync'd
+as it comes, so `--resume` after an interruption runs only the `custom_id`s the output lacks."""
 
 from __future__ import annotations
 

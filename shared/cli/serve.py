@@ -95,8 +95,7 @@ def _bind(
     uses_torch: bool = True,
 ) -> None:
     """Applies --cpus/--threads before anything else starts a thread (nori.worker.cpu_binding),
-    then logs what the process got. With `uses_torch=False` torch is never loaded: the thread
-    count only goes into the environment."""
+    then logs what it got. `uses_torch=False`: torch never loads, the count only goes in the env."""
     from nori.worker.cpu_binding import CpuBinding, bind_process, log_binding, set_torch_threads
 
     binding = CpuBinding.from_flags(args.cpus, args.threads, default_threads)

@@ -19,8 +19,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     # [B, max_blocks], padded with 0 past each sequence's blocks.
     block_tables: torch.Tensor
-    # Longest context in the step, known on the host: sizes the decode kernel's context splits
-    # without a device sync.
+    # Longest context in the step, on the host: sizes decode's context splits without a sync.
     max_seq_len: int
     # Speculative verification: sequences [num_decodes, num_decodes + num_verifies) each carry
     # a few query rows (the last token and its drafts), causal among themselves over their

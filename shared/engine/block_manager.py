@@ -3,8 +3,7 @@
 Every block is in use (ref_count > 0, maybe shared by requests with a common prefix), cached
 (ref_count 0, full, with a content hash, reusable until evicted) or free (ref_count 0, no hash).
 Free and cached blocks wait in one LRU queue; allocation takes from its front, evicting the hash
-of a cached block it takes. Hashes and directory events are nori.prefix_cache's.
-"""
+of a cached block it takes. Hashes and directory events are nori.prefix_cache's."""
 
 from __future__ import annotations
 
@@ -78,11 +77,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Block ids of the longest cached prefix of the request, in order.
-
-        Stops one token short of the request's end (its logits give the next token); nothing for a
-        request that wants prompt logprobs.
-        """
+        """Block ids of the longest cached prefix of the request, in order, stopping one token
+        short of its end (its logits give the next token); none if it wants prompt logprobs."""
         if not self.enable_prefix_caching or request.skips_prefix_cache:
             return []
         hashes = extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
@@ -113,9 +109,8 @@ class BlockManager:
     def blocks_freed_by(
         self, requests: Iterable[Request], keep: Collection[int] = ()
     ) -> Iterator[int]:
-        """After each of `requests` in turn: blocks that would join the free queue if it and those
-        before it gave theirs back (a shared block once all holders are among them), not counting
-        `keep`."""
+        """After each of `requests` in turn: blocks outside `keep` that would be freed if it and
+        those before it gave theirs back (a shared block once all its holders are among them)."""
         holders: Counter[int] = Counter()
         freed = 0
         for request in requests:
@@ -128,11 +123,9 @@ class BlockManager:
     def allocate(
         self, request: Request, num_new_tokens: int, cached_prefix: Iterable[int] = ()
     ) -> bool:
-        """Makes the request's block table cover `num_new_tokens` more tokens.
-
-        `cached_prefix` (only for a request holding no blocks) starts its table, advancing
-        num_computed_tokens. Returns False and changes nothing when the pool cannot supply it.
-        """
+        """Makes the request's block table cover `num_new_tokens` more tokens; False, changing
+        nothing, when the pool cannot. `cached_prefix` (only for a request holding no blocks)
+        starts its table, advancing num_computed_tokens."""
         if (
             not cached_prefix
             and request.num_computed_tokens + num_new_tokens

@@ -1,7 +1,5 @@
 """What `LLM.generate` and `LLM.chat` return, in vLLM's shapes: one `RequestOutput` per prompt,
-whose `outputs` hold its `n` completions, so vLLM offline code runs unchanged. (Workers stream
-`nori.engine.outputs.StepOutput` instead.)
-"""
+whose `outputs` hold its `n` completions, so vLLM offline code runs unchanged."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Engine settings, frozen once built; derived values are properties or resolved at start.
 
 Every mode is a `Literal` type (mypy checks the callers; `typing.get_args` gives the CLI its
-`choices`), and `EngineConfig.__post_init__` checks the values given at run time against them.
-"""
+`choices`), and `EngineConfig.__post_init__` checks the values given at run time against them."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class SpeculativeConfig:
     """vLLM's --speculative-config: a proposer drafts tokens, the model verifies them in one step.
 
     Greedy requests get exactly the tokens of a run without speculation; sampled ones keep the
-    model's distribution (accept with min(1, p/q), else sample from max(0, p - q) normalised).
-    """
+    model's distribution (accept with min(1, p/q), else sample from max(0, p - q) normalised)."""
 
     method: SpeculativeMethod
     num_speculative_tokens: int  # per request and step
@@ -122,11 +120,9 @@ class EngineConfig:
     """What `LLM` and the workers are built from; the CLI's flags map onto these fields.
 
     `device`: "auto", "cpu", "cuda" or "cuda:N". `num_kv_blocks` wins over the memory budgets
-    (`cpu_kv_cache_gib`, `gpu_memory_utilization`). `prefill_budget_with_decodes` and
-    `background_prefill_budget`: see SchedulerConfig ("auto": learnt in step_cost.py).
-    `attention_backend` "auto": Triton on GPU, on CPU the C++ kernel where it builds, else the
-    PyTorch references. docs/serving.md describes the flags.
-    """
+    (`cpu_kv_cache_gib`, `gpu_memory_utilization`). Prefill budgets: see SchedulerConfig ("auto":
+    learnt in step_cost.py). `attention_backend` "auto": Triton on GPU, on CPU the C++ kernel
+    where it builds, else the PyTorch references. The flags: docs/serving.md."""
 
     model: str = "demo"  # "demo" (random weights, made on first use) or a checkpoint folder
     tokenizer: str | None = None  # None: the model's
@@ -201,8 +197,7 @@ class SchedulerConfig:
     `prefill_budget_with_decodes`: prompt tokens a step may carry while decodes run in it.
     `background_prefill_budget`: the same for background requests (priority above 0) while
     interactive work is about, which lasts `background_cap_linger_steps` past the last one seen.
-    None: no cap beyond max_num_batched_tokens.
-    """
+    None: no cap beyond max_num_batched_tokens."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

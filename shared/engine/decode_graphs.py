@@ -1,11 +1,9 @@
 """CUDA graphs of the pure decode step's forward, one per bucketed batch size.
 
-A decode step of B rows, B at most the largest size, pads to the smallest captured size P >= B
-and replays that graph. The graphs read the persistent step-input buffers in place (their
-addresses must not change after capture) and write the hidden states into a tensor of the
-graph's own; all share one memory pool and are captured largest first, after the KV cache is
-allocated. The warm-up run before each capture compiles the Triton variants the size needs.
-"""
+A decode step of B rows pads to the smallest captured size P >= B and replays that graph. The
+graphs read the persistent step-input buffers in place (fixed addresses after capture) and write
+the hidden states into a tensor of their own; all share one memory pool and are captured largest
+first, after the KV cache is allocated, each after a warm-up run (Triton compiles there)."""
 
 from __future__ import annotations
 

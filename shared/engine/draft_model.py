@@ -4,8 +4,7 @@ tokens autoregressively, with its own paged K/V indexed by the target's block id
 One block table for both: whatever moves or frees a request's blocks moves or frees the draft's
 K/V too (`ModelRunner.kv_tensors`). Invariant: the draft computes every step the target computes,
 on the same tokens and slots (`mirror`). `propose` writes K/V at the verification's slots, which
-the verification's mirror rewrites.
-"""
+the verification's mirror rewrites."""
 
 from __future__ import annotations
 

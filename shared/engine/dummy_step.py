@@ -35,9 +35,8 @@ _SAMPLING = SamplingParams(
 class DummyStep:
     """Sequences of `seq_lens` tokens of context, each its last `seq_len` new tokens (a prompt
     from position 0) or, with `decode`, its last one only (the decode kernels); the step's last
-    `num_logits_rows` rows are sampled. Every sequence's table cycles over the same
-    `num_blocks` scratch blocks (one for a decode): what the step writes and reads there is
-    garbage, only its shapes matter."""
+    `num_logits_rows` rows are sampled. Every table cycles over the same `num_blocks` scratch
+    blocks (one for a decode), whose contents are garbage: only the shapes matter."""
 
     seq_lens: tuple[int, ...]
     num_logits_rows: int
@@ -128,9 +127,8 @@ def profile_memory_budget(
     graph_sizes: tuple[int, ...],
 ) -> MemoryProfile:
     """vLLM's profile run, on CUDA after loading: the largest step (`dummy_step_shape`) over a
-    scratch cache, and with decode graphs to capture (`graph_sizes`) the largest decode's
-    activations as the graph pool's estimate. `model_config`: this rank's shard; `dtype`: the
-    model's activations'."""
+    scratch cache, and with `graph_sizes` to capture the largest decode's activations (the graph
+    pool's estimate). `model_config`: this rank's shard; `dtype`: the activations'."""
     device = next(model.parameters()).device
     weights = torch.cuda.memory_allocated(device)
     positions = model_config.max_position_embeddings

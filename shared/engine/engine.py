@@ -5,8 +5,7 @@ A remote-KV request's life (`abort_request` frees its blocks from any state):
 - decode side: `add_request(remote_kv=KVFromRemote())` reserves its blocks -> WAITING_FOR_KV
   (a transport writes the K/V) -> `finish_kv_transfer` -> READY (batch full) -> RUNNING.
 - prefill side: `add_request(remote_kv=KVToRemote())` -> WAITING -> RUNNING -> first token:
-  PREFILLED (blocks held; `prefilled_kv`, `export_request`) -> `finish_kv_transfer` -> freed.
-"""
+  PREFILLED (blocks held; `prefilled_kv`, `export_request`) -> `finish_kv_transfer` -> freed."""
 
 from __future__ import annotations
 
@@ -54,17 +53,15 @@ from nori.sampling.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    """One model's engine. Its members, all of them (nobody outside reaches the scheduler,
-    block manager or runner; a test holds this list to the class):
+    """One model's engine; nobody outside reaches its scheduler, block manager or runner.
 
-    - `config` (EngineConfig), `model` (ServedModel: model config, tokenizer, max_model_len);
-    - `add_request` (every request comes in here), `step`, `abort_request`, `abort_all`,
-      `has_unfinished_requests`;
-    - the remote-KV hand-off: `finish_kv_transfer`, `prefilled_kv` (state and block ids, for a
-      reader of the cache), `export_request` and `import_request` (within one process);
-    - `load` (EngineLoad), `kv_cache` (KVCacheView: tensors, block reads, prefix-cache events,
-      invariants), `expert_routing_counts` (tokens per expert), `close`.
-    """
+    Its members, all of them (a test holds this list to the class): `config` (EngineConfig),
+    `model` (ServedModel: model config, tokenizer, max_model_len); `add_request` (every request
+    comes in here), `step`, `abort_request`, `abort_all`, `has_unfinished_requests`; the
+    remote-KV hand-off: `finish_kv_transfer`, `prefilled_kv` (state and block ids, for a reader
+    of the cache), `export_request` and `import_request` (within one process); `load`
+    (EngineLoad), `kv_cache` (KVCacheView: tensors, block reads, prefix-cache events,
+    invariants), `expert_routing_counts` (tokens per expert), `close`."""
 
     def __init__(
         self,
@@ -127,8 +124,7 @@ class LLMEngine:
         for its prompt's K/V and first token (preempting if need be; else NoFreeBlocks) and the
         prompt's block ids returned, in order; others return [].
         `output_token_ids`: a request resumed after its worker died (migration): the tokens it
-        sampled, `num_emitted_chars` of their text already streamed; sampling goes on after.
-        """
+        sampled, `num_emitted_chars` of their text already streamed; sampling goes on after."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = (
@@ -178,13 +174,10 @@ class LLMEngine:
         return self._scheduler.num_unfinished > 0
 
     def step(self) -> list[StepOutput]:
-        """Schedules and launches a step, then turns the step before into outputs.
-
-        A step's tokens stay on the device while the next step is scheduled and launched (it
-        reads them there), unless what follows needs them on the host (`LaunchedStep.defers`).
-        A stop is thus seen a step late and the token sampled past it dropped: the outputs are
-        those of resolving every step at once.
-        """
+        """Schedules and launches a step, then turns the step before into outputs. A step's
+        tokens stay on the device while the next one is scheduled and launched (it reads them),
+        unless what follows needs them on the host (`LaunchedStep.defers`): a stop is seen a
+        step late and the token sampled past it dropped, as if every step resolved at once."""
         self._costs.before_schedule(self._scheduler)
         speculator = self._speculator
         running = self._scheduler.running
@@ -276,15 +269,12 @@ class LLMEngine:
         generator_state: bytes | None = None,
         blocks: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
-        """Ends the hand-off of a remote-KV request.
-
-        Prefill side (PREFILLED): its K/V was sent; it ends and its blocks are free. Decode side
-        (WAITING_FOR_KV): its K/V is in its blocks (a transport's writes, or `blocks` here: one
-        tensor per KV tensor with every kv head, which a tensor-parallel engine splits over its
-        ranks), with the first token (`output_token_ids`, reported by the prefill side: it counts
-        as emitted, and the detokenizer still sees it) and the seeded sampler's state. It decodes
-        from the next step when the batch has a row for it, else queues (READY) for one.
-        """
+        """Ends the hand-off of a remote-KV request. Prefill side (PREFILLED): its K/V was sent;
+        it ends and its blocks are free. Decode side (WAITING_FOR_KV): its K/V is in its blocks (a
+        transport's writes, or `blocks` here: one tensor per KV tensor with every kv head, split
+        over the ranks under tensor parallelism), with the first token (`output_token_ids` from
+        the prefill side: counted as emitted, still seen by the detokenizer) and the seeded
+        sampler's state. It decodes from the next step if a row is free, else waits (READY)."""
         request = self._requests.get(request_id)
         if request is not None and request.status is RequestStatus.PREFILLED:
             del self._requests[request_id]
@@ -382,8 +372,7 @@ class LLMEngine:
 
     def expert_routing_counts(self) -> ExpertRoutingCounts | None:
         """Tokens routed to each expert of each routed layer since the model loaded (None for a
-        dense model; `ModelRunner.expert_routing_counts`). Waits for the device: read it when
-        asked, never per step."""
+        dense model). Waits for the device: read it when asked, never per step."""
         return self._runner.expert_routing_counts()
 
     def close(self) -> None:

@@ -3,8 +3,7 @@
 Rank 0 schedules, samples and answers; ranks 1..N-1 are spawned processes holding their shard of
 the weights and KV cache. Each step rank 0 broadcasts a `StepCommand` (flat inputs and attention
 metadata), every rank runs its shard, and rank 0 samples from the gathered logits. KV hand-offs
-are one command too, heads gathered on or scattered from rank 0.
-"""
+are one command too, heads gathered on or scattered from rank 0."""
 
 from __future__ import annotations
 

@@ -50,9 +50,8 @@ def num_blocks_in_budget(
     draft_bytes_per_block: int = 0,
     profile: MemoryProfile | None = None,
 ) -> int:
-    """How many blocks (with a draft model's share) fit: `num_kv_blocks` when set, else on CUDA
-    the profiled pool at `gpu_memory_utilization` (`kv_pool_bytes`; the profile is required
-    there), or `cpu_kv_cache_gib`."""
+    """Blocks that fit (a draft model's share included): `num_kv_blocks` when set, else on CUDA the
+    profiled pool at `gpu_memory_utilization` (`kv_pool_bytes`, required), or `cpu_kv_cache_gib`."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = bytes_per_block(model, config.block_size, dtype) + draft_bytes_per_block

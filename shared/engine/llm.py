@@ -29,9 +29,7 @@ class _Prompt:
 
 class LLM:
     """Generates completions for a batch of prompts with continuous batching. Keyword arguments
-    are EngineConfig fields; `speculative_config` also takes a dict or JSON text (ValueError
-    before any model loads).
-    """
+    are EngineConfig fields; `speculative_config` may be a dict or JSON (ValueError pre-load)."""
 
     def __init__(
         self,

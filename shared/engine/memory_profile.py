@@ -1,7 +1,6 @@
 """The KV pool's share of GPU memory, as vLLM's --gpu-memory-utilization means it: what is left of
-total × utilization once the weights, the peak activations of the largest step (profiled with a
-dummy step after loading), the memory outside torch's allocator and the CUDA graph pool are
-taken out."""
+total × utilization after the weights, the largest step's peak activations (profiled with a
+dummy step after loading), the memory outside torch's allocator and the CUDA graph pool."""
 
 from __future__ import annotations
 

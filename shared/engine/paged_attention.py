@@ -1,11 +1,9 @@
 """The engine's `Attention`: write new K/V into the paged cache, then attend over it.
 
 One instance serves one step, whose rows are decodes, then speculative verifications, then
-prompt chunks (the first two take the decode kernels, chunks the prefill kernels); metadata-only
-work (the rows' slices of the metadata) is done at the first layer and reused. With an 8-bit
-cache every attention reads K/V as stored, new prompt tokens included, so a token's result does
-not depend on where its prefix came from.
-"""
+prompt chunks (the first two take the decode kernels, chunks the prefill kernels); metadata work
+is done at the first layer and reused. With an 8-bit cache every attention reads K/V as stored,
+new prompt tokens included, so a token's result does not depend on where its prefix came from."""
 
 from __future__ import annotations
 
@@ -276,8 +274,7 @@ class _VerifyRows:
     end_row: int  # the row after the last verification row
     query_start_loc: torch.Tensor  # [V + 1], counted from the first verification row
     rows: MultiQueryRows
-    # Triton: the verifications' own block tables [V, M]; the CPU kernel and the reference: one
-    # per row [R, M].
+    # Triton: the verifications' own block tables [V, M]; CPU kernel and reference: per row [R, M].
     block_tables: torch.Tensor
     seq_lens: torch.Tensor  # [V], the verifications' context lengths
     reference_plan: ReferenceDecodePlan | None = None  # the reference's gather plan

@@ -6,10 +6,8 @@ for the granted ones; the model scores the last token and the drafts in one mult
 (`verify_drafts` keeps the longest accepted prefix and one more token); `accept` and `record`
 keep the books around `Scheduler.update`.
 
-Proposers: "ngram", prompt lookup (vLLM's): the tokens that followed the latest earlier
-occurrence of the request's longest recurring suffix (no second model); "draft_model", a
-smaller model with the same tokenizer (`DraftModel`, owned by the model runner).
-"""
+Proposers: "ngram", vLLM's prompt lookup (`ngram_drafts`, no second model), and "draft_model",
+a smaller model with the same tokenizer (`DraftModel`, owned by the model runner)."""
 
 from __future__ import annotations
 
@@ -121,8 +119,7 @@ class Speculator:
 
     def record(self, sampled: Sequence[SampledTokens]) -> None:
         """Counts the step's verifications, clears their drafts and takes the accepted ones out
-        of the requests again: the engine appends every sampled token one by one, checking for
-        a stop after each."""
+        of the requests again (the engine appends each sampled token, checking for a stop)."""
         drafts = tokens = accepted = 0
         for result in sampled:
             if result.num_drafts:

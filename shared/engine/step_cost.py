@@ -1,11 +1,9 @@
 """What a step costs, learnt from the steps the engine times: `fixed + per_row * decode rows +
-per_token * prompt tokens`, fitted by least squares over every timed step, older steps weighing
-less. No torch.
+per_token * prompt tokens` by least squares over timed steps, older ones weighing less; no torch.
 
 With `prefill_budget_with_decodes="auto"` a step's prompt part is kept at most `ratio` times the
 decode part of the running batch. The fit is published (`StepCostFit`) for the gateway's
-conditional disaggregation; a kind of step never timed gets no cost (None).
-"""
+conditional disaggregation; a kind of step never timed gets no cost (None)."""
 
 from __future__ import annotations
 

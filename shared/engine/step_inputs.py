@@ -1,15 +1,11 @@
-"""One step's model inputs, written into persistent buffers of fixed address.
-
-Each input has a host buffer (pinned on CUDA) and off CPU a device twin; `build` writes the step's
-rows with numpy and sends each used prefix in one non-blocking copy. Buffers only grow (then at a
-new address). A request's block-table row lives in a store, written when it gains blocks and
-rewritten when its list was replaced (the block manager grows a table in place and replaces the
-list on a free or a trim); a step gathers its rows into a fixed-stride table, zero past each
-request's blocks. The next `build` rewrites the host buffers only once the device has taken
-the last step's copies (an event on CUDA). A decode row whose last token is still pending (the
-step before is in flight) takes its input id on the device from that step's sampled tokens.
-Equal to the oracle in tests/engine/batch_inputs_oracle.py.
-"""
+"""One step's model inputs, written into persistent buffers of fixed address (they only grow,
+then at a new address): a host buffer each (pinned on CUDA) and off CPU a device twin, each used
+prefix sent in one non-blocking copy. A request's block-table row lives in a store, written when
+it gains blocks, rewritten when its list was replaced (on a free or a trim); a step gathers its
+rows into a fixed-stride table, zero past each request's blocks. `build` rewrites the host
+buffers only once the device has taken the last step's copies. A decode row whose last token is
+pending (the step before is in flight) takes its input id on the device from that step's sampled
+tokens. Equal to the oracle in tests/engine/batch_inputs_oracle.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A step's logits into tokens: plain rows (`nori.sampling.Sampler`, or one argmax when every
 row is plain greedy), speculative verifications (`verify_drafts`), and prompt logprobs.
 
-The rows of the logits are the sampling items' in the scheduler's order: one per plain request,
-1 + drafts per verification. Seeded requests draw from their own generators, by request id;
-the others from the engine's `generator`.
-"""
+The logits' rows are the sampling items' in the scheduler's order: one per plain request, 1 +
+drafts per verification. Seeded requests draw from their own generators, others from `generator`."""
 
 from __future__ import annotations
 
@@ -43,12 +41,9 @@ class PromptLogprobRows:
 def rows_to_score(
     request: Request, start: int, end: int, first_row: int
 ) -> PromptLogprobRows | None:
-    """The rows of tokens [start, end) that score prompt tokens still without a logprob.
-
-    Token index i scores token i + 1; the prompt is tokens [0, P), and the request already holds
-    logprobs for its first `done` prompt tokens. A recompute after a preemption therefore adds
-    nothing twice.
-    """
+    """The rows of tokens [start, end) that score prompt tokens still without a logprob: token i
+    scores token i + 1, the prompt is tokens [0, P), and the first `done` already have theirs (a
+    recompute after a preemption adds nothing twice)."""
     assert request.prompt_logprobs is not None
     done = len(request.prompt_logprobs)
     low = max(start, done - 1)

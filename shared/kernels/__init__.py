@@ -1,6 +1,5 @@
 """Attention and KV-cache kernels: Triton on GPU, C++ for CPU decode, PyTorch references;
-importing this package never imports Triton nor builds the C++ kernels.
-"""
+importing this package never imports Triton nor builds the C++ kernels."""
 
 from nori.kernels.decode_attention import paged_decode_attention
 from nori.kernels.decode_attention_reference import (

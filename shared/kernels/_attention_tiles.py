@@ -61,8 +61,7 @@ def online_softmax_step(
     UPCAST_DOT: tl.constexpr,
 ):
     """Folds one tile into the running row maxima m_i, sums l_i and acc = sum(p * V); returns
-    them. scores [rows, tokens] in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D].
-    """
+    them. scores [rows, tokens] in log2 units, -inf where hidden; v_ptrs [tokens, BLOCK_D]."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])

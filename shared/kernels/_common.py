@@ -209,8 +209,7 @@ def check_paged_attention_args(
 ) -> PagedAttentionArgs:
     """Checks what decode and prefill attention share; raises ValueError naming the argument.
     Decode passes query [B, Hq, D]; prefill passes query [T, Hq, D] split by query_start_loc
-    (int32 [B + 1]). An 8-bit cache comes with its k_scale/v_scale (kv_quant.py).
-    """
+    (int32 [B + 1]). An 8-bit cache comes with its k_scale/v_scale (kv_quant.py)."""
     from nori.kernels.kv_quant import QUANTIZED_KV_DTYPES, check_quantized_kv_caches
 
     quantized = k_scale is not None or v_scale is not None

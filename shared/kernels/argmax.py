@@ -1,7 +1,6 @@
 """torch.argmax over the last dim of float32 logits, with a C++ kernel on CPU (argmax_cpu.cpp)
 giving torch's answer: the first index of the maximum, NaN counting as the maximum. Why:
-docs/benchmarks.md#cpu-kernels-and-weight-layouts.
-"""
+docs/benchmarks.md#cpu-kernels-and-weight-layouts."""
 
 from __future__ import annotations
 

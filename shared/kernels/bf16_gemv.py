@@ -2,10 +2,8 @@
 
 The C++ kernel (`bf16_gemv_cpu.cpp`; why: docs/benchmarks.md#cpu-kernels-and-weight-layouts)
 reads a weight packed once by `pack_bf16_gemv_weight` (panels of 16 outputs, each line two K
-positions of those 16 outputs: dpbf16's operand) once per call for all rows, summing in float32.
-The reference computes the same in PyTorch over the plain weight: float32 products of the bf16
-values, rounded to bf16 once at the end.
-"""
+positions of those 16 outputs: dpbf16's operand) once per call for all rows, summing in float32;
+the reference does the same in PyTorch over the plain weight, rounding to bf16 once at the end."""
 
 from __future__ import annotations
 

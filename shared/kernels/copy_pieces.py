@@ -2,8 +2,7 @@
 C++ kernels on CPU (copy_pieces_cpu.cpp) beside ctypes memmove references.
 
 A kernel copies a whole chunk in one call with the GIL released. `copy_and_hash_pieces` also
-returns the chunk's digest, hashing each stretch right after it is copied.
-"""
+returns the chunk's digest, hashing each stretch right after it is copied."""
 
 from __future__ import annotations
 

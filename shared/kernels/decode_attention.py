@@ -1,8 +1,7 @@
 """Paged attention for decode steps: one query token per sequence over its cached context.
 
 The Triton path is flash-decoding: one program per (sequence, kv head, split) writes an
-unnormalised partial result, and a second kernel merges the splits.
-"""
+unnormalised partial result, and a second kernel merges the splits."""
 
 from __future__ import annotations
 
@@ -64,8 +63,7 @@ def quantized_scores(q, k_cache_ptr, offsets, kv_mask, k_scale, DOT_PRECISION: t
 @device_function
 def quantized_softmax_step(scores, m_i, l_i, acc, v, v_scale, DOT_PRECISION: tl.constexpr):
     """`online_softmax_step` for a tile of 8-bit V codes v [tokens, BLOCK_D] (already in the
-    dot dtype) and per-token scales v_scale [tokens], folded into p (l_i sums the unscaled p).
-    """
+    dot dtype) and per-token scales v_scale [tokens], folded into p (l_i sums the unscaled p)."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -104,8 +102,7 @@ def _decode_split_kernel(
     QUANTIZED: tl.constexpr,
     ROW_SEQUENCES: tl.constexpr,
 ) -> None:
-    # A query row; it reads sequence `row`'s table unless ROW_SEQUENCES maps rows to sequences
-    # (multi-query decode). seq_lens is per row.
+    # A query row: sequence `row`'s table unless ROW_SEQUENCES maps rows; seq_lens is per row.
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,8 +239,7 @@ def paged_decode_attention(
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, M] int32; seq_lens [B]
     int32. num_splits=None picks one from max_seq_len, if known (else from the table's width,
     without a device sync); the launch depends only on shapes (CUDA-graph safe).
-    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (kv_quant.py).
-    """
+    k_scale/v_scale [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (kv_quant.py)."""
     args = check_paged_attention_args(
         query,
         k_cache,

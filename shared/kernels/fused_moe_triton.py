@@ -2,8 +2,7 @@
 
 Same contract as `fused_experts_reference` (fused_moe.py). The T*k (token, slot) pairs are sorted
 by expert and padded to a multiple of BLOCK_M, so an M-block belongs to one expert, with no host
-sync; `_grouped_gemm_kernel` runs for gate/up, then for down.
-"""
+sync; `_grouped_gemm_kernel` runs for gate/up, then for down."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class ExpertAlignment(NamedTuple):
         its group padded to a multiple of block_m with the sentinel T*k (also filling the
         buffer past the padded total); experts in ascending order, empty ones taking no block.
     block_expert_ids: int32 [num_blocks]; the expert of each block, -1 past the padded total.
-    num_padded_pairs: int64 0-d tensor; the padded total (a multiple of block_m), on the device.
-    """
+    num_padded_pairs: int64 0-d tensor; the padded total (a multiple of block_m), on the device."""
 
     sorted_pair_ids: torch.Tensor
     block_expert_ids: torch.Tensor
@@ -77,9 +75,7 @@ def align_pairs_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> ExpertAlignment:
     """Sorts the pairs of topk_ids [T, k] by expert and pads each group to block_m; pairs whose
-    id is outside [0, num_experts) are dropped. No host synchronisation: blocks past the actual
-    total are marked -1.
-    """
+    id is outside [0, num_experts) are dropped. No host sync: blocks past the total are -1."""
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts}, {block_m}")
     device = topk_ids.device
@@ -154,8 +150,7 @@ def _grouped_gemm_kernel(
 ) -> None:
     """c[pair, cols] = a[pair // divisor, :] @ b[expert, cols, :]^T (* scale[expert, cols])
     (* routing_weight[pair]) for the BLOCK_M pairs of this M-block, all of one expert; one
-    program per (M-block, N-block), the weight read through its strides (any memory order).
-    """
+    program per (M-block, N-block), the weight read through its strides (any memory order)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ids_ptr + block)
     if expert < 0:
@@ -262,11 +257,9 @@ def fused_experts_triton(
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype: `fused_experts_reference`'s contract, as two
-    grouped GEMMs over expert-sorted pairs (always Triton; the caller picks the path).
-
-    w13 [E, 2I, H] and w2 [E, H, I] in any strides; float, or int8/float8_e4m3fn with w13_scale
-    [E, 2I] / w2_scale [E, H] (float32). Accumulates in float32. `tiles`: the tile sizes.
-    """
+    grouped GEMMs over expert-sorted pairs (always Triton; the caller picks the path). w13
+    [E, 2I, H] and w2 [E, H, I] in any strides; float, or int8/float8_e4m3fn with w13_scale
+    [E, 2I] / w2_scale [E, H] (float32). Accumulates in float32. `tiles`: the tile sizes."""
     _check_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate_size = w13.shape[0], w2.shape[2]

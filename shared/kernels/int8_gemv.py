@@ -2,8 +2,7 @@
 
 The C++ kernel (`int8_gemv_cpu.cpp`) reads a weight packed by `pack_int8_gemv_weight`; rows are
 quantized symmetrically, products summed exactly in int32 and scaled back. The reference computes
-the same over the plain weight. Why: docs/benchmarks.md#cpu-kernels-and-weight-layouts.
-"""
+the same over the plain weight. Why: docs/benchmarks.md#cpu-kernels-and-weight-layouts."""
 
 from __future__ import annotations
 

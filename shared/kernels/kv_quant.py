@@ -1,9 +1,7 @@
-"""A paged KV cache stored in 8 bits: int8 or fp8 (e4m3) codes with one float16 scale per
-(token slot, kv head).
+"""A paged KV cache in 8 bits: int8 or fp8 (e4m3) codes, one float16 scale per (slot, kv head).
 
 k_cache [num_blocks, block_size, Hkv, D] goes with k_scale [num_blocks, block_size, Hkv] float16
-(the same for V); a row is code.float() * scale.float(), scale = amax(|row|) / limit in float16.
-"""
+(the same for V); a row is code.float() * scale.float(), scale = amax(|row|) / limit in float16."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def quantize_kv_reference(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     """x [.., H, D] float -> (codes [.., H, D] in `dtype`, scale [.., H] float16).
 
     scale = float16(amax(|x[.., h, :]|) / limit), 1 where that is 0; codes = x / scale, rounded
-    to nearest (ties to even) and clamped to the format's range.
-    """
+    to nearest (ties to even) and clamped to the format's range."""
     limit = code_limit(dtype)
     x32 = x.float()
     amax = x32.abs().amax(dim=-1)
@@ -107,8 +104,7 @@ def store_quantized_kv_cache_cpu(
 @device_function
 def round_to_e4m3(x):
     """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, so the
-    cast has nothing to round (Triton's interpreter drops the carry across a power of two).
-    """
+    cast has nothing to round (Triton's interpreter drops the carry across a power of two)."""
     bits = x.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     # e4m3 keeps 3 mantissa bits; below its smallest normal (2**-6) the step stays 2**-9.
@@ -270,8 +266,7 @@ def store_quantized_kv_cache(
 ) -> None:
     """Quantizes key/value [T, Hkv, D] (any float dtype) into the 8-bit caches at slot_mapping
     [T], each token-head's float16 scale beside it; slot -1 is skipped. Slots must be distinct
-    (apart from -1) and in range; unchecked (it would need a sync).
-    """
+    (apart from -1) and in range; unchecked (it would need a sync)."""
     _check_store_args(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping)
     if not should_use_triton(use_triton, [key]):
         store_quantized_kv_cache_reference(

@@ -1,10 +1,8 @@
 """Multi-query decode: a few query rows per sequence over its paged context, causal among
 themselves (speculative verification: the last sampled token and its k drafts).
 
-Row i of q_len new rows over seq_len context tokens (new rows included) sees positions
-[0, seq_len - (q_len - 1 - i)): a decode row with that context, so every path is decode attention
-with a length per row.
-"""
+Row i of q_len new rows over seq_len context tokens (new rows included) sees [0, seq_len -
+(q_len - 1 - i)), as a decode row with that context: every path is decode attention per row."""
 
 from __future__ import annotations
 
@@ -107,9 +105,7 @@ def paged_multi_query_decode_attention(
     """query [T, Hq, D] -> [T, Hq, D]: sequence b owns rows query_start_loc[b] ..
     query_start_loc[b + 1] (int32 [B + 1]) and has seq_lens[b] (int32 [B]) cached tokens, its
     new rows included (q_len <= seq_lens[b]); row i sees [0, seq_lens[b] - (q_len - 1 - i)).
-
-    Other arguments as `paged_decode_attention`'s; rows: `multi_query_rows` of them, if kept.
-    """
+    Other arguments as `paged_decode_attention`'s; rows: `multi_query_rows` of them, if kept."""
     args = check_paged_attention_args(
         query,
         k_cache,

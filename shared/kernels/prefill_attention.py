@@ -1,8 +1,7 @@
 """Causal paged attention for the new tokens of a batch: prefill, chunked prefill, mixed decode.
 
 Each sequence's new tokens sit at the end of its context, whose K/V (theirs included) are
-already cached. The Triton path is flash attention: one program per (query tile, kv head).
-"""
+already cached. The Triton path is flash attention: one program per (query tile, kv head)."""
 
 from __future__ import annotations
 
@@ -161,8 +160,7 @@ def paged_prefill_attention_reference(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One scaled_dot_product_attention per sequence, in float32, with an explicit causal mask.
-    k_scale/v_scale go with an 8-bit cache: the context read is dequantized to float32 first.
-    """
+    k_scale/v_scale go with an 8-bit cache: the context read is dequantized to float32 first."""
     num_heads = query.shape[1]
     group = num_heads // k_cache.shape[2]
     out = torch.zeros_like(query)
@@ -218,8 +216,7 @@ def paged_prefill_attention(
     Sequence b owns query rows query_start_loc[b] .. query_start_loc[b + 1] (int32 [B + 1], 0 to
     T); seq_lens[b] (int32 [B]) counts its whole context, new tokens (whose K/V must be cached)
     included, new token i at position seq_lens[b] - q_len_b + i. k_scale/v_scale
-    [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (nori.kernels.kv_quant).
-    """
+    [num_blocks, block_size, Hkv] float16 go with an 8-bit cache (nori.kernels.kv_quant)."""
     args = check_paged_attention_args(
         query,
         k_cache,

@@ -1,9 +1,7 @@
 """Prefill attention on CPU: whole new prompts batched, chunks one by one.
 
-Wholly new prompts of equal length share one causal SDPA call; chunks continuing a prefix gather
-their context from the cache, one call each (docs/benchmarks.md#cpu-prefill-attention). An 8-bit
-cache takes the reference.
-"""
+Whole new prompts of equal length share one causal SDPA call; a chunk gathers its context from
+the cache, one call each (docs/benchmarks.md#cpu-prefill-attention). 8-bit caches: the reference."""
 
 from __future__ import annotations
 
@@ -91,8 +89,7 @@ def run_cpu_prefill(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_prefill_attention_reference`'s result, given the new tokens' own key/value
-    [T, Hkv, D] (also stored in the caches); with an 8-bit cache they must be the stored rows,
-    dequantized."""
+    [T, Hkv, D] (also in the caches; with an 8-bit cache, the stored rows dequantized)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -1,7 +1,6 @@
 """Weight-only quantized linear layers: int8 or fp8 (e4m3) weights, one float32 scale per output
 channel, activations and output in the model's float dtype; a PyTorch reference (dequantizing in
-float32) for the CPU engine, a Triton kernel for the GPU.
-"""
+float32) for the CPU engine, a Triton kernel for the GPU."""
 
 from __future__ import annotations
 
@@ -41,9 +40,7 @@ MAX_DECODE_ROWS = 64
 
 def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (qweight [out, in], scale [out] float32), symmetric per output row:
-    qweight * scale[:, None] approximates weight; int8 rounds to nearest, fp8 casts. All-zero
-    rows get scale 1.
-    """
+    qweight * scale[:, None] ~ weight; int8 rounds to nearest, fp8 casts; zero rows get scale 1."""
     _check_method(method)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
@@ -103,8 +100,7 @@ def _weight_only_linear_kernel(
     UPCAST_DOT: tl.constexpr,
 ) -> None:
     """out[rows, cols] = (x[rows, :] @ w[cols, :]^T) * scale[cols] + bias[cols]; one program per
-    output tile, the weight read in its stored [N, K] layout.
-    """
+    output tile, the weight read in its stored [N, K] layout."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -165,9 +161,7 @@ def weight_only_linear(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """x [T, in] @ (qweight [out, in] * scale [out])^T + bias [out] -> [T, out] in x.dtype, with
-    qweight as `quantize_weight` makes it; accumulates in float32. use_triton None: Triton
-    for CUDA tensors.
-    """
+    qweight from `quantize_weight`; accumulates in float32. use_triton None: Triton for CUDA."""
     _check_linear_args(x, qweight, scale, bias)
     if not should_use_triton(use_triton, [x]):
         return weight_only_linear_reference(x, qweight, scale, bias)

@@ -1,8 +1,7 @@
 """RMSNorm, alone or fused with the residual add before it: C++ on CPU, Triton on GPU.
 
 The reference is Hugging Face's arithmetic (the residual add rounded to the input dtype,
-statistics in float32, back to the input dtype before the weight multiply); the kernels match it.
-"""
+statistics in float32, back to the input dtype before the weight multiply); the kernels match it."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (norm(h) * weight, h) where h = x + residual, or h = x without a residual. With a
     residual, the C++ and Triton paths update `x` and `residual` in place (vLLM's
-    fused_add_rms_norm): callers pass tensors they own and use only the returned ones.
-    """
+    fused_add_rms_norm): callers pass tensors they own and use only the returned ones."""
     in_place_ok = residual is None or (
         residual.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous()
     )

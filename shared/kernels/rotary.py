@@ -1,9 +1,7 @@
 """Rotary position embedding of q/k heads: C++ on CPU and Triton on GPU, both in place.
 
 The reference is Hugging Face's formula, x * cos + rotate_half(x) * sin, written with roll(x) =
-cat(x2, x1) and the minus folded into the first half of sin (the same products, bit for bit). The
-C++ kernel (rotary_cpu.cpp) and the Triton one round as the reference does (bit for bit).
-"""
+cat(x2, x1) and the minus folded into sin's first half; it and both kernels match HF bit for bit."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [T, H, D]; on CPU (float32, bfloat16) and GPU in place (x is returned), else
-    into a new tensor. Callers pass a tensor they own and use the result.
-    """
+    into a new tensor. Callers pass a tensor they own and use the result."""
     if (
         should_use_triton(None, [x])
         and x.dim() == 3

@@ -4,8 +4,7 @@ torch's x86 int8 GEMM (`quantized.linear_dynamic`) quantizes its input with one 
 so one row of large activations costs every other row precision. As y_i = m_i * ((x_i / m_i)
 W^T), m_i the row's largest magnitude, the C++ `rows_to_unit` (`row_scale_cpu.cpp`) gives the
 GEMM rows of magnitude 1 and `scale_rows_back` restores each output row and adds the bias (the
-GEMM must then not add it). These are their references.
-"""
+GEMM must then not add it). These are their references."""
 
 from __future__ import annotations
 

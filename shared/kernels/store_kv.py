@@ -96,9 +96,7 @@ def store_kv_cache(
     use_triton: bool | None = None,
 ) -> None:
     """Writes key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 is skipped.
-    Slots (block_id * block_size + offset) must be distinct (apart from -1) and in range;
-    unchecked (it would need a device sync).
-    """
+    Slots (block_id * block_size + offset) must be distinct (bar -1) and in range, unchecked."""
     key = check_tensor("key", key, 3, FLOAT_DTYPES)
     value = check_tensor("value", value, 3, FLOAT_DTYPES)
     k_cache, v_cache = check_kv_caches(k_cache, v_cache)

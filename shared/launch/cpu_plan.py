@@ -3,8 +3,7 @@
 From the usable CPUs (lowest first, passed by the caller): prefill and decode pools split in
 proportion to their workers (at least one each, a remainder to decode); each worker a consecutive
 slice of its pool; a colocated worker both pools; the gateway shares the prefill pool. One
-intra-op thread per CPU, the gateway one; `--cpus-*` and `--threads-*` override.
-"""
+intra-op thread per CPU, the gateway one; `--cpus-*` and `--threads-*` override."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The Redis users of a private server, one per role, and what each may touch: each role may
-write only its own keys, so a gateway cannot forge a worker's registry entry.
-"""
+write only its own keys, so a gateway cannot forge a worker's registry entry."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from dataclasses import dataclass
 from nori.settings import DEFAULT_NAMESPACE, Role
 from nori.state.keys import Keys
 
-# ACL users from Redis 6.0 (before: one password), channel rules from 6.2, read-only key
-# patterns (`%R~`) from 7.0.
+# ACL users from Redis 6.0 (before: one password), channel rules from 6.2, `%R~` from 7.0.
 ACL_SINCE = (6, 0)
 CHANNEL_RULES_SINCE = (6, 2)
 READ_ONLY_PATTERNS_SINCE = (7, 0)
@@ -34,8 +32,7 @@ def role_acl_rules(namespace: str, version: tuple[int, int]) -> dict[str, tuple[
     """Each role user's ACL rules (after `on >PASSWORD`), from what each role reads and writes:
     gateway: reads registry and block directory, writes request states; prefill: its registry
     entry and the block directory; decode (and colocated): its entry and request states; batch:
-    the work queues and counts. Before Redis 7.0 a key pattern also grants writes.
-    """
+    the work queues and counts. Before Redis 7.0 a key pattern also grants writes."""
     keys = Keys(namespace)
     worker, request, block, batch = (
         keys.worker("*"),

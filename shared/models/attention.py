@@ -1,8 +1,7 @@
 """The one seam between model code and the KV cache.
 
 Model layers hand q, k, v (after bias, Q/K norm and RoPE) to an `Attention` callable; the engine
-supplies one that writes k, v into the paged cache and attends over it.
-"""
+supplies one that writes k, v into the paged cache and attends over it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A checkpoint's own 8-bit weights: the formats that load as they are, a clear error for others.
 
 Supported: FP8 `compressed-tensors` with per-tensor or per-channel scales, kept bit for bit (a
-per-tensor scale repeated over rows). Activations stay full precision.
-"""
+per-tensor scale repeated over rows). Activations stay full precision."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Model shape and behaviour, parsed from a Hugging Face `config.json`: one `ModelConfig` for
-Llama, Mistral, Qwen2, Qwen3 and their MoE relatives Mixtral, Qwen2-MoE and Qwen3-MoE.
-"""
+Llama, Mistral, Qwen2, Qwen3 and their MoE relatives Mixtral, Qwen2-MoE and Qwen3-MoE."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A small built-in English corpus for training the checkpoint tokenizer without downloads:
-hand-written paragraphs, and fixed-seed sentences drawn from a word list.
-"""
+hand-written paragraphs, and fixed-seed sentences drawn from a word list."""
 
 from __future__ import annotations
 

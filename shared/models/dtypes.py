@@ -1,7 +1,6 @@
 """Dtype names as configs and flags spell them, and the torch dtypes they stand for.
 
-Apart from `config.py`, so that reading a config (the gateway does) does not load torch.
-"""
+Apart from `config.py`, so that reading a config (the gateway does) does not load torch."""
 
 from __future__ import annotations
 

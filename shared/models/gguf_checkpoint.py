@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import importlib.metadata
+import io
 import json
 from pathlib import Path
 

@@ -1,6 +1,5 @@
 """Writes random-weight checkpoints in Hugging Face layout (`nori model init DIR --preset NAME`),
-byte-identical for the same (preset, seed, shard size).
-"""
+byte-identical for the same (preset, seed, shard size)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def init_checkpoint(
 ) -> Path:
     """Writes a preset (its name, or a shape of its own) into `directory`, created if needed,
     and returns the folder's path. With `write_weights=False` only config and tokenizer are
-    written, enough for `load_model(..., load_format="dummy")`.
-    """
+    written, enough for `load_model(..., load_format="dummy")`."""
     config = get_preset(preset) if isinstance(preset, str) else preset
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,7 @@
 Qwen3-MoE (routed MLPs from `nori.models.moe`); config flags select the differences.
 
 Tokens of all sequences are flattened into one axis T; only the `attention` callable knows which
-belong together. q/k/v and gate/up are fused (`hf_weight_targets` maps the checkpoint's tensors).
-"""
+belong together. q/k/v and gate/up are fused (`hf_weight_targets` maps the checkpoint's tensors)."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class DecoderLayer(nn.Module):
         attention: Attention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for layer 0, with no residual).
-        Returns this layer's MLP output and the residual before it is added (each add is fused
-        into the following norm)."""
+        Returns its MLP output and the residual before it (each add fuses into the next norm)."""
         hidden, residual = self.input_layernorm(x, residual)
         hidden, residual = self.post_attention_layernorm(
             self.self_attn(hidden, rotary, attention), residual
@@ -204,9 +202,8 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def store_weights_transposed(self) -> None:
-        """Keeps every projection's weight in [in, out] memory order (still seen as [out, in]),
-        bit-identical (docs/benchmarks.md#cpu-kernels-and-weight-layouts). On CPU, after loading.
-        """
+        """On CPU, after loading: every projection's weight in [in, out] memory order (still seen
+        as [out, in]), bit-identical (docs/benchmarks.md#cpu-kernels-and-weight-layouts)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, nn.Linear):

@@ -43,8 +43,7 @@ def load_model(
 
     `tensor_parallel`: cut to that rank's shard (nori.models.shard) before quantizing.
     `load_format="dummy"`: seeded random weights made on the device (benchmarks).
-    `quantization` ("int8", "fp8"): 8-bit decoder linears once the weights are in.
-    """
+    `quantization` ("int8", "fp8"): 8-bit decoder linears once the weights are in."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
     folder = Path(model_dir)

@@ -11,8 +11,7 @@ from pathlib import Path
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """`target`, built by `build(folder)` unless it already holds a config.json: built in a
     temporary sibling folder, then renamed (concurrent builds: one rename wins), so no reader
-    sees a half-written folder and a failed build leaves nothing behind.
-    """
+    sees a half-written folder and a failed build leaves nothing behind."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,8 @@
 """The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's
-top-k experts, the fused kernel runs them (`nori.kernels.fused_moe`), and Qwen2-MoE adds a
-shared expert behind a sigmoid gate.
+top-k experts, `nori.kernels.fused_moe` runs them, Qwen2-MoE adds a sigmoid-gated shared expert.
 
 Routing follows transformers exactly. Ranks hold expert slices or whole experts
-(`nori.models.shard`); one all-reduce adds their partial sums. `routed_tokens` counts per expert.
-"""
+(`nori.models.shard`); one all-reduce adds their partial sums. `routed_tokens` counts per expert."""
 
 from __future__ import annotations
 

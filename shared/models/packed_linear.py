@@ -19,8 +19,7 @@ GEMV_MAX_ROWS = 8
 
 class PackedBf16Linear(nn.Module):
     """A bfloat16 CPU layer, its weight prepacked for oneDNN's bf16 GEMM (identical results); up
-    to GEMV_MAX_ROWS rows (one with AMX) take the C++ GEMV over its own packed copy.
-    """
+    to GEMV_MAX_ROWS rows (one with AMX) take the C++ GEMV over its own packed copy."""
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None

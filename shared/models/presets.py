@@ -1,7 +1,6 @@
 """Named model shapes for `nori model init`: test sizes, a demo size, and real models' shapes.
 
-The token ids below are fixed by `tokenizer_builder`, which puts its special tokens first.
-"""
+The token ids below are fixed by `tokenizer_builder`, which puts its special tokens first."""
 
 from __future__ import annotations
 

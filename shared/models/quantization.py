@@ -1,8 +1,7 @@
 """Weight-only quantization of a loaded model's linear layers (`--quantization int8|fp8`).
 
 Every decoder projection (and with `--quantize-lm-head` the head) becomes 8-bit weights with one
-float32 scale per output channel; the embedding table stays.
-"""
+float32 scale per output channel; the embedding table stays."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ GEMV_MAX_ROWS = 8
 class CpuInt8Linear(nn.Module):
     """int8 weights per output channel on torch's x86 int8 GEMM, prepacked once; activations are
     quantized to uint8 per call, rows first brought to one magnitude (`nori.kernels.row_scale`);
-    up to GEMV_MAX_ROWS rows take the C++ GEMV.
-    """
+    up to GEMV_MAX_ROWS rows take the C++ GEMV."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -1,6 +1,5 @@
 """Rotary position embedding in the Hugging Face "rotate_half" layout; each token carries its own
-position, so tokens of many sequences flattened into one axis are rotated right.
-"""
+position, so tokens of many sequences flattened into one axis are rotated right."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ itself, in place (`shard_model`).
 
 Attention keeps the rank's heads, the MLP its share of gate/up and down's matching columns, a MoE
 MLP every expert's share (or whole experts under expert parallelism), embedding and head their
-vocabulary share; norms and rotary stay whole. Runs before 8-bit quantization or prepacking.
-"""
+vocabulary share; norms and rotary stay whole. Runs before 8-bit quantization or prepacking."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A real byte-level BPE tokenizer for random-weight checkpoints, trained on the built-in corpus.
 
 Its vocabulary is padded with `<|reserved_N|>` entries up to the model's vocab size, so every id
-the model can emit decodes; they are plain vocabulary that no merge produces, not special tokens.
-"""
+the model can emit decodes; they are plain vocabulary that no merge produces, not special tokens."""
 
 from __future__ import annotations
 

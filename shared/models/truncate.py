@@ -1,6 +1,5 @@
 """A layer-truncated copy of a checkpoint: its first N decoder layers, embeddings, final norm and
-LM head, with the same tokenizer. A cheap draft model for speculative decoding where no smaller
-trained model of the same family is at hand (self-speculation, as LayerSkip's early exit)."""
+LM head, with the same tokenizer: a draft model for self-speculation (as LayerSkip's early exit)."""
 
 from __future__ import annotations
 

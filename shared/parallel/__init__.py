@@ -1,3 +1,2 @@
-"""Tensor parallelism's building blocks: one rank's view of the group and its collectives
-(torch.distributed: gloo on CPU, NCCL on GPU), and the parallel layers a sharded model swaps in
-(cut by nori.models.shard)."""
+"""Tensor parallelism's building blocks: a rank's view of the group and its collectives (gloo on
+CPU, NCCL on GPU), and the parallel layers a model cut by nori.models.shard swaps in."""

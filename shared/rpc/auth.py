@@ -2,8 +2,7 @@
 
 Every internal call carries `ClusterAuth.rpc_token()` in its metadata; `ClusterTokenInterceptor`
 answers a missing or wrong one UNAUTHENTICATED before any handler runs. The health service stays
-open; an open cluster installs no interceptor.
-"""
+open; an open cluster installs no interceptor."""
 
 from __future__ import annotations
 

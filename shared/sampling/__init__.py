@@ -1,5 +1,4 @@
 """Sampling and text: request parameters, tokenizer, streaming detokenizer, batched sampler.
 
 The modules are imported by name. Only `batch`, `sampler`, `penalties`, `truncation` and
-`logprob_math` need torch: the gateway uses the others and must not load it.
-"""
+`logprob_math` need torch: the gateway uses the others and must not load it."""

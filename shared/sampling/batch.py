@@ -1,9 +1,7 @@
 """Packing per-request sampling state into tensors, once per step, for the batched sampler.
 
-Every optional stage gets `None` when no row in the batch uses it, so the sampler can skip whole
-stages (sorting the vocabulary, building count tensors) for the common all-greedy or
-plain-temperature batches instead of running them as no-ops.
-"""
+Every optional stage gets `None` when no row in the batch uses it, so the sampler skips whole
+stages (sorting the vocabulary, building count tensors) rather than running them as no-ops."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The environment mirrors transformers' `_compile_jinja_template` (an immutable sandbox,
 `trim_blocks`/`lstrip_blocks`, `loopcontrols`, a non-ASCII `tojson`, `raise_exception`,
 `strftime_now`). Requests may bring templates, so rendering is bounded (`TemplateLimits`): steps,
-deadline and built sizes, refused before allocation; past them, `TemplateLimitError`.
-"""
+deadline and built sizes, refused before allocation; past them, `TemplateLimitError`."""
 
 from __future__ import annotations
 

@@ -2,10 +2,8 @@
 
 vLLM's two-offset scheme, so everything emitted, concatenated, equals `Tokenizer.decode` of the
 same ids: text is held back while the newest token is a byte-fallback piece, and while the
-decoded window ends in U+FFFD. `flush()` releases what is held when the request ends. A
-tokenizer without byte-fallback pieces (byte-level BPE) runs the scheme in tokenizers' own
-`DecodeStream`, one call per token.
-"""
+decoded window ends in U+FFFD; `flush()` releases it when the request ends. Byte-level BPE
+tokenizers (no byte-fallback pieces) run the scheme in tokenizers' `DecodeStream`."""
 
 from __future__ import annotations
 
@@ -37,9 +35,7 @@ class IncrementalDetokenizer:
     """Turns one request's sampled tokens into streamed text and detects stop strings.
 
     `text` is the whole output so far (cut at a found stop string); a result's `new_text` is the
-    part now safe to show. A possible stop string prefix is withheld (as vLLM) unless
-    `include_stop_str_in_output`.
-    """
+    part safe to show; a possible stop-string prefix is held unless `include_stop_str_in_output`."""
 
     def __init__(
         self,

@@ -1,9 +1,6 @@
-"""Log-probabilities reported to the user.
-
-Semantics: vLLM's default `logprobs_mode="raw_logprobs"`: log_softmax of the model's logits as
-they left the model, before penalties, temperature and truncation. They describe the model, not
-the sampling settings, and a token masked by top-k still gets its true log-prob.
-"""
+"""Log-probabilities reported to the user: vLLM's default `logprobs_mode="raw_logprobs"`, the
+log_softmax of the model's logits before penalties, temperature and truncation (they describe the
+model, not the sampling settings: a token masked by top-k still gets its true log-prob)."""
 
 from __future__ import annotations
 

@@ -56,9 +56,7 @@ def _normalise_token_ids(token_ids: object) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop it (vLLM semantics). `stop` and
-    `stop_token_ids` are normalised to tuples; `n` independent completions (`choice_params`)
-    are one engine request each.
-    """
+    `stop_token_ids` become tuples; each of the `n` completions is one engine request."""
 
     n: int = 1
     max_tokens: int = 16

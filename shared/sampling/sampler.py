@@ -1,11 +1,9 @@
 """The batched sampler: logits [B, V] -> one token per row, and the per-row stages it is built of.
 
 Stage order follows vLLM: min_tokens bans, penalties, then argmax for greedy rows; temperature,
-top-k, top-p, min-p and a draw for sampled ones. Unused stages are skipped. The stages are module
-functions so speculative decoding verifies against the same distribution. Draws use the
-exponential race (argmax(p_i / E_i), E_i ~ Exp(1)); a seeded row fills its E row from its own
-generator, so its tokens never depend on its batch mates.
-"""
+top-k, top-p, min-p and a draw for sampled ones; unused stages are skipped, and speculative
+verification uses the same stage functions. Draws use the exponential race (argmax(p_i / E_i),
+E_i ~ Exp(1)); a seeded row fills its E row from its own generator, independent of its batch."""
 
 from __future__ import annotations
 
@@ -62,8 +60,7 @@ def exponential_race(
     """long [B]: one token per row, with probability weights[row] / sum(weights[row]).
 
     Unless every row is seeded, one uniform_ over [B, V] from `generator`; then each row in
-    `seeded_rows`, in order, refills its V values from `generators[row]` alone.
-    """
+    `seeded_rows`, in order, refills its V values from `generators[row]` alone."""
     uniform = torch.empty_like(weights, dtype=torch.float32)
     if len(seeded_rows) < weights.shape[0]:
         # One draw for the whole batch; seeded rows are overwritten below.

@@ -1,13 +1,11 @@
-"""Speculative decoding's verification: which draft tokens a request keeps after the target
-model scored them.
+"""Speculative decoding's verification: which drafts a request keeps once the target scored them.
 
 The target scores the last token plus k drafts as k + 1 rows (row i sees drafts[:i]); a request
 keeps its accepted drafts and one more token. Greedy: drafts while each equals its row's argmax,
 then that argmax (exactly a plain greedy run). Sampled: speculative sampling (Leviathan et al.,
 Chen et al. 2023): accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), else draw from
 normalise(max(0, p_i - q_i)); all accepted, a bonus token from p_k. No draft probabilities
-means a one-hot q; a residual with no mass falls back to p_i.
-"""
+means a one-hot q; a residual with no mass falls back to p_i."""
 
 from __future__ import annotations
 
@@ -152,8 +150,7 @@ def _speculative_sample(
 ) -> list[list[int]]:
     """The sampled requests' rule, batched: draft tests as a [J, max k] table, then one [J, V]
     residual-or-bonus distribution and one race. A seeded request draws k uniforms then V from
-    its own generator, whatever was accepted; unseeded ones share `generator` ([J, max k], then
-    [J, V])."""
+    its own generator, whatever was accepted; unseeded ones share `generator` (same, batched)."""
     device = probs.device
     lengths = [len(p.token_ids) for p in proposals]
     width = max(lengths)

@@ -15,15 +15,10 @@ class StopMatch:
 def find_stop(
     text: str, new_char_count: int, stops: Sequence[str], floor: int = 0
 ) -> StopMatch | None:
-    """Earliest stop string that overlaps the last `new_char_count` characters of `text`.
-
-    Anything that ended before the new characters was already searched on an earlier call, so
-    each stop string is only looked for from `len(text) - new_char_count - len(stop) + 1` on:
-    the cost per token is bounded by the new text plus the longest stop, not the whole output.
-    `floor` excludes text that must never stop the request (produced before `min_tokens`).
-    The earliest match wins (ties: first in `stops`), so the output is cut at the first place
-    any stop string appears.
-    """
+    """Earliest stop string that overlaps the last `new_char_count` characters of `text` (ties:
+    first in `stops`). Earlier text was searched on an earlier call, so each stop string is only
+    looked for from `len(text) - new_char_count - len(stop) + 1` on. `floor` excludes text that
+    must never stop the request (produced before `min_tokens`)."""
     if new_char_count <= 0:
         return None
     best: StopMatch | None = None

@@ -2,8 +2,7 @@
 
 Wraps `tokenizers.Tokenizer` and reads the Hugging Face side files as transformers does, so
 prompts get `AutoTokenizer.from_pretrained(path)`'s ids. As transformers 5.x, tokenizer.json's
-post-processor is applied as stored: `add_bos_token` is only reported, never acted on.
-"""
+post-processor is applied as stored: `add_bos_token` is only reported, never acted on."""
 
 from __future__ import annotations
 

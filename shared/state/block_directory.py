@@ -1,8 +1,7 @@
 """The prefix-block directory: for each cached KV block (by content hash), which workers hold it.
 
 Workers publish their BlockManager's STORED/REMOVED events. Entries are hints: a dead worker's
-expire (callers pass the live workers), and a lapsed entry only costs a missed cache hit.
-"""
+expire (callers pass the live workers), and a lapsed entry only costs a missed cache hit."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class BlockDirectory(RedisStore):
     ) -> dict[str, int]:
         """For each worker, how many leading blocks of the prompt it holds (it stops counting at
         its first gap), in one round trip. With `worker_ids` only those count, each present (0
-        when it holds nothing); without, every worker holding the first block appears.
-        """
+        when it holds nothing); without, every worker holding the first block appears."""
         counts: dict[str, int] = {w: 0 for w in worker_ids} if worker_ids is not None else {}
         if not block_hashes or (worker_ids is not None and not counts):
             return counts

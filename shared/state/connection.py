@@ -2,8 +2,7 @@
 
 Extra commands wait for a connection (at most `timeout_s`) rather than raise, and every command
 has a socket timeout. The URL is a secret (messages show it `redacted`); one without a password
-takes NORI_REDIS_PASSWORD(_FILE). A starting worker waits for Redis (`wait_for_redis`).
-"""
+takes NORI_REDIS_PASSWORD(_FILE). A starting worker waits for Redis (`wait_for_redis`)."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _has_password(url: str) -> bool:
 
 async def wait_for_redis(redis: Redis, url: str, retry_s: float = RETRY_S) -> None:
     """Returns once Redis answers PING, retrying every `retry_s` (one log line when away, one
-    when back). Refused credentials, or any other answer, raise `unreachable`'s error at once.
-    """
+    when back). Refused credentials, or any other answer, raise `unreachable`'s error at once."""
     waiting_since: float | None = None
     loop = asyncio.get_running_loop()
     while True:

@@ -1,6 +1,5 @@
 """Every Redis key the cluster state uses, built in one place, all under `{namespace}:` so that
-clusters sharing one Redis never see each other's state and one SCAN pattern finds a cluster's.
-"""
+clusters sharing one Redis never see each other's state and one SCAN pattern finds a cluster's."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each worker owns one Redis hash that expires `ttl_s` after its last heartbeat. With a cluster
 secret every entry is signed over all of its fields (`nori.state.entry_signing`) and the gateway
-routes only to entries that verify; without one nothing is signed or checked.
-"""
+routes only to entries that verify; without one nothing is signed or checked."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ class WorkerInfo:
     kv_cache_dtype: str = ""
     # SpeculativeConfig.as_json(); "" (or absent, an older writer) when off.
     speculative_config: str = ""
-    # Its capacity: rows run at once (--max-num-seqs) and calls served at once (rows + bounded
-    # queue). 0: not stated (an older writer).
+    # Capacity: rows run at once (--max-num-seqs), calls served at once (rows + queue); 0: unknown.
     max_num_seqs: int = 0
     max_open_calls: int = 0
     started_at: float = 0.0
@@ -196,8 +194,7 @@ class WorkerRegistry(RedisStore):
 
     async def list_entries(self) -> WorkerListing:
         """Live workers, sorted by worker_id, and the entries refused by their check. A record
-        that does not parse is logged and skipped, so one bad worker cannot hide the others.
-        """
+        that does not parse is logged and skipped, so one bad worker cannot hide the others."""
         keys: set[str] = set()  # SCAN may return a key more than once
         async for key in self._redis.scan_iter(
             match=self._keys.worker_pattern(), count=500, _type="HASH"
@@ -248,8 +245,7 @@ FAILING_RETRY_S = 0.25
 
 class Heartbeat:
     """Keeps one worker registered by re-writing its record (`info()`, called every beat) every
-    `interval_s`. Failures are logged and retried, so a worker re-joins when Redis comes back.
-    """
+    `interval_s`. Failures are logged and retried, so a worker re-joins when Redis comes back."""
 
     def __init__(
         self,

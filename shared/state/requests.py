@@ -1,9 +1,7 @@
 """Each request's progress through the cluster, with the time it entered every state.
 
-One hash per request: `state` (the latest), `t_<state>` for every state it has been in, and
-free-form fields the writers add; a TTL bounds how long it stays. `StateRecorder` writes in the
-background: a request never waits on Redis.
-"""
+One hash per request: `state` (the latest), `t_<state>` for every state it has been in and the
+writers' own fields, under a TTL. `StateRecorder` writes in the background: none waits on Redis."""
 
 from __future__ import annotations
 
@@ -42,8 +40,7 @@ class RequestStateStore(RedisStore):
         self, request_id: str, state: RequestState | str, /, **fields: str | int | float
     ) -> float:
         """Records that the request entered `state` now; returns the timestamp written. Extra
-        fields are stored as strings; `state` and `t_*` are reserved for this method.
-        """
+        fields are stored as strings; `state` and `t_*` are reserved for this method."""
         state = RequestState(state)  # refuses an unknown state name with ValueError
         reserved = [name for name in fields if name == "state" or name.startswith("t_")]
         if reserved:

@@ -1,6 +1,5 @@
 """A trace's context across process boundaries (gRPC metadata, the KV hand-off), through
-OpenTelemetry's configured propagator (`OTEL_PROPAGATORS`, W3C Trace Context by default).
-"""
+OpenTelemetry's configured propagator (`OTEL_PROPAGATORS`, W3C Trace Context by default)."""
 
 from __future__ import annotations
 

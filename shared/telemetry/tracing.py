@@ -2,9 +2,7 @@
 
 Configured as OpenTelemetry is: `--otlp-traces-endpoint` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
 / `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME` over the role's default name, and the other
-`OTEL_*` variables. With no endpoint the tracer is OpenTelemetry's no-op one. Nothing is installed
-globally: each role passes its tracer to what needs it.
-"""
+`OTEL_*` variables; no endpoint: OpenTelemetry's no-op tracer. Nothing is installed globally."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The transport-neutral interface: errors, the sink, the endpoints and a transport's `Channel`
 (the header is `handoff.py`'s). A `KVSender` pushes one request's KV blocks straight into a
-`KVReceiver`'s paged cache, where its `KVSink.destinations` says.
-"""
+`KVReceiver`'s paged cache, where its `KVSink.destinations` says."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 `Channel` (framed messages both ways, one transfer at a time).
 
 A header, accepted or rejected; the bytes; a checksum or trailer; `done` only after the sink
-took the bytes. The message sequence: docs/architecture.md.
-"""
+took the bytes. The message sequence: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -335,8 +334,7 @@ class ConnectionPool(Generic[C]):
     async def run(self, address: str, transfer: Callable[[C], Awaitable[T]]) -> T:
         """Runs `transfer` on a connection to `address`. The connection goes back to the pool
         after success or a rejection and is closed after any other failure; a pooled one that
-        broke before the header's answer is replaced once, transparently.
-        """
+        broke before the header's answer is replaced once."""
         if self._closed:
             raise TransferError("the sender is closed")
         peer = self._peers.setdefault(address, _Peer(self._max_per_peer))

@@ -4,8 +4,7 @@
 logs why once and the bytes go as messages). `pull` copies the regions into their destinations in
 stream order, out of read-only mappings, hashing each chunk as it lands, touching no byte outside
 the offered segments. Mappings are kept per sender (LRU) until it leaves and no copy uses them.
-The message sequence: docs/architecture.md.
-"""
+The message sequence: docs/architecture.md."""
 
 from __future__ import annotations
 

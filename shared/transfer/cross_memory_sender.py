@@ -3,8 +3,7 @@
 `PullSource.offer` describes a transfer's bytes only when all lie in shared memory, else they go
 as messages. The offer names an abstract Unix socket (`SegmentServer`) that hands read-only
 segment descriptors to a process of this user. Invariant: the buffers stay unchanged until the
-trailer, sent only after the receiver's `pulled`. The message sequence: docs/architecture.md.
-"""
+trailer, sent only after the receiver's `pulled`. The message sequence: docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 A header starts with a magic and a version: a foreign or older peer is refused, not misread.
 Receiver addresses: "ucx://host:port" or "tcp://host:port" (IPv6 hosts in brackets), or
 "ucx://host/PEER" for a UCX receiver reached by its worker address (no listening socket): PEER
-is the receiver's hello tag (16 hex digits), a dash, and its UCX worker address in hex.
-"""
+is the receiver's hello tag (16 hex digits), a dash, and its UCX worker address in hex."""
 
 from __future__ import annotations
 

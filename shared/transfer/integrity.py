@@ -2,8 +2,7 @@
 of adjacent buffers, and checksums, so the receiver decodes only the bytes the sender sent.
 
 A `checksums_follow` transfer ends with one checksum of its byte stream (`TransferHasher`); one
-without it, or whose bytes differ, is refused (fail-closed). Costs: docs/benchmarks.md#kv-integrity-checksums.
-"""
+without it, or whose bytes differ, is refused. Costs: docs/benchmarks.md#kv-integrity-checksums."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The UCX transport (ucxx): shared memory between workers on one host, the network across.
 
 `UcxReceiver` lands transfers in the sink's tensors; `UcxSender` sends over pooled connections
-(`UcxChannel`). Importing applies `ucx_env`'s settings before ucxx initialises; ImportError
-without ucxx.
-"""
+(`UcxChannel`). Importing (ImportError without ucxx) applies `ucx_env` before ucxx initialises."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """UCX settings the UCX transport applies to its own process, before ucxx initialises.
 
 Defaults (`os.environ.setdefault`): an operator's environment wins, except the progress mode,
-always "blocking" (`UcxProgress` drives the worker). Why: docs/benchmarks.md#ucx-settings.
-"""
+always "blocking" (`UcxProgress` drives the worker). Why: docs/benchmarks.md#ucx-settings."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def is_loopback(host: str) -> bool:
 
 def confine_ucx_to(host: str) -> None:
     """Keeps UCX's own sockets on `lo` (UCX_NET_DEVICES) for a worker bound to loopback, unless
-    the operator set UCX_NET_DEVICES. Call before UCX starts.
-    """
+    the operator set UCX_NET_DEVICES. Call before UCX starts."""
     names = {name for _, name in socket.if_nameindex()}
     if is_loopback(host) and LOOPBACK_DEVICE in names:
         os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_DEVICE)

@@ -4,8 +4,7 @@ ucxx runs in "blocking" mode; a waiting connection sleeps on the worker's event 
 posted straight on the endpoint (ucxx's private `Endpoint._ep` and `_tags`). A loopback receiver
 is reached by its worker address (a hello on its tag, answered by a welcome); UCX reports no close
 or death there, so each end says bye on close and watches the other's process (`PeerWatch`).
-Why: docs/benchmarks.md#ucx-progress-from-asyncio.
-"""
+Why: docs/benchmarks.md#ucx-progress-from-asyncio."""
 
 from __future__ import annotations
 
