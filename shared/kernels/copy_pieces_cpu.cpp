@@ -25,20 +25,17 @@ int check_rows(const int64_t* rows, int64_t n) {
 
 }  // namespace
 
-NORI_SIGNATURE(copy_pieces, "PP");
-extern "C" int nori_copy_pieces(const int64_t* rows, int64_t n) {
+// Copies each piece; with a digest, hashes the copied bytes in order into *digest (xxh3-64).
+NORI_SIGNATURE(copy_pieces, "PPP");
+extern "C" int nori_copy_pieces(const int64_t* rows, int64_t n, uint64_t* digest) {
   if (check_rows(rows, n) != 0) return 1;
-  for (int64_t i = 0; i < n; ++i, rows += 3) {
-    std::memcpy(reinterpret_cast<void*>(rows[0]), reinterpret_cast<const void*>(rows[1]),
-                static_cast<size_t>(rows[2]));
+  if (digest == nullptr) {
+    for (int64_t i = 0; i < n; ++i, rows += 3) {
+      std::memcpy(reinterpret_cast<void*>(rows[0]), reinterpret_cast<const void*>(rows[1]),
+                  static_cast<size_t>(rows[2]));
+    }
+    return 0;
   }
-  return 0;
-}
-
-// nori_copy_pieces, writing xxh3-64 of the copied bytes in order to *digest.
-NORI_SIGNATURE(copy_and_hash_pieces, "PPP");
-extern "C" int nori_copy_and_hash_pieces(const int64_t* rows, int64_t n, uint64_t* digest) {
-  if (check_rows(rows, n) != 0) return 1;
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
   for (int64_t i = 0; i < n; ++i, rows += 3) {

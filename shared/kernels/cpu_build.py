@@ -1,11 +1,8 @@
-"""Builds the C++ CPU kernels (plain C++, no torch headers) with the system g++ on first use, once
-per machine and checkout, linked against torch's libgomp (one OpenMP pool for both), and loads
-them with ctypes (`CpuKernels`). A build lands by renaming a finished library into place: no
-builder loads a partial one, and a killed build blocks nothing. Without g++ the PyTorch
-references run (one warning). Each CpuKernels method allocates outputs and calls a C function
-(GIL released) with pointers, dtype codes, sizes, strides and the layout facts only Python sees;
-C checks them (RuntimeError). Integers travel as c_void_p, which ctypes converts fastest (C reads
-int64_t: one register on LP64); `threads` is torch.get_num_threads(), as at::parallel_for's.
+"""Builds the C++ CPU kernels (plain C++) with g++ on first use, once per machine and checkout,
+linked against torch's libgomp, and loads them with ctypes; a build lands by an atomic rename (no
+lock). Without g++ the references run. CpuKernels' methods allocate outputs and pass pointers,
+dtype codes, sizes, strides and the layout facts only Python sees, which C checks; integers as
+c_void_p (the fastest; C reads int64_t), `threads` = torch.get_num_threads() (at::parallel_for's).
 """
 
 from __future__ import annotations
@@ -118,121 +115,128 @@ class CpuKernels:
     def __getattr__(self, name: str) -> Any:  # the C functions, set in __init__
         raise AttributeError(name)
 
-    def _raise(self, status: int = 1) -> None:
+    def _check(self, status: int) -> None:
         if status:
             raise RuntimeError(self._error().decode())
 
     def rms_norm(self, input: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out = torch.empty_like(input)
-        self._raise(self._rms_norm(
+        out, shape = torch.empty_like(input), input.shape
+        self._check(self._rms_norm(
             _code(input.dtype, -1), _code(weight.dtype, -2), input.data_ptr(),
-            input.is_contiguous(), input.numel(), input.shape[-1], weight.data_ptr(),
-            weight.numel(), weight.dim() == 1 and weight.is_contiguous(), out.data_ptr(), eps,
+            input.is_contiguous(), input.numel(), shape[-1], weight.data_ptr(),
+            weight.shape == shape[-1:] and weight.is_contiguous(), out.data_ptr(), eps,
             _threads()))  # fmt: skip
         return out
 
     def fused_add_rms_norm(self, input: Tensor, residual: Tensor, weight: Tensor,
                            eps: float) -> None:  # fmt: skip
-        self._raise(self._fused_add_rms_norm(
+        shape = input.shape
+        self._check(self._fused_add_rms_norm(
             _code(input.dtype, -1), _code(weight.dtype, -2), input.data_ptr(),
-            input.is_contiguous(), input.numel(), input.shape[-1], weight.data_ptr(),
-            weight.numel(), weight.dim() == 1 and weight.is_contiguous(), residual.data_ptr(),
-            residual.shape == input.shape and residual.dtype == input.dtype
+            input.is_contiguous(), input.numel(), shape[-1], weight.data_ptr(),
+            weight.shape == shape[-1:] and weight.is_contiguous(), residual.data_ptr(),
+            residual.shape == shape and residual.dtype == input.dtype
             and residual.is_contiguous(), eps, _threads()))  # fmt: skip
 
     def silu_and_mul(self, input: Tensor) -> Tensor:
         tokens, width = input.shape[0], input.shape[-1]
-        out = input.new_empty((tokens, width // 2))
-        self._raise(self._silu_and_mul(_code(input.dtype, -1), input.data_ptr(), input.dim(),
-                                       input.is_contiguous(), tokens, width, out.data_ptr(),
-                                       _threads()))  # fmt: skip
+        out = torch.empty(tokens, width // 2, dtype=input.dtype)
+        self._check(self._silu_and_mul(
+            _code(input.dtype, -1), input.data_ptr(), input.dim(), input.is_contiguous(), tokens,
+            width, out.data_ptr(), _threads()))  # fmt: skip
         return out
 
     def rotary_inplace(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
         if x.dim() != 3:
             raise RuntimeError("x must be [T, H, D]")
-        angles = (x.shape[0], x.shape[2] // 2)
-        self._raise(self._rotary_inplace(_code(x.dtype, -1), x.data_ptr(), *x.shape, *x.stride(),
-                                         _ptr(cos, angles, x.dtype, "cos [T, D / 2]"),
-                                         _ptr(sin, angles, x.dtype, "sin [T, D / 2]"), _threads()))  # fmt: skip
+        tokens, heads, dim = x.shape
+        angles = (tokens, dim // 2)
+        self._check(self._rotary_inplace(
+            _code(x.dtype, -1), x.data_ptr(), tokens, heads, dim, *x.stride(),
+            _ptr(cos, angles, x.dtype, "cos [T, D/2]"), _ptr(sin, angles, x.dtype, "sin [T, D/2]"),
+            _threads()))  # fmt: skip
 
     def store_kv(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                  slots: Tensor) -> None:  # fmt: skip
-        self.store_kv_quantized(key, value, k_cache, v_cache, None, None, slots)
+        self._store(key, value, k_cache, v_cache, slots, None, None)
 
     def store_kv_quantized(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
-                           k_scale: Tensor | None, v_scale: Tensor | None,
-                           slots: Tensor) -> None:  # fmt: skip
+                           k_scale: Tensor, v_scale: Tensor, slots: Tensor) -> None:  # fmt: skip
+        shape = k_cache.shape[:3]
+        self._store(key, value, k_cache, v_cache, slots,
+                    _ptr(k_scale, shape, _F16, "k_scale" + _SCALES),
+                    _ptr(v_scale, shape, _F16, "v_scale" + _SCALES))  # fmt: skip
+
+    def _store(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+               k_scale: int | None, v_scale: int | None) -> None:  # fmt: skip
         if key.dim() != 3 or k_cache.dim() != 4:
             raise RuntimeError("key and value must be [T, Hkv, D], the caches 4-D")
-        self._raise(self._store_kv(
-            _code(key.dtype, -1), key.data_ptr(), value.data_ptr(), *key.shape, *key.stride(),
-            value.stride(0), value.shape == key.shape and value.dtype == key.dtype
-            and value.stride()[1:] == key.stride()[1:], _code(k_cache.dtype, -1),
-            k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.shape, v_cache.shape == k_cache.shape
+        (tokens, heads, dim), strides, value_strides = key.shape, key.stride(), value.stride()
+        self._check(self._store_kv(
+            _code(key.dtype, -1), key.data_ptr(), value.data_ptr(), tokens, heads, dim, *strides,
+            value_strides[0], value.shape == key.shape and value.dtype == key.dtype
+            and value_strides[1:] == strides[1:], _code(k_cache.dtype, -1), k_cache.data_ptr(),
+            v_cache.data_ptr(), *k_cache.shape, v_cache.shape == k_cache.shape
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
             and v_cache.is_contiguous(), slots.data_ptr(), slots.dtype == _I64
-            and slots.shape == key.shape[:1] and slots.is_contiguous(),
-            _ptr(k_scale, k_cache.shape[:3], _F16, "k_scale" + _SCALES),
-            _ptr(v_scale, k_cache.shape[:3], _F16, "v_scale" + _SCALES),
+            and slots.shape == (tokens,) and slots.is_contiguous(), k_scale, v_scale,
             _threads()))  # fmt: skip
 
-    def copy_pieces(self, pieces: Tensor) -> None:
-        rows = _ptr(pieces, (len(pieces), 3), _I64, "pieces (int64 [n, 3])")
-        self._raise(self._copy_pieces(rows, len(pieces)))
+    def copy_pieces(self, pieces: Tensor, digest: Any = None) -> None:
+        rows = _ptr(pieces, (pieces.shape[0], 3), _I64, "pieces (int64 [n, 3])")
+        self._check(self._copy_pieces(rows, pieces.shape[0], digest))
 
     def copy_and_hash_pieces(self, pieces: Tensor) -> int:
-        rows = _ptr(pieces, (len(pieces), 3), _I64, "pieces (int64 [n, 3])")
         digest = ctypes.c_uint64()
-        self._raise(self._copy_and_hash_pieces(rows, len(pieces), ctypes.byref(digest)))
+        self.copy_pieces(pieces, ctypes.byref(digest))
         return digest.value
 
     def argmax_rows(self, logits: Tensor) -> Tensor:
-        out = torch.empty(len(logits), dtype=_I64)
-        self._raise(self._argmax_rows(_code(logits.dtype, -1), logits.data_ptr(), logits.dim(),
-                                      logits.is_contiguous(), len(logits), logits.shape[-1],
-                                      out.data_ptr(), _threads()))  # fmt: skip
+        rows, width = logits.shape[0], logits.shape[-1]
+        out = torch.empty(rows, dtype=_I64)
+        self._check(self._argmax_rows(
+            _code(logits.dtype, -1), logits.data_ptr(), logits.dim(), logits.is_contiguous(),
+            rows, width, out.data_ptr(), _threads()))  # fmt: skip
         return out
 
     def rows_to_unit(self, input: Tensor, smallest_max: float) -> tuple[Tensor, Tensor]:
-        scaled, row_max = torch.empty_like(input), input.new_empty((len(input), 1))
-        self._raise(self._rows_to_unit(_code(input.dtype, -1), input.data_ptr(), input.dim(),
-                                       input.is_contiguous(), len(input), input.shape[-1],
-                                       scaled.data_ptr(), row_max.data_ptr(), smallest_max,
-                                       _threads()))  # fmt: skip
+        rows, width = input.shape[0], input.shape[-1]
+        scaled, row_max = torch.empty_like(input), torch.empty(rows, 1, dtype=_F32)
+        self._check(self._rows_to_unit(
+            _code(input.dtype, -1), input.data_ptr(), input.dim(), input.is_contiguous(), rows,
+            width, scaled.data_ptr(), row_max.data_ptr(), smallest_max, _threads()))  # fmt: skip
         return scaled, row_max
 
     def scale_rows_back(self, output: Tensor, row_max: Tensor, bias: Tensor | None) -> None:
-        rows, width = len(output), output.shape[-1]
-        maxima, add = _ptr(row_max, (rows, 1), _F32, "row_max"), _ptr(bias, (width,), _F32, "bias")
-        self._raise(self._scale_rows_back(_code(output.dtype, -1), output.data_ptr(),
-                                          output.dim(), output.is_contiguous(), rows, width,
-                                          maxima, add, _threads()))  # fmt: skip
+        rows, width = output.shape[0], output.shape[-1]
+        self._check(self._scale_rows_back(
+            _code(output.dtype, -1), output.data_ptr(), output.dim(), output.is_contiguous(), rows,
+            width, _ptr(row_max, (rows, 1), _F32, "row_max"), _ptr(bias, (width,), _F32, "bias"),
+            _threads()))  # fmt: skip
 
     def bf16_gemv(self, input: Tensor, packed_weight: Tensor, outputs: int,
                   bias: Tensor | None) -> Tensor:  # fmt: skip
-        (rows, width), bias = (len(input), input.shape[-1]), bias if bias is None else bias.float().contiguous()  # fmt: skip
+        rows, width = input.shape[0], input.shape[-1]
         panels = ((outputs + 15) // 16, (width + 1) // 2, 16, 2)
-        weight = _ptr(
-            packed_weight, panels, torch.bfloat16, "packed_weight (pack_bf16_gemv_weight)"
-        )
-        add, out = _ptr(bias, (outputs,), _F32, "bias"), input.new_empty((rows, outputs))
-        self._raise(self._bf16_gemv(_code(input.dtype, -1), input.data_ptr(), input.dim(),
-                                    input.is_contiguous(), rows, width, weight, add,
-                                    out.data_ptr(), outputs, _threads()))  # fmt: skip
+        bias = None if bias is None else bias.float().contiguous()
+        out = torch.empty(rows, outputs, dtype=input.dtype)
+        self._check(self._bf16_gemv(
+            _code(input.dtype, -1), input.data_ptr(), input.dim(), input.is_contiguous(), rows,
+            width, _ptr(packed_weight, panels, torch.bfloat16, "packed_weight (pack_bf16_gemv)"),
+            _ptr(bias, (outputs,), _F32, "bias"), out.data_ptr(), outputs, _threads()))  # fmt: skip
         return out
 
     def int8_gemv(self, input: Tensor, packed_weight: Tensor, outputs: int, weight_scale: Tensor,
                   row_sums: Tensor, bias: Tensor | None) -> Tensor:  # fmt: skip
-        rows, width = len(input), input.shape[-1]
+        rows, width = input.shape[0], input.shape[-1]
         panels = ((outputs + 15) // 16, (width + 3) // 4, 16, 4)
-        weight = _ptr(packed_weight, panels, torch.int8, "packed_weight (pack_int8_gemv_weight)")
-        scale = _ptr(weight_scale, (outputs,), _F32, "weight_scale")
-        sums = _ptr(row_sums, (outputs,), torch.int32, "row_sums")
-        add, out = _ptr(bias, (outputs,), _F32, "bias"), input.new_empty((rows, outputs))
-        self._raise(self._int8_gemv(_code(input.dtype, -1), input.data_ptr(), input.dim(),
-                                    input.is_contiguous(), rows, width, weight, scale, sums, add,
-                                    out.data_ptr(), outputs, _threads()))  # fmt: skip
+        out = torch.empty(rows, outputs, dtype=_F32)
+        self._check(self._int8_gemv(
+            _code(input.dtype, -1), input.data_ptr(), input.dim(), input.is_contiguous(), rows,
+            width, _ptr(packed_weight, panels, torch.int8, "packed_weight (pack_int8_gemv)"),
+            _ptr(weight_scale, (outputs,), _F32, "weight_scale"), _ptr(row_sums, (outputs,),
+            torch.int32, "row_sums"), _ptr(bias, (outputs,), _F32, "bias"), out.data_ptr(),
+            outputs, _threads()))  # fmt: skip
         return out
 
     def fused_experts(self, hidden: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
@@ -248,8 +252,8 @@ class CpuKernels:
         hidden, ids = hidden.contiguous(), topk_ids.contiguous()
         routing, (tokens, size) = topk_weights.float().contiguous(), hidden.shape
         s13, s2 = (None if s is None else s.float().contiguous() for s in (w13_scale, w2_scale))
-        out, experts, inner = hidden.new_empty(hidden.shape), len(w13), w2.shape[2]
-        self._raise(self._fused_experts(
+        out, experts, inner = torch.empty_like(hidden), w13.shape[0], w2.shape[2]
+        self._check(self._fused_experts(
             _code(hidden.dtype, -1), hidden.data_ptr(), tokens, size, _code(w13.dtype, -1),
             _code(w2.dtype, -1), panels, w13.data_ptr(), *w13.shape[:3], w13.shape[-1],
             w13.stride(0), w13.stride(2), w13.is_contiguous(), w2.data_ptr(), *w2.shape[:3],
@@ -269,15 +273,17 @@ class CpuKernels:
             raise RuntimeError("query must be [B, Hq, D], the caches [num_blocks, block_size, Hkv,"
                                " D], block_tables [B, M] and seq_lens [B]")  # fmt: skip
         tables, lengths, shape = block_tables.contiguous(), seq_lens.contiguous(), k_cache.shape
-        out = query.new_empty(query.shape)
-        self._raise(self._paged_decode_attention(
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        scales = (None, None) if k_scale is None and v_scale is None else (
+            _ptr(k_scale, shape[:3], _F16, "k_scale" + _SCALES),
+            _ptr(v_scale, shape[:3], _F16, "v_scale" + _SCALES))  # fmt: skip
+        self._check(self._paged_decode_attention(
             _code(query.dtype, -1), query.data_ptr(), *query.shape, *query.stride(),
             _code(k_cache.dtype, -1), k_cache.data_ptr(), v_cache.data_ptr(), *shape,
             v_cache.shape == shape and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
-            and v_cache.is_contiguous(), _ptr(k_scale, shape[:3], _F16, "k_scale" + _SCALES),
-            _ptr(v_scale, shape[:3], _F16, "v_scale" + _SCALES), _code(tables.dtype, -1),
-            tables.data_ptr(), *tables.shape, _code(lengths.dtype, -1), lengths.data_ptr(),
-            len(lengths), out.data_ptr(), scale, _threads()))  # fmt: skip
+            and v_cache.is_contiguous(), *scales, _code(tables.dtype, -1), tables.data_ptr(),
+            *tables.shape, _code(lengths.dtype, -1), lengths.data_ptr(), lengths.shape[0],
+            out.data_ptr(), scale, _threads()))  # fmt: skip
         return out
 
 

@@ -343,7 +343,7 @@ void decode_task_bf16(
 #endif
 
 
-// Per-thread scratch, reused across the tasks of one thread.
+// A thread's scratch buffers, reused by its tasks.
 struct Scratch {
   std::vector<float> scores, query, out;
   std::vector<int64_t> offsets;
@@ -439,7 +439,8 @@ extern "C" int nori_paged_decode_attention(
   const int64_t splits = batch >= 4 * threads ? 1 : num_kv_heads;
   const auto for_each_task = [&](auto run_task) {
     parallel_for(0, batch * splits, 1, threads, [&](int64_t begin, int64_t end) {
-      Scratch scratch;
+      // Kept by each pool thread across calls: no allocation per call once the sizes are seen.
+      static thread_local Scratch scratch;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / splits;
         const int64_t part = task % splits;

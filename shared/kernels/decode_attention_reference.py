@@ -1,5 +1,6 @@
 """Decode attention without Triton: the PyTorch reference (ground truth, and the CPU engine's
-fallback, batching sequences of similar length: `plan_reference_decode`) and the C++ entry point."""
+fallback, batching sequences of similar length: `plan_reference_decode`) and the C++ entry point.
+"""
 
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def paged_decode_attention_reference(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gathers each context into a padded [B, L, Hkv, D] view and masks the padding, in groups
-    of similar length; an 8-bit cache's blocks are dequantized to float32 first."""
+    of similar length; an 8-bit cache's blocks are dequantized to float32 first.
+    """
     plan = plan_reference_decode(block_tables, seq_lens, k_cache.shape[1])
     return run_reference_decode(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
 
@@ -165,8 +167,7 @@ def paged_decode_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU kernel (decode_attention_cpu.cpp), reading each context in place:
-    `paged_decode_attention_reference`'s contract for CPU tensors; the kernel checks shapes,
-    dtypes and block ids. Raises RuntimeError where it is not built."""
+    """The C++ kernel (decode_attention_cpu.cpp), the reference's contract for CPU tensors,
+    reading each context in place; RuntimeError where it is not built."""
     arguments = (query, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     return required_cpu_kernels().paged_decode_attention(*arguments)

@@ -4,7 +4,9 @@
 
 `w13` [E, 2I, H] stacks gate then up rows, `w2` [E, H, I] is down, any strides; `w13_scale`
 [E, 2I] / `w2_scale` [E, H] go with int8 weights. An id outside [0, E) is skipped (expert
-parallelism passes shifted ids). Paths: `fused_experts_reference`, C++ and Triton."""
+parallelism passes shifted ids). Paths: `fused_experts_reference`, C++ (`fused_moe_cpu.cpp`) and
+Triton (`fused_moe_triton.py`).
+"""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def fused_experts_reference(
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype, as transformers computes it: per chosen expert,
-    its tokens through it in the hidden dtype, times the routing weight, added into the output."""
+    its tokens through it in the hidden dtype, times the routing weight, added into the output.
+    """
     num_experts = w13.shape[0]
     out = torch.zeros_like(hidden)
     for expert in range(num_experts):
@@ -57,10 +60,8 @@ def fused_experts_cpu(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ CPU kernel (no fallback: RuntimeError where it is not built). `hidden` float32 or
-    bfloat16, the weights in its dtype or int8 with scales, packed in panels (`pack_expert_panels`)
-    or stored [in, out]; other strides are copied to [in, out] first. Costs:
-    docs/benchmarks.md#cpu-kernels-and-weight-layouts."""
+    """The C++ kernel (RuntimeError where not built): float32/bfloat16 `hidden`, weights in panels
+    or [in, out], else copied so (docs/benchmarks.md#cpu-kernels-and-weight-layouts)."""
     arguments = (hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return required_cpu_kernels().fused_experts(*arguments)
 

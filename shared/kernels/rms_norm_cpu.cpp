@@ -61,17 +61,16 @@ void fused_add_rms_norm(void* input, void* residual, const void* weight, int64_t
 }  // namespace
 
 // out = rms_norm(input) * weight. input: `numel` elements in rows of `hidden` (contiguous: its
-// flag); weight [hidden] of its dtype (weight_ok: 1-D and contiguous).
-NORI_SIGNATURE(rms_norm, "PPPPPPPPPPFP");
+// flag); weight of its dtype (weight_ok: contiguous [hidden]).
+NORI_SIGNATURE(rms_norm, "PPPPPPPPPFP");
 extern "C" int nori_rms_norm(int64_t dtype, int64_t weight_dtype, const void* input,
                              int64_t contiguous, int64_t numel, int64_t hidden,
-                             const void* weight, int64_t weight_numel, int64_t weight_ok,
-                             void* out, float eps, int64_t threads) {
+                             const void* weight, int64_t weight_ok, void* out, float eps,
+                             int64_t threads) {
   NORI_REQUIRE(is_float(dtype) && weight_dtype == dtype,
                "input and weight must share a float32, bfloat16 or float16 dtype");
   NORI_REQUIRE(contiguous, "input must be contiguous");
-  NORI_REQUIRE(weight_ok && weight_numel == hidden,
-               "weight must be contiguous [hidden] for input [..., hidden]");
+  NORI_REQUIRE(weight_ok, "weight must be contiguous [hidden] for input [..., hidden]");
   return with_float_type(dtype, [&](auto type) {
     rms_norm<decltype(type)>(input, weight, out, hidden ? numel / hidden : 0, hidden, eps,
                              threads);
@@ -80,17 +79,15 @@ extern "C" int nori_rms_norm(int64_t dtype, int64_t weight_dtype, const void* in
 
 // residual += input; input = rms_norm(residual) * weight, both in place; as nori_rms_norm's, and
 // residual_ok: residual contiguous, with input's shape and dtype.
-NORI_SIGNATURE(fused_add_rms_norm, "PPPPPPPPPPPFP");
+NORI_SIGNATURE(fused_add_rms_norm, "PPPPPPPPPPFP");
 extern "C" int nori_fused_add_rms_norm(int64_t dtype, int64_t weight_dtype, void* input,
                                        int64_t contiguous, int64_t numel, int64_t hidden,
-                                       const void* weight, int64_t weight_numel,
-                                       int64_t weight_ok, void* residual, int64_t residual_ok,
-                                       float eps, int64_t threads) {
+                                       const void* weight, int64_t weight_ok, void* residual,
+                                       int64_t residual_ok, float eps, int64_t threads) {
   NORI_REQUIRE(is_float(dtype) && weight_dtype == dtype,
                "input and weight must share a float32, bfloat16 or float16 dtype");
   NORI_REQUIRE(contiguous, "input must be contiguous");
-  NORI_REQUIRE(weight_ok && weight_numel == hidden,
-               "weight must be contiguous [hidden] for input [..., hidden]");
+  NORI_REQUIRE(weight_ok, "weight must be contiguous [hidden] for input [..., hidden]");
   NORI_REQUIRE(residual_ok, "residual must be contiguous, with input's shape and dtype");
   return with_float_type(dtype, [&](auto type) {
     fused_add_rms_norm<decltype(type)>(input, residual, weight, hidden ? numel / hidden : 0,
