@@ -146,7 +146,8 @@ extern "C" int nori_bf16_gemv(int64_t dtype, const uint16_t* input, int64_t dims
       // Within this thread's panels: the next thread's are its own to fetch.
       const char* ahead =
           panel + kPrefetchPanels < end
-              ? reinterpret_cast<const char*>(packed_weight + (panel + kPrefetchPanels) * panel_elements)
+              ? reinterpret_cast<const char*>(packed_weight +
+                                              (panel + kPrefetchPanels) * panel_elements)
               : nullptr;
       for (int64_t block = 0; block < blocks; ++block) {
         const int64_t block_rows = std::min<int64_t>(kBlockRows, rows - block * kBlockRows);

@@ -1,9 +1,9 @@
-// What the C++ CPU kernels share: element types, the parallel loop and error reporting.
+// What the C++ CPU kernels share: element types, the parallel loop, argument checks and errors.
 //
-// The kernels are plain C++ behind an `extern "C"` interface (raw pointers, sizes, strides),
-// loaded with ctypes by cpu_library.py, which checks shapes and dtypes and allocates outputs.
-// A kernel that can still fail returns 0 on success, else 1 with a message for
-// `nori_last_error()` (per thread; ctypes calls and reads it on the same thread).
+// The kernels are plain C++ behind an `extern "C"` interface (raw pointers, dtype codes, sizes,
+// strides and layout flags), loaded with ctypes by cpu_build.py (CpuKernels), which allocates the
+// outputs. Each returns 0, or 1 when an argument check failed, with a message for
+// nori_last_error() (per thread: ctypes calls and reads it on the same thread).
 
 #pragma once
 
@@ -18,7 +18,7 @@
 
 namespace nori {
 
-// The dtype codes cpu_library.py passes (`_DTYPE_CODES`).
+// The dtype codes cpu_build.py passes (`_CODE`; -1 for any other dtype).
 enum Dtype : int {
   kFloat32 = 0,
   kBFloat16 = 1,
@@ -126,7 +126,7 @@ int with_float_type(int64_t dtype, const F& f) {
 
 // Each kernel's ctypes signature, "name:ARGUMENTS" with a letter per argument (P: a pointer or
 // an int64_t, passed as c_void_p; F: a float), written beside its extern "C" function and
-// gathered at load for nori_signatures(), from which cpu_library.py sets every argtypes.
+// gathered at load for nori_signatures(), from which cpu_build.py sets every argtypes.
 inline std::string& signatures() {
   static std::string all;
   return all;
@@ -151,7 +151,9 @@ inline char* error_buffer() {
   } while (0)
 
 // Whether `code` names a float dtype (float32, bfloat16 or float16).
-inline bool is_float(int64_t code) { return code == kFloat32 || code == kBFloat16 || code == kFloat16; }
+inline bool is_float(int64_t code) {
+  return code == kFloat32 || code == kBFloat16 || code == kFloat16;
+}
 
 // Records a printf-style message and returns 1 (a kernel's failure status).
 __attribute__((format(printf, 1, 2))) inline int fail(const char* format, ...) {

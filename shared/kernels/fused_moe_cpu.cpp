@@ -16,7 +16,7 @@
 //      in hidden's dtype (no scatter races: each token is summed by one thread).
 // The weights are packed in panels of 16 outputs (`pack_expert_panels`, [E, ceil(N/16), K, 16],
 // what the CPU model stores: each tile's weights one contiguous block) or stored [in, out]
-// (each expert's matrix with its output dimension contiguous); cpu_library.py brings any other
+// (each expert's matrix with its output dimension contiguous); cpu_build.py brings any other
 // strides to [in, out] first.
 
 #ifdef __AVX2__

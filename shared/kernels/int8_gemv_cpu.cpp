@@ -218,7 +218,8 @@ extern "C" int nori_int8_gemv(int64_t dtype, const float* input, int64_t dims, i
                                  std::min<int64_t>(kLanes, outputs - first),
                                  panel + kPrefetchPanels < end
                                      ? reinterpret_cast<const char*>(
-                                           packed_weight + (panel + kPrefetchPanels) * panel_elements)
+                                           packed_weight +
+                                           (panel + kPrefetchPanels) * panel_elements)
                                      : nullptr};
         kPanelTimes[block_rows - 1](groups.data() + block * num_groups * kBlockRows,
                                     packed_weight + panel * panel_elements, num_groups, target);

@@ -38,7 +38,8 @@ extern "C" int nori_store_kv(int64_t dtype, const void* key, const void* value, 
     NORI_REQUIRE(dtype == kFloat32 || dtype == kBFloat16,
                  "key and value must be float32 or bfloat16 for an 8-bit cache");
     NORI_REQUIRE(k_scale != nullptr && v_scale != nullptr,
-                 "an 8-bit cache needs k_scale and v_scale (float16 [num_blocks, block_size, Hkv])");
+                 "an 8-bit cache needs k_scale and v_scale "
+                 "(float16 [num_blocks, block_size, Hkv])");
   } else {
     NORI_REQUIRE(k_scale == nullptr && v_scale == nullptr,
                  "k_scale and v_scale go with an int8 or float8_e4m3fn cache");
