@@ -1,7 +1,7 @@
-// Greedy sampling's argmax over each row of float32 logits for the CPU engine. torch.argmax's
-// CPU reduction over the last dim ran at about 3 ns per element here (100 us for 16 x 2048),
-// a few percent of a decode step. Same answer as torch.argmax: the first index of the maximum,
-// and a NaN counts as the maximum (tested against it).
+// Greedy sampling's argmax over each row of float32 logits for the CPU engine (torch.argmax's
+// reduction over the last dim is slow: docs/benchmarks.md#cpu-kernels-and-weight-layouts). Same
+// answer as torch.argmax: the first index of the maximum, and a NaN counts as the maximum
+// (tested against it).
 
 #include "cpu_common.h"
 

@@ -1,7 +1,7 @@
 // bfloat16 weights times a few bfloat16 token rows (a decode step at small batch) on CPU.
 //
-// oneDNN's prepacked bf16 GEMM (PackedBf16Linear) costs about 23 us a call whatever the layer's
-// size; at a few rows that is more than the product. Here the weight is packed once into panels
+// oneDNN's prepacked bf16 GEMM (PackedBf16Linear) has a fixed cost per call that at a few rows
+// is more than the product (docs/benchmarks.md). Here the weight is packed once into panels
 // of 16 outputs, [N/16][ceil(K/2)][16][2] (bf16_gemv.py's pack_bf16_gemv_weight): one 64-byte
 // line holds two K positions of 16 outputs, the pair AVX-512 BF16's dpbf16 multiplies by one
 // broadcast 32-bit pair of a token row. A panel then streams front to back once, each line read
@@ -55,8 +55,7 @@ void panel_times_rows(const uint32_t* pairs, const uint16_t* panel, int64_t num_
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   if (ROWS == 1 && ahead != nullptr) {
     // One row is bound by memory: each line of this panel also asks for the same line of a
-    // panel further on into L2. On an AMD EPYC: the whole model's projections at one row 11.8
-    // -> 9.7 ms, a decode step at batch 1 5% faster; the same at 8 rows slowed them 13 -> 17 ms.
+    // panel further on into L2 (at more rows the same prefetch slows the product down).
     for (int64_t p = 0; p < num_pairs; ++p) {
       const __m512bh weights = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kLanes);
       // As an asm statement: GCC 12 deletes plain _mm_prefetch loops (decode_attention_cpu.cpp).

@@ -1,8 +1,8 @@
 // int8 x int8 products for a few token rows (a decode step at small batch) on CPU.
 //
-// torch's x86 int8 GEMM (quantized.linear_dynamic) costs about 20 us a call whatever the
-// layer's size at one row: it quantizes, packs and dispatches through a blocked GEMM built
-// for many rows. A decode step at batch 1 makes four such calls per layer. Here each row is
+// torch's x86 int8 GEMM (quantized.linear_dynamic) has a fixed cost per call that at a few rows
+// is more than the product (docs/benchmarks.md): it quantizes, packs and dispatches through a
+// blocked GEMM built for many rows. Here each row is
 // quantized to int8 with its own symmetric scale, and the weight is packed once into panels of
 // 16 outputs, [N/16][ceil(K/4)][16][4] (int8_gemv.py's pack_int8_gemv_weight): one 64-byte line
 // holds four K positions of 16 outputs, the operand of AVX-512 VNNI's dpbusd against one
