@@ -18,7 +18,8 @@ def prepare_model_and_kernels(
     model: str, tokenizer: str | None, build_kernels: Callable[[], object] | None
 ) -> Path:
     """Resolves the model (a GGUF converts once, into the cache) while the C++ kernels build or
-    load beside it; reports each with its time. Returns the model folder."""
+    load beside it; reports each with its time. Returns the model folder. A model error is
+    raised at once; a build under way still ends (whole) before the interpreter exits."""
     from nori.models.demo import resolve_model
 
     def timed(work: Callable[[], object]) -> float:
@@ -26,7 +27,8 @@ def prepare_model_and_kernels(
         work()
         return time.monotonic() - started
 
-    with ThreadPoolExecutor(1, thread_name_prefix="nori-kernels") as pool:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="nori-kernels")
+    try:
         kernels = None if build_kernels is None else pool.submit(timed, build_kernels)
         say(f"model {model!r}: loading (a GGUF converts once, then comes from the cache)")
         started = time.monotonic()
@@ -36,6 +38,8 @@ def prepare_model_and_kernels(
         say(f"model ready in {folder} ({time.monotonic() - started:.1f} s)")
         if kernels is not None:
             say(f"C++ CPU kernels ready ({kernels.result():.1f} s; built once per machine)")
+    finally:
+        pool.shutdown(wait=False)
     return folder
 
 
@@ -61,10 +65,9 @@ def curl_line(url: str, name: str, model_folder: Path | None, bearer: str | None
 
 
 def _has_chat_template(folder: Path) -> bool:
-    if (folder / "chat_template.jinja").is_file():
-        return True
+    from nori.sampling.tokenizer import TokenizerLoadError, chat_template_of
+
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        return bool(chat_template_of(folder))
+    except TokenizerLoadError:
         return False
-    return bool(config.get("chat_template")) if isinstance(config, dict) else False

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
 from nori.models.config import ModelConfig
@@ -38,15 +35,11 @@ def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.
     return torch.bfloat16
 
 
-@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX), per /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from nori.kernels.cpu_build import cpu_flags
+
+    return "avx512_bf16" in cpu_flags() or "amx_bf16" in cpu_flags()
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

@@ -43,10 +43,20 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
 
 
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """This CPU's feature flags (the first `flags` line of /proc/cpuinfo); () where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ()
+    return tuple(line.partition(":")[2].split())
+
+
 def build_tag(folder: Path) -> str:
     """Of the machine, flags, sources and folder: no two checkouts or machines share a build."""
-    flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line]
-    digest = hashlib.sha256(" ".join([*flags[:1], *CFLAGS, *LINK_FLAGS, str(folder)]).encode())
+    digest = hashlib.sha256(" ".join([*cpu_flags(), *CFLAGS, *LINK_FLAGS, str(folder)]).encode())
     for path in sorted([*folder.glob("*.cpp"), *folder.glob("*.h"), *folder.glob("*/*/*.h")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:12]

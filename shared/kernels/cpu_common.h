@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
@@ -110,6 +111,26 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, int64_t threads, co
     const int64_t first = begin + omp_get_thread_num() * chunk;
     if (first < end) f(first, std::min(end, first + chunk));
   }
+}
+
+// silu(gate) * up over `rows` rows of [gate | up] (2 * width each, as the fused gate_up
+// projection writes them) into `rows` rows of width `width`, in float: the gated MLP's
+// activation, for silu_and_mul_cpu.cpp and the fused MoE.
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t width,
+                       int64_t threads) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
+  parallel_for(0, rows, grain, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* __restrict__ gate = gate_up + r * 2 * width;
+      const scalar_t* __restrict__ up = gate + width;
+      scalar_t* __restrict__ row = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        row[i] = static_cast<scalar_t>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+      }
+    }
+  });
 }
 
 // Calls f(T{}) for the element type T of a float dtype code (float32, bfloat16 or float16);

@@ -347,6 +347,16 @@ struct Scratch {
   std::vector<uint16_t> query_bf16;
 };
 
+// One task: sequence b's kv heads [head_begin, head_end), whose `rows` query rows start at
+// `query_rows` and whose float32 output rows go to `out_rows`.
+struct Task {
+  const char* query_rows;
+  int64_t b, head_begin, head_end, rows;
+  const int32_t* table;
+  Scratch& scratch;
+  float* out_rows;
+};
+
 // `rows` query rows (`stride` elements apart) of `dtype` into float32 [rows, dim].
 void query_to_float(int dtype, const void* query, int64_t stride, int64_t rows, int64_t dim,
                     float* dst) {
@@ -431,8 +441,7 @@ extern "C" int nori_paged_decode_attention(
   const auto* v_scales = static_cast<const Half*>(v_scale);
 
   // One task per sequence keeps each block's reads sequential; a small batch is cut further by
-  // kv head so that every thread still gets work. `run_task(query_rows, b, head_begin, head_end,
-  // table, scratch, out_rows)` computes one task into float32 output rows.
+  // kv head so that every thread still gets work. `run_task(const Task&)` computes one task.
   const int64_t splits = batch >= 4 * threads ? 1 : num_kv_heads;
   const auto for_each_task = [&](auto run_task) {
     parallel_for(0, batch * splits, 1, threads, [&](int64_t begin, int64_t end) {
@@ -454,8 +463,8 @@ extern "C" int nori_paged_decode_attention(
         const char* query_rows = static_cast<const char*>(query) +
                                  (b * query_stride_b + first * query_stride_h) *
                                      (query_dtype == kFloat32 ? 4 : 2);
-        run_task(query_rows, b, head_begin, head_end, block_tables + b * table_stride, scratch,
-                 out_rows);
+        run_task(Task{query_rows, b, head_begin, head_end, (head_end - head_begin) * group,
+                      block_tables + b * table_stride, scratch, out_rows});
         if (query_dtype != kFloat32) {
           float_to(query_dtype, out_rows, count, static_cast<char*>(out) + 2 * out_offset);
         }
@@ -468,16 +477,16 @@ extern "C" int nori_paged_decode_attention(
       (head_dim == 64 || head_dim == 128)) {
     const auto* k_ptr = static_cast<const uint16_t*>(k_cache);
     const auto* v_ptr = static_cast<const uint16_t*>(v_cache);
-    for_each_task([&](const char* query_rows, int64_t b, int64_t head_begin, int64_t head_end,
-                      const int32_t* table, Scratch& scratch, float* out_rows) {
-      const int64_t rows = (head_end - head_begin) * group;
-      scratch.query_bf16.resize(rows * head_dim);
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(scratch.query_bf16.data() + r * head_dim,
-                    query_rows + 2 * r * query_stride_h, 2 * head_dim);
+    for_each_task([&](const Task& t) {
+      std::vector<uint16_t>& query_rows = t.scratch.query_bf16;
+      query_rows.resize(t.rows * head_dim);
+      for (int64_t r = 0; r < t.rows; ++r)
+        std::memcpy(query_rows.data() + r * head_dim, t.query_rows + 2 * r * query_stride_h,
+                    2 * head_dim);
       const auto task = head_dim == 64 ? decode_task_bf16<2> : decode_task_bf16<4>;
-      task(scratch.query_bf16.data(), k_ptr, v_ptr, table, seq_lens[b], head_begin, head_end,
-           num_kv_heads, group, block_size, scale, scratch.scores, scratch.offsets, out_rows);
+      task(query_rows.data(), k_ptr, v_ptr, t.table, seq_lens[t.b], t.head_begin, t.head_end,
+           num_kv_heads, group, block_size, scale, t.scratch.scores, t.scratch.offsets,
+           t.out_rows);
     });
     return 0;
   }
@@ -488,17 +497,16 @@ extern "C" int nori_paged_decode_attention(
     constexpr bool kQuantized = decltype(quantized_constant)::value;
     const auto* k_ptr = static_cast<const cache_t*>(k_cache);
     const auto* v_ptr = static_cast<const cache_t*>(v_cache);
-    for_each_task([&](const char* query_rows, int64_t b, int64_t head_begin, int64_t head_end,
-                      const int32_t* table, Scratch& scratch, float* out_rows) {
-      const int64_t rows = (head_end - head_begin) * group;
-      scratch.query.resize(rows * head_dim);
-      query_to_float(query_dtype, query_rows, query_stride_h, rows, head_dim,
-                     scratch.query.data());
+    for_each_task([&](const Task& t) {
+      std::vector<float>& query_rows = t.scratch.query;
+      query_rows.resize(t.rows * head_dim);
+      query_to_float(query_dtype, t.query_rows, query_stride_h, t.rows, head_dim,
+                     query_rows.data());
       const auto run = [&](auto head_dim_constant) {
         decode_task<cache_t, decltype(head_dim_constant)::value, kQuantized>(
-            scratch.query.data(), k_ptr, v_ptr, k_scales, v_scales, table, seq_lens[b],
-            head_begin, head_end, num_kv_heads, group, head_dim, block_size, scale,
-            scratch.scores, out_rows);
+            query_rows.data(), k_ptr, v_ptr, k_scales, v_scales, t.table, seq_lens[t.b],
+            t.head_begin, t.head_end, num_kv_heads, group, head_dim, block_size, scale,
+            t.scratch.scores, t.out_rows);
       };
       switch (head_dim) {
         case 32: run(std::integral_constant<int, 32>{}); break;

@@ -219,20 +219,6 @@ void streamed_phase(const std::vector<int64_t>& offsets, const float* in, int64_
   });
 }
 
-
-void silu_and_mul_rows(const float* gate_up, float* act, int64_t rows, int64_t width,
-                       int64_t threads) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1));
-  parallel_for(0, rows, grain, threads, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* __restrict__ gate = gate_up + r * 2 * width;
-      const float* __restrict__ up = gate + width;
-      float* __restrict__ row = act + r * width;
-      for (int64_t i = 0; i < width; ++i) row[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
-  });
-}
-
 // out[t] = sum over t's slots j of weights[t, j] * down[position of (t, j)], rounded once.
 template <typename scalar_t>
 void weighted_sum_back(const float* down, const float* weights,

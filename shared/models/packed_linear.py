@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from nori.kernels.bf16_gemv import bf16_gemv, pack_bf16_gemv_weight
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import cpu_flags, cpu_kernels
 from nori.models.llama import CausalLM
 from nori.models.module_swap import replace_linears
 
@@ -47,14 +45,9 @@ class PackedBf16Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, weight=bfloat16 (oneDNN packed)"
 
 
-@functools.cache
 def _has_amx() -> bool:
     """Whether oneDNN's bf16 GEMM can run on AMX tiles here (the CPU's `amx_bf16` flag)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_flags()
 
 
 def bf16_packing_supported() -> bool:

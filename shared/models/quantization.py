@@ -5,14 +5,12 @@ float32 scale per output channel; the embedding table stays."""
 
 from __future__ import annotations
 
-import functools
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from nori.kernels.cpu_build import cpu_kernels
+from nori.kernels.cpu_build import cpu_flags, cpu_kernels
 from nori.kernels.int8_gemv import pack_int8_gemv_weight, weight_row_sums
 from nori.kernels.quantized_linear import QUANT_METHODS, quantize_weight, weight_only_linear
 from nori.kernels.row_scale import (
@@ -136,10 +134,7 @@ def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, method: st
     return WeightOnlyLinear.from_linear(weight, bias, method)
 
 
-@functools.cache
 def cpu_int8_activation_bits() -> int:
     """The bits an activation keeps in torch's x86 int8 GEMM here: 8 with VNNI, else 7
     (`reduce_range`: the int16 pair sums would saturate)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    return 8 if "avx512_vnni" in flags or "avx_vnni" in flags else 7
+    return 8 if "avx512_vnni" in cpu_flags() or "avx_vnni" in cpu_flags() else 7

@@ -60,9 +60,22 @@ def _as_id_list(value: object) -> list[int]:
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
 
-    # eq=False: comparing two Rust tokenizers field by field means nothing.
+
+def chat_template_of(folder: Path, config: dict[str, Any] | None = None) -> str | None:
+    """The folder's default chat template: `chat_template.jinja`, else tokenizer_config's
+    `chat_template` (`config`: that file, already read); None where it has none."""
+    template_file = folder / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    if config is None:
+        config = _read_json(folder / "tokenizer_config.json")
+    try:
+        return select_template(config.get("chat_template"))
+    except ChatTemplateError as error:
+        raise TokenizerLoadError(f"{folder / 'tokenizer_config.json'}: {error}") from error
 
 
+# eq=False: comparing two Rust tokenizers field by field means nothing.
 @dataclass(frozen=True, eq=False)
 class Tokenizer:
     """Immutable view of one model's tokenizer; build it with `Tokenizer.from_dir`."""
@@ -112,14 +125,7 @@ class Tokenizer:
         eos_ids.update(_as_id_list(generation.get("eos_token_id")))
         eos_ids.update(_as_id_list(model_config.get("eos_token_id")))
 
-        template_file = folder / "chat_template.jinja"
-        if template_file.is_file():
-            template: str | None = template_file.read_text(encoding="utf-8")
-        else:
-            try:
-                template = select_template(config.get("chat_template"))
-            except ChatTemplateError as error:
-                raise TokenizerLoadError(f"{folder / 'tokenizer_config.json'}: {error}") from error
+        template = chat_template_of(folder, config)
 
         return cls(
             backend=backend,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,14 @@ def test_up_serves_prints_how_and_stops_everything(
         # The CPU plan, one line per process (name, CPUs, threads), before the cluster starts.
         for start in cpu_lines:
             assert any(line.strip().startswith(start) for line in lines), (start, lines)
+        # The printed request works as printed: a chat question, since the model has a template.
+        (curl,) = [line.strip() for line in lines if line.strip().startswith("curl ")]
+        assert "/v1/chat/completions" in curl, curl
+        answered = subprocess.run(
+            ["bash", "-c", f"{curl} -sS --fail-with-body"], capture_output=True, text=True
+        )
+        assert answered.returncode == 0, (curl, answered.stdout, answered.stderr)
+        assert json.loads(answered.stdout)["choices"][0]["message"]["role"] == "assistant"
         response = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": checkpoint.name, "prompt": "Once upon a time", "max_tokens": 5},
