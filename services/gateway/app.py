@@ -51,6 +51,30 @@ from nori.sampling.chat_template import TemplateLimits
 from nori.sampling.tokenizer import Tokenizer
 
 logger = logging.getLogger("nori.gateway")
+# What the app's shutdown waits for its request tasks' cancellation, then for the backend's close.
+SHUTDOWN_WAIT_S = 5.0
+
+
+async def _shutdown(tasks: set[asyncio.Task[None]], backend: Backend | None) -> None:
+    """Cancels the request tasks and closes the backend, each within SHUTDOWN_WAIT_S: a stop
+    never hangs; what did not end is logged with where it waits."""
+    for task in list(tasks):
+        task.cancel()
+    if tasks:
+        _, pending = await asyncio.wait(list(tasks), timeout=SHUTDOWN_WAIT_S)
+        if pending:
+            where = sorted({_waits_at(task) for task in pending})
+            logger.warning("shutdown: %d request task(s) still running: %s", len(pending), where)
+    if backend is not None:
+        try:
+            await asyncio.wait_for(backend.close(), SHUTDOWN_WAIT_S)
+        except TimeoutError:
+            logger.warning("shutdown: the backend did not close within %.0f s", SHUTDOWN_WAIT_S)
+
+
+def _waits_at(task: asyncio.Task[None]) -> str:
+    frames = task.get_stack()
+    return f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "?"
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -132,12 +156,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        for task in list(tasks):
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if close_backend_on_shutdown:
-            await backend.close()
+        await _shutdown(tasks, backend if close_backend_on_shutdown else None)
 
     app = FastAPI(title="Nori gateway", lifespan=lifespan)
     install_error_handlers(app)
