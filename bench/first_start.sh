@@ -29,6 +29,7 @@ fi
 cd "$work/nori"
 log="$work/up.log"
 (scripts/nori up --port "$port" 2>&1 | while IFS= read -r line; do echo "$(elapsed) s  $line"; done >"$log") &
+up=$!
 body='{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'
 answer=""
 for _ in $(seq 600); do
@@ -41,7 +42,8 @@ for _ in $(seq 600); do
 done
 done_at=$(elapsed)
 pkill -INT -f "nori up --port $port" || true
-sleep 3
+# Until the cluster has stopped: a run straight after would start beside its exit.
+wait "$up" || true
 cat "$log"
 echo "$done_at s  first answer: $answer"
 echo "total: $done_at s from $( [ "${WARM:-0}" = 1 ] && echo '`nori up`' || echo 'git clone') to the first answer"
