@@ -76,6 +76,7 @@ def _waits_at(task: asyncio.Task[None]) -> str:
     frames = task.get_stack()
     return f"{frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else "?"
 
+
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
